@@ -1,0 +1,1 @@
+"""The ``edgerl`` command line (installed as ``edgerl.cli``)."""

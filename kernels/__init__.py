@@ -1,0 +1,1 @@
+"""Fused, chunked token log-probabilities and entropy (installed as ``edgerl.kernels``)."""

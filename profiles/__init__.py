@@ -1,0 +1,1 @@
+"""GPU profiles as TOML data files (installed as ``edgerl.profile_data``)."""
