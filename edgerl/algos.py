@@ -1,0 +1,395 @@
+"""Pure tensor math for PPO, GRPO and kin: masked statistics, token rewards, KL estimators and
+controllers, advantage estimators, losses and their aggregation.
+
+Conventions: B sequences, T response tokens. `mask` is (B, T), float or bool, 1 for real response
+tokens; it is read as a 0/1 mask (any non-zero counts as 1). The n samples of one prompt are
+contiguous (B = prompts x n). Forward results never read values at masked positions (selection
+uses `torch.where`, not multiplication, so even inf there cannot leak in), and every (B, T) output
+is 0 there; gradients do flow through elementwise ops at masked positions, so inputs that carry
+grad should stay finite there. A row with no valid token never produces NaN. Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
+
+
+def _check(mask: torch.Tensor, **tensors: torch.Tensor | None) -> torch.Tensor:
+    """Checks every given tensor has mask's shape; returns the mask as bool."""
+    for name, t in tensors.items():
+        if t is not None and t.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but mask has {tuple(mask.shape)}; "
+                             f"pass {name} as (B, T) aligned with the response mask")
+    return mask.bool()
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """x, mask: same shape. Sum of x over valid elements (all, or along `dim`)."""
+    z = torch.where(mask.bool(), x, 0.0)
+    return z.sum() if dim is None else z.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """x, mask: same shape. Mean over valid elements (scalar, or reduced along `dim`); 0 where
+    there is no valid element."""
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """x, mask: same shape. Scalar variance over all valid elements; unbiased divides by n - 1
+    (Bessel, as verl/TRL). 0 when there are fewer than 2 (unbiased) or 1 valid elements."""
+    n = mask.bool().sum().to(x.dtype)
+    sq = masked_sum((x - masked_mean(x, mask)) ** 2, mask)
+    denom = n - 1 if unbiased else n
+    return torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq))
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """x, mask: same shape. (x - mean) / sqrt(var + eps) with mean and unbiased var over the valid
+    elements; shift_mean=False adds the mean back (scale only). 0 at masked positions."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=True)
+    w = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        w = w + mean
+    return torch.where(mask.bool(), w, torch.zeros_like(w))
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values, returns, mask: (B, T). Scalar 1 - var(returns - values) / var(returns) over valid
+    tokens (biased variances), for logging the critic. NaN when var(returns) is 0 (undefined)."""
+    m = _check(mask, values=values, returns=returns)
+    var_y = masked_var(returns, m, unbiased=False)
+    ev = 1 - masked_var(returns - values, m, unbiased=False) / var_y.clamp(min=torch.finfo(var_y.dtype).tiny)
+    return torch.where(var_y > 0, ev, torch.full_like(ev, float("nan")))
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    # fp16/bf16 log-softmax over a large vocabulary loses the small log-probs PPO ratios depend on
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits: (B, T, V), tokens: (B, T) int. Returns log p(token): (B, T) in float32 or wider.
+    Plain reference; it materialises a (B, T, V) float32 log-softmax, the step's memory peak."""
+    lp = torch.log_softmax(_at_least_fp32(logits), dim=-1)
+    return lp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """logits: (B, T, V). Returns the entropy of softmax(logits) per position: (B, T)."""
+    lp = torch.log_softmax(_at_least_fp32(logits), dim=-1)
+    return -(lp.exp() * lp).sum(-1)
+
+
+# ----------------------------------------------------------------------------- rewards and KL
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """logp, ref_logp: (B, T) log-probs of the sampled tokens under the sampling policy and the
+    reference. Per-token estimate of KL(policy || ref) (Schulman, "Approximating KL divergence"):
+      k1 = logp - ref_logp                       (unbiased, high variance, can be negative)
+      k2 = 0.5 * (logp - ref_logp)^2             (biased, low variance, >= 0)
+      k3 = exp(ref - logp) - (ref - logp) - 1    (unbiased, low variance, >= 0)
+    For k3 the log-ratio is clamped to [-20, 20] before exp, as verl does, so one token far off the
+    reference cannot overflow fp32 (exp(89) is inf). Returns (B, T)."""
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "k2":
+        return 0.5 * (logp - ref_logp) ** 2
+    if kind == "k3":
+        d = (ref_logp - logp).clamp(-20.0, 20.0)
+        return torch.exp(d) - d - 1
+    raise ValueError(f"unknown KL estimator kind={kind!r}; choose one of {KL_KINDS}")
+
+
+def token_level_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                        kl_coef: float = 0.0) -> torch.Tensor:
+    """scores: (B,), mask: (B, T), kl: optional (B, T) per-token KL estimate. Returns (B, T):
+    each score on its row's last valid token, minus kl_coef * kl on every valid token ("KL in
+    reward", as verl/OpenRLHF). A row with no valid token gets all zeros: its score is dropped."""
+    m = _check(mask, kl=kl)
+    if scores.shape != (m.shape[0],):
+        raise ValueError(f"scores has shape {tuple(scores.shape)}; expected ({m.shape[0]},), "
+                         "one scalar per sequence")
+    pos = torch.arange(m.shape[1], device=m.device)
+    last = torch.where(m, pos + 1, 0).amax(dim=1) - 1  # -1 for an empty row: matches no position
+    r = torch.where(pos[None] == last[:, None], scores[:, None], 0.0)
+    if kl is not None and kl_coef != 0.0:
+        r = r - kl_coef * torch.where(m, kl, torch.zeros_like(kl))
+    return r
+
+
+class FixedKL:
+    """Constant KL coefficient; `update` is a no-op so it is interchangeable with AdaptiveKL."""
+
+    def __init__(self, coef: float):
+        if coef < 0:
+            raise ValueError(f"KL coef must be >= 0, got {coef}")
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        _need_keys(state, ("value",), "FixedKL")
+        self.value = float(state["value"])
+
+
+class AdaptiveKL:
+    """Proportional KL controller (Ziegler et al. 2019, as in TRL/verl):
+    error = clip(current_kl / target - 1, -0.2, 0.2); value *= 1 + error * n_steps / horizon."""
+
+    def __init__(self, init_coef: float, target: float, horizon: float):
+        if init_coef < 0 or target <= 0 or horizon <= 0:
+            raise ValueError(f"AdaptiveKL needs init_coef >= 0, target > 0 and horizon > 0; got "
+                             f"init_coef={init_coef}, target={target}, horizon={horizon}")
+        self.value, self.target, self.horizon = float(init_coef), float(target), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """current_kl: float or 0-d tensor, the measured KL; n_steps: samples since last update."""
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        _need_keys(state, ("value", "target", "horizon"), "AdaptiveKL")
+        self.value, self.target, self.horizon = (float(state[k]) for k in ("value", "target", "horizon"))
+
+
+def _need_keys(state: dict, keys: tuple[str, ...], who: str) -> None:
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise KeyError(f"{who}.load_state_dict: checkpoint state lacks {missing} (has {sorted(state)}); "
+                       f"was it saved by a different KL controller type?")
+
+
+# ----------------------------------------------------------------------------- advantages
+
+@torch.no_grad()
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float, whiten: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_rewards, values, mask: (B, T). Returns advantages, returns: (B, T), no gradient.
+    delta_t = r_t + gamma * V_next - V_t; A_t = delta_t + gamma * lam * A_next, where "next" is
+    the next *valid* token (masked tokens in between are skipped, as verl does for multi-turn
+    observation tokens) and V, A are 0 after a row's last valid token. returns = A + V (taken
+    before whitening). whiten=True whitens advantages over all valid tokens (verl/TRL default).
+    Both outputs are 0 at masked positions."""
+    m = _check(mask, token_rewards=token_rewards, values=values)
+    B, T = m.shape
+    adv = torch.zeros_like(values)
+    next_v = torch.zeros(B, dtype=values.dtype, device=values.device)
+    next_a = torch.zeros_like(next_v)
+    for t in reversed(range(T)):  # a loop over T is inherent: each step depends on the next
+        a = token_rewards[:, t] + gamma * next_v - values[:, t] + gamma * lam * next_a
+        valid = m[:, t]
+        next_a = torch.where(valid, a, next_a)
+        next_v = torch.where(valid, values[:, t], next_v)
+        adv[:, t] = torch.where(valid, a, torch.zeros_like(a))
+    returns = torch.where(m, adv + values, torch.zeros_like(adv))
+    return (masked_whiten(adv, m) if whiten else adv), returns
+
+
+def _groups(scores: torch.Tensor, mask: torch.Tensor, n_samples: int) -> torch.Tensor:
+    """Validates scores (B,) against mask (B, T) and returns scores viewed as (B/n, n)."""
+    B = mask.shape[0]
+    if scores.shape != (B,):
+        raise ValueError(f"scores has shape {tuple(scores.shape)}; expected ({B},) to match mask")
+    if n_samples < 1 or B % n_samples:
+        raise ValueError(f"batch of {B} sequences is not a whole number of groups of "
+                         f"n_samples={n_samples}; B must equal prompts x n_samples")
+    return scores.reshape(B // n_samples, n_samples)
+
+
+@torch.no_grad()
+def grpo_advantages(scores: torch.Tensor, mask: torch.Tensor, n_samples: int, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """scores: (B,), mask: (B, T), groups of n_samples contiguous rows. Returns (B, T):
+    (score - group mean) / (group std + eps) on every valid token, 0 elsewhere. The std is
+    torch.std, i.e. unbiased (n - 1), matching verl. norm_by_std=False is Dr. GRPO (no division).
+    A group of identical scores gives exactly 0 (stats in float64). A group of size 1 gives 0
+    (verl instead passes the raw score through with mean 0, std 1; with no other sample there is
+    no baseline to compare to)."""
+    # Group stats in float64, and groups of identical scores set to exactly 0: in float32 a group
+    # of eight 0.7s has a mean and std off by an ulp, and dividing by (std + 1e-6) turns that into a
+    # spurious, same-signed advantage of about 0.056 on every sample.
+    g = _groups(scores, mask, n_samples).double()
+    adv = g - g.mean(dim=1, keepdim=True)
+    if norm_by_std and n_samples > 1:  # torch.std of one element is NaN; adv is already 0 then
+        adv = adv / (g.std(dim=1, keepdim=True) + eps)
+    adv = torch.where((g.amax(1) == g.amin(1))[:, None], 0.0, adv).to(scores.dtype)
+    return torch.where(mask.bool(), adv.reshape(-1, 1), 0.0)
+
+
+@torch.no_grad()
+def rloo_advantages(scores: torch.Tensor, mask: torch.Tensor, n_samples: int) -> torch.Tensor:
+    """scores: (B,), mask: (B, T), groups of n_samples contiguous rows. Returns (B, T):
+    score_i - mean of the other n - 1 scores of its group (Ahmadian et al. 2024), on valid tokens."""
+    if n_samples < 2:
+        raise ValueError(f"rloo needs n_samples >= 2 (a leave-one-out baseline needs another "
+                         f"sample of the same prompt); got n_samples={n_samples}")
+    g = _groups(scores, mask, n_samples)
+    adv = g - (g.sum(dim=1, keepdim=True) - g) / (n_samples - 1)
+    return torch.where(mask.bool(), adv.reshape(-1, 1), 0.0)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
+                            gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_rewards, mask: (B, T). REINFORCE++ (Hu 2025): G_t = sum over later valid tokens
+    k >= t of gamma^(number of valid tokens between) * r_k, then advantages = G whitened over all
+    valid tokens of the batch (unbiased var, eps 1e-8). Returns advantages, returns (= G): (B, T),
+    0 at masked positions. For prefix masks this equals verl's
+    compute_reinforce_plus_plus_outcome_advantage."""
+    m = _check(mask, token_rewards=token_rewards)
+    ret = torch.zeros_like(token_rewards)
+    running = torch.zeros(m.shape[0], dtype=token_rewards.dtype, device=token_rewards.device)
+    for t in reversed(range(m.shape[1])):
+        g = token_rewards[:, t] + gamma * running
+        running = torch.where(m[:, t], g, running)
+        ret[:, t] = torch.where(m[:, t], g, torch.zeros_like(g))
+    return masked_whiten(ret, m), ret
+
+
+def compute_advantages(name: str, mask: torch.Tensor, *, token_rewards: torch.Tensor | None = None,
+                       values: torch.Tensor | None = None, scores: torch.Tensor | None = None,
+                       n_samples: int = 1, gamma: float = 1.0, lam: float = 1.0,
+                       norm_by_std: bool = True, whiten: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dispatches on `name` in ADVANTAGES. Returns advantages (B, T) and returns (B, T) or None.
+      gae:          token_rewards, values; gamma, lam; whiten (advantages only). returns for the critic.
+      grpo:         scores (B,); n_samples, norm_by_std (False = Dr. GRPO). returns None.
+      rloo:         scores (B,); n_samples. returns None.
+      reinforce_pp: token_rewards; gamma. returns = discounted return-to-go.
+    grpo and rloo read `scores` only, so a KL-in-reward penalty reaches them only if the caller
+    passes scores = token_rewards.sum(-1) (what verl does); gae and reinforce_pp see it directly.
+    The estimators take different inputs, so this is an explicit dispatch, not a registry."""
+    def need(**kw):
+        for k, v in kw.items():
+            if v is None:
+                raise ValueError(f"advantage estimator {name!r} needs {k}=...; it was not given")
+    if name == "gae":
+        need(token_rewards=token_rewards, values=values)
+        return gae(token_rewards, values, mask, gamma, lam, whiten=whiten)
+    if name == "grpo":
+        need(scores=scores)
+        return grpo_advantages(scores, mask, n_samples, norm_by_std=norm_by_std), None
+    if name == "rloo":
+        need(scores=scores)
+        return rloo_advantages(scores, mask, n_samples), None
+    if name == "reinforce_pp":
+        need(token_rewards=token_rewards)
+        return reinforce_pp_advantages(token_rewards, mask, gamma)
+    raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADVANTAGES}")
+
+
+# ----------------------------------------------------------------------------- losses
+
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """loss_mat, mask: (B, T). Returns a scalar. With n_b = valid tokens of row b, s_b = their sum,
+    R = rows with n_b > 0 (fully masked rows are skipped in seq-means, never NaN):
+      token-mean:              sum_b s_b / sum_b n_b           (0 if no valid token)
+      seq-mean-token-mean:     mean over b in R of s_b / n_b   (0 if R is empty)
+      seq-mean-token-sum:      mean over b in R of s_b         (0 if R is empty)
+      seq-mean-token-sum-norm: sum_b s_b / (B * T)             (Dr. GRPO; T = mask.shape[1], the
+                               padded max length, a constant, so no length bias. verl's mode of
+                               that name divides by T only, i.e. B times larger.)"""
+    m = _check(mask, loss_mat=loss_mat)
+    if mode == "token-mean":
+        return masked_mean(loss_mat, m)
+    if mode == "seq-mean-token-sum-norm":
+        return masked_sum(loss_mat, m) / (m.shape[0] * m.shape[1])
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        per_seq = masked_sum(loss_mat, m, dim=1)
+        if mode == "seq-mean-token-mean":
+            per_seq = per_seq / m.sum(1).clamp(min=1).to(per_seq.dtype)
+        return masked_mean(per_seq, m.any(dim=1))
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {AGG_MODES}")
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+                agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """logp (with grad), old_logp, advantages, mask: (B, T). PPO clipped surrogate per token:
+      r = exp(logp - old_logp)  (log-ratio clamped to [-20, 20] as verl, against overflow)
+      l = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))   (clip_high > clip_low is DAPO's
+                                                                    clip-higher)
+      dual clip (Ye et al. 2020), only where A < 0: l = min(l, -A * dual_clip), i.e. bounded by
+      dual_clip * |A|; dual_clip must be > 1.
+    Returns aggregate(l, mask, agg) and stats (0-d detached tensors): clip_frac = share of valid
+    tokens where the clipped branch is strictly larger; dual_clip_frac = share of valid tokens where
+    the dual-clip bound replaced l (0 without dual clip); approx_kl = masked mean of k3 KL(old||new)
+    = r - 1 - log r; ratio_mean = masked mean of r."""
+    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp)
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got clip_low={clip_low}, "
+                         f"clip_high={clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (it bounds the loss of negative-advantage tokens at "
+                         f"dual_clip * |A|, above the clipped surrogate); got {dual_clip}. "
+                         "Use e.g. 3.0, or None to disable")
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    l1 = -advantages * ratio
+    l2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(l1, l2)
+    dual = torch.zeros_like(m)
+    if dual_clip is not None:
+        l3 = -advantages * dual_clip
+        dual = (advantages < 0) & (loss_mat > l3)
+        loss_mat = torch.where(dual, l3, loss_mat)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((l2 > l1).to(logp.dtype), m),
+            "dual_clip_frac": masked_mean(dual.to(logp.dtype), m),
+            "approx_kl": masked_mean(kl_estimate(old_logp, logp.detach(), "k3"), m),
+            "ratio_mean": masked_mean(ratio.detach(), m),
+        }
+    return aggregate(loss_mat, m, agg), stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = 0.2, agg: str = "token-mean"
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """values (with grad), old_values, returns, mask: (B, T). Clipped value loss per token:
+      v_c = old_values + clip(values - old_values, -clip, clip)
+      l = 0.5 * max((values - returns)^2, (v_c - returns)^2)    (clip=None: no clipping)
+    Returns aggregate(l, mask, agg) and stats: vf_clip_frac = share of valid tokens where the
+    clipped error is strictly larger; vf_mean = masked mean of values."""
+    m = _check(mask, values=values, old_values=old_values, returns=returns)
+    loss_mat = (values - returns) ** 2
+    frac = torch.zeros((), dtype=values.dtype, device=values.device)
+    if clip is not None:
+        if clip <= 0:
+            raise ValueError(f"value clip must be > 0 or None (no clipping); got {clip}")
+        v_c = old_values + (values - old_values).clamp(-clip, clip)
+        l2 = (v_c - returns) ** 2
+        frac = masked_mean((l2 > loss_mat).to(values.dtype).detach(), m)
+        loss_mat = torch.maximum(loss_mat, l2)
+    stats = {"vf_clip_frac": frac, "vf_mean": masked_mean(values.detach(), m)}
+    return 0.5 * aggregate(loss_mat, m, agg), stats
+
+
+def kl_loss(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, kind: str = "k3",
+            agg: str = "token-mean") -> torch.Tensor:
+    """logp (with grad), ref_logp, mask: (B, T). "KL as a loss term" (GRPO): scalar
+    aggregate(kl_estimate(logp, ref_logp, kind), mask, agg); add beta times it to the loss."""
+    _check(mask, logp=logp, ref_logp=ref_logp)
+    return aggregate(kl_estimate(logp, ref_logp, kind), mask, agg)
+
+
+def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """entropy, mask: (B, T). Scalar aggregated entropy; subtract coef times it from the loss to
+    reward exploration."""
+    return aggregate(entropy, mask, agg)
