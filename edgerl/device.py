@@ -15,6 +15,10 @@ GiB = 1024**3
 MiB = 1024**2
 
 
+class SpecError(ValueError):
+    """A GPU description (--gpu-spec, a capability) edgerl cannot use; the message says why."""
+
+
 @dataclass(frozen=True)
 class Capability:
     """Facts shared by every GPU of one compute capability (hardware.md §1, §8, §9)."""
@@ -52,7 +56,7 @@ def capability(cc: tuple[int, int]) -> Capability:
 
     Raises ValueError for CCs edgerl does not support (below 6.0) or does not know."""
     if cc < MIN_CC:
-        raise ValueError(f"compute capability {cc[0]}.{cc[1]} is below 6.0 (Pascal); edgerl and current "
+        raise SpecError(f"compute capability {cc[0]}.{cc[1]} is below 6.0 (Pascal); edgerl and current "
                          "PyTorch wheels do not support it")
     if cc in CAPABILITIES:
         return CAPABILITIES[cc]
@@ -61,7 +65,7 @@ def capability(cc: tuple[int, int]) -> Capability:
         row = CAPABILITIES[max(same_major)]
         return replace(row, cc=cc)
     known = ", ".join(f"{a}.{b}" for a, b in CAPABILITIES)
-    raise ValueError(f"compute capability {cc[0]}.{cc[1]} is not in edgerl's table ({known})")
+    raise SpecError(f"compute capability {cc[0]}.{cc[1]} is not in edgerl's table ({known})")
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,7 @@ def parse_size(text: str, key: str = "memory") -> int:
     """'24GiB', '24 GB', '16384MiB', '24' (GiB) -> bytes. GB is read as GiB, as nvidia-smi prints."""
     m = _SIZE.match(text)
     if not m:
-        raise ValueError(f"{key}={text!r} is not a size; write e.g. {key}=24GiB or {key}=16384MiB")
+        raise SpecError(f"{key}={text!r} is not a size; write e.g. {key}=24GiB or {key}=16384MiB")
     value, unit = float(m.group(1)), (m.group(2) or "gib").lower()
     return int(value * (MiB if unit in ("mib", "mb", "m") else GiB))
 
@@ -250,7 +254,7 @@ def _split_spec(spec: str) -> list[str]:
         else:
             cur += ch
     if quote:
-        raise ValueError(f"--gpu-spec {spec!r}: unclosed quote")
+        raise SpecError(f"--gpu-spec {spec!r}: unclosed quote")
     parts.append(cur)
     return [p.strip() for p in parts if p.strip()]
 
@@ -260,7 +264,7 @@ def _parse_bool(key: str, v: str) -> bool:
         return True
     if v.lower() in ("0", "false", "no"):
         return False
-    raise ValueError(f"{key}={v!r}: write true or false")
+    raise SpecError(f"{key}={v!r}: write true or false")
 
 
 def device_from_spec(spec: str, software: Software, host_memory: int) -> Device:
@@ -268,26 +272,26 @@ def device_from_spec(spec: str, software: Software, host_memory: int) -> Device:
     fields: dict[str, str] = {}
     for part in _split_spec(spec):
         if "=" not in part:
-            raise ValueError(f"--gpu-spec: {part!r} is not key=value; example: "
+            raise SpecError(f"--gpu-spec: {part!r} is not key=value; example: "
                              "cc=6.1,memory=24GiB,name=\"Quadro P6000\"")
         k, v = (s.strip() for s in part.split("=", 1))
         if k not in SPEC_KEYS:
             import difflib
             close = difflib.get_close_matches(k, SPEC_KEYS, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(f"--gpu-spec: unknown key {k!r}{hint}; keys: {', '.join(SPEC_KEYS)}")
+            raise SpecError(f"--gpu-spec: unknown key {k!r}{hint}; keys: {', '.join(SPEC_KEYS)}")
         fields[k] = v
     if "cc" not in fields or "memory" not in fields:
-        raise ValueError("--gpu-spec needs at least cc and memory, e.g. cc=6.1,memory=24GiB")
+        raise SpecError("--gpu-spec needs at least cc and memory, e.g. cc=6.1,memory=24GiB")
     m = re.match(r"^(\d+)\.(\d)$", fields["cc"])
     if not m:
-        raise ValueError(f"--gpu-spec: cc={fields['cc']!r} is not a compute capability like 6.1 or 8.6")
+        raise SpecError(f"--gpu-spec: cc={fields['cc']!r} is not a compute capability like 6.1 or 8.6")
     cc = (int(m.group(1)), int(m.group(2)))
     capability(cc)  # raises a clear error for unsupported or unknown CCs
     facts = {}
     if "sm_count" in fields:
         if not fields["sm_count"].isdigit():
-            raise ValueError(f"--gpu-spec: sm_count={fields['sm_count']!r} is not a whole number")
+            raise SpecError(f"--gpu-spec: sm_count={fields['sm_count']!r} is not a whole number")
         facts["sm_count"] = int(fields["sm_count"])
     if "smem" in fields:
         facts["smem_per_block_optin"] = parse_size(fields["smem"], "smem") if not fields["smem"].isdigit() \
@@ -296,12 +300,12 @@ def device_from_spec(spec: str, software: Software, host_memory: int) -> Device:
         try:
             facts["memory_bandwidth_gbs"] = float(fields["bandwidth"].lower().removesuffix("gb/s"))
         except ValueError:
-            raise ValueError(f"--gpu-spec: bandwidth={fields['bandwidth']!r}: write GB/s, e.g. 347") from None
+            raise SpecError(f"--gpu-spec: bandwidth={fields['bandwidth']!r}: write GB/s, e.g. 347") from None
     for key in ("tensor_cores", "bf16"):
         if key in fields:
             facts[key] = _parse_bool(key, fields[key])
     if facts.get("bf16") and cc < (8, 0):
-        raise ValueError(f"--gpu-spec: bf16=true with cc={fields['cc']}: native bf16 starts at CC 8.0")
+        raise SpecError(f"--gpu-spec: bf16=true with cc={fields['cc']}: native bf16 starts at CC 8.0")
     host = parse_size(fields["host_memory"], "host_memory") if "host_memory" in fields else host_memory
     name = fields.get("name") or f"GPU sm_{cc[0]}{cc[1]}"
     dev = gpu_from_capability(name, cc, parse_size(fields["memory"]), host, software, **facts)

@@ -153,13 +153,20 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
                "prefill activations": prefill}
 
     score_tokens = s.score_micro_batch * L
-    score = {"master weights": master, "optimizer state": optim, "compute weights": gen_copy,
-             "reference weights": ref, "critic weights": critic_state if s.critic else 0,
-             "reward model": rm, "activations": act(score_tokens, train=False),
-             "log-prob logits": logits}
+    stream = 2 * layer_c + embed_c  # FSDP2 unshards one layer ahead in compute dtype
+    if s.param_offload:  # every model streams its layers from host memory
+        scorers = {"compute weights": stream, "reference weights": stream if s.reference else 0,
+                   "critic weights": stream if s.critic else 0, "reward model": rm}
+    else:
+        scorers = {"compute weights": gen_copy, "reference weights": ref,
+                   "critic weights": critic_state, "reward model": rm}
+    if s.swap_models:  # the actor scores first, then each other model in turn takes the GPU
+        others = max(scorers["reference weights"], scorers["critic weights"], scorers["reward model"])
+        scorers = {"compute weights": scorers["compute weights"], "other models (one at a time)": others}
+    score = {"master weights": master, "optimizer state": optim, **scorers,
+             "activations": act(score_tokens, train=False), "log-prob logits": logits}
 
     tokens = s.micro_batch * L
-    stream = 2 * layer_c + embed_c  # FSDP2 unshards one layer ahead in compute dtype
     update = {"master weights": master, "gradients": grads,
               "optimizer state": T * s.optimizer_bytes_per_param if not s.param_offload else 0,
               "layer copies": stream if not lora else 0, "other models": resident_off,

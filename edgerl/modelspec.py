@@ -158,7 +158,7 @@ def resolve(name_or_path: str) -> ModelSpec:
                              f"the local HF cache; download it first (huggingface-cli download "
                              f"{name_or_path} config.json) or pass a local folder. Catalogue: "
                              f"{', '.join(CATALOGUE)}")
-    if path.suffix or name_or_path.startswith((".", "/", "~")):
+    if name_or_path.startswith((".", "/", "~")):
         raise ModelSpecError(f"model folder {name_or_path} does not exist")
     close = difflib.get_close_matches(key, list(CATALOGUE) + list(ALIASES), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""

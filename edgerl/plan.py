@@ -146,13 +146,18 @@ def pick_dtype(dev: Device, forced: Optional[str]) -> tuple[DtypePolicy, str]:
         return pol, f"asked for with plan.dtype={forced}{note}"
     if not dev.is_cuda:
         return FP32, "CPU: fp32 (half-precision matmuls are slow or unsupported on CPUs)"
+    if dev.cc < (7, 0):
+        if dev.fp16_fast:
+            return FP32, (f"{dev.sm}: fp16 arithmetic is fast but there are no tensor cores, so mixed "
+                          "precision gains little over fp32 and adds loss scaling; Pascal computes in fp32")
+        return FP32, f"{dev.sm}: fp16 runs at 1/64 of fp32 here, so fp32 is the fast path (fp16 is storage only)"
     if dev.bf16:
         return BF16_MIXED, f"{dev.sm}: native bf16 tensor cores; fp32 master weights and optimizer state"
     if dev.fp16_fast:
         core = "fp16 tensor cores" if dev.tensor_cores else "fp16 at twice the fp32 rate (no tensor cores)"
         return FP16_MIXED, (f"{dev.sm}: {core}; bf16 would only be emulated, so fp16 compute with fp32 "
                             "master weights and a gradient scaler")
-    return FP32, f"{dev.sm}: fp16 runs at 1/64 of fp32 here, so fp32 is the fast path (fp16 is storage only)"
+    return FP32, f"{dev.sm}: no fast fp16 on this GPU, so fp32"
 
 
 def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
@@ -312,6 +317,11 @@ def plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[
          calibration: Calibration = DEFAULT_CALIBRATION) -> Plan:
     """The plan for `task` on `device`. `overrides` holds PlanOverrides fields (None = decide) plus
     `micro_batch`. Raises PlanError when nothing fits, saying what would."""
+    return _plan(device, model, task, overrides, calibration, explain=True)
+
+
+def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]],
+          calibration: Calibration, explain: bool) -> Plan:
     o = {k: v for k, v in (overrides or {}).items() if v is not None}
     reasons: dict[str, str] = {}
     dtype, reasons["dtype"] = pick_dtype(device, o.get("dtype"))
@@ -369,6 +379,8 @@ def plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[
             break
     use_lora, found, tried = attempts[-1]
     if found is None:
+        if not explain:
+            raise PlanError("does not fit")
         raise PlanError(_no_fit_message(device, model, task, budget, attempts, o, calibration))
 
     s, mem = found.setting, found.memory
@@ -442,11 +454,7 @@ def _no_fit_message(device: Device, model: ModelSpec, task: Task, budget: int, a
     found_any = False
 
     def fits(**changes: Any) -> bool:
-        try:
-            plan(device, model, replace(task, **changes), o, cal)
-            return True
-        except PlanError:
-            return False
+        return fits_on(device, model, replace(task, **changes), o, cal)
 
     if task.response_len > 32 and fits(response_len=task.response_len // 2):
         lines.append(f"  - a shorter response: --set rollout.max_new_tokens={task.response_len // 2}")
@@ -462,7 +470,8 @@ def _no_fit_message(device: Device, model: ModelSpec, task: Task, budget: int, a
         found_any = True
     if device.is_cuda:
         from .profiles import device_from_profile, list_profiles
-        bigger = sorted((p for p in list_profiles() if p.kind == "cuda" and p.memory_bytes > device.total_memory),
+        bigger = sorted((p for p in list_profiles() if p.kind == "cuda" and p.memory_bytes > device.total_memory
+                         and p.integrated == device.integrated),
                         key=lambda p: p.memory_bytes)
         for p in bigger:
             if fits_on(device_from_profile(p, device.software, device.host_memory), model, task, o, cal):
@@ -476,7 +485,7 @@ def _no_fit_message(device: Device, model: ModelSpec, task: Task, budget: int, a
 
 def fits_on(device: Device, model: ModelSpec, task: Task, o: dict[str, Any], cal: Calibration) -> bool:
     try:
-        plan(device, model, task, o, cal)
+        _plan(device, model, task, o, cal, explain=False)
         return True
     except PlanError:
         return False

@@ -1,0 +1,161 @@
+"""The `edgerl` command. Each command is a few lines: call the library, render with rich."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+from rich.console import Console
+
+from ..config import ConfigError, load_config
+from ..device import SpecError
+from ..modelspec import ModelSpecError
+from ..plan import PlanError
+from ..profiles import ProfileError, list_profiles
+
+app = typer.Typer(name="edgerl", no_args_is_help=True, add_completion=False,
+                  help="Hardware-adaptive RL fine-tuning (PPO, GRPO) of LLMs on the GPUs people actually have.")
+console = Console()
+err = Console(stderr=True)
+
+# Errors caused by what the user typed or pointed at: one clear line, no traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, ProfileError, ModelSpecError, SpecError)
+
+
+def add_user_errors(*errors: type[BaseException]) -> None:
+    global USER_ERRORS
+    USER_ERRORS = USER_ERRORS + tuple(errors)
+
+
+def friendly(fn: Callable) -> Callable:
+    """Turn user errors into a red message and exit status 2."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as e:
+            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+    return wrapper
+
+
+GpuOpt = typer.Option(None, "--gpu", "--profile", help="plan for this GPU profile (see `edgerl profiles`)")
+SpecOpt = typer.Option(None, "--gpu-spec", help='a GPU without a profile: cc=6.1,memory=24GiB,name="Quadro P6000"')
+ConfigOpt = typer.Option(None, "--config", "-c", help="run config TOML")
+SetOpt = typer.Option(None, "--set", "-s", help="override one config key: --set train.lr=1e-6 (repeatable)")
+
+
+@app.command()
+@friendly
+def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
+           model: Optional[str] = typer.Option(None, "--model", "-m", help="model for the plan summary"),
+           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
+           as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Is this machine ready to train, and if not, exactly what to fix."""
+    from ..doctor import Environment, exit_code, run_checks
+    from ..target import plan_for, resolve_target
+    from .render import checks_table, print_plan
+    cfg = load_config(config, list(sets or []) + ([f"model.path={json.dumps(model)}"] if model else []))
+    target = resolve_target(gpu, gpu_spec)
+    plan, plan_error = None, None
+    try:
+        plan = plan_for(cfg, target)
+    except (PlanError, ModelSpecError) as e:
+        plan_error = str(e)
+    checks = run_checks(target.device, target.probe, plan, Environment(run_dir=cfg.run.out_dir or "runs"),
+                        simulated=target.simulated)
+    code = exit_code(checks)
+    if as_json:
+        out = {"device": target.device.describe(), "simulated": target.simulated,
+               "checks": [c.to_dict() for c in checks], "plan": plan.to_dict() if plan else None,
+               "plan_error": plan_error, "ok": code == 0}
+        typer.echo(json.dumps(out, indent=2, default=str))
+        raise typer.Exit(code)
+    if target.simulated:
+        console.print(f"[bold]Simulating[/] {target.device.describe()} with this machine's software.")
+    console.print(checks_table(checks))
+    if plan:
+        print_plan(console, plan)
+    else:
+        console.print(f"[red]No plan:[/] {plan_error}")
+    fails = sum(c.status == "fail" for c in checks)
+    console.print(f"[bold red]{fails} check(s) failed.[/]" if fails else "[bold green]Ready.[/]")
+    raise typer.Exit(code)
+
+
+@app.command()
+@friendly
+def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
+              model: Optional[str] = typer.Option(None, "--model", "-m", help="catalogue name, HF folder or cached HF id"),
+              prompt_len: Optional[int] = typer.Option(None, help="prompt length in tokens"),
+              response_len: Optional[int] = typer.Option(None, help="response length in tokens"),
+              samples: Optional[int] = typer.Option(None, help="samples per prompt"),
+              prompts: Optional[int] = typer.Option(None, help="prompts per step"),
+              algo: Optional[str] = typer.Option(None, help="gae (PPO with a critic) | grpo | rloo | reinforce++"),
+              lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="force LoRA on or off "
+                                                  "(default: the config's lora.enabled)"),
+              config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
+              fmt: str = typer.Option("text", "--format", "-f", help="text | toml | json | verl"),
+              out: Optional[Path] = typer.Option(None, "--out", "-o", help="write to this file instead of stdout")) -> None:
+    """The plan for a GPU (yours or one you may not have): each decision with its reason, and the memory."""
+    from ..export import plan_toml, verl_overrides
+    from ..target import plan_for, resolve_target
+    from .render import print_plan
+    if fmt not in ("text", "toml", "json", "verl"):
+        raise ConfigError(f"--format {fmt!r}: choose text, toml, json or verl")
+    extra = list(sets or [])
+    for key, value in (("model.path", json.dumps(model) if model else None),
+                       ("data.max_prompt_len", prompt_len), ("rollout.max_new_tokens", response_len),
+                       ("rollout.n_samples", samples), ("train.prompts_per_step", prompts),
+                       ("algo.advantage", json.dumps(algo) if algo else None),
+                       ("lora.enabled", str(lora).lower() if lora is not None else None)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    cfg = load_config(config, extra)
+    target = resolve_target(gpu, gpu_spec)
+    p = plan_for(cfg, target)
+    if fmt == "text":
+        print_plan(console, p)
+        return
+    if fmt == "toml":
+        text = plan_toml(cfg, p, target.profile.name if target.simulated and target.profile else None)
+    elif fmt == "json":
+        text = json.dumps(p.to_dict(), indent=2, default=str)
+    else:
+        lines, caveats = verl_overrides(cfg, p)
+        text = "\n".join([f"# {c}" for c in caveats] + ["python -m verl.trainer.main_ppo \\"]
+                         + [f"    {line} \\" for line in lines[:-1]] + [f"    {lines[-1]}"])
+    if out:
+        out.write_text(text + "\n")
+        err.print(f"wrote {out}")
+    else:
+        typer.echo(text)
+
+
+@app.command()
+def profiles() -> None:
+    """The GPU profiles edgerl can plan for."""
+    from rich.table import Table
+    t = Table(title="GPU profiles (edgerl recommend --gpu NAME)", title_justify="left")
+    t.add_column("name", no_wrap=True, style="bold")
+    for col in ("GPU", "CC", "memory", "bandwidth", "tensor cores", "provenance"):
+        t.add_column(col)
+    for p in list_profiles():
+        cc = f"{p.cc[0]}.{p.cc[1]}" if p.cc else "-"
+        mem = f"{p.memory_bytes / 2**30:.0f} GiB" if p.memory_bytes else "host RAM"
+        bw = f"{p.memory_bandwidth_gbs:g} GB/s" if p.memory_bandwidth_gbs else "-"
+        tc = "-" if p.tensor_cores is None else ("yes" if p.tensor_cores else "no")
+        t.add_row(p.name, p.display, cc, mem, bw, tc, f"{len(p.measured)} measured" if p.measured else "datasheet")
+    console.print(t)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

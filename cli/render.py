@@ -1,0 +1,86 @@
+"""rich rendering shared by the commands: plans, memory breakdowns, doctor checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..doctor import Check
+from ..memory import fmt_bytes
+from ..plan import Plan
+
+STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
+LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout engine",
+          "cuda_graphs": "CUDA graphs", "kernel_backend": "log-prob kernel", "kernel_tiles": "kernel tiles",
+          "logprob_chunk": "log-prob chunk", "grad_checkpointing": "grad checkpointing",
+          "swap_models": "swap models", "optimizer_offload": "optimizer offload",
+          "param_offload": "param offload", "optimizer": "optimizer", "lora": "LoRA",
+          "micro_batch": "micro-batch", "score_micro_batch": "scoring micro-batch",
+          "rollout_batch": "rollout batch", "rollout_memory_share": "rollout memory share", "env": "environment"}
+
+
+def _fmt(key: str, v: Any) -> str:
+    if key == "dtype":
+        return f"{v['name']} (params {v['param']}, compute {v['compute']}{', grad scaler' if v['grad_scaler'] else ''})"
+    if key == "kernel_tiles":
+        return "-" if not v else ", ".join(f"{k}={val}" for k, val in v.items() if k != "reason")
+    if key == "lora":
+        return "off" if not v else f"r={v['rank']} alpha={v['alpha']:g} ({v['params'] / 1e6:.1f}M params)"
+    if key == "env":
+        return " ".join(f"{k}={val}" for k, val in v.items()) or "-"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return str(v)
+
+
+def plan_table(p: Plan, title: str = "") -> Table:
+    t = Table(title=title or f"Plan for {p.model.name} on {p.device.describe()}", show_lines=False,
+              title_justify="left")
+    t.add_column("decision", style="bold")
+    t.add_column("value")
+    t.add_column("why", style="dim", overflow="fold")
+    for key, value in p.decisions().items():
+        t.add_row(LABELS.get(key, key), _fmt(key, value), p.reasons.get(key, ""))
+    return t
+
+
+def memory_table(p: Plan) -> Table:
+    m = p.memory
+    phases = m.phase_totals()
+    t = Table(title=f"Memory by phase (peak: {m.peak_phase})", title_justify="left")
+    t.add_column("component")
+    for ph in phases:
+        t.add_column(ph + (" *" if ph == m.peak_phase else ""), justify="right")
+    names: list[str] = []
+    for comps in m.phases.values():
+        names += [n for n in comps if n not in names]
+    for n in names:
+        t.add_row(n, *[fmt_bytes(m.phases[ph].get(n)) if m.phases[ph].get(n) else "-" for ph in phases])
+    t.add_row("[bold]total", *[f"[bold]{fmt_bytes(v)}" for v in phases.values()])
+    verdict = "[green]fits[/]" if m.fits else "[red]does not fit[/]"
+    t.caption = (f"budget {fmt_bytes(m.budget)} = device {fmt_bytes(m.budget + p.headroom)} - headroom "
+                 f"{fmt_bytes(p.headroom)}: {verdict}" + (f"; host RAM for offload {fmt_bytes(m.host_needed)}"
+                                                          if m.host_needed else ""))
+    return t
+
+
+def print_plan(console: Console, p: Plan) -> None:
+    console.print(f"[bold]Device[/]: {p.device.describe()}" + (f"  [dim]({p.device.note})[/]" if p.device.note else ""))
+    console.print(f"[bold]Model[/]: {p.model.describe()}")
+    console.print(f"[bold]Batch[/]: {p.task.effective_batch()}; micro-batch {p.micro_batch}; prompt "
+                  f"{p.task.prompt_len} + response {p.task.response_len} tokens")
+    console.print(plan_table(p))
+    console.print(memory_table(p))
+
+
+def checks_table(checks: list[Check]) -> Table:
+    t = Table(title="edgerl doctor", title_justify="left")
+    t.add_column("check", style="bold")
+    t.add_column("status")
+    t.add_column("found", overflow="fold")
+    t.add_column("fix", style="cyan", overflow="fold")
+    for c in checks:
+        t.add_row(c.name, STATUS_STYLE[c.status], c.detail, c.fix)
+    return t

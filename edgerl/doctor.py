@@ -1,0 +1,318 @@
+"""`edgerl doctor`: is this machine ready, and if not, exactly what to fix.
+
+Each check is a small function of the probe (or a simulated device) returning a `Check` with a
+status (ok / warn / fail / skip), what was found, and the fix. Only the folder and disk checks
+touch the machine, and they do it through `Environment` so tests can fake them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .device import GiB, Device, arch_covers, wheel_for
+from .memory import fmt_bytes
+from .plan import DtypePolicy, Plan, pick_attention, pick_dtype, vllm_support
+from .probe import NvmlReport, ProbeResult
+
+STATUSES = ("ok", "warn", "fail", "skip")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "fix": self.fix}
+
+
+@dataclass
+class Environment:
+    """What the folder checks read: environment variables and writable, roomy folders."""
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    run_dir: str = "runs"
+
+    def folder_state(self, path: Path) -> tuple[bool, Optional[int], str]:
+        """(writable, free bytes, note) for `path` or its nearest existing parent."""
+        probe_dir = path
+        while not probe_dir.exists() and probe_dir != probe_dir.parent:
+            probe_dir = probe_dir.parent
+        try:
+            free = shutil.disk_usage(probe_dir).free
+        except OSError:
+            free = None
+        try:
+            with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".edgerl-doctor-"):
+                pass
+            return True, free, "" if probe_dir == path else f"(does not exist yet; {probe_dir} is writable)"
+        except OSError as e:
+            return False, free, f"({probe_dir}: {e.strerror})"
+
+
+def _c(name: str, status: str, detail: str, fix: str = "") -> Check:
+    assert status in STATUSES
+    return Check(name, status, detail, fix)
+
+
+def check_driver(nvml: NvmlReport, simulated: bool) -> Check:
+    if simulated:
+        return _c("driver and NVML", "skip", "simulated GPU: this machine's driver is not checked")
+    if not nvml.ok:
+        return _c("driver and NVML", "fail", nvml.reason,
+                  "install the NVIDIA driver for your GPU (nvidia-smi must work) and `pip install nvidia-ml-py`")
+    gpus = "; ".join(f"{g.index}: {g.name} (sm_{g.cc[0]}{g.cc[1]}, {g.total / GiB:.1f} GiB)" for g in nvml.gpus)
+    return _c("driver and NVML", "ok", f"driver {nvml.driver_version} (CUDA {nvml.cuda_driver}); {gpus or 'no GPU'}")
+
+
+def check_torch_cuda(dev: Device, probe: ProbeResult, simulated: bool) -> Check:
+    sw = dev.software
+    if sw.torch is None:
+        return _c("torch sees CUDA", "fail", "torch is not installed",
+                  wheel_for(dev.cc, dev.cuda_driver)[0] if dev.is_cuda else "pip install torch")
+    if simulated:
+        if sw.torch_cuda is None:
+            cmd, why = wheel_for(dev.cc, None)
+            return _c("torch sees CUDA", "fail", f"torch {sw.torch} here is a CPU-only build; on the {dev.name} "
+                      "it would not see the GPU", f"{cmd}  ({why})")
+        return _c("torch sees CUDA", "skip", f"torch {sw.torch} with CUDA {sw.torch_cuda}; simulated GPU")
+    if probe.cuda_available:
+        return _c("torch sees CUDA", "ok", f"torch {sw.torch} (CUDA {sw.torch_cuda}) sees "
+                  f"{len(probe.devices)} GPU(s): " + ", ".join(d.describe() for d in probe.devices))
+    if not probe.nvml.ok:
+        return _c("torch sees CUDA", "skip", f"no usable NVIDIA GPU ({dev.note}); edgerl runs on the CPU")
+    g = probe.nvml.gpus[0] if probe.nvml.gpus else None
+    cmd = wheel_for(g.cc, probe.nvml.cuda_driver)[0] if g else "pip install torch"
+    return _c("torch sees CUDA", "fail", dev.note, cmd)
+
+
+def check_arch(dev: Device, probe: ProbeResult) -> Check:
+    name = "torch build covers this GPU"
+    cc, drv = _target_cc(dev, probe)
+    if cc is None:
+        return _c(name, "skip", "no GPU")
+    arch = dev.software.arch_list
+    if dev.software.torch_cuda is None:
+        cmd, why = wheel_for(cc, drv)
+        return _c(name, "fail", f"CPU-only torch {dev.software.torch}: no CUDA kernels at all",
+                  f"{cmd}  ({why})")
+    if not arch:
+        return _c(name, "warn", "torch reports no arch list (no GPU visible to it)")
+    if arch_covers(arch, cc):
+        return _c(name, "ok", f"sm_{cc[0]}{cc[1]} is covered by {' '.join(arch)}")
+    cmd, why = wheel_for(cc, drv)
+    return _c(name, "fail", f"sm_{cc[0]}{cc[1]} is not in this torch build ({' '.join(arch)}): every kernel "
+              "launch fails with 'no kernel image is available for execution on the device'",
+              f"{cmd}  ({why})")
+
+
+def _target_cc(dev: Device, probe: ProbeResult) -> tuple[Optional[tuple[int, int]], Optional[str]]:
+    if dev.is_cuda:
+        return dev.cc, dev.cuda_driver
+    if probe.nvml.ok and probe.nvml.gpus:
+        return probe.nvml.gpus[0].cc, probe.nvml.cuda_driver
+    return None, None
+
+
+def check_runtime_vs_driver(dev: Device, probe: ProbeResult, simulated: bool) -> Check:
+    name = "CUDA runtime vs driver"
+    tcuda, drv = dev.software.torch_cuda, (None if simulated else probe.nvml.cuda_driver)
+    if tcuda is None or drv is None:
+        return _c(name, "skip", "needs a CUDA torch and a driver" + (" (simulated GPU)" if simulated else ""))
+    t = tuple(int(x) for x in tcuda.split(".")[:2])
+    d = tuple(int(x) for x in drv.split(".")[:2])
+    if t[0] > d[0]:  # no compatibility across major versions
+        return _c(name, "fail", f"torch is built for CUDA {tcuda}; the driver supports up to {drv}",
+                  f"upgrade the driver, or install a torch wheel for CUDA <= {drv}")
+    if t > d:  # CUDA minor-version compatibility covers cubins, not PTX JIT
+        return _c(name, "warn", f"torch CUDA {tcuda} is newer than the driver's {drv}; minor-version "
+                  "compatibility runs prebuilt kernels but not PTX compiled at load time",
+                  "upgrade the driver if kernels fail to load")
+    return _c(name, "ok", f"torch CUDA {tcuda} <= driver CUDA {drv}")
+
+
+def check_bf16(dev: Device) -> Check:
+    if not dev.is_cuda:
+        return _c("native bf16", "skip", "CPU")
+    if dev.bf16:
+        return _c("native bf16", "ok", f"{dev.sm}: bf16 tensor cores")
+    return _c("native bf16", "ok", f"{dev.sm}: no native bf16 (torch.cuda.is_bf16_supported() says True by "
+              "emulation on 7.x); edgerl never picks bf16 here")
+
+
+def check_fp16(dev: Device, dtype: DtypePolicy) -> Check:
+    if not dev.is_cuda:
+        return _c("fp16 speed class", "skip", "CPU")
+    if not dev.fp16_fast:
+        return _c("fp16 speed class", "ok", f"{dev.sm}: fp16 at 1/64 of fp32; the plan computes in {dtype.compute}")
+    tc = "with tensor cores" if dev.tensor_cores else "without tensor cores"
+    return _c("fp16 speed class", "ok", f"{dev.sm}: fast fp16 {tc}; the plan computes in {dtype.compute}")
+
+
+def check_flash_attn(dev: Device, dtype: DtypePolicy) -> Check:
+    name = "FlashAttention-2"
+    v = dev.software.version("flash_attn")
+    if not dev.is_cuda or dev.cc < (8, 0):
+        detail = f"not for {dev.sm if dev.is_cuda else 'the CPU'} (needs sm_80 and fp16/bf16)"
+        if v:
+            return _c(name, "warn", f"flash_attn {v} is installed but {detail}; code that imports it "
+                      "unconditionally fails here", "edgerl does not use it here; nothing to do")
+        return _c(name, "ok", f"{detail}; SDPA is used instead")
+    if v:
+        return _c(name, "ok", f"flash_attn {v} on {dev.sm}")
+    return _c(name, "ok", f"flash_attn not installed; SDPA's built-in flash backend serves {dtype.compute} on "
+              f"{dev.sm}", "optional: pip install flash-attn --no-build-isolation")
+
+
+def sdpa_backends(dev: Device, dtype: str) -> list[str]:
+    """SDPA backends that serve `dtype` on `dev` (hardware.md section 5)."""
+    if not dev.is_cuda:
+        return ["math", "flash (CPU)"]
+    out = []
+    if (8, 0) <= dev.cc and dtype in ("fp16", "bf16"):
+        out += ["flash", "cudnn"]
+    if dev.cc >= (5, 0) and (dtype in ("fp16", "fp32") or (dtype == "bf16" and dev.cc >= (8, 0))):
+        out.append("mem-efficient")
+    return out + ["math"]
+
+
+def check_sdpa(dev: Device, dtype: DtypePolicy) -> Check:
+    backends = sdpa_backends(dev, dtype.compute)
+    fused = [b for b in backends if b != "math"]
+    status = "ok" if fused else "warn"
+    return _c("SDPA backends", status, f"{dtype.compute} on {dev.sm if dev.is_cuda else 'CPU'}: {', '.join(backends)}",
+              "" if fused else "only the math backend: attention memory grows with length squared")
+
+
+def check_triton(dev: Device) -> Check:
+    v = dev.software.version("triton")
+    if not dev.is_cuda:
+        return _c("Triton", "skip", "CPU: the torch chunked kernels are used")
+    if dev.cc < (7, 0):
+        return _c("Triton", "ok", f"not on {dev.sm}: Triton and torch.compile need CC >= 7.0; the torch chunked "
+                  "log-prob kernel is used")
+    if v:
+        return _c("Triton", "ok", f"triton {v}: fused log-prob kernel")
+    return _c("Triton", "warn", "triton is not installed: the slower torch chunked kernel is used",
+              "pip install triton")
+
+
+def check_vllm(dev: Device, dtype: DtypePolicy) -> Check:
+    ok, why = vllm_support(dev, dtype)
+    if ok:
+        return _c("vLLM", "ok", why)
+    if dev.software.has("vllm"):
+        return _c("vLLM", "warn", f"installed but not usable here: {why}", "edgerl uses its hf engine instead")
+    return _c("vLLM", "ok", f"{why}; the hf engine (static KV cache + CUDA graphs) is used",
+              "optional on CC >= 7.0: pip install 'edgerl[vllm]'" if dev.is_cuda and dev.cc >= (7, 0) else "")
+
+
+def check_bnb(dev: Device) -> Check:
+    v = dev.software.version("bitsandbytes")
+    if not dev.is_cuda:
+        return _c("bitsandbytes", "skip", "CPU")
+    if v:
+        return _c("bitsandbytes", "ok", f"bitsandbytes {v}: 8-bit AdamW available (CC >= 6.0)")
+    return _c("bitsandbytes", "ok", "not installed: 8-bit AdamW unavailable (optional)", "pip install bitsandbytes")
+
+
+def check_host_ram(dev: Device, plan: Optional[Plan]) -> Check:
+    need = plan.memory.host_needed if plan else 0
+    have = dev.host_memory_available or dev.host_memory
+    detail = f"{fmt_bytes(dev.host_memory)} RAM ({fmt_bytes(dev.host_memory_available)} available)"
+    if need and need > have:
+        return _c("host RAM for offload", "fail", f"{detail}; the plan offloads {fmt_bytes(need)}",
+                  "free memory, add RAM, or use LoRA (--set lora.enabled=true)")
+    if need:
+        return _c("host RAM for offload", "ok", f"{detail}; the plan offloads {fmt_bytes(need)}")
+    return _c("host RAM for offload", "ok", f"{detail}; the plan offloads nothing")
+
+
+def check_folders(env: Environment) -> list[Check]:
+    out = []
+    hf_home = Path(env.env.get("HF_HOME") or Path(env.env.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface")
+    for label, path in (("HF cache (HF_HOME)", hf_home), ("run folder", Path(env.run_dir))):
+        writable, free, note = env.folder_state(path.expanduser())
+        if not writable:
+            out.append(_c(f"{label} writable", "fail", f"{path} is not writable {note}",
+                          f"fix permissions or point it elsewhere ({'HF_HOME=...' if 'HF' in label else '--set run.out_dir=...'})"))
+            continue
+        if free is not None and free < 10 * GiB:
+            out.append(_c(f"{label} writable", "warn", f"{path}: only {fmt_bytes(free)} free {note}",
+                          "checkpoints and model downloads need several GiB"))
+        else:
+            out.append(_c(f"{label} writable", "ok", f"{path}: {fmt_bytes(free)} free {note}".strip()))
+    return out
+
+
+def check_pcie(dev: Device, simulated: bool) -> Check:
+    if not dev.is_cuda or simulated or dev.pcie_gen is None:
+        return _c("PCIe link", "skip", "not reported" if dev.is_cuda and not simulated else "no PCIe link to read")
+    detail = f"gen {dev.pcie_gen} x{dev.pcie_width} (max gen {dev.pcie_gen_max} x{dev.pcie_width_max})"
+    if dev.pcie_width and dev.pcie_width_max and dev.pcie_width < dev.pcie_width_max:
+        return _c("PCIe link", "warn", f"{detail}: running narrower than the card allows; offload and weight "
+                  "sync will be slower", "move the card to a full x16 slot, or check riser cables")
+    if dev.pcie_gen and dev.pcie_gen_max and dev.pcie_gen < dev.pcie_gen_max:
+        return _c("PCIe link", "warn", f"{detail}: below its maximum generation (GPUs drop the link speed when "
+                  "idle; this matters only if it stays low under load)", "re-check under load: nvidia-smi -q -d PCIE")
+    return _c("PCIe link", "ok", detail)
+
+
+def check_allocator(dev: Device, env: Environment, plan: Optional[Plan]) -> Check:
+    cur = env.env.get("PYTORCH_CUDA_ALLOC_CONF") or env.env.get("PYTORCH_ALLOC_CONF")
+    want = dict(plan.env).get("PYTORCH_CUDA_ALLOC_CONF") if plan else None
+    if not dev.is_cuda:
+        return _c("allocator settings", "skip", "CPU")
+    if cur and want and want not in cur:
+        return _c("allocator settings", "warn", f"PYTORCH_CUDA_ALLOC_CONF={cur}; the plan wants {want}",
+                  f"unset it or add {want}; edgerl train sets the plan's value only when the variable is unset")
+    return _c("allocator settings", "ok", f"PYTORCH_CUDA_ALLOC_CONF={cur or '(unset)'}; edgerl train sets "
+              f"{want or 'nothing'} when unset")
+
+
+def check_memory_in_use(dev: Device, simulated: bool) -> Check:
+    if not dev.is_cuda or simulated or dev.free_memory is None:
+        return _c("GPU memory free", "skip", "not measured")
+    used = dev.total_memory - dev.free_memory
+    if used > 0.1 * dev.total_memory:
+        return _c("GPU memory free", "warn", f"{fmt_bytes(used)} of {fmt_bytes(dev.total_memory)} already in use "
+                  f"(utilisation {dev.utilization_pct}%)", "stop other processes on this GPU (nvidia-smi lists them)")
+    return _c("GPU memory free", "ok", f"{fmt_bytes(dev.free_memory)} of {fmt_bytes(dev.total_memory)} free")
+
+
+def run_checks(dev: Device, probe: ProbeResult, plan: Optional[Plan], env: Optional[Environment] = None,
+               simulated: bool = False) -> list[Check]:
+    env = env or Environment()
+    dtype = plan.dtype if plan else pick_dtype(dev, None)[0]
+    checks: list[Check] = [
+        check_driver(probe.nvml, simulated),
+        check_torch_cuda(dev, probe, simulated),
+        check_arch(dev, probe),
+        check_runtime_vs_driver(dev, probe, simulated),
+        check_bf16(dev),
+        check_fp16(dev, dtype),
+        check_flash_attn(dev, dtype),
+        check_sdpa(dev, dtype),
+        check_triton(dev),
+        check_vllm(dev, dtype),
+        check_bnb(dev),
+        check_host_ram(dev, plan),
+        *check_folders(env),
+        check_pcie(dev, simulated),
+        check_allocator(dev, env, plan),
+        check_memory_in_use(dev, simulated),
+    ]
+    return checks
+
+
+def exit_code(checks: list[Check]) -> int:
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+__all__ = ["Check", "Environment", "run_checks", "exit_code", "sdpa_backends", "pick_attention"]

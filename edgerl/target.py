@@ -1,0 +1,73 @@
+"""From what the user typed to the plan's inputs: the device (probed, a profile, or a spec), the
+model shape, the task and the overrides. Shared by `doctor`, `recommend` and `train`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+from .config import Config
+from .device import Device, SpecError, device_from_spec
+from .modelspec import ModelSpec, resolve
+from .plan import Plan, Task, plan
+from .probe import ProbeResult, probe
+from .profiles import Profile, device_from_profile, get_profile, match_profile
+
+
+@dataclass(frozen=True)
+class Target:
+    device: Device
+    probe: ProbeResult
+    simulated: bool              # planned for a GPU that is not (necessarily) this machine's
+    profile: Optional[Profile]
+
+
+def resolve_target(gpu: Optional[str] = None, gpu_spec: Optional[str] = None,
+                   probe_fn: Optional[Callable[[], ProbeResult]] = None) -> Target:
+    """The probed device, or the one named by --gpu/--profile or described by --gpu-spec."""
+    if gpu and gpu_spec:
+        raise SpecError("give either --gpu NAME or --gpu-spec ..., not both")
+    result = (probe_fn or probe)()
+    host = result.primary.host_memory
+    if gpu:
+        prof = get_profile(gpu)
+        dev = device_from_profile(prof, result.software, host)
+        return Target(dev, result, True, prof)
+    if gpu_spec:
+        return Target(device_from_spec(gpu_spec, result.software, host), result, True, None)
+    dev = result.primary
+    prof = match_profile(dev)
+    if prof is not None:
+        dev = replace(dev, profile=prof.name)
+    return Target(dev, result, False, prof)
+
+
+def task_from_config(cfg: Config, prompt_len: Optional[int] = None) -> Task:
+    return Task(prompt_len=prompt_len or cfg.data.max_prompt_len, response_len=cfg.rollout.max_new_tokens,
+                prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.rollout.n_samples,
+                mini_batch=cfg.train.mini_batch, algo=cfg.algo.advantage, kl=cfg.algo.kl_coef > 0,
+                lora=cfg.lora.enabled, lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
+                lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.target_modules else None)
+
+
+def overrides_from_config(cfg: Config, profile: Optional[Profile] = None) -> dict[str, Any]:
+    """The config's [plan] section and train.micro_batch, over the profile's known-good defaults."""
+    out: dict[str, Any] = dict(profile.defaults) if profile else {}
+    for f in dataclasses.fields(cfg.plan):
+        v = getattr(cfg.plan, f.name)
+        if v is not None:
+            out[f.name] = v
+    if cfg.train.micro_batch is not None:
+        out["micro_batch"] = cfg.train.micro_batch
+    return out
+
+
+def model_spec(cfg: Config) -> ModelSpec:
+    return resolve(cfg.model.path)
+
+
+def plan_for(cfg: Config, target: Target, spec: Optional[ModelSpec] = None,
+             prompt_len: Optional[int] = None) -> Plan:
+    return plan(target.device, spec or model_spec(cfg), task_from_config(cfg, prompt_len),
+                overrides_from_config(cfg, target.profile))

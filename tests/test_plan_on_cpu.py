@@ -1,0 +1,166 @@
+"""plan() table-driven over fake devices, the memory search, overrides, and the no-fit message."""
+
+import dataclasses
+
+import pytest
+
+from edgerl.device import GiB, MiB, Software
+from edgerl.memory import Setting, estimate
+from edgerl.modelspec import CATALOGUE, resolve
+from edgerl.plan import PlanError, Task, plan
+from edgerl.profiles import device_from_profile, get_profile
+from fakes import CU126_ARCH, fake_probe
+
+SMALL = Task(prompt_len=256, response_len=256, prompts_per_step=2, samples_per_prompt=8)
+
+# device, extra libs -> dtype, attention, kernel backend, rollout engine, cuda graphs
+TABLE = [
+    ("P40", {}, "fp32", "sdpa", "torch", "hf", True),
+    ("P100", {}, "fp32", "sdpa", "torch", "hf", True),
+    ("V100", {}, "fp16-mixed", "sdpa", "triton", "hf", True),
+    ("T4", {}, "fp16-mixed", "sdpa", "triton", "hf", True),
+    ("GTX1660", {}, "fp16-mixed", "sdpa", "triton", "hf", True),
+    ("3090", {}, "bf16-mixed", "sdpa", "triton", "hf", True),
+    ("3090", {"flash_attn": "2.7.4"}, "bf16-mixed", "flash_attention_2", "triton", "hf", True),
+    ("A100", {"vllm": "0.10.1"}, "bf16-mixed", "sdpa", "triton", "vllm", False),
+    ("H100", {"triton": None}, "bf16-mixed", "sdpa", "torch", "hf", True),
+    ("P40", {"vllm": "0.10.1", "flash_attn": "2.7.4"}, "fp32", "sdpa", "torch", "hf", True),
+    ("T4", {"vllm": "0.10.1"}, "fp16-mixed", "sdpa", "triton", "vllm", False),
+    (None, {}, "fp32", "sdpa", "torch", "hf", False),
+]
+
+
+@pytest.mark.parametrize("key,libs,dtype,attention,kernel,engine,graphs", TABLE)
+def test_decisions_per_device(key, libs, dtype, attention, kernel, engine, graphs):
+    dev = fake_probe(key, **libs).primary
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    assert (p.dtype.name, p.attention, p.kernel_backend, p.rollout_engine, p.cuda_graphs) == \
+        (dtype, attention, kernel, engine, graphs)
+    assert p.dtype.grad_scaler == (dtype == "fp16-mixed")
+    assert set(p.reasons) >= set(p.DECISIONS)
+    assert all(p.reasons[k] for k in p.DECISIONS), "every decision carries a reason"
+    assert p.memory.fits and p.memory.total <= p.memory.budget
+    if kernel == "triton":
+        assert p.kernel_tiles["smem_bytes"] <= dev.smem_per_block_optin
+
+
+def test_plan_is_pure_and_deterministic():
+    dev = fake_probe("T4").primary
+    a = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    b = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    assert a == b and a.to_dict() == b.to_dict()
+
+
+def test_never_bf16_by_emulation():
+    for key in ("V100", "T4", "GTX1660"):
+        dev = fake_probe(key).primary
+        assert plan(dev, CATALOGUE["smollm2-135m"], SMALL).dtype.compute == "fp16"
+        with pytest.raises(PlanError, match="only emulated"):
+            plan(dev, CATALOGUE["smollm2-135m"], SMALL, {"dtype": "bf16"})
+
+
+def test_impossible_overrides_are_clear_errors():
+    p40 = fake_probe("P40").primary
+    with pytest.raises(PlanError, match="flash_attention_2 is not possible.*CC >= 8.0"):
+        plan(p40, CATALOGUE["smollm2-135m"], SMALL, {"attention": "flash_attention_2"})
+    with pytest.raises(PlanError, match="triton is not possible.*CC >= 7.0"):
+        plan(p40, CATALOGUE["smollm2-135m"], SMALL, {"kernel_backend": "triton"})
+    with pytest.raises(PlanError, match="vllm is not possible"):
+        plan(p40, CATALOGUE["smollm2-135m"], SMALL, {"rollout_engine": "vllm"})
+    with pytest.raises(PlanError, match="needs bitsandbytes"):
+        plan(p40, CATALOGUE["smollm2-135m"], SMALL, {"optimizer": "adamw8bit"})
+
+
+def test_vllm_not_for_volta_on_cuda_12_8_builds():
+    v100 = fake_probe("V100", vllm="0.10.1").primary
+    v100 = dataclasses.replace(v100, software=dataclasses.replace(v100.software, torch_cuda="12.8"))
+    p = plan(v100, CATALOGUE["smollm2-135m"], SMALL)
+    assert p.rollout_engine == "hf" and "start at sm_75" in p.reasons["rollout_engine"]
+
+
+def test_search_goes_from_fast_to_frugal():
+    m = CATALOGUE["qwen2.5-0.5b"]
+    roomy = plan(fake_probe("A100").primary, m, SMALL)
+    assert not roomy.grad_checkpointing and not roomy.param_offload and roomy.micro_batch == 16
+    tight = plan(device_from_profile(get_profile("t4"), Software(), 64 * GiB), m,
+                 dataclasses.replace(SMALL, response_len=1024, prompts_per_step=8))
+    assert tight.grad_checkpointing, tight.reasons["grad_checkpointing"]
+    assert tight.memory.fits
+    # the faster setting before it (no checkpointing, micro-batch 4) does not fit
+    with pytest.raises(PlanError):
+        plan(tight.device, m, tight.task, {"grad_checkpointing": False, "micro_batch": 4})
+
+
+def test_ppo_counts_the_critic_and_kl0_drops_the_reference():
+    dev = fake_probe("A100").primary
+    m = CATALOGUE["qwen2.5-0.5b"]
+    grpo = plan(dev, m, SMALL, {"micro_batch": 4})
+    ppo = plan(dev, m, dataclasses.replace(SMALL, algo="gae"), {"micro_batch": 4})
+    nokl = plan(dev, m, dataclasses.replace(SMALL, kl=False), {"micro_batch": 4})
+    P = m.n_params()
+    # the critic adds fp32 weights, gradients and Adam moments (4 + 4 + 8 bytes per parameter)
+    assert ppo.memory.phases["update"]["other models"] - grpo.memory.phases["update"]["other models"] == P * 16
+    assert "other models" not in nokl.memory.phases["update"]
+
+
+def test_memory_formulas_by_hand():
+    m = CATALOGUE["smollm2-135m"]
+    P = m.n_params()
+    s = Setting(compute_bytes=2, base_bytes=4, grad_checkpointing=False, swap_models=False,
+                optimizer_offload=False, param_offload=False, micro_batch=2, score_micro_batch=4,
+                rollout_batch=8, logprob_chunk=256, eager_attention=False, reference=True)
+    e = estimate(m, s, prompt_len=100, response_len=28, budget=100 * GiB)
+    L = 128
+    u = e.phases["update"]
+    assert u["master weights"] == P * 4 and u["gradients"] == P * 4 and u["optimizer state"] == P * 8
+    assert u["other models"] == P * 2
+    per_layer_token = 2 * (5 * 576 + 3 * 576 + 3 * 192 + 4 * 1536)
+    assert u["activations"] == 2 * L * 30 * per_layer_token
+    assert u["log-prob logits"] == 256 * 49152 * 4 * 3
+    assert e.phases["rollout"]["KV cache"] == 8 * L * 2 * 30 * 192 * 2
+    assert u["CUDA context"] == 512 * MiB
+    ck = estimate(m, dataclasses.replace(s, grad_checkpointing=True), 100, 28, 100 * GiB)
+    assert ck.phases["update"]["activations"] == 2 * L * (30 * 576 * 2 + per_layer_token)
+    eager = estimate(m, dataclasses.replace(s, eager_attention=True), 100, 28, 100 * GiB)
+    assert eager.phases["update"]["activations"] - u["activations"] == 2 * L * 30 * 2 * 2 * 9 * L
+
+
+def test_no_fit_says_what_would_fit():
+    dev = device_from_profile(get_profile("p40"), Software(), 64 * GiB)
+    task = Task(prompt_len=256, response_len=512, prompts_per_step=8, samples_per_prompt=8)
+    with pytest.raises(PlanError) as e:
+        plan(dev, CATALOGUE["llama-3.2-3b"], task)
+    msg = str(e.value)
+    assert "does not fit on Tesla P40" in msg and "What would fit" in msg
+    assert "--set lora.enabled=true" in msg
+    assert "a bigger GPU" in msg
+
+
+def test_lora_auto_turns_on_only_when_full_does_not_fit():
+    dev = device_from_profile(get_profile("p40"), Software(), 64 * GiB)
+    task = Task(prompt_len=256, response_len=512, prompts_per_step=8, samples_per_prompt=8, lora=None)
+    small = plan(dev, CATALOGUE["qwen2.5-0.5b"], task)
+    assert small.lora is None and small.reasons["lora"] == "full fine-tuning fits"
+    big = plan(dev, CATALOGUE["llama-3.2-3b"], task)
+    assert big.lora and big.lora["rank"] == 16 and "does not fit" in big.reasons["lora"]
+    assert big.lora["params"] == CATALOGUE["llama-3.2-3b"].lora_params(16, big.lora["targets"])
+
+
+def test_model_shapes_match_published_parameter_counts():
+    # published sizes (millions); tied embeddings counted once
+    expected = {"qwen2.5-0.5b": 494, "qwen2.5-1.5b": 1544, "qwen2.5-3b": 3086, "qwen2.5-7b": 7616,
+                "llama-3.2-1b": 1236, "llama-3.2-3b": 3213, "llama-3.1-8b": 8030,
+                "smollm2-135m": 135, "smollm2-360m": 362, "smollm2-1.7b": 1711}
+    for name, millions in expected.items():
+        assert abs(CATALOGUE[name].n_params() / 1e6 - millions) / millions < 0.01, name
+
+
+def test_model_from_hf_folder(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "tie_word_embeddings": False}))
+    m = resolve(str(tmp_path))
+    assert m.qkv_bias and m.num_kv_heads == 2 and not m.tie_embeddings
+    assert m.n_params() == 2 * 1000 * 64 + 2 * m.layer_params() + 64

@@ -1,0 +1,143 @@
+"""probe() over fake NVML/torch layers: every GPU class, no driver, CPU-only torch, several GPUs."""
+
+import pytest
+
+from edgerl.device import GiB, arch_covers, capability, device_from_spec, SpecError, wheel_for
+from edgerl.probe import probe
+from fakes import CU126_ARCH, CU130_ARCH, GPUS, FakeCuda, FakeNvml, fake_probe, nvml_gpu, software
+
+
+@pytest.mark.parametrize("key", list(GPUS))
+def test_probe_reads_each_gpu_class(key):
+    r = fake_probe(key)
+    d = r.primary
+    name, cc, mem, sms, smem = GPUS[key]
+    assert d.kind == "cuda" and d.name == name and d.cc == cc
+    assert d.sm_count == sms and d.smem_per_block_optin == smem
+    assert d.nvml_index == 0 and d.index == 0
+    assert d.bf16 == (cc >= (8, 0))
+    assert d.tensor_cores == (cc >= (7, 0) and key != "GTX1660")
+    assert d.fp16_fast == (cc != (6, 1))
+    assert d.pcie_gen == 3 and d.driver_version == "560.35.03" and d.cuda_driver == "12.6"
+    assert d.host_memory == 64 * GiB and d.host_memory_available == 48 * GiB
+
+
+def test_no_driver_gives_cpu_with_reason():
+    r = fake_probe("P40", nvml_ok=False)
+    assert r.primary.kind == "cpu"
+    assert "no NVIDIA driver" in r.primary.note
+
+
+def test_cpu_only_torch_names_the_gpu_it_cannot_use():
+    r = fake_probe("P40", torch_cuda=None)
+    assert r.primary.kind == "cpu"
+    assert "CPU-only build" in r.primary.note and "Tesla P40" in r.primary.note
+
+
+def test_cuda_torch_without_gpu():
+    nvml = FakeNvml([], ok=True)
+    cuda = FakeCuda([], CU126_ARCH)
+    r = probe(nvml=nvml, cuda=cuda, env={}, host=(8 * GiB, None), software=software())
+    assert r.primary.kind == "cpu" and "no GPU" in r.primary.note
+
+
+def test_nvml_missing():
+    nvml = FakeNvml([], ok=False, reason="nvidia-ml-py is not installed (pip install nvidia-ml-py)")
+    r = probe(nvml=nvml, cuda=None, env={}, host=(8 * GiB, None), software=software(None))
+    assert r.primary.kind == "cpu" and "nvidia-ml-py" in r.primary.note
+
+
+def test_torch_cuda_that_raises_is_a_note_not_a_traceback():
+    class Broken(FakeCuda):
+        def is_available(self):
+            raise RuntimeError("CUDA driver initialization failed")
+    gpus = [nvml_gpu("T4")]
+    r = probe(nvml=FakeNvml(gpus), cuda=Broken(gpus, CU126_ARCH), env={}, host=(8 * GiB, None), software=software())
+    assert r.primary.kind == "cpu"
+    assert any("CUDA driver initialization failed" in n for n in r.notes)
+
+
+def test_several_gpus_mapped_through_cuda_visible_devices():
+    # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES=2,0 makes NVML 2 torch's device 0.
+    gpus = [nvml_gpu("P40", 0), nvml_gpu("T4", 1), nvml_gpu("3090", 2)]
+    visible = [gpus[2], gpus[0]]
+    cuda = FakeCuda(visible, CU126_ARCH)
+    r = probe(nvml=FakeNvml(gpus), cuda=cuda, env={"CUDA_VISIBLE_DEVICES": "2,0"}, host=(8 * GiB, None),
+              software=software())
+    assert [d.name for d in r.devices] == ["NVIDIA GeForce RTX 3090", "Tesla P40"]
+    assert [(d.index, d.nvml_index) for d in r.devices] == [(0, 2), (1, 0)]
+
+
+def test_visible_devices_by_uuid_without_torch_uuid():
+    gpus = [nvml_gpu("P40", 0), nvml_gpu("T4", 1)]
+
+    class NoUuid(FakeCuda):
+        def properties(self, i):
+            p = super().properties(i)
+            p.uuid = ""
+            return p
+    r = probe(nvml=FakeNvml(gpus), cuda=NoUuid([gpus[1]], CU126_ARCH), env={"CUDA_VISIBLE_DEVICES": "GPU-t4"},
+              host=(8 * GiB, None), software=software())
+    assert r.primary.name == "Tesla T4" and r.primary.nvml_index == 1
+
+
+def test_visible_devices_hiding_everything():
+    gpus = [nvml_gpu("T4", 0)]
+    cuda = FakeCuda([], CU126_ARCH)
+    r = probe(nvml=FakeNvml(gpus), cuda=cuda, env={"CUDA_VISIBLE_DEVICES": ""}, host=(8 * GiB, None),
+              software=software())
+    assert r.primary.kind == "cpu" and "CUDA_VISIBLE_DEVICES" in r.primary.note
+
+
+@pytest.mark.parametrize("arch,cc,covered", [
+    (CU126_ARCH, (6, 1), True),        # sm_60 cubin runs on sm_61
+    (CU130_ARCH, (6, 1), False),       # the real cause of "no kernel image is available"
+    (CU130_ARCH, (7, 0), False),       # torch's own check compares majors only and gets this wrong
+    (CU130_ARCH, (7, 5), True),
+    (CU130_ARCH, (8, 9), True),        # sm_86 runs on 8.9
+    (["sm_80", "sm_90a"], (9, 0), True),
+    (["sm_90a"], (9, 2), False),       # arch-specific cubins run on exactly their CC
+    (["sm_75", "compute_75"], (12, 0), True),   # PTX JIT-compiles forward across majors
+    (["sm_86"], (8, 0), False),
+    ([], (8, 0), False),
+])
+def test_arch_coverage(arch, cc, covered):
+    assert arch_covers(arch, cc) is covered
+
+
+def test_wheel_advice_for_pascal_and_volta():
+    assert "cu126" in wheel_for((6, 1), "12.8")[0]
+    assert "cu118" in wheel_for((6, 1), "12.2")[0]
+    assert "cu126" in wheel_for((7, 0), "13.0")[0]
+    assert "cu128" in wheel_for((12, 0), "12.8")[0]
+
+
+def test_capability_table_rules():
+    assert capability((7, 2)).cc == (7, 2) and capability((7, 2)).arch == "Volta"
+    with pytest.raises(SpecError, match="below 6.0"):
+        capability((5, 2))
+    with pytest.raises(SpecError, match="not in edgerl's table"):
+        capability((11, 0))
+
+
+def test_gpu_spec_fills_missing_fields_from_the_table():
+    d = device_from_spec('cc=6.1,memory=24GiB,name="Quadro P6000"', software(), 32 * GiB)
+    assert d.name == "Quadro P6000" and d.cc == (6, 1) and d.total_memory == 24 * GiB
+    assert d.smem_per_block_optin == 49152 and not d.fp16_fast and not d.bf16 and d.source == "spec"
+    d = device_from_spec("cc=8.6,memory=12288MiB,sm_count=28", software(), 32 * GiB)
+    assert d.total_memory == 12 * GiB and d.sm_count == 28 and d.bf16
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("cc=6.1", "needs at least cc and memory"),
+    ("cc=six,memory=24GiB", "not a compute capability"),
+    ("cc=6.1,memory=lots", "not a size"),
+    ("cc=6.1,memory=24GiB,colour=red", "unknown key 'colour'"),
+    ("cc=6.1,memory=24GiB,bf16=true", "native bf16 starts at CC 8.0"),
+    ("cc=6.1,memory=24GiB,name=\"P6000", "unclosed quote"),
+    ("cc=5.0,memory=4GiB", "below 6.0"),
+    ("memory=24GiB,cc", "not key=value"),
+])
+def test_gpu_spec_errors(spec, message):
+    with pytest.raises(SpecError, match=message):
+        device_from_spec(spec, software(), 8 * GiB)
