@@ -52,6 +52,7 @@ class _TokenLogprobEntropy(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dlogp, dent):
         h, w, targets, lse, mz = ctx.saved_tensors
         inv_temp, backend, chunk, tiles = ctx.cfg
@@ -113,7 +114,8 @@ def token_logprobs_and_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     """Log-prob of each target token and entropy of its distribution, softmax(hidden @ W.T / T).
 
     hidden (..., H) float (fp32/fp16/bf16; fp64 on the torch backend), lm_head_weight (V, H) of the
-    same dtype (tied or not: gradients accumulate into whatever tensor is passed), targets (...) int64
+    same dtype (under autocast, both are cast to the autocast dtype as a matmul would be; tied or
+    not: gradients accumulate into whatever tensor is passed), targets (...) int64
     in [0, V). Returns logprobs, entropy, both (...) float32; entropy is None if compute_entropy=False.
     Differentiable w.r.t. hidden and lm_head_weight through both outputs.
 
@@ -124,6 +126,12 @@ def token_logprobs_and_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     temporaries plus an fp32 copy of W for 16-bit inputs; triton, O(N) forward and one slab plus an
     fp32 (N, H) grad_h accumulator in the backward. The naive path needs about 16 x N x V bytes.
     """
+    dev_type = hidden.device.type
+    if torch.is_autocast_enabled(dev_type) and hidden.dtype != lm_head_weight.dtype:
+        # what a matmul does under autocast (fp32 master weight, bf16 activations): both to the
+        # autocast dtype; the cast is differentiable, so gradients reach the fp32 parameter
+        cast = torch.get_autocast_dtype(dev_type)
+        hidden, lm_head_weight = hidden.to(cast), lm_head_weight.to(cast)
     temperature = _check_inputs(hidden, lm_head_weight, targets, temperature, chunk)
     lead, hid = hidden.shape[:-1], hidden.shape[-1]
     vocab = lm_head_weight.shape[0]

@@ -201,6 +201,26 @@ def test_triton_is_stable_for_huge_logits(interpreted, peaked):
     _check_huge_logits(triton_fn(make_tiles(16, 64, 16, "fp32"), chunk=5), peaked)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_output_element_is_written(request, monkeypatch, backend):
+    """Buffers our code allocates with torch.empty start as NaN: any element a kernel or a slab
+    loop fails to write shows up as a non-finite output or gradient."""
+    if backend == "triton":
+        request.getfixturevalue("interpreted")
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-(2 ** 31))
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    for lead, hid, vocab in CASES:
+        h, w, t, wl, we = make_inputs(lead, hid, vocab, torch.float32, seed=19)
+        fn = triton_fn(make_tiles(16, 64, 16, "fp32"), chunk=3) if backend == "triton" else torch_fn(3)
+        err = errors(run(fn, h, w, t, wl, we, 1.0), reference(h, w, t, wl, we, 1.0))  # asserts finite
+        assert max(err) < 1e-4, err
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_triton_vocabulary_splits_merge_exactly(interpreted, splits):
     h, w, t, _, _ = make_inputs((37,), 40, 300, torch.float32, seed=9)
@@ -427,6 +447,17 @@ def test_bad_inputs_are_clear_errors():
         token_logprobs_and_entropy(h, w, t, 0.0)
     with pytest.raises(ValueError, match="chunk"):
         token_logprobs_and_entropy(h, w, t, chunk=0)
+
+
+def test_autocast_casts_like_a_matmul_and_reaches_the_fp32_weight():
+    h, w, t, wl, we = make_inputs((37,), 40, 300, torch.float32, seed=20)
+    a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = token_logprobs_and_entropy(a.bfloat16(), b, t, backend="torch", chunk=8)
+    ((lp * wl.float()).sum() + (ent * we.float()).sum()).backward()
+    assert b.grad.dtype == torch.float32 and a.grad.dtype == torch.float32
+    ref = reference(h.bfloat16(), w.bfloat16(), t, wl, we, 1.0)
+    assert max(errors((lp, ent, a.grad, b.grad), ref)) < 1e-2
 
 
 def test_zero_tokens_and_non_contiguous_hidden():
