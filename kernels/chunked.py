@@ -19,7 +19,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def forward_stats_torch(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, inv_temp: float,
                         chunk: int, compute_entropy: bool):
-    """Returns logp, entropy (or None), lse, mz (or None), all (N,) float32.
+    """Returns logp, entropy (or None) as (N,) float32, and lse, mz (or None) as (N,) in the compute
+    dtype, for the backward.
 
     Works on chunk x V logits at a time: the chunk's logits and one more tile of that shape
     (exp) are the only temporaries that scale with the vocabulary.
@@ -27,10 +28,10 @@ def forward_stats_torch(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
     cd = compute_dtype(h.dtype)
     n = h.shape[0]
     w_c = w.to(cd)
-    f32 = dict(dtype=torch.float32, device=h.device)
-    logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
+    f32, acc = dict(dtype=torch.float32, device=h.device), dict(dtype=cd, device=h.device)
+    logp, lse = torch.empty(n, **f32), torch.empty(n, **acc)
     ent = torch.empty(n, **f32) if compute_entropy else None
-    mz = torch.empty(n, **f32) if compute_entropy else None
+    mz = torch.empty(n, **acc) if compute_entropy else None
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
         z = torch.mm(h[r0:r1].to(cd), w_c.t())
@@ -46,8 +47,9 @@ def forward_stats_torch(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,
         if compute_entropy:
             # entropy = log s - sum e (z - m) / s, both terms relative to m: no cancellation of large numbers
             t = e.mul_(z).sum(dim=1)
-            ent[r0:r1] = log_s - t / s
-            mz[r0:r1] = lse[r0:r1] - ent[r0:r1]
+            ent_c = log_s - t / s
+            ent[r0:r1] = ent_c
+            mz[r0:r1] = lse[r0:r1] - ent_c
     return logp, ent, lse, mz
 
 

@@ -110,7 +110,7 @@ def test_naive_fp32_is_close_to_float64():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk", [1, 5, None])
 def test_torch_chunked_fp32_matches_float64(lead, hid, vocab, temperature, chunk):
-    h, w, t, wl, we = make_inputs(lead, hid, vocab, torch.float32, seed=hash((lead, hid, chunk)) % 1000)
+    h, w, t, wl, we = make_inputs(lead, hid, vocab, torch.float32, seed=100 * len(lead) + hid + (chunk or 0))
     got = run(torch_fn(chunk), h, w, t, wl, we, temperature)
     assert got[0].shape == lead and got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     err = errors(got, reference(h, w, t, wl, we, temperature))
@@ -155,15 +155,9 @@ def _check_huge_logits(fn, peaked):
     assert z.abs().max() > 500
     ref = reference(h, w, t, wl, we, 1.0)
     got = run(fn, h, w, t, wl, we, 1.0)
-    if not peaked:
-        err = errors(got, ref)
-        assert max(err) < 1e-4, err
-    else:
-        # entropies are ~0 and grad-logits ~0 up to the target's onehot: compare absolutely
-        assert rel(got[0], ref[0]) < 1e-4
-        assert (got[1].double() - ref[1]).abs().max() < 1e-3
-        for a, b in zip(got[2:], ref[2:]):
-            assert rel(a, b) < 1e-3
+    err = errors(got, ref)
+    assert max(err) < 1e-4, err
+    assert (got[1].double() - ref[1]).abs().max() < 1e-4  # entropies near 0 stay near 0
 
 
 # ---------------------------------------------------------------- Triton, interpreted
