@@ -1,0 +1,175 @@
+"""Tile sizes for the Triton log-prob kernels, and chunk sizes for the torch path, as pure functions.
+
+The planner calls these without a GPU and without torch, so this module imports neither torch nor
+triton. Everything here is arithmetic on integers and strings.
+
+Both Triton kernels (the fused forward and the grad-logits kernel of the backward, see
+``_triton_kernels.py``) compute a logits tile ``z[BLOCK_N tokens, BLOCK_V vocab] = h @ W.T`` with a
+``tl.dot`` loop over the hidden size in steps of BLOCK_K, then an epilogue on the fp32 tile. Their
+shared memory is what :func:`estimate_smem` counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Bytes per element of the tl.dot operands (and of the grad-logits tile the backward stores).
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+# cudaDevAttrMaxSharedMemoryPerBlockOptin by compute capability, for when the device cannot be asked
+# (torch < 2.7 has no `shared_memory_per_block_optin`). Pascal has no opt-in above the 48 KB default;
+# sm_80+ values already exclude the 1 KB per block the hardware reserves.
+SMEM_PER_BLOCK_OPTIN = {
+    (6, 0): 49152, (6, 1): 49152, (6, 2): 49152,
+    (7, 0): 98304, (7, 2): 98304, (7, 5): 65536,
+    (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
+    (9, 0): 232448, (10, 0): 232448, (12, 0): 101376,
+}
+
+# The default static limit, and the only one on Pascal: tiles chosen for it compile everywhere.
+SMEM_DEFAULT = 49152
+
+# Largest logits tile: 128 x 128 fp32 accumulators are 64 registers per thread at 8 warps; the
+# epilogue holds two or three more tiles of that size, so a larger tile spills registers.
+_MAX_TILE_AREA = 128 * 128
+_BLOCKS = (128, 64, 32, 16)  # tl.dot needs every dimension >= 16
+_BLOCK_K = (64, 32, 16)
+_STAGES = (4, 3, 2, 1)
+
+# Bytes per logit of the torch path's temporaries: the fp32 logits chunk and one fp32 tile of the
+# same shape (exp in the forward; p and grad-logits in the backward). Measured by
+# tests/test_kernels_on_cpu.py::test_torch_path_peak_memory_is_bounded_by_the_chunk.
+TORCH_BYTES_PER_LOGIT = 8
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A tile configuration for the Triton kernels.
+
+    block_n: tokens per tile (M of the tl.dot), block_v: vocabulary entries per tile (N),
+    block_k: hidden-size step (K). smem_bytes: what :func:`estimate_smem` says the kernels need for
+    ``dtype``; reason: one line on why this configuration was chosen.
+    """
+
+    block_n: int
+    block_v: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    smem_bytes: int
+    dtype: str
+    reason: str
+
+    def __post_init__(self):
+        for name in ("block_n", "block_v", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Tiles.{name}={v}: tl.dot needs a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"Tiles.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            raise ValueError(f"Tiles.num_stages={self.num_stages}: must be >= 1")
+        _dtype_bytes(self.dtype)
+
+
+def _dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPE_BYTES)}") from None
+
+
+def estimate_smem(block_n: int, block_v: int, block_k: int, num_stages: int, dtype: str) -> int:
+    """Shared memory (bytes) one program of either kernel needs, an upper bound.
+
+    - Operand buffers of the pipelined tl.dot loop: each stage holds one h tile (block_n x block_k)
+      and one W tile (block_k x block_v) in the input dtype. Triton allocates num_stages of them on
+      sm_90 and num_stages - 1 (at least one) on sm_80-sm_89.
+    - Epilogue: the grad-logits kernel stores its (block_n x block_v) tile in the input dtype; Triton
+      converts the tl.dot accumulator layout to a coalesced one through shared memory first. The
+      forward kernel's row reductions need far less.
+    Triton can let the epilogue scratch reuse the operand buffers (its allocator is liveness-based),
+    in which case it needs the larger of the two; we count the sum, so that the estimate stays an
+    upper bound if a Triton version does not. tests/test_tiles_on_cpu.py compiles the kernels for
+    sm_80/86/90 and checks the compiler's own figure against this one.
+    """
+    elt = _dtype_bytes(dtype)
+    pipeline = num_stages * (block_n + block_v) * block_k * elt
+    epilogue = block_n * block_v * elt
+    return pipeline + epilogue
+
+
+def make_tiles(block_n: int, block_v: int, block_k: int, dtype: str, *, num_warps: int | None = None,
+               num_stages: int = 2, reason: str = "given") -> Tiles:
+    """A Tiles with its smem estimate filled in (for tests, benchmarks and hand-tuning)."""
+    if num_warps is None:
+        num_warps = 8 if block_n * block_v >= _MAX_TILE_AREA else 4
+    smem = estimate_smem(block_n, block_v, block_k, num_stages, dtype)
+    return Tiles(block_n, block_v, block_k, num_warps, num_stages, smem, dtype, reason)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def choose_tiles(smem_per_block_optin: int, dtype: str, hidden: int, vocab: int, *,
+                 cc: tuple[int, int] | None = None) -> Tiles:
+    """The tile configuration for a device with ``smem_per_block_optin`` bytes of shared memory per block.
+
+    dtype: "fp32" | "fp16" | "bf16" (the dtype of hidden states and weight). cc: the compute capability,
+    if known; below sm_80 there is no cp.async, so more than two stages buy nothing there.
+    Never returns a config whose :func:`estimate_smem` exceeds ``smem_per_block_optin``.
+
+    Score = arithmetic intensity of the logits tile, block_n*block_v / (block_n+block_v) (how many
+    flops each loaded byte feeds), times how much of the K loop's memory latency the pipeline hides,
+    min(block_k * num_stages, 128) / 128; ties go to the larger tile, then more stages. For bf16
+    this gives 128x128, K step 64, 4 stages on 227 KB (H100/H200) and 163 KB (A100); 128x128, K step
+    32, 4 stages on 99 KB (sm_86/89/120); 64x64 with block_k x stages = 128 on 48 KB.
+    """
+    elt = _dtype_bytes(dtype)
+    if hidden < 1 or vocab < 1:
+        raise ValueError(f"hidden={hidden}, vocab={vocab}: both must be >= 1")
+    max_stages = 2 if cc is not None and tuple(cc) < (8, 0) else max(_STAGES)
+    k_cap = max(16, _next_pow2(hidden))
+    v_cap = max(16, _next_pow2(vocab))
+    best = None
+    for bn in _BLOCKS:
+        for bv in _BLOCKS:
+            if bn * bv > _MAX_TILE_AREA or bv > v_cap:
+                continue
+            for bk in _BLOCK_K:
+                if bk > k_cap:
+                    continue
+                for st in _STAGES:
+                    if st > max_stages:
+                        continue
+                    smem = estimate_smem(bn, bv, bk, st, dtype)
+                    if smem > smem_per_block_optin:
+                        continue
+                    intensity = bn * bv / (bn + bv)
+                    hide = min(bk * st, 128) / 128
+                    key = (intensity * hide, bn * bv, st, bk)
+                    if best is None or key > best[0]:
+                        best = (key, bn, bv, bk, st, smem)
+    if best is None:
+        need = estimate_smem(16, 16, 16, 1, dtype)
+        raise ValueError(f"smem_per_block_optin={smem_per_block_optin} bytes: the smallest tile config "
+                         f"needs {need} bytes for {dtype}; is this the right device attribute?")
+    _, bn, bv, bk, st, smem = best
+    warps = 8 if bn * bv >= _MAX_TILE_AREA else 4
+    reason = (f"{smem_per_block_optin} B smem per block: {bn}x{bv} tokens x vocab tile, K step {bk}, "
+              f"{st} stages, {warps} warps need {smem} B ({elt}-byte {dtype} operands)")
+    return Tiles(bn, bv, bk, warps, st, smem, dtype, reason)
+
+
+def choose_chunk(n_tokens: int, vocab: int, budget_bytes: int, *, bytes_per_logit: int = TORCH_BYTES_PER_LOGIT) -> int:
+    """Tokens per chunk so that chunk x vocab temporaries stay within ``budget_bytes``.
+
+    The torch path holds about ``TORCH_BYTES_PER_LOGIT`` bytes per logit of a chunk at once; the
+    Triton backward holds its grad-logits slab in the input dtype (pass ``bytes_per_logit=2`` for
+    fp16/bf16, 4 for fp32). At least one token, at most ``n_tokens``.
+    """
+    if n_tokens < 1 or vocab < 1:
+        raise ValueError(f"n_tokens={n_tokens}, vocab={vocab}: both must be >= 1")
+    if budget_bytes < 1 or bytes_per_logit < 1:
+        raise ValueError(f"budget_bytes={budget_bytes}, bytes_per_logit={bytes_per_logit}: both must be >= 1")
+    return max(1, min(n_tokens, budget_bytes // (vocab * bytes_per_logit)))
