@@ -61,11 +61,12 @@ TOL = {"bf16": 1e-2, "fp16": 5e-3, "fp32": 1e-4, "tf32": 3e-3}
 
 
 def liger_loss_cls():
+    """The Liger loss class, or a string saying why it is not available."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         return LigerFusedLinearCrossEntropyLoss
-    except Exception:  # not installed, or fails to import on this setup: the row says why
-        return None
+    except ImportError as e:  # not installed, or fails to import on this setup: the row says why
+        return f"liger-kernel does not import ({e})"
 
 
 def make_variants(args, dtype_name: str, hidden: int, vocab: int, on_cuda: bool):
@@ -88,8 +89,8 @@ def make_variants(args, dtype_name: str, hidden: int, vocab: int, on_cuda: bool)
         for name in ("triton", "triton-48KB", "triton-logp"):
             v[name] = "needs CUDA"
     cls = liger_loss_cls()
-    if cls is None:
-        v["liger"] = "liger-kernel not installed"
+    if isinstance(cls, str):
+        v["liger"] = cls
     elif not on_cuda:
         v["liger"] = "Liger runs on CUDA only"
     else:
