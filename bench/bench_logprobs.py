@@ -2,8 +2,12 @@
 
 On the GPU (H200), from the repository root:
     python bench/bench_logprobs.py --out $OUT/bench_logprobs.json
+(all 8 shapes x 6 variants; expected a few minutes, most of it the fp32 rows, whose "highest"
+precision runs the GEMMs without tensor cores. To stay well inside a 10-minute command, run
+`--dtypes bf16 --out $OUT/bench_bf16.json` and `--dtypes fp32 --out $OUT/bench_fp32.json` apart.)
 Liger is not on the H200 image: carry its pure-Python wheel (pip download --no-deps liger-kernel)
-and install it first, or its rows say "not run". End-to-end check on a CPU, tiny sizes, torch paths:
+and install it first, or its rows say "not run". The exit status is 1 if any variant failed its
+float64 check or raised. End-to-end check on a CPU, tiny sizes, torch paths only:
     python bench/bench_logprobs.py --smoke
 
 Loss backpropagated: sum(a * logp) + sum(b * entropy) with random per-token a, b (an entropy bonus
@@ -57,11 +61,12 @@ TOL = {"bf16": 1e-2, "fp16": 5e-3, "fp32": 1e-4, "tf32": 3e-3}
 
 
 def liger_loss_cls():
+    """The Liger loss class, or a string saying why it is not available."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         return LigerFusedLinearCrossEntropyLoss
-    except Exception:  # not installed, or fails to import on this setup: the row says why
-        return None
+    except ImportError as e:  # not installed, or fails to import on this setup: the row says why
+        return f"liger-kernel does not import ({e})"
 
 
 def make_variants(args, dtype_name: str, hidden: int, vocab: int, on_cuda: bool):
@@ -84,8 +89,8 @@ def make_variants(args, dtype_name: str, hidden: int, vocab: int, on_cuda: bool)
         for name in ("triton", "triton-48KB", "triton-logp"):
             v[name] = "needs CUDA"
     cls = liger_loss_cls()
-    if cls is None:
-        v["liger"] = "liger-kernel not installed"
+    if isinstance(cls, str):
+        v["liger"] = cls
     elif not on_cuda:
         v["liger"] = "Liger runs on CUDA only"
     else:
@@ -182,6 +187,8 @@ def run(args):
                 b = torch.randn(n, device=device, generator=g)
                 nc = min(n, args.check_tokens)
                 for name, fn in make_variants(args, dtype_name, hidden, vocab, on_cuda).items():
+                    if args.variants and name not in args.variants:
+                        continue
                     row = dict(dtype=dtype_name, hidden=hidden, vocab=vocab, tokens=n, variant=name)
                     if isinstance(fn, str):
                         rows.append(dict(row, status="not run", reason=fn))
@@ -193,6 +200,8 @@ def run(args):
                                          max_rel_err=err, tol=tol))
                     except torch.cuda.OutOfMemoryError as e:
                         rows.append(dict(row, status="oom", reason=str(e).splitlines()[0]))
+                    except Exception as e:  # keep the other rows; the table and JSON say what broke
+                        rows.append(dict(row, status="error", reason=f"{type(e).__name__}: {str(e)[:300]}"))
                     if on_cuda:
                         torch.cuda.empty_cache()
                     print(f"{dtype_name} H={hidden} V={vocab} {name}: {rows[-1].get('status')} "
@@ -218,8 +227,8 @@ def table(rows):
         naive, liger = base.get(key + ("naive",), {}), base.get(key + ("liger",), {})
         mib = None if r.get("peak_extra_bytes") is None else r["peak_extra_bytes"] / 2**20
         lines.append("| " + " | ".join([
-            r["dtype"], str(r["hidden"]), str(r["vocab"]), r["variant"], r["status"] if r["status"] != "not run"
-            else f"not run: {r['reason']}", fmt(r.get("ms"), ".2f"), fmt(mib, ".0f"),
+            r["dtype"], str(r["hidden"]), str(r["vocab"]), r["variant"],
+            r["status"] if "reason" not in r else f"{r['status']}: {r['reason'][:80]}", fmt(r.get("ms"), ".2f"), fmt(mib, ".0f"),
             fmt(ratio(r.get("ms"), naive.get("ms")), ".2f"),
             fmt(ratio(r.get("peak_extra_bytes"), naive.get("peak_extra_bytes")), ".3f"),
             fmt(ratio(r.get("ms"), liger.get("ms")), ".2f"),
@@ -256,8 +265,10 @@ def main(argv=None):
     p.add_argument("--hidden", type=lambda s: [int(x) for x in s.split(",")], default=[896, 2048])
     p.add_argument("--vocab", type=lambda s: [int(x) for x in s.split(",")], default=[49152, 151936])
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["bf16", "fp32"])
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--variants", type=lambda s: s.split(","), default=None,
+                   help="only these, e.g. naive,triton,liger (default: all)")
     p.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: choose_chunk, 256 MiB)")
     p.add_argument("--tiles", default=None, help="force Triton tiles BLOCK_N,BLOCK_V,BLOCK_K,WARPS,STAGES")
     p.add_argument("--check-tokens", type=int, default=256, help="tokens in the float64 correctness check")
@@ -290,8 +301,7 @@ def main(argv=None):
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         print(f"\nwrote {out}")
-    wrong = [r for r in rows if r["status"] == "WRONG"]
-    return 1 if wrong else 0
+    return 1 if any(r["status"] in ("WRONG", "error") for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def _check_inputs(hidden, weight, targets, temperature, chunk):
                          f"dimension, got {tuple(getattr(weight, 'shape', ()))}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"lm_head_weight is {weight.dtype} but hidden is {hidden.dtype}; cast one to the "
-                        f"other's dtype first (e.g. weight.to(hidden.dtype) under bf16 autocast)")
+                        f"other's dtype first (weight.to(hidden.dtype) keeps the gradient flowing to the weight)")
     if weight.device != hidden.device or targets.device != hidden.device:
         raise ValueError(f"hidden on {hidden.device}, lm_head_weight on {weight.device}, targets on "
                          f"{targets.device}: move them to one device")
@@ -146,7 +146,7 @@ def token_logprobs_and_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tenso
         empty = torch.zeros(lead, dtype=torch.float32, device=h.device) + zero
         return empty, (empty.clone() if compute_entropy else None)
     lo, hi = torch.aminmax(tg)
-    if lo.item() < 0 or hi.item() >= vocab:
+    if ((lo < 0) | (hi >= vocab)).item():  # one device sync per call
         bad = int(((tg < 0) | (tg >= vocab)).nonzero()[0, 0])
         raise ValueError(f"targets[{bad}] (flattened) = {int(tg[bad])} is outside the vocabulary [0, {vocab}); "
                          f"mask padding positions with a valid id (e.g. 0) and drop them from the loss")
