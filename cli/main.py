@@ -153,9 +153,25 @@ def profiles() -> None:
     console.print(t)
 
 
+def _register() -> None:
+    """Commands that live in their own modules, and the errors they raise for bad input."""
+    from ..checkpoint import CheckpointError
+    from ..data import DataError
+    from ..embedded import EmbeddedModelError
+    from ..models import ModelError
+    from ..rewards import RewardError
+    from ..trainer import TrainingError
+    from . import train as _train  # noqa: F401  registers train and plot
+    from .data import app as data_app
+    app.add_typer(data_app, name="data")
+    add_user_errors(CheckpointError, DataError, EmbeddedModelError, ModelError, RewardError, TrainingError)
+
+
 def main() -> None:
     app()
 
+
+_register()
 
 if __name__ == "__main__":
     main()

@@ -68,6 +68,16 @@ class DataConfig:
 
 
 @dataclass
+class RewardConfig:
+    function: Optional[str] = F(None, "custom reward 'path/to/file.py:fn' with verl's signature fn(data_source, "
+                                "solution_str, ground_truth, extra_info) -> float | dict; None scores each row "
+                                "by its data_source (gsm8k, math, arithmetic)")
+    model: Optional[str] = F(None, "HF sequence-classification reward model (folder or id) whose score is "
+                             "added to the rule reward")
+    model_coef: float = F(1.0, "weight of the reward model's score")
+
+
+@dataclass
 class RolloutConfig:
     n_samples: int = F(4, "responses sampled per prompt (the GRPO group size)")
     max_new_tokens: int = F(128, "response length limit in tokens")
@@ -164,6 +174,7 @@ class RunConfig:
 class Config:
     model: ModelConfig = F(factory=ModelConfig, doc="models")
     data: DataConfig = F(factory=DataConfig, doc="training data")
+    reward: RewardConfig = F(factory=RewardConfig, doc="how responses are scored")
     rollout: RolloutConfig = F(factory=RolloutConfig, doc="sampling")
     algo: AlgoConfig = F(factory=AlgoConfig, doc="advantages, KL and losses")
     train: TrainConfig = F(factory=TrainConfig, doc="optimisation and batch sizes")

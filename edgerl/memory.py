@@ -17,8 +17,9 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
     activations, no ckpt  tokens x layers x b_c x (5h + 3q + 3kv + 4I)   (+ the eager score matrix:
                           tokens x heads x L x 2 b_c per layer)
     activations, ckpt     tokens x layers x h x b_c + one layer's full activations
-    log-prob pass         chunk x V x 4 x 3 (fp32 logits, probabilities, their gradient) through the
-                          chunked kernel; never tokens x V
+    log-prob pass         chunk x V x b_logit through the chunked kernel (the torch path holds 8
+                          bytes per logit of a chunk, the Triton backward one slab in the compute
+                          dtype); never tokens x V
     KV cache              sequences x L x 2 x layers x kv x b_c
     sampling logits       sequences x V x 4 x 3 (fp32 logits, softmax, top-p sort)
     CUDA context          a constant per process, outside torch's allocator
@@ -41,7 +42,6 @@ class Calibration:
     cuda_context: int = 512 * MiB    # CUDA context + cuBLAS/cuDNN workspaces, not in torch's allocator
     activation_factor: float = 1.0   # scales the activation formula
     fragmentation: float = 0.10      # share of transient memory lost to allocator fragmentation
-    logits_copies: float = 3.0       # fp32 (chunk x V) tensors alive at once in the log-prob pass
 
 
 DEFAULT_CALIBRATION = Calibration()
@@ -60,6 +60,7 @@ class Setting:
     score_micro_batch: int
     rollout_batch: int
     logprob_chunk: int
+    logit_bytes: int                # bytes per logit the kernel holds for a chunk (torch 8, Triton the dtype's)
     eager_attention: bool
     optimizer_bytes_per_param: int = 8
     lora_params: int = 0            # 0: full fine-tuning
@@ -138,7 +139,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
             full = tokens * m.num_layers * per
         return int(full * cal.activation_factor)
 
-    logits = int(s.logprob_chunk * m.vocab_size * 4 * cal.logits_copies)
+    logits = s.logprob_chunk * m.vocab_size * s.logit_bytes
     ctx = cal.cuda_context if s.cuda else 0
     frag = cal.fragmentation
 

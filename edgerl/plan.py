@@ -235,16 +235,23 @@ def pick_kernels(dev: Device, dtype: DtypePolicy, model: ModelSpec,
                "CPU" if not dev.is_cuda else
                f"{dev.sm}: Triton needs CC >= 7.0" if dev.cc < (7, 0) else "triton is not installed")
         return "torch", None, f"{why}: chunked torch log-probs (never the full tokens x vocabulary logits)"
-    tiles = choose_tiles(dev.smem_per_block_optin, dtype.compute, model.hidden_size, model.vocab_size)
+    tiles = choose_tiles(dev.smem_per_block_optin, dtype.compute, model.hidden_size, model.vocab_size, cc=dev.cc)
     t = dataclasses.asdict(tiles)
     return "triton", t, (f"{dev.sm} with triton: fused log-prob kernel, tiles sized to "
                          f"{dev.smem_per_block_optin // 1024} KB shared memory per block ({tiles.reason})")
 
 
-def choose_logprob_chunk(model: ModelSpec, budget: int) -> int:
-    """Tokens per log-prob chunk: about 1/64 of the budget for the fp32 logits tiles, 256..4096."""
-    per_token = model.vocab_size * 4 * DEFAULT_CALIBRATION.logits_copies
-    chunk = int(max(256, min(4096, (budget // 64) // per_token)))
+def logit_bytes(backend: str, dtype: DtypePolicy) -> int:
+    """Bytes per logit of a chunk the log-prob kernel holds at once."""
+    from .kernels.tiles import TORCH_BYTES_PER_LOGIT
+    return TORCH_BYTES_PER_LOGIT if backend == "torch" else dtype.compute_bytes
+
+
+def choose_logprob_chunk(model: ModelSpec, budget: int, per_logit: int) -> int:
+    """Tokens per log-prob chunk: about 1/64 of the budget for the chunk's logits, 256..4096."""
+    from .kernels.tiles import choose_chunk
+    chunk = choose_chunk(4096, model.vocab_size, budget // 64, bytes_per_logit=per_logit)
+    chunk = max(256, chunk)
     return 1 << (chunk.bit_length() - 1)
 
 
@@ -340,9 +347,10 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         hreason = ("5% of device memory (at least 256 MiB) kept free for the allocator and libraries"
                    if device.is_cuda else "25% of host RAM left to the OS and other processes")
     budget = total - headroom
-    chunk = choose_logprob_chunk(model, budget)
-    reasons["logprob_chunk"] = (f"{chunk} tokens per chunk: the fp32 logits tile is {fmt_bytes(chunk * model.vocab_size * 4)} "
-                                f"instead of tokens x {model.vocab_size} for the whole batch")
+    per_logit = logit_bytes(backend, dtype)
+    chunk = choose_logprob_chunk(model, budget, per_logit)
+    reasons["logprob_chunk"] = (f"{chunk} tokens per chunk: the kernel holds {fmt_bytes(chunk * model.vocab_size * per_logit)} "
+                                f"of logits at a time instead of tokens x {model.vocab_size} for the whole batch")
 
     optimizer = o.get("optimizer", "adamw")
     if optimizer == "adamw8bit" and not (device.is_cuda and device.software.has("bitsandbytes")):
@@ -357,7 +365,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         return Setting(
             compute_bytes=dtype.compute_bytes, base_bytes=4 if not lora_params else dtype.compute_bytes,
             grad_checkpointing=False, swap_models=False, optimizer_offload=False, param_offload=False,
-            micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk,
+            micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk, logit_bytes=per_logit,
             eager_attention=attention == "eager",
             optimizer_bytes_per_param=2 if optimizer == "adamw8bit" else 8, lora_params=lora_params,
             critic=task.algo == "gae", reference=task.kl and not lora_params,

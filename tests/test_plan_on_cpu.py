@@ -108,7 +108,7 @@ def test_memory_formulas_by_hand():
     P = m.n_params()
     s = Setting(compute_bytes=2, base_bytes=4, grad_checkpointing=False, swap_models=False,
                 optimizer_offload=False, param_offload=False, micro_batch=2, score_micro_batch=4,
-                rollout_batch=8, logprob_chunk=256, eager_attention=False, reference=True)
+                rollout_batch=8, logprob_chunk=256, logit_bytes=8, eager_attention=False, reference=True)
     e = estimate(m, s, prompt_len=100, response_len=28, budget=100 * GiB)
     L = 128
     u = e.phases["update"]
@@ -116,7 +116,7 @@ def test_memory_formulas_by_hand():
     assert u["other models"] == P * 2
     per_layer_token = 2 * (5 * 576 + 3 * 576 + 3 * 192 + 4 * 1536)
     assert u["activations"] == 2 * L * 30 * per_layer_token
-    assert u["log-prob logits"] == 256 * 49152 * 4 * 3
+    assert u["log-prob logits"] == 256 * 49152 * 8
     assert e.phases["rollout"]["KV cache"] == 8 * L * 2 * 30 * 192 * 2
     assert u["CUDA context"] == 512 * MiB
     ck = estimate(m, dataclasses.replace(s, grad_checkpointing=True), 100, 28, 100 * GiB)

@@ -1,0 +1,135 @@
+"""Checkpoints written atomically (a temporary folder, then one rename), the last K kept.
+
+A checkpoint folder `step-000012/` holds: the actor (and critic) weights as safetensors, the
+optimizer and scheduler states, every RNG state, the data position, the KL controller, the
+config and the plan. A half-written checkpoint is never visible under its final name, so a run
+killed while saving resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+_STEP = re.compile(r"^step-(\d{6,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing or unreadable; the message names the folder."""
+
+
+def rng_state(generator: Optional[torch.Generator] = None) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if generator is not None:
+        state["generator"] = generator.get_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], generator: Optional[torch.Generator] = None) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generator is not None and "generator" in state:
+        generator.set_state(state["generator"])
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP.match(p.name)]
+    return sorted(found, key=lambda p: int(_STEP.match(p.name).group(1)))
+
+
+def latest(run_dir: Path) -> Optional[Path]:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
+         meta: dict[str, Any], keep_last: int) -> Path:
+    """Write checkpoint `step`: `tensors` name -> state dict (safetensors), `state` name -> object
+    (torch.save), `meta` -> meta.json. Returns the folder."""
+    from safetensors.torch import save_file
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=root))
+    try:
+        for name, sd in tensors.items():
+            cpu = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+            save_file(_untie(cpu), str(tmp / f"{name}.safetensors"))
+        for name, obj in state.items():
+            torch.save(obj, tmp / f"{name}.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    for old in checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _untie(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share storage (tied embeddings): keep separate copies."""
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in sd.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.setdefault(ptr, k)
+    return out
+
+
+def load(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
+    """(tensors, state, meta) of a checkpoint folder written by `save`."""
+    from safetensors.torch import load_file
+    folder = Path(folder)
+    if not (folder / "meta.json").exists():
+        raise CheckpointError(f"{folder} is not an edgerl checkpoint (no meta.json)")
+    try:
+        tensors = {p.stem: load_file(str(p)) for p in folder.glob("*.safetensors")}
+        state = {p.stem: torch.load(p, map_location="cpu", weights_only=False) for p in folder.glob("*.pt")}
+        meta = json.loads((folder / "meta.json").read_text())
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {folder}: {e}") from e
+    return tensors, state, meta

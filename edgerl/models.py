@@ -1,0 +1,223 @@
+"""Actor, critic, reference and the rollout copy, built as the plan says.
+
+The actor and critic are wrapped by FSDP2 (`fully_shard` per decoder layer, then the whole) on
+however many devices the process group has: one GPU, the CPU (gloo), or N GPUs under torchrun.
+Mixed precision is FSDP2's policy (fp32 master weights, compute in the plan's dtype), and the
+plan's CPU offload is FSDP2's `CPUOffloadPolicy`. The log-probs are computed inside the wrapped
+module's forward, so the LM-head weight is unsharded when the chunked kernel reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .kernels import Tiles, token_logprobs_and_entropy
+from .plan import Plan
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ModelError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message says what to do."""
+
+
+def model_source(path: str) -> str:
+    """The folder or hub id transformers should load (the embedded default is converted once)."""
+    from .embedded import embedded_folder, is_embedded
+    return str(embedded_folder(path)) if is_embedded(path) else path
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(model_source(path), trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ModelError(f"cannot load the tokenizer of {path!r}: {e}. Offline, pass a local folder "
+                         "(--set model.tokenizer=PATH)") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # generation pads finished rows; the mask hides them
+    return tok
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, attention: str, trust_remote_code: bool = False) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_source(path), dtype=dtype, attn_implementation=attention,
+                                                    trust_remote_code=trust_remote_code)
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        return AutoModelForCausalLM.from_pretrained(model_source(path), torch_dtype=dtype,
+                                                    attn_implementation=attention,
+                                                    trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ModelError(f"cannot load model {path!r}: {e}. Offline, pass a local HF folder") from None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ModelError(f"{type(model).__name__} has no .model.layers; edgerl wraps llama-style decoders")
+    return layers
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    fn = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    fn(**kwargs)
+    model.config.use_cache = False
+
+
+class PolicyHead(nn.Module):
+    """The actor as FSDP2's root: forward returns per-token log-probs and entropy of `targets`."""
+
+    def __init__(self, lm: nn.Module, plan: Plan) -> None:
+        super().__init__()
+        self.lm = lm
+        self.backend = plan.kernel_backend
+        self.chunk = plan.logprob_chunk
+        self.tiles = Tiles(**plan.kernel_tiles) if plan.kernel_tiles else None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
+                start: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, attention_mask: (B, L); targets (B, T) are input_ids[:, start + 1 : start + 1 + T].
+        Returns log-probs and entropy (B, T) in fp32 for the positions predicting `targets`."""
+        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: count from the first token
+        out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+        hidden = out.last_hidden_state[:, start:start + targets.shape[1]]
+        logp, ent = token_logprobs_and_entropy(hidden, self.lm.lm_head.weight, targets, temperature,
+                                               backend=self.backend, chunk=self.chunk, tiles=self.tiles)
+        return logp.clone(), ent.clone()  # FSDP2 hooks the outputs' backward; views would lose the hook
+
+
+class ValueModel(nn.Module):
+    """The critic: the causal LM's backbone with a scalar value head (fp32) on every position."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.lm.lm_head = nn.Identity()  # the backbone is all a critic needs; frees V x h
+        hidden = lm.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+        hidden = out.last_hidden_state[:, start:start + length]
+        return self.value_head(hidden.float()).squeeze(-1)
+
+
+def init_distributed(device: torch.device) -> None:
+    """A process group for FSDP2: torchrun's, or a one-process group on this device."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+
+
+def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.device) -> nn.Module:
+    """fully_shard every decoder layer, then the root, with the plan's precision and offload."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs = {"mesh": mesh}
+    if plan.dtype.compute != "fp32":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[plan.dtype.compute], reduce_dtype=torch.float32)
+    if plan.param_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def build_actor(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False) -> PolicyHead:
+    lm = load_causal_lm(path, torch.float32, plan.attention, trust_remote_code)  # fp32 master weights
+    if plan.grad_checkpointing:
+        enable_checkpointing(lm)
+    if not plan.param_offload:
+        lm.to(device)
+    head = PolicyHead(lm, plan)
+    return shard(head, decoder_layers(lm), plan, device)
+
+
+def build_critic(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False) -> ValueModel:
+    lm = load_causal_lm(path, torch.float32, plan.attention, trust_remote_code)
+    if plan.grad_checkpointing:
+        enable_checkpointing(lm)
+    critic = ValueModel(lm)
+    if not plan.param_offload:
+        critic.to(device)
+    return shard(critic, decoder_layers(lm), plan, device)
+
+
+def build_frozen(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False) -> PolicyHead:
+    """The reference policy: compute dtype, no gradients, not sharded (it is only read)."""
+    lm = load_causal_lm(path, DTYPES[plan.dtype.compute], plan.attention, trust_remote_code)
+    lm.requires_grad_(False).eval()
+    return PolicyHead(lm, plan).to(device)
+
+
+def build_inference_copy(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False) -> nn.Module:
+    """The rollout engine's own weights, in the compute dtype; the trainer syncs them after each update."""
+    lm = load_causal_lm(path, DTYPES[plan.dtype.compute], "sdpa" if plan.attention == "flash_attention_2"
+                        and not plan.device.is_cuda else plan.attention, trust_remote_code)
+    lm.requires_grad_(False).eval()
+    return lm.to(device)
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded tensors of an FSDP2 module (on its device), by parameter name."""
+    out = {}
+    for name, p in module.state_dict().items():
+        out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
+    return out
+
+
+def lm_weights(actor: PolicyHead) -> Iterator[tuple[str, torch.Tensor]]:
+    """The actor's weights under the plain HF model's parameter names (for the rollout copy and export)."""
+    names = {id(p): n for n, p in actor.lm.named_parameters()}  # tied weights appear once
+    for name, p in actor.lm.named_parameters():
+        if names[id(p)] != name:
+            continue
+        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+@contextlib.contextmanager
+def on_device(module: Optional[nn.Module], device: torch.device, enabled: bool):
+    """Move a frozen model to `device` for a phase and back to the host after, when `enabled`."""
+    if module is None or not enabled:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def save_hf(lm_state: dict[str, torch.Tensor], source: str, tokenizer, out: Path,
+            trust_remote_code: bool = False) -> None:
+    """Write an HF folder that `from_pretrained` loads: config from `source`, weights given."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_source(source), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model.load_state_dict({k: v.detach().cpu() for k, v in lm_state.items()}, strict=False, assign=True)
+    model.tie_weights()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,471 @@
+"""The training loop, top to bottom:
+
+    rollout -> rewards -> old / reference log-probs and values -> advantages
+            -> PPO epochs over mini- and micro-batches -> optimizer -> metrics -> checkpoint
+
+It reads the `Plan` and never asks which GPU it runs on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import algos, checkpoint
+from .config import Config, to_dict
+from .data import PromptSampler, load_prompts
+from .experience import Experience, advantages, critic_values, micro_batches, pad_batch, policy_logprobs
+from .memory import fmt_bytes
+from .metrics import MetricsWriter
+from .models import (build_actor, build_critic, build_frozen, build_inference_copy, init_distributed,
+                     lm_weights, load_tokenizer, on_device, save_hf)
+from .plan import Plan
+from .rewards import RewardItem, check_sources, default_compute_score, load_reward_function, score_batch
+from .rollout.base import SamplingParams
+from .rollout.hf import HFGenerateEngine
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue; the message says why and what to change."""
+
+
+def lr_lambda(cfg: Config) -> Callable[[int], float]:
+    """Linear warm-up over warmup_ratio of the steps, then constant or cosine to min_lr_ratio."""
+    t = cfg.train
+    warm = int(round(t.warmup_ratio * t.steps))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        if t.lr_schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, t.steps - warm)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+class Trainer:
+    def __init__(self, cfg: Config, plan: Plan, device: torch.device, run_dir: Path,
+                 log: Callable[[str], None] = print, resume: Optional[Path] = None) -> None:
+        self.cfg, self.plan, self.device, self.run_dir, self.log = cfg, plan, device, Path(run_dir), log
+        torch.manual_seed(cfg.train.seed)
+        init_distributed(device)
+        self.rank = dist.get_rank()
+        m = cfg.model
+        self.tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
+        self.prompts, report = load_prompts(cfg.data, self.tokenizer, seed=cfg.train.seed, log=log)
+        log(report.lines()[0])
+        if cfg.reward.function:
+            self.reward_fn = load_reward_function(cfg.reward.function)
+        else:
+            check_sources({p.data_source for p in self.prompts})
+            self.reward_fn = default_compute_score
+        self.reward_model = None
+        if cfg.reward.model:
+            from .reward_model import RewardModel
+            self.reward_model = RewardModel(cfg.reward.model, device=device)
+
+        self.actor = build_actor(m.path, plan, device, m.trust_remote_code)
+        self.ref = build_frozen(m.path, plan, device if not plan.swap_models else torch.device("cpu"),
+                                m.trust_remote_code) if cfg.algo.kl_coef > 0 else None
+        self.critic = build_critic(m.critic_path or m.path, plan, device, m.trust_remote_code) \
+            if cfg.algo.advantage == "gae" else None
+        t = cfg.train
+        self.optim = torch.optim.AdamW(self.actor.parameters(), lr=t.lr, betas=tuple(t.betas),
+                                       weight_decay=t.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg))
+        self.critic_optim = self.critic_sched = None
+        if self.critic is not None:
+            self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=t.critic_lr, betas=tuple(t.betas),
+                                                  weight_decay=t.weight_decay)
+            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, lr_lambda(cfg))
+        # fp16 needs loss scaling (CC 7.x); bf16 and fp32 do not
+        self.scaler = torch.amp.GradScaler(device.type) if plan.dtype.grad_scaler else None
+        self.kl_ctl = (algos.AdaptiveKL(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+                       if cfg.algo.kl_target else algos.FixedKL(cfg.algo.kl_coef))
+        self.engine = self._make_engine()
+        self.sampler = PromptSampler(len(self.prompts), t.prompts_per_step, t.seed, cfg.data.shuffle)
+        self.gen = torch.Generator().manual_seed(t.seed)
+        self.step = 0
+        self.bad_in_a_row = 0
+        self.stop_signal: Optional[str] = None
+        if resume is not None:
+            self._load(resume)
+        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=resume is not None)
+        if resume is not None:
+            self.metrics.truncate_after(self.step)
+        self.engine.sync_weights(lm_weights(self.actor))
+        eos = self.tokenizer.eos_token_id
+        r = cfg.rollout
+        self.sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            eos_token_ids=(eos,) if (r.stop_at_eos and eos is not None) else (),
+            pad_token_id=self.tokenizer.pad_token_id)
+
+    # --- setup helpers ------------------------------------------------------------------------------
+
+    def _make_engine(self):
+        p, m = self.plan, self.cfg.model
+        copy = build_inference_copy(m.path, p, self.device, m.trust_remote_code)
+        try:
+            from .rollout import make_hf_engine
+        except ImportError:
+            make_hf_engine = None
+        if p.rollout_engine == "vllm":
+            raise TrainingError("the plan chose vllm but this build of edgerl trains with the hf engine; "
+                                "set --set plan.rollout_engine=hf")
+        if make_hf_engine is not None:
+            return make_hf_engine(copy, device_is_cuda=self.device.type == "cuda", cuda_graphs=p.cuda_graphs,
+                                  max_batch=p.rollout_batch,
+                                  max_seq_len=max(len(x.input_ids) for x in self.prompts) + self.cfg.rollout.max_new_tokens)
+        return HFGenerateEngine(copy, p.rollout_batch, note="plain HF generate")
+
+    # --- one step -------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, t0, times = self.cfg, time.perf_counter(), {}
+        n = cfg.rollout.n_samples
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        @contextlib.contextmanager
+        def phase(name: str):
+            start = time.perf_counter()
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times[f"time/{name}_s"] = time.perf_counter() - start
+
+        prompts = [self.prompts[i] for i in self.sampler.next_batch()]
+        with phase("rollout"):
+            batch = self.engine.generate([list(p.input_ids) for p in prompts], n, self.sampling, self.gen)
+        with phase("reward"):
+            texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+            rows = [p for p in prompts for _ in range(n)]
+            items = [RewardItem(p.data_source, text, p.ground_truth, p.extra) for p, text in zip(rows, texts)]
+            scores, components = score_batch(self.reward_fn, items)
+            if self.reward_model is not None:
+                rm = self.reward_model.score([p.raw_prompt for p in rows], texts)
+                components["reward_model"] = rm
+                scores = [s + cfg.reward.model_coef * r for s, r in zip(scores, rm)]
+        exp = pad_batch(batch, self.tokenizer.pad_token_id, scores)
+        self.engine.release()
+
+        updates = (len(exp) // (cfg.train.mini_batch or len(exp))) * cfg.train.ppo_epochs
+        kl_coef = self.kl_ctl.value
+        T = cfg.rollout.temperature
+        with phase("score"):
+            # On-policy with one update per step, the old log-probs equal the current ones: the
+            # update's own forward provides them (ratio 1), and this pass is skipped.
+            if updates > 1 or (kl_coef > 0 and cfg.algo.kl_in == "reward"):
+                exp.old_logp, _ = policy_logprobs(self.actor, exp, self.plan.score_micro_batch, T, self.device)
+            if self.ref is not None:
+                with on_device(self.ref, self.device, self.plan.swap_models):
+                    exp.ref_logp, _ = policy_logprobs(self.ref, exp, self.plan.score_micro_batch, T, self.device)
+            if self.critic is not None:
+                exp.values = critic_values(self.critic, exp, self.plan.score_micro_batch, self.device)
+        exp = advantages(exp, cfg.algo, n, kl_coef)
+
+        with phase("update"):
+            stats = self.update_actor(exp, kl_coef)
+            if self.critic is not None:
+                stats |= self.update_critic(exp)
+        self.sched.step()
+        if self.critic_sched is not None:
+            self.critic_sched.step()
+        with phase("sync"):
+            self.engine.sync_weights(lm_weights(self.actor))
+        if "actor/kl" in stats:
+            self.kl_ctl.update(stats["actor/kl"], len(exp))
+
+        step_s = time.perf_counter() - t0
+        lengths = [len(r) for r in batch.response_ids]
+        sc = torch.tensor(scores)
+        out = {"reward/mean": sc.mean().item(), "reward/std": sc.std().item() if len(sc) > 1 else 0.0,
+               **{f"reward/{k}_mean": _nanmean(v) for k, v in components.items()},
+               "response/length_mean": sum(lengths) / len(lengths), "response/length_min": min(lengths),
+               "response/length_max": max(lengths),
+               "response/clip_ratio": sum(batch.truncated) / len(batch.truncated),
+               **stats, "actor/lr": self.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
+               "perf/step_s": step_s, "perf/tokens_per_s": batch.response_tokens / step_s,
+               "perf/rollout_tokens_per_s": batch.response_tokens / max(times["time/rollout_s"], 1e-9),
+               **times, "train/bad_steps_in_a_row": self.bad_in_a_row}
+        if self.device.type == "cuda":
+            out["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            out["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        try:
+            import psutil
+            out["memory/host_rss_gib"] = psutil.Process().memory_info().rss / 2**30
+        except ImportError:  # pragma: no cover
+            pass
+        return out
+
+    # --- updates ---------------------------------------------------------------------------------------
+
+    def _weights(self, part: Experience, whole: Experience) -> float:
+        """This micro-batch's share of the mini-batch loss, so that accumulation equals one big batch."""
+        if self.cfg.algo.loss_agg == "token-mean":
+            return part.response_mask.sum().item() / max(1.0, whole.response_mask.sum().item())
+        nonempty = lambda e: (e.response_mask.sum(-1) > 0).sum().item()  # noqa: E731
+        if self.cfg.algo.loss_agg == "seq-mean-token-sum-norm":
+            return len(part) / len(whole)
+        return nonempty(part) / max(1, nonempty(whole))
+
+    def _finite_everywhere(self, loss: torch.Tensor) -> bool:
+        ok = torch.tensor([float(torch.isfinite(loss).all())], device=loss.device)
+        if dist.get_world_size() > 1:  # every rank must skip together, or FSDP's collectives hang
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    def _optimizer_step(self, model, optim) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(optim)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if self.scaler is not None:
+            self.scaler.step(optim)
+            self.scaler.update()
+        else:
+            optim.step()
+        return float(norm)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def update_actor(self, exp: Experience, kl_coef: float) -> dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algo
+        mini = cfg.train.mini_batch or len(exp)
+        acc: dict[str, float] = {}
+        first_epoch: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
+        grad_norms, skipped = [], 0
+        for epoch in range(cfg.train.ppo_epochs):
+            order = torch.randperm(len(exp), generator=self.gen) if mini < len(exp) else torch.arange(len(exp))
+            for m0 in range(0, len(exp), mini):
+                mexp = exp.rows(order[m0:m0 + mini])
+                self.optim.zero_grad(set_to_none=True)
+                bad = False
+                for sl in micro_batches(len(mexp), self.plan.micro_batch):
+                    part = mexp.rows(sl).to(self.device)
+                    logp, ent = self.actor(part.input_ids, part.attention_mask, part.response_ids, part.start,
+                                           cfg.rollout.temperature)
+                    old = part.old_logp if part.old_logp is not None else logp.detach()
+                    mask = part.response_mask
+                    loss, st = algos.policy_loss(logp, old, part.advantages, mask, a.clip_low, a.clip_high,
+                                                 a.dual_clip, a.loss_agg)
+                    st["pg_loss"] = loss.detach()
+                    if a.entropy_coef:
+                        loss = loss - a.entropy_coef * algos.aggregate(ent, mask, a.loss_agg)
+                    if part.ref_logp is not None and a.kl_in == "loss" and kl_coef > 0:
+                        kl_term = algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, a.loss_agg)
+                        loss = loss + kl_coef * kl_term
+                    if not self._finite_everywhere(loss):
+                        bad = True
+                        break
+                    w = self._weights(part, mexp)
+                    self._backward(loss * w)
+                    for k, v in st.items():
+                        acc[f"actor/{k}"] = acc.get(f"actor/{k}", 0.0) + float(v) * w / (
+                            cfg.train.ppo_epochs * (len(exp) // mini))
+                    if epoch == 0:
+                        first_epoch["logp"].append(logp.detach().float().cpu())
+                        first_epoch["ent"].append(ent.detach().float().cpu())
+                        first_epoch["mask"].append(mask.cpu())
+                        if part.ref_logp is not None:
+                            first_epoch["ref"].append(part.ref_logp.cpu())
+                if bad:
+                    self.optim.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
+                grad_norms.append(self._optimizer_step(self.actor, self.optim))
+        self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
+        if self.bad_in_a_row >= cfg.train.max_bad_steps:
+            raise TrainingError(f"the loss was NaN or infinite in {self.bad_in_a_row} steps in a row (updates "
+                                f"skipped); lower train.lr (now {cfg.train.lr}), check the rewards, or use fp32 "
+                                f"(--set plan.dtype=fp32) if fp16 overflows")
+        out = {**acc, "actor/skipped_updates": float(skipped)}
+        if grad_norms:
+            out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if first_epoch["logp"]:
+            logp, ent, mask = (torch.cat(first_epoch[k]) for k in ("logp", "ent", "mask"))
+            out["actor/entropy"] = algos.masked_mean(ent, mask).item()
+            if first_epoch["ref"]:
+                ref = torch.cat(first_epoch["ref"])
+                out["actor/kl"] = algos.masked_mean(algos.kl_estimate(logp, ref, a.kl_estimator), mask).item()
+        return out
+
+    def update_critic(self, exp: Experience) -> dict[str, float]:
+        cfg = self.cfg
+        mini = cfg.train.mini_batch or len(exp)
+        losses, clips, norms = [], [], []
+        for _ in range(cfg.train.ppo_epochs):
+            order = torch.randperm(len(exp), generator=self.gen) if mini < len(exp) else torch.arange(len(exp))
+            for m0 in range(0, len(exp), mini):
+                mexp = exp.rows(order[m0:m0 + mini])
+                self.critic_optim.zero_grad(set_to_none=True)
+                bad = False
+                for sl in micro_batches(len(mexp), self.plan.micro_batch):
+                    part = mexp.rows(sl).to(self.device)
+                    v = self.critic(part.input_ids, part.attention_mask, part.start, part.response_ids.shape[1])
+                    loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask,
+                                                cfg.algo.value_clip, cfg.algo.loss_agg)
+                    if not self._finite_everywhere(loss):
+                        bad = True
+                        break
+                    self._backward(loss * self._weights(part, mexp))
+                    losses.append(loss.item())
+                    clips.append(float(st["vf_clip_frac"]))
+                if bad:
+                    self.critic_optim.zero_grad(set_to_none=True)
+                    continue
+                norms.append(self._optimizer_step(self.critic, self.critic_optim))
+        ev = algos.explained_variance(exp.values, exp.returns, exp.response_mask).item()
+        out = {"critic/vf_loss": _mean(losses), "critic/vf_clip_frac": _mean(clips),
+               "critic/values_mean": algos.masked_mean(exp.values, exp.response_mask).item(),
+               "critic/explained_var": ev}
+        if norms:
+            out["critic/grad_norm"] = _mean(norms)
+        return out
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def run(self, on_step: Optional[Callable[[int, dict], None]] = None) -> Path:
+        """Train until train.steps (or a signal); returns the run folder."""
+        handlers = {}
+
+        def request_stop(signum, _frame):
+            self.stop_signal = signal.Signals(signum).name
+            self.log(f"{self.stop_signal} received: finishing step {self.step + 1}, then saving a checkpoint")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                handlers[sig] = signal.signal(sig, request_stop)
+            except ValueError:  # not in the main thread
+                pass
+        try:
+            while self.step < self.cfg.train.steps and self.stop_signal is None:
+                before = self._snapshot()
+                try:
+                    stats = self.train_step()
+                except torch.OutOfMemoryError as e:
+                    self._out_of_memory(e, before)
+                self.step += 1
+                self.metrics.write(self.step, stats)
+                if on_step:
+                    on_step(self.step, stats)
+                every = self.cfg.run.save_every
+                if self.stop_signal or (every and self.step % every == 0):
+                    self.save()
+            if self.stop_signal is None:
+                if self.cfg.run.save_every and self.step % self.cfg.run.save_every:
+                    self.save()
+                if self.cfg.run.export_final:
+                    self.export(self.run_dir / "final")
+        finally:
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+            self.metrics.close()
+        return self.run_dir
+
+    # --- failure handling -------------------------------------------------------------------------------
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "rng": checkpoint.rng_state(self.gen),
+                "optim_steps": _optim_steps(self.optim)}
+
+    def _out_of_memory(self, e: BaseException, before: dict[str, Any]) -> None:
+        measured = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+        saved = "no checkpoint written (the optimizer had already stepped this step)"
+        if _optim_steps(self.optim) == before["optim_steps"]:  # the weights are still those of the last step
+            self.sampler.load_state_dict(before["sampler"])
+            checkpoint.set_rng_state(before["rng"], self.gen)
+            folder = self.save()
+            saved = f"saved the last good state (step {self.step}) to {folder}"
+        p = self.plan
+        if p.micro_batch > 1:
+            fix = f"--set train.micro_batch={max(1, p.micro_batch // 2)}"
+        elif not p.grad_checkpointing:
+            fix = "--set plan.grad_checkpointing=true"
+        elif p.rollout_batch > 1:
+            fix = f"--set plan.rollout_batch={max(1, p.rollout_batch // 2)}"
+        else:
+            fix = f"--set rollout.max_new_tokens={max(16, self.cfg.rollout.max_new_tokens // 2)} or --set lora.enabled=true"
+        raise TrainingError(f"CUDA out of memory in step {self.step + 1}: the plan estimated "
+                            f"{fmt_bytes(p.memory.total)} (peak in {p.memory.peak_phase}), the process reserved "
+                            f"{fmt_bytes(measured)} before failing. {saved}. Try {fix}, then resume with "
+                            f"--resume {self.run_dir}") from e
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+
+    def save(self) -> Optional[Path]:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        tensors = {"actor": get_model_state_dict(self.actor, options=full)}
+        state: dict[str, Any] = {"optim": get_optimizer_state_dict(self.actor, self.optim, options=full),
+                                 "sched": self.sched.state_dict()}
+        if self.critic is not None:
+            tensors["critic"] = get_model_state_dict(self.critic, options=full)
+            state["critic_optim"] = get_optimizer_state_dict(self.critic, self.critic_optim, options=full)
+            state["critic_sched"] = self.critic_sched.state_dict()
+        state["train"] = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": checkpoint.rng_state(self.gen),
+                          "kl_ctl": self.kl_ctl.state_dict(), "bad_in_a_row": self.bad_in_a_row,
+                          "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        if self.rank != 0:
+            return None
+        meta = {"step": self.step, "config": to_dict(self.cfg), "plan": self.plan.decisions()}
+        folder = checkpoint.save(self.run_dir, self.step, tensors, state, meta, self.cfg.run.keep_last)
+        self.log(f"checkpoint: {folder}")
+        return folder
+
+    def _load(self, folder: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+        tensors, state, meta = checkpoint.load(folder)
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.actor, tensors["actor"], options=full)
+        set_optimizer_state_dict(self.actor, self.optim, state["optim"], options=full)
+        self.sched.load_state_dict(state["sched"])
+        if self.critic is not None:
+            if "critic" not in tensors:
+                raise checkpoint.CheckpointError(f"{folder} has no critic; it was not a PPO (gae) run")
+            set_model_state_dict(self.critic, tensors["critic"], options=full)
+            set_optimizer_state_dict(self.critic, self.critic_optim, state["critic_optim"], options=full)
+            self.critic_sched.load_state_dict(state["critic_sched"])
+        tr = state["train"]
+        self.step = tr["step"]
+        self.sampler.load_state_dict(tr["sampler"])
+        checkpoint.set_rng_state(tr["rng"], self.gen)
+        self.kl_ctl.load_state_dict(tr["kl_ctl"])
+        self.bad_in_a_row = tr["bad_in_a_row"]
+        if self.scaler is not None and tr.get("scaler"):
+            self.scaler.load_state_dict(tr["scaler"])
+        self.log(f"resumed from {folder} at step {self.step}")
+
+    def export(self, out: Path) -> Path:
+        """The trained actor as an HF folder that transformers loads."""
+        weights = dict(lm_weights(self.actor))
+        if self.rank == 0:
+            save_hf(weights, self.cfg.model.path, self.tokenizer, out, self.cfg.model.trust_remote_code)
+            self.log(f"final model: {out}")
+        return out
+
+
+def _optim_steps(optim: torch.optim.Optimizer) -> int:
+    return sum(int(s.get("step", 0)) for s in optim.state.values() if isinstance(s, dict)) if optim.state else 0
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _nanmean(xs: list[float]) -> float:
+    vals = [x for x in xs if not math.isnan(x)]
+    return _mean(vals)
