@@ -21,26 +21,29 @@ from typing import Any, Callable, Optional, Union
 
 from .config import DataConfig
 from .datafiles import ANSWER_NAMES, DataError, RawTable, check_column, get_field, is_missing, read_table
-from .tasks import prepare_gsm8k  # noqa: F401  (re-exported: part of the data API)
+from .tasks import GSM8K_SOURCE, prepare_gsm8k  # noqa: F401  (re-exported: part of the data API)
 
 __all__ = ["DataError", "Prompt", "DataReport", "DataSummary", "load_prompts", "check_data",
            "PromptSampler", "prepare_gsm8k"]
 
 Chat = list[dict[str, str]]
 _MAX_LISTED = 5  # rows named in one error message
+_GSM8K_NAMES = (GSM8K_SOURCE, "gsm8k")
 
 
 @dataclass(frozen=True)
 class Prompt:
     """One training prompt. `text` is what was tokenized (chat template applied where it applies);
     `input_ids` its tokens; `row` the 0-based row in the source; `ground_truth` None when the data
-    has no answers (data.answer_key = '')."""
+    has no answers (data.answer_key = ''); `extra` the row's extra_info (verl) or {};
+    `raw_prompt` the prompt as the data holds it (a string or a chat list), e.g. for a reward model."""
     row: int
     text: str
     input_ids: tuple[int, ...]
     ground_truth: Optional[str]
     data_source: str
     extra: dict = field(default_factory=dict, hash=False)
+    raw_prompt: Union[str, Chat, None] = field(default=None, hash=False)  # as in the data, untemplated
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,12 @@ def _rows(table: RawTable, cfg: DataConfig) -> list[_Row]:
             elif not isinstance(source, str) or not source:
                 raise ValueError(f"field '{cfg.data_source_key}' is {_short(source)}; expected a "
                                  "non-empty string naming the reward")
+            if source in _GSM8K_NAMES and answer is not None and "#### " in answer:
+                # raw GSM8K answers hold the whole solution; the gsm8k reward compares the number
+                # alone, so every reward would silently be 0
+                raise ValueError(f"field '{cfg.answer_key}' holds a whole GSM8K solution "
+                                 f"({_short(answer[-30:])}); the gsm8k reward needs the number alone: "
+                                 "write the data with `edgerl data prepare gsm8k`")
             extra = raw.get("extra_info")
             extra = dict(extra) if isinstance(extra, dict) else {}
             messages = prompt if isinstance(prompt, list) else None
@@ -268,7 +277,8 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, seed: int = 0,
                             f"{cfg.max_prompt_len} tokens (rows {listed}, 0-based; longest {longest} "
                             "tokens); raise data.max_prompt_len or set data.on_too_long=filter to drop them")
         filtered[f"longer than data.max_prompt_len={cfg.max_prompt_len} tokens (rows {listed}, 0-based)"] = len(over)
-    prompts = [Prompt(r.row, text, tuple(seq), r.ground_truth, r.data_source, r.extra)
+    prompts = [Prompt(r.row, text, tuple(seq), r.ground_truth, r.data_source, r.extra,
+                      r.messages if r.messages is not None else r.text)
                for r, text, seq in zip(rows, texts, ids) if len(seq) <= cfg.max_prompt_len]
     if not prompts:
         raise DataError(f"{table.name}: all {len(rows)} prompts are longer than data.max_prompt_len="

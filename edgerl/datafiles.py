@@ -11,7 +11,7 @@ import csv
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -115,6 +115,14 @@ def _read_json(p: Path) -> RawTable:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise _unreadable(p, e) from None
+    if p.suffix.lower() == ".json" and text.lstrip().startswith("{"):
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None  # several objects: JSON lines in a .json file, read below
+        if isinstance(whole, dict) and len([ln for ln in text.splitlines() if ln.strip()]) > 1:
+            raise DataError(f"{p} holds one JSON object ({', '.join(map(str, list(whole)[:5]))}), not "
+                            "rows; write an array [{\"prompt\": ...}, ...] or one object per line (JSONL)")
     if p.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -230,6 +238,8 @@ def check_column(table: RawTable, key: str, setting: str, extra: tuple[str, ...]
         return
     guess = suggest(top, table.columns, extra)
     hint = f"; did you mean '{guess}'? (set {setting}={guess})" if guess else f"; set {setting} to one of them"
+    if setting == "data.answer_key":
+        hint += f", or {setting}='' if the data has no reference answers (reward model or own --reward)"
     raise DataError(f"{table.name}: no column '{top}' (from {setting}={key!r}); available columns: "
                     f"{', '.join(table.columns) or '(none)'}{hint}")
 

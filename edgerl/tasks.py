@@ -23,11 +23,19 @@ GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 # The built-in task asks for the same "#### <number>" marker as GSM8K, so a model that learns the
-# format here carries it over. The example line matters for a 135M model: measured on
-# SmolLM2-135M-Instruct (greedy, 64 problems per level), without it the model almost never writes
-# the marker; with it, it does most of the time. The example number (0) is not a plausible answer
-# to any problem here (all answers are >= 1), so copying it never earns a reward.
-ARITHMETIC_INSTRUCTION = 'Give the final answer as a number after "####", like this: #### 0'
+# format here carries it over. Wording chosen by measurement on SmolLM2-135M-Instruct (its
+# embedded Q4_1 GGUF weights, greedy decoding, 80 new tokens, 24 level-1 problems each, SmolLM2
+# chat template; counts are answers whose last number is right / responses containing "#### "):
+#   'Give the final answer as a number after "####".'                  13/24 right, 5/24 marked
+#   the same + ', like this: #### 0'                                     8/24 right, 11/24 marked,
+#                                                                        every marked answer wrong
+#   'End your reply with the answer in the form "#### <number>".'       5/24 right, 14/24 marked
+#   'Answer with the number only.'                                      10/24 right, 5/24 marked
+#   verl's GSM8K sentence ("Let's think step by step ...")               5/24 right, 2/24 marked
+#                                                                        (long answers, cut at 80 tokens)
+# Asking harder for the marker costs correctness at this size, so the reward for this task
+# (edgerl.rewards.arithmetic_score) also accepts an unmarked last number.
+ARITHMETIC_INSTRUCTION = 'Give the final answer as a number after "####".'
 
 NAMES = ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sara", "Omar", "Lena", "Kofi", "Yuki", "Maria", "Ben"]
 OBJECTS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "cards", "balloons",
@@ -103,7 +111,7 @@ def _problem(level: int, rng: random.Random) -> tuple[str, int, str]:
 
 
 def arithmetic_prompt(question: str) -> str:
-    """The user message of a built-in problem: the question, a blank line, the answer format."""
+    """The user message of a built-in problem: the question, a newline, the answer instruction."""
     return f"{question}\n{ARITHMETIC_INSTRUCTION}"
 
 

@@ -56,12 +56,12 @@ def test_check_missing_column_is_one_red_line(tmp_path, tokenizer_path):
 
 
 def test_check_too_long_and_builtin(tokenizer_path):
-    r = run("check", "builtin:arithmetic", "--tokenizer", tokenizer_path, "--max-prompt-len", "75",
+    r = run("check", "builtin:arithmetic", "--tokenizer", tokenizer_path, "--max-prompt-len", "68",
             "--set", "data.num_examples=50")
     assert r.exit_code == 0, r.output
     assert "edgerl/arithmetic: 50" in r.output
-    assert "exceed data.max_prompt_len=75: training stops with an error" in r.output
-    r = run("check", "builtin:arithmetic", "--tokenizer", tokenizer_path, "--max-prompt-len", "75",
+    assert "exceed data.max_prompt_len=68: training stops with an error" in r.output
+    r = run("check", "builtin:arithmetic", "--tokenizer", tokenizer_path, "--max-prompt-len", "68",
             "--set", "data.num_examples=50", "--set", "data.on_too_long=filter")
     assert "training drops these" in r.output
 

@@ -71,6 +71,7 @@ def test_verl_parquet_read_as_is(tmp_path, tok):
     assert {p.data_source for p in prompts} == {"openai/gsm8k"}
     assert prompts[1].extra == {"split": "train", "index": 1, "answer": "#### 2", "question": "1+1"}
     assert [p.row for p in prompts] == [0, 1, 2]
+    assert prompts[2].raw_prompt == verl_rows(3)[2]["prompt"]
     msgs = verl_rows(3)[2]["prompt"]
     want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert prompts[2].text == want and want.endswith("<|im_start|>assistant\n")
@@ -89,6 +90,7 @@ def test_plain_text_gets_template_and_system_prompt(tmp_path, tok):
                                    add_generation_prompt=True, tokenize=False)
     assert prompts[1].text == want and "Be brief." in want and "SmolLM" not in want
     assert prompts[1].data_source == "gsm8k" and prompts[1].ground_truth == "2"
+    assert prompts[1].raw_prompt == "What is 1 plus 1?"
 
 
 def test_chat_template_never_and_always(tmp_path, tok, tok_no_template):
@@ -148,6 +150,15 @@ def test_csv_and_json_array_and_nested_key(tmp_path, tok):
                               {"q": "yo", "meta": {"gt": 2.0}, "data_source": "math"}]))
     prompts, _ = load_prompts(cfg(js, prompt_key="q", answer_key="meta.gt"), tok)
     assert [p.ground_truth for p in prompts] == ["5", "2"]
+    lines_json = tmp_path / "lines.json"  # JSON lines under a .json name, as HF writes them
+    lines_json.write_text('{"q": "a", "meta": {"gt": 1}, "data_source": "math"}\n'
+                          '{"q": "b", "meta": {"gt": 3}, "data_source": "math"}\n')
+    prompts, _ = load_prompts(cfg(lines_json, prompt_key="q", answer_key="meta.gt"), tok)
+    assert [p.ground_truth for p in prompts] == ["1", "3"]
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"data": [{"q": "a"}]}, indent=2))
+    with pytest.raises(DataError, match=r"holds one JSON object \(data\), not rows"):
+        load_prompts(cfg(wrapped, prompt_key="q"), tok)
 
 
 def test_hf_loader_on_a_local_dataset_folder(tmp_path, tok):
@@ -188,6 +199,22 @@ def test_missing_answer_column_suggests_answer(tmp_path, tok):
         load_prompts(cfg(path, default_source="gsm8k"), tok)
 
 
+def test_no_answer_column_when_answer_key_is_empty(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}, {"prompt": "yo"}])
+    with pytest.raises(DataError, match="data.answer_key='' if the data has no reference answers"):
+        load_prompts(cfg(path, default_source="rm"), tok)
+    prompts, _ = load_prompts(cfg(path, answer_key="", default_source="rm"), tok)
+    assert [p.ground_truth for p in prompts] == [None, None]
+    assert check_data(cfg(path, answer_key="", default_source="rm"), tok).answer_key == "(none)"
+
+
+def test_raw_gsm8k_answers_are_caught(tmp_path, tok):
+    rows = [{"question": "q", "answer": "3 + 4 = 7\n#### 7"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=r"row 0 .*holds a whole GSM8K solution.*edgerl data prepare gsm8k"):
+        load_prompts(cfg(path, prompt_key="question", answer_key="answer", default_source="gsm8k"), tok)
+
+
 def test_missing_data_source_needs_default(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", simple_rows(2))
     with pytest.raises(DataError, match="data.default_source"):
@@ -209,9 +236,7 @@ def test_wrong_types_name_rows_and_fields(tmp_path, tok):
     rows[1]["prompt"] = 42
     rows[4]["reward_model"]["ground_truth"] = [1, 2]
     rows[5]["prompt"] = [{"role": "user"}]
-    path = tmp_path / "d.parquet"
-    # pyarrow cannot hold an int and a list in one column: write what verl's schema allows, then
-    # break rows in a JSON-lines copy, which keeps per-row types
+    # parquet cannot hold an int and a list in one column; JSON lines keep per-row types
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(DataError) as e:
         load_prompts(cfg(path), tok)
@@ -376,7 +401,7 @@ def test_builtin_answers_match_the_numbers_in_the_question(level):
         ops_seen.add(tuple(t for t in toks if t in "+-*"))
         templates.add(re.sub(r"\d+", "N", info["question"].split(".")[0])[:12])
         assert r["prompt"][0]["content"].startswith(info["question"])
-        assert r["prompt"][0]["content"].endswith('after "####", like this: #### 0')
+        assert r["prompt"][0]["content"] == info["question"] + '\nGive the final answer as a number after "####".'
         assert r["data_source"] == "edgerl/arithmetic"
     digits = [int(x) for r in rows for x in re.findall(r"\d+", r["extra_info"]["expression"])]
     if level == 1:
@@ -417,9 +442,12 @@ def test_prepare_gsm8k_matches_verl_rule(tmp_path, tok):
     assert rows[345]["reward_model"]["ground_truth"] == "1080"   # "#### 1,080"
     assert rows[5715]["reward_model"]["ground_truth"] == "-7"    # "#### -7"
     # and edgerl reads its own output as verl-format data
-    # (one train question is 268 tokens with SmolLM2's template, over the default limit of 256)
-    prompts, _ = load_prompts(cfg(out, max_prompt_len=512), tok)
-    assert len(prompts) == 7473 and prompts[345].ground_truth == "1080"
+    # (the first 400 rows keep the test fast)
+    small = tmp_path / "small.parquet"
+    pq.write_table(table.slice(0, 400), small)
+    prompts, _ = load_prompts(cfg(small), tok)
+    assert len(prompts) == 400 and prompts[345].ground_truth == "1080"
+    assert prompts[345].extra["index"] == 345
 
 
 def test_prepare_gsm8k_bad_source(tmp_path):

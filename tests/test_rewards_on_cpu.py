@@ -184,7 +184,7 @@ def test_load_reward_function_errors(user_file, tmp_path):
 
 def test_reward_error_names_the_sample(user_file):
     fn = load_reward_function(f"{user_file}:boom")
-    items = [RewardItem("openai/gsm8k", "fine", "1")] * 0 + [RewardItem("openai/gsm8k", "x" * 500 + " #### 7", "7")]
+    items = [RewardItem("openai/gsm8k", "x" * 500 + " #### 7", "7")]
     with pytest.raises(RewardError) as e:
         score_batch(fn, items)
     msg = str(e.value)
