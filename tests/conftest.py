@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random models with a real tokenizer, and the ../shared data folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
+
+
+def need_shared_tokenizer() -> Path:
+    if not (TOKENIZER / "tokenizer.json").exists():
+        pytest.skip(f"needs the SmolLM2 tokenizer at {TOKENIZER} (the ../shared folder beside the repository)")
+    return TOKENIZER
+
+
+def make_tiny_model(out: Path, arch: str = "llama", tied: bool = True, layers: int = 2, seed: int = 0) -> Path:
+    """A random llama/qwen2-shape model with the real SmolLM2 tokenizer, saved as an HF folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    common = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=tied,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen"), arch="qwen2", tied=False)
+
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,?!0123456789"
+
+
+def make_char_tokenizer(out: Path):
+    """A character-level tokenizer (~45 tokens) built locally: small vocabularies learn fast."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + list(CHARS))}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
+    tok.save_pretrained(out)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def char_model(tmp_path_factory) -> Path:
+    """A tiny llama with a character vocabulary, and a JSONL of plain-text prompts beside it."""
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out = tmp_path_factory.mktemp("char-llama")
+    tok = make_char_tokenizer(out)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    rows = [{"prompt": w, "data_source": "letters"} for w in
+            ["hello", "what is this", "count to ten", "tell me more", "why not", "say something", "go on",
+             "one two three", "abc", "the end"]]
+    (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out

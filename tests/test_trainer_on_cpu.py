@@ -1,0 +1,165 @@
+"""The training loop end to end on tiny random models: GRPO and PPO, learning, resume, signals, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgerl import checkpoint
+from edgerl.config import load_config
+from edgerl.metrics import read_metrics
+from edgerl.target import plan_for, resolve_target
+from edgerl.trainer import Trainer, TrainingError
+
+REWARDS = Path(__file__).with_name("reward_fns.py")
+FAST = ["rollout.max_new_tokens=8", "train.prompts_per_step=2", "rollout.n_samples=4", "run.tensorboard=false",
+        "data.num_examples=64", "train.lr=1e-4"]
+
+
+def make_trainer(model_dir: Path, run_dir: Path, *sets: str, resume: Path | None = None) -> Trainer:
+    cfg = load_config(sets=[f'model.path="{model_dir}"', f'run.out_dir="{run_dir}"', *FAST, *sets])
+    plan = plan_for(cfg, resolve_target("cpu"))
+    return Trainer(cfg, plan, torch.device("cpu"), run_dir, log=lambda s: None, resume=resume)
+
+
+REQUIRED = ["reward/mean", "reward/std", "response/length_mean", "response/length_min", "response/length_max",
+            "response/clip_ratio", "actor/kl", "actor/entropy", "actor/pg_loss", "actor/clip_frac",
+            "actor/approx_kl", "actor/grad_norm", "actor/lr", "perf/tokens_per_s", "perf/step_s",
+            "time/rollout_s", "time/score_s", "time/update_s", "memory/host_rss_gib"]
+
+
+def test_grpo_end_to_end_exports_a_loadable_model(tiny_llama, tmp_path):
+    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=2", "run.save_every=1")
+    t.run()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in REQUIRED:
+        assert key in rows[-1], key
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "run")] == ["step-000001", "step-000002"]
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    ours = dict(t.actor.lm.named_parameters())
+    for name, p in exported.named_parameters():
+        mine = ours[name]
+        mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
+        assert torch.equal(p, mine.detach()), name
+
+
+def test_ppo_with_a_critic(tiny_qwen, tmp_path):
+    t = make_trainer(tiny_qwen, tmp_path / "run", "train.steps=2", "algo.advantage=gae", "rollout.n_samples=2",
+                     "algo.kl_in=reward", "train.mini_batch=2", "train.ppo_epochs=2")
+    t.run()
+    last = read_metrics(tmp_path / "run")[-1]
+    for key in ("critic/vf_loss", "critic/explained_var", "critic/grad_norm", "actor/clip_frac"):
+        assert key in last
+    tensors, state, meta = checkpoint.load(checkpoint.latest(tmp_path / "run"))
+    assert "critic" in tensors and "critic_optim" in state and meta["step"] == 2
+
+
+def test_a_tiny_model_learns_a_simple_reward(char_model, tmp_path):
+    t = make_trainer(char_model, tmp_path / "run", "train.steps=12", f'reward.function="{REWARDS}:share_of_a"',
+                     f'data.path="{char_model / "prompts.jsonl"}"', 'data.answer_key=""', "data.chat_template=never",
+                     "rollout.max_new_tokens=16", "rollout.stop_at_eos=false", "train.lr=1e-2",
+                     "train.prompts_per_step=4", "rollout.n_samples=8", "algo.kl_coef=0", "run.save_every=0",
+                     "run.export_final=false")
+    start = time.time()
+    t.run()
+    rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "run")]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert last > max(0.2, 3 * first), f"reward did not rise: {rewards}"
+    assert time.time() - start < 180  # well under a minute on an idle 2-core machine
+
+
+def test_resume_continues_exactly(tiny_llama, tmp_path):
+    sets = ["train.steps=4", "run.save_every=2", "run.export_final=false", "train.mini_batch=4"]
+    make_trainer(tiny_llama, tmp_path / "straight", *sets).run()
+    make_trainer(tiny_llama, tmp_path / "split", "train.steps=2", *sets[1:]).run()
+    ck = checkpoint.latest(tmp_path / "split")
+    assert ck.name == "step-000002"
+    make_trainer(tiny_llama, tmp_path / "split", *sets, resume=ck).run()
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for key in ("reward/mean", "response/length_mean", "actor/pg_loss", "actor/entropy", "actor/kl",
+                    "actor/grad_norm", "actor/lr"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+
+
+def test_nan_loss_skips_updates_then_aborts(tiny_llama, tmp_path, monkeypatch):
+    import edgerl.trainer as tr
+    real = tr.algos.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+    monkeypatch.setattr(tr.algos, "policy_loss", nan_loss)
+    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=5", "train.max_bad_steps=2")
+    before = {k: v.detach().clone() for k, v in t.actor.state_dict().items()}
+    with pytest.raises(TrainingError, match="NaN or infinite in 2 steps in a row"):
+        t.run()
+    rows = read_metrics(tmp_path / "run")
+    assert rows[0]["actor/skipped_updates"] == 1.0
+    for k, v in t.actor.state_dict().items():  # skipped updates leave the weights alone
+        assert torch.equal(v.detach(), before[k]), k
+
+
+def test_out_of_memory_saves_the_last_good_state(tiny_llama, tmp_path, monkeypatch):
+    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=3", "run.save_every=0")
+    real = t.train_step
+
+    def step_then_oom():
+        if t.step == 1:
+            t.sampler.next_batch()  # the failing step had already drawn its prompts
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real()
+    monkeypatch.setattr(t, "train_step", step_then_oom)
+    with pytest.raises(TrainingError) as e:
+        t.run()
+    msg = str(e.value)
+    assert "out of memory in step 2" in msg and "the plan estimated" in msg and "Try --set" in msg
+    assert "saved the last good state (step 1)" in msg
+    _, state, _ = checkpoint.load(checkpoint.latest(tmp_path / "run"))
+    assert state["train"]["step"] == 1
+    # the data position is that of the last completed step, so a resume redoes step 2's prompts
+    fresh = make_trainer(tiny_llama, tmp_path / "fresh", "train.steps=1", "run.save_every=0")
+    fresh.sampler.next_batch()
+    assert state["train"]["sampler"] == fresh.sampler.state_dict()
+
+
+def test_reward_exceptions_name_the_sample(tiny_llama, tmp_path):
+    from edgerl.rewards import RewardError
+    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=1", f'reward.function="{REWARDS}:broken"')
+    with pytest.raises(RewardError, match=r"sample 0 of the batch.*KeyError: 'expected_field'"):
+        t.run()
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_leaves_a_loadable_checkpoint(tiny_llama, tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "edgerl.cli", "train", "--model", str(tiny_llama), "--steps", "50",
+           "--out", str(run), *sum((["--set", s] for s in FAST + ["run.save_every=0"]), [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step    1"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, "".join(seen) + out
+    assert "SIGTERM received" in out and "resume with" in out
+    ck = checkpoint.latest(run)
+    tensors, state, meta = checkpoint.load(ck)
+    assert 1 <= meta["step"] < 50 and "actor" in tensors
+    t = make_trainer(tiny_llama, run, "train.steps=" + str(meta["step"] + 1), "run.save_every=0", resume=ck)
+    t.run()
+    assert t.step == meta["step"] + 1
