@@ -79,9 +79,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
-         meta: dict[str, Any], keep_last: int) -> Path:
+         meta: dict[str, Any], keep_last: int, files: Optional[dict[str, bytes]] = None) -> Path:
     """Write checkpoint `step`: `tensors` name -> state dict (safetensors), `state` name -> object
-    (torch.save), `meta` -> meta.json. Returns the folder."""
+    (torch.save), `meta` -> meta.json, `files` name -> bytes written as is. Returns the folder."""
     from safetensors.torch import save_file
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -94,6 +94,8 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
         for name, obj in state.items():
             torch.save(obj, tmp / f"{name}.pt")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

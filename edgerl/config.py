@@ -137,8 +137,12 @@ class LoraConfig:
     rank: int = F(16, "LoRA rank r")
     alpha: float = F(32.0, "LoRA alpha (scale = alpha / rank)")
     dropout: float = F(0.0, "LoRA dropout")
-    target_modules: Optional[list[str]] = F(None, "module names to adapt; None = all attention and "
-                                            "MLP projections of the architecture")
+    target_modules: Optional[list[str]] = F(None, "module names to adapt; None = all attention and MLP "
+                                            "projections (llama, qwen2, mistral); other architectures must "
+                                            "name them")
+    export_merged: bool = F(True, "also export the merged model (W + scale * B @ A) as a plain HF folder "
+                            "<run>/final that transformers loads without peft; the adapter itself always goes "
+                            "to <run>/final-adapter")
 
 
 @dataclass
@@ -152,7 +156,11 @@ class PlanOverrides:
     grad_checkpointing: Optional[bool] = F(None, "recompute activations in the backward pass")
     param_offload: Optional[bool] = F(None, "keep parameters in host memory (FSDP2 CPU offload)")
     optimizer_offload: Optional[bool] = F(None, "keep optimizer state in host memory")
-    optimizer: Optional[Literal["adamw", "adamw8bit"]] = F(None, "optimizer state format")
+    optimizer: Optional[Literal["adamw", "adamw8bit"]] = F(None, "optimizer state format: fp32 AdamW, or "
+                                                           "8-bit AdamW (bitsandbytes, CUDA CC >= 6.0)")
+    base_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = F(
+        None, "storage dtype of the frozen LoRA base; None = the compute dtype. fp16 with fp32 compute "
+        "(Pascal) halves the base's memory; FSDP2 upcasts one layer at a time for compute")
     rollout_batch: Optional[int] = F(None, "sequences generated at once")
     score_micro_batch: Optional[int] = F(None, "sequences per no-grad log-prob pass")
     headroom_gib: Optional[float] = F(None, "memory kept free beyond the estimate")
@@ -233,6 +241,13 @@ class Config:
         if t.micro_batch is not None and (t.micro_batch < 1 or mini % t.micro_batch):
             raise ConfigError(f"train.micro_batch={t.micro_batch} must divide the mini-batch of {mini}; "
                               f"try one of {_divisors(mini)}")
+        if self.lora.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be > 0 (the adapter's scale is alpha / rank), got {self.lora.alpha}")
+        if not 0 <= self.lora.dropout < 1:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.lora.dropout}")
+        if self.lora.target_modules is not None and not self.lora.target_modules:
+            raise ConfigError("lora.target_modules is an empty list; name modules such as "
+                              "[\"q_proj\", \"v_proj\"], or leave it unset for the architecture's defaults")
         if not 1 <= self.data.difficulty <= 4:
             raise ConfigError(f"data.difficulty must be 1 to 4, got {self.data.difficulty}")
         return self

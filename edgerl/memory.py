@@ -9,11 +9,15 @@ A step has three phases and the models move between them, so the peak is the lar
 Formulas, with P parameters, T trainable parameters, h hidden size, I MLP size, q/kv the query
 and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dtype bytes:
 
-    master weights        P x 4 (fp32), or P x b_base for a frozen LoRA base
-    compute copy          P x b_c: the unsharded compute-dtype weights used for generation, and
-                          2 layers + embeddings while FSDP2 streams layers in the update
-    gradients             T x 4
+    master weights        P x 4 (fp32), or P x b_base + A x 4 for a frozen LoRA base and its fp32
+                          adapter (A = r x (in + out) per adapted linear layer)
+    generation copy       P x b_c: the rollout engine's own weights (merged W + scale B A under
+                          LoRA). Rollout phase only: the trainer frees its storage after generating
+                          and the next weight sync refills it
+    layer copies          2 layers + embeddings in b_c while FSDP2 unshards layers for a forward
+    gradients             T x 4 (T = P, or A under LoRA)
     optimizer state       T x 8 (AdamW: two fp32 moments) or T x 2 (8-bit AdamW)
+    reference             P x b_c, a separate frozen copy; none under LoRA (adapter disabled)
     activations, no ckpt  tokens x layers x b_c x (5h + 3q + 3kv + 4I)   (+ the eager score matrix:
                           tokens x heads x L x 2 b_c per layer)
     activations, ckpt     tokens x layers x h x b_c + one layer's full activations
@@ -143,8 +147,8 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     ctx = cal.cuda_context if s.cuda else 0
     frag = cal.fragmentation
 
-    # while generating, the compute-dtype weights are unsharded in full
-    gen_copy = P * b_c if (not lora or b_c != s.base_bytes) else 0
+    # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating only
+    gen_copy = P * b_c
     kv = s.rollout_batch * L * m.kv_bytes_per_token(b_c)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
     prefill = s.rollout_batch * prompt_len * (4 * m.hidden_size + 3 * m.intermediate_size) * b_c
@@ -159,7 +163,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         scorers = {"compute weights": stream, "reference weights": stream if s.reference else 0,
                    "critic weights": stream if s.critic else 0, "reward model": rm}
     else:
-        scorers = {"compute weights": gen_copy, "reference weights": ref,
+        scorers = {"compute weights": stream, "reference weights": ref,
                    "critic weights": critic_state, "reward model": rm}
     if s.swap_models:  # the actor scores first, then each other model in turn takes the GPU
         others = max(scorers["reference weights"], scorers["critic weights"], scorers["reward model"])
@@ -170,7 +174,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     tokens = s.micro_batch * L
     update = {"master weights": master, "gradients": grads,
               "optimizer state": T * s.optimizer_bytes_per_param if not s.param_offload else 0,
-              "layer copies": stream if not lora else 0, "other models": resident_off,
+              "layer copies": stream, "other models": resident_off,
               "activations": act(tokens, train=True), "log-prob logits": logits}
     if s.optimizer_offload and not s.param_offload:
         # state comes back for the step only; the step runs after the backward has freed activations

@@ -5,6 +5,13 @@ however many devices the process group has: one GPU, the CPU (gloo), or N GPUs u
 Mixed precision is FSDP2's policy (fp32 master weights, compute in the plan's dtype), and the
 plan's CPU offload is FSDP2's `CPUOffloadPolicy`. The log-probs are computed inside the wrapped
 module's forward, so the LM-head weight is unsharded when the chunked kernel reads it.
+
+Under LoRA (`plan.lora`) the actor's base is frozen and stored in `plan.base_dtype`; peft's adapter
+trains (edgerl/lora.py). The reference is the actor with its adapter disabled, so `build_frozen` is
+not called. The critic is a separate model with its own LoRA adapter and an fp32 value head:
+sharing the actor's frozen base would save one copy of the base (P x base bytes) but needs peft's
+one-active-adapter switching inside one FSDP2 module tree for two optimizers, and rules out
+`model.critic_path`; the plan counts the extra copy, and plan.base_dtype=fp16 halves it.
 """
 
 from __future__ import annotations
@@ -68,9 +75,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def enable_checkpointing(model: nn.Module) -> None:
-    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    fn = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    fn(**kwargs)
+    """Recompute each decoder layer in the backward (HF does it only in training mode: the trainer
+    puts the models in train() for updates). Non-reentrant, so a frozen LoRA base needs no input grads."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
 
 
@@ -112,19 +123,29 @@ class ValueModel(nn.Module):
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
         hidden = out.last_hidden_state[:, start:start + length]
-        return self.value_head(hidden.float()).squeeze(-1).clone()  # not a view: FSDP2 hooks the output
+        # the head computes in its unsharded dtype (FSDP2 casts it to the compute dtype); values in fp32
+        v = self.value_head(hidden.to(self.value_head.weight.dtype)).float()
+        return v.squeeze(-1).clone()  # not a view: FSDP2 hooks the output
 
 
 def init_distributed(device: torch.device) -> None:
     """A process group for FSDP2: torchrun's, or a one-process group on this device."""
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+    kwargs = {}
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        # one process: a free port, passed directly. Not through os.environ, which child processes
+        # (an `edgerl train` started from here) would inherit and then collide on.
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        kwargs["init_method"] = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None,
+                            **kwargs)
 
 
 def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.device) -> nn.Module:
@@ -133,8 +154,11 @@ def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.de
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh}
-    if plan.dtype.compute != "fp32":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[plan.dtype.compute], reduce_dtype=torch.float32)
+    compute = DTYPES[plan.dtype.compute]
+    # Any weight stored in another dtype than the compute one (the master weights under mixed
+    # precision, or a half-precision LoRA base under fp32 compute) is cast per layer at unshard.
+    if any(p.dtype != compute for p in module.parameters()):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     if plan.param_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in layers:
@@ -143,21 +167,47 @@ def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.de
     return module
 
 
-def build_actor(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False) -> PolicyHead:
-    lm = load_causal_lm(path, torch.float32, plan.attention, trust_remote_code)  # fp32 master weights
+def _lora_targets(lm: nn.Module, plan: Plan, explicit: Optional[list[str]]) -> list[str]:
+    """The plan's targets for the actor's model; the architecture's own defaults for another
+    backbone (model.critic_path)."""
+    from .plan import lora_targets
+    return list(lora_targets(getattr(lm.config, "model_type", "?"), explicit or None))
+
+
+def _base_dtype(plan: Plan) -> torch.dtype:
+    """fp32 master weights for full fine-tuning; the plan's storage dtype for a frozen LoRA base."""
+    return DTYPES[plan.base_dtype] if plan.lora and plan.base_dtype else torch.float32
+
+
+def build_actor(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False,
+                lora_dropout: float = 0.0) -> PolicyHead:
+    lm = load_causal_lm(path, _base_dtype(plan), plan.attention, trust_remote_code)
+    peft_model = None
+    if plan.lora:
+        from .lora import apply_lora
+        peft_model = apply_lora(lm, plan.lora["rank"], plan.lora["alpha"], lora_dropout, plan.lora["targets"], path)
     if plan.grad_checkpointing:
         enable_checkpointing(lm)
     if not plan.param_offload:
         lm.to(device)
     head = PolicyHead(lm, plan)
+    if peft_model is not None:
+        from .lora import attach
+        attach(head, peft_model)
     return shard(head, decoder_layers(lm), plan, device)
 
 
-def build_critic(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False) -> ValueModel:
-    lm = load_causal_lm(path, torch.float32, plan.attention, trust_remote_code)
+def build_critic(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False,
+                 lora_dropout: float = 0.0, lora_targets: Optional[list[str]] = None) -> ValueModel:
+    """The critic: its own backbone; under LoRA a frozen base with its own adapter, and the value head."""
+    lm = load_causal_lm(path, _base_dtype(plan), plan.attention, trust_remote_code)
+    critic = ValueModel(lm)  # the value head is created in fp32 and stays trainable
+    if plan.lora:
+        from .lora import apply_lora
+        apply_lora(lm, plan.lora["rank"], plan.lora["alpha"], lora_dropout, _lora_targets(lm, plan, lora_targets),
+                   path)
     if plan.grad_checkpointing:
         enable_checkpointing(lm)
-    critic = ValueModel(lm)
     if not plan.param_offload:
         critic.to(device)
     return shard(critic, decoder_layers(lm), plan, device)
@@ -175,7 +225,11 @@ def build_inference_copy(path: str, plan: Plan, device: torch.device, trust_remo
     lm = load_causal_lm(path, DTYPES[plan.dtype.compute], "sdpa" if plan.attention == "flash_attention_2"
                         and not plan.device.is_cuda else plan.attention, trust_remote_code)
     lm.requires_grad_(False).eval()
-    return lm.to(device)
+    lm.to(device)
+    for p in lm.parameters():  # weights read from a memory-mapped file (CPU) cannot be released
+        if not p.untyped_storage().resizable():
+            p.data = p.data.clone()
+    return lm
 
 
 def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -187,12 +241,39 @@ def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def lm_weights(actor: PolicyHead) -> Iterator[tuple[str, torch.Tensor]]:
-    """The actor's weights under the plain HF model's parameter names (for the rollout copy and export)."""
+    """The actor's weights under the plain HF model's parameter names (for the rollout copy and export);
+    under LoRA the merged W + scale * B @ A of each adapted layer."""
+    from .lora import merged_weights, peft_of
+    if peft_of(actor) is not None:
+        yield from merged_weights(actor.lm)
+        return
     names = {id(p): n for n, p in actor.lm.named_parameters()}  # tied weights appear once
     for name, p in actor.lm.named_parameters():
         if names[id(p)] != name:
             continue
         yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+def release_weights(model: nn.Module) -> int:
+    """Free the storage of `model`'s parameters (the rollout copy between rollouts); the tensors stay, so
+    modules, engines and views keep pointing at them. Returns the bytes freed. `restore_weights` then
+    re-allocates, and the next weight sync refills every parameter."""
+    freed = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        st = p.untyped_storage()
+        if st.nbytes():
+            p.__dict__["_edgerl_nbytes"] = st.nbytes()
+            freed += st.nbytes()
+            st.resize_(0)
+    return freed
+
+
+def restore_weights(model: nn.Module) -> None:
+    """Re-allocate what `release_weights` freed (contents undefined until the next weight sync)."""
+    for p in {id(p): p for p in model.parameters()}.values():
+        n = p.__dict__.pop("_edgerl_nbytes", None)
+        if n is not None:
+            p.untyped_storage().resize_(n)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from .device import GiB, MiB, Device
 from .memory import DEFAULT_CALIBRATION, Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
-from .modelspec import ModelSpec
+from .modelspec import ModelSpec, ModelSpecError
 
 
 class PlanError(ValueError):
@@ -69,6 +69,21 @@ BF16_MIXED = DtypePolicy("bf16-mixed", "fp32", "bf16", "fp32", False)
 DTYPES = {"fp32": FP32, "fp16": FP16_MIXED, "bf16": BF16_MIXED}
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# All attention and MLP projections: adapting only q/v (peft's default) trains far fewer directions for
+# the same memory, and the adapter is a few percent of the base at r=16 either way.
+LORA_TARGETS = {"llama": DEFAULT_LORA_TARGETS, "qwen2": DEFAULT_LORA_TARGETS, "mistral": DEFAULT_LORA_TARGETS}
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def lora_targets(model_type: str, explicit: Optional[tuple[str, ...] | list[str]]) -> tuple[str, ...]:
+    """The modules LoRA adapts: `explicit`, else the architecture's attention and MLP projections."""
+    if explicit:
+        return tuple(explicit)
+    if model_type not in LORA_TARGETS:
+        raise PlanError(f"LoRA has no default target modules for model_type {model_type!r} (defaults exist for "
+                        f"{', '.join(LORA_TARGETS)}); name its linear layers with lora.target_modules, e.g. "
+                        "--set 'lora.target_modules=[\"q_proj\", \"v_proj\"]'")
+    return LORA_TARGETS[model_type]
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,7 @@ class Plan:
     param_offload: bool
     optimizer: str
     lora: Optional[dict[str, Any]]
+    base_dtype: Optional[str]            # storage of the frozen LoRA base; None with full fine-tuning
     micro_batch: int
     score_micro_batch: int
     rollout_batch: int
@@ -100,7 +116,7 @@ class Plan:
 
     DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "kernel_backend", "kernel_tiles",
                  "logprob_chunk", "grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
-                 "optimizer", "lora", "micro_batch", "score_micro_batch", "rollout_batch",
+                 "optimizer", "lora", "base_dtype", "micro_batch", "score_micro_batch", "rollout_batch",
                  "rollout_memory_share", "env")
 
     def value(self, key: str) -> Any:
@@ -158,6 +174,23 @@ def pick_dtype(dev: Device, forced: Optional[str]) -> tuple[DtypePolicy, str]:
         return FP16_MIXED, (f"{dev.sm}: {core}; bf16 would only be emulated, so fp16 compute with fp32 "
                             "master weights and a gradient scaler")
     return FP32, f"{dev.sm}: no fast fp16 on this GPU, so fp32"
+
+
+def pick_base_dtype(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
+    """Storage dtype of a frozen LoRA base. It never changes, so it needs no fp32 master copy."""
+    if not forced:
+        note = (" (plan.base_dtype=fp16 would halve it: fp16 storage, upcast one layer at a time)"
+                if dtype.compute == "fp32" else "")
+        return dtype.compute, (f"the frozen base is stored in the compute dtype, {dtype.compute}: it is never "
+                               f"updated, so it needs no fp32 master copy{note}")
+    if forced == "bf16" and dev.is_cuda and not dev.bf16:
+        raise PlanError(f"plan.base_dtype=bf16 on {dev.sm}: bf16 is only emulated before CC 8.0; use fp16 or fp32")
+    if DTYPE_BYTES[forced] >= dtype.compute_bytes:
+        return forced, f"asked for with plan.base_dtype={forced} (compute {dtype.compute})"
+    why = (f" ({dev.sm}: half arithmetic is slow here, so only storage is half)" if dev.is_cuda and
+           not dev.fp16_fast else "")
+    return forced, (f"asked for with plan.base_dtype={forced}: the frozen base is stored in {forced} and FSDP2 "
+                    f"upcasts one layer at a time to {dtype.compute} for compute{why}")
 
 
 def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
@@ -268,32 +301,55 @@ class _Search:
     stage: str
 
 
-STAGES = (  # (name, checkpointing, swap models, optimizer offload, param offload), fastest first
-    ("none", False, False, False, False),
-    ("gradient checkpointing", True, False, False, False),
-    ("+ models leave the GPU between phases", True, True, False, False),
-    ("+ optimizer state in host memory between updates", True, True, True, False),
-    ("+ FSDP2 CPU offload of parameters, gradients and optimizer", True, True, True, True),
+STAGES = (  # (name, checkpointing, swap models, optimizer offload, param offload, 8-bit AdamW), fastest first
+    ("none", False, False, False, False, False),
+    ("gradient checkpointing", True, False, False, False, False),
+    ("+ models leave the GPU between phases", True, True, False, False, False),
+    # exact fp32 state over PCIe before approximate 8-bit state: offload costs ~2 x 8 bytes per parameter
+    # of transfer per step, small next to a rollout on the cards that need it
+    ("+ optimizer state in host memory between updates", True, True, True, False, False),
+    ("+ 8-bit AdamW state (bitsandbytes) on the GPU", True, True, False, False, True),
+    ("+ 8-bit AdamW state in host memory between updates", True, True, True, False, True),
+    ("+ FSDP2 CPU offload of parameters, gradients and optimizer", True, True, True, True, False),
 )
 
 
+def _stages(optimizer: Optional[str], bnb_ok: bool, param_offload: bool) -> list[tuple]:
+    """STAGES for this run: 8-bit ones only where bitsandbytes runs and plan.optimizer is not adamw;
+    with plan.optimizer=adamw8bit every stage uses it (duplicates dropped); `param_offload` False drops
+    the last stage (LoRA=auto tries adapters before streaming every weight over PCIe)."""
+    out, seen = [], set()
+    for name, ckpt, swap, opt_off, par_off, eight in STAGES:
+        if par_off and not param_offload:
+            continue
+        if optimizer == "adamw" and eight or optimizer is None and eight and not bnb_ok:
+            continue
+        if optimizer == "adamw8bit":
+            eight = True
+            if (ckpt, swap, opt_off, par_off) in seen:
+                continue
+        seen.add((ckpt, swap, opt_off, par_off))
+        out.append((name, ckpt, swap, opt_off, par_off, eight))
+    return out
+
+
 def _search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
-            cal: Calibration, host_memory: int) -> tuple[Optional[_Search], list[str]]:
+            cal: Calibration, host_memory: int, stages: list[tuple]) -> tuple[Optional[_Search], list[str]]:
     tried: list[str] = []
     seqs, mini = task.sequences, task.mini
     small = min(mini, 4)  # below 4 sequences a micro-batch leaves the GPU idle: checkpoint first
-    for i, (name, ckpt, swap, opt_off, par_off) in enumerate(STAGES):
+    for i, (name, ckpt, swap, opt_off, par_off, eight) in enumerate(stages):
         values = {"grad_checkpointing": ckpt, "swap_models": swap, "optimizer_offload": opt_off,
                   "param_offload": par_off}
         if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
             continue
-        last = i == len(STAGES) - 1 or all(
+        last = i == len(stages) - 1 or all(
             forced.get(k) is not None for k in values)
         mbs = [forced["micro_batch"]] if forced.get("micro_batch") else _divisors_desc(mini)
         for mb in mbs:
             if mb < small and not last and not forced.get("micro_batch"):
                 break
-            s = replace(base, micro_batch=mb, **values)
+            s = replace(base, micro_batch=mb, optimizer_bytes_per_param=2 if eight else 8, **values)
             s = _fit_rollout_and_score(model, task, s, budget, forced, cal)
             mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
             if mem.fits and mem.host_needed <= host_memory * 0.8:
@@ -352,22 +408,23 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     reasons["logprob_chunk"] = (f"{chunk} tokens per chunk: the kernel holds {fmt_bytes(chunk * model.vocab_size * per_logit)} "
                                 f"of logits at a time instead of tokens x {model.vocab_size} for the whole batch")
 
-    optimizer = o.get("optimizer", "adamw")
-    if optimizer == "adamw8bit" and not (device.is_cuda and device.software.has("bitsandbytes")):
-        raise PlanError("plan.optimizer=adamw8bit needs bitsandbytes on a CUDA device (CC >= 6.0); "
+    # bitsandbytes' 8-bit optimizers run from CC 6.0 (hardware.md section 8): Pascal included
+    bnb_ok = device.is_cuda and device.cc >= (6, 0) and device.software.has("bitsandbytes")
+    if o.get("optimizer") == "adamw8bit" and not bnb_ok:
+        raise PlanError("plan.optimizer=adamw8bit needs bitsandbytes on a CUDA device with CC >= 6.0 "
+                        f"({device.describe()}{', bitsandbytes not installed' if device.is_cuda else ''}); "
                         "pip install bitsandbytes, or use adamw")
-    reasons["optimizer"] = ("asked for with plan.optimizer=adamw8bit: 2 bytes of state per parameter"
-                            if optimizer == "adamw8bit" else "AdamW with fp32 moments (8 bytes per trainable parameter)")
+    base_dtype, base_reason = pick_base_dtype(device, dtype, o.get("base_dtype"))
     need_host_for_offload = not device.integrated
     host = device.host_memory if need_host_for_offload else 0
 
     def base_setting(lora_params: int) -> Setting:
         return Setting(
-            compute_bytes=dtype.compute_bytes, base_bytes=4 if not lora_params else dtype.compute_bytes,
+            compute_bytes=dtype.compute_bytes, base_bytes=DTYPE_BYTES[base_dtype] if lora_params else 4,
             grad_checkpointing=False, swap_models=False, optimizer_offload=False, param_offload=False,
             micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk, logit_bytes=per_logit,
             eager_attention=attention == "eager",
-            optimizer_bytes_per_param=2 if optimizer == "adamw8bit" else 8, lora_params=lora_params,
+            lora_params=lora_params,
             critic=task.algo == "gae", reference=task.kl and not lora_params,
             reward_model_params=task.reward_model_params, cuda=device.is_cuda)
 
@@ -376,12 +433,19 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     if device.integrated:
         forced["param_offload"] = forced["param_offload"] or False
         forced["optimizer_offload"] = forced["optimizer_offload"] or False
-    targets = tuple(task.lora_targets or DEFAULT_LORA_TARGETS)
-    lora_params = model.lora_params(task.lora_rank, targets)
+    targets: tuple[str, ...] = ()
+    lora_params = 0
     attempts: list[tuple[bool, Optional[_Search], list[str]]] = []
     for use_lora in ([False, True] if task.lora is None else [bool(task.lora)]):
+        if use_lora:
+            targets = lora_targets(model.model_type, task.lora_targets)
+            try:
+                lora_params = model.lora_params(task.lora_rank, targets)
+            except ModelSpecError as e:
+                raise PlanError(f"lora.target_modules: {e}") from None
+        stages = _stages(o.get("optimizer"), bnb_ok, param_offload=use_lora or task.lora is not None)
         found, tried = _search(model, task, base_setting(lora_params if use_lora else 0), budget, forced,
-                               calibration, host)
+                               calibration, host, stages)
         attempts.append((use_lora, found, tried))
         if found:
             break
@@ -392,7 +456,16 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         raise PlanError(_no_fit_message(device, model, task, budget, attempts, o, calibration))
 
     s, mem = found.setting, found.memory
-    _memory_reasons(reasons, found, task, device, attempts, model, lora_params, use_lora, targets, mem)
+    _memory_reasons(reasons, found, task, device, attempts, model, lora_params, use_lora, targets, mem, calibration)
+    optimizer = "adamw8bit" if s.optimizer_bytes_per_param == 2 else "adamw"
+    reasons["optimizer"] = (
+        "asked for with plan.optimizer=adamw8bit: 8-bit AdamW (bitsandbytes), 2 bytes of state per trainable "
+        "parameter" if o.get("optimizer") == "adamw8bit" else
+        f"8-bit AdamW (bitsandbytes): 2 bytes of state per trainable parameter instead of 8, because fp32 "
+        f"state does not fit even in host memory between updates ({found.stage}); plan.optimizer=adamw "
+        "forbids it" if optimizer == "adamw8bit" else
+        "AdamW with fp32 moments (8 bytes per trainable parameter)")
+    reasons["base_dtype"] = base_reason if use_lora else "not used: full fine-tuning keeps fp32 master weights"
     share = mem.phase_totals()["rollout"] / total if total else 0.0
     if "rollout_memory_share" in o:
         share = float(o["rollout_memory_share"])
@@ -417,14 +490,14 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
                 cuda_graphs=graphs, kernel_backend=backend, kernel_tiles=tiles, logprob_chunk=chunk,
                 grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
                 optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,
-                lora=lora_info, micro_batch=s.micro_batch, score_micro_batch=s.score_micro_batch,
+                lora=lora_info, base_dtype=base_dtype if use_lora else None, micro_batch=s.micro_batch, score_micro_batch=s.score_micro_batch,
                 rollout_batch=s.rollout_batch, rollout_memory_share=round(share, 4), env=tuple(env),
                 memory=mem, headroom=headroom, reasons=reasons | {"headroom": hreason})
 
 
 def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device: Device,
                     attempts: list, model: ModelSpec, lora_params: int, use_lora: bool,
-                    targets: tuple[str, ...], mem: MemoryEstimate) -> None:
+                    targets: tuple[str, ...], mem: MemoryEstimate, cal: Calibration) -> None:
     s = found.setting
     budget = fmt_bytes(mem.budget)
     fits = f"estimate {fmt_bytes(mem.total)} (peak in {mem.peak_phase}) of a {budget} budget"
@@ -434,7 +507,8 @@ def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device:
     reasons["swap_models"] = ("reference/critic stay on the GPU" if not s.swap_models else
                               "reference and critic move to host memory outside the phases that use them")
     reasons["optimizer_offload"] = ("optimizer state stays on the GPU" if not s.optimizer_offload else
-                                    "optimizer state waits in host memory between updates")
+                                    "optimizer state waits in host memory between updates and comes back "
+                                    "for the optimizer step only")
     reasons["param_offload"] = ("weights stay on the GPU" if not s.param_offload else
                                 f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
                                 "layers stream over PCIe (slow, but it fits)")
@@ -445,11 +519,22 @@ def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device:
                                 f"(KV cache {fmt_bytes(mem.phases['rollout'].get('KV cache', 0))})")
     if use_lora:
         full_tried = attempts[0][2][-1] if attempts[0][2] and not attempts[0][0] else ""
-        why = "asked for" if task.lora else f"full fine-tuning does not fit ({full_tried})"
-        reasons["lora"] = (f"LoRA r={task.lora_rank} on {', '.join(targets)}: {lora_params / 1e6:.1f}M trainable "
-                           f"parameters; the reference is the base with the adapter disabled; {why}")
+        why = ("asked for" if task.lora else f"full fine-tuning does not fit without streaming every weight "
+               f"over PCIe (most frugal on-GPU setting: {full_tried})")
+        # the same setting with every weight trained, an fp32 master copy and a separate reference
+        full = estimate(model, replace(s, lora_params=0, base_bytes=4, reference=task.kl), task.prompt_len,
+                        task.response_len, mem.budget, cal)
+        reasons["lora"] = (f"LoRA r={task.lora_rank} on {', '.join(targets)}: {fmt_count(lora_params)} trainable "
+                           f"parameters ({lora_params / model.n_params():.2%} of {fmt_count(model.n_params())}); "
+                           f"saves {fmt_bytes(full.total - mem.total)} at this setting ({fmt_bytes(full.total)} "
+                           f"-> {fmt_bytes(mem.total)}): no gradients or optimizer state for the frozen base, and "
+                           f"the reference is the base with the adapter disabled; {why}")
     else:
         reasons["lora"] = "full fine-tuning fits" if task.lora is None else "full fine-tuning (lora.enabled=false)"
+
+
+def fmt_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
 def _no_fit_message(device: Device, model: ModelSpec, task: Task, budget: int, attempts: list,

@@ -21,11 +21,13 @@ import torch.distributed as dist
 from . import algos, checkpoint
 from .config import Config, to_dict
 from .data import PromptSampler, load_prompts
+from . import lora as lora_io
 from .experience import Experience, advantages, critic_values, micro_batches, pad_batch, policy_logprobs
 from .memory import fmt_bytes
 from .metrics import MetricsWriter
 from .models import (build_actor, build_critic, build_frozen, build_inference_copy, init_distributed,
-                     lm_weights, load_tokenizer, on_device, save_hf)
+                     lm_weights, load_tokenizer, on_device, release_weights, restore_weights, save_hf)
+from .optim import StateOffload, make_optimizer
 from .plan import Plan
 from .rewards import RewardItem, check_sources, default_compute_score, load_reward_function, score_batch
 from .rollout.base import SamplingParams
@@ -73,19 +75,31 @@ class Trainer:
             from .reward_model import RewardModel
             self.reward_model = RewardModel(cfg.reward.model, device=device)
 
-        self.actor = build_actor(m.path, plan, device, m.trust_remote_code)
-        self.ref = build_frozen(m.path, plan, device if not plan.swap_models else torch.device("cpu"),
-                                m.trust_remote_code) if cfg.algo.kl_coef > 0 else None
-        self.critic = build_critic(m.critic_path or m.path, plan, device, m.trust_remote_code) \
-            if cfg.algo.advantage == "gae" else None
+        self.lora = plan.lora is not None
+        self.actor = build_actor(m.path, plan, device, m.trust_remote_code, cfg.lora.dropout)
+        self.ref = None
+        if cfg.algo.kl_coef > 0:  # under LoRA the reference is the actor with its adapter disabled
+            self.ref = lora_io.ReferencePolicy(self.actor) if self.lora else build_frozen(
+                m.path, plan, device if not plan.swap_models else torch.device("cpu"), m.trust_remote_code)
+        self.critic = build_critic(m.critic_path or m.path, plan, device, m.trust_remote_code, cfg.lora.dropout,
+                                   cfg.lora.target_modules) if cfg.algo.advantage == "gae" else None
+        if self.lora:
+            n = sum(p.numel() for p in self.actor.parameters() if p.requires_grad)
+            log(f"LoRA r={plan.lora['rank']}: {n:,} trainable parameters (the plan counted "
+                f"{plan.lora['params']:,}); base stored in {plan.base_dtype}")
         t = cfg.train
-        self.optim = torch.optim.AdamW(self.actor.parameters(), lr=t.lr, betas=tuple(t.betas),
-                                       weight_decay=t.weight_decay)
+        world = dist.get_world_size()
+        # the state waits in host memory between updates unless FSDP2 already keeps it there
+        offload, pin = plan.optimizer_offload and not plan.param_offload, device.type == "cuda"
+        self.optim = make_optimizer(self.actor.parameters(), plan.optimizer, t.lr, tuple(t.betas), t.weight_decay,
+                                    world)
+        self.offload = StateOffload(self.optim, offload, pin)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg))
-        self.critic_optim = self.critic_sched = None
+        self.critic_optim = self.critic_sched = self.critic_offload = None
         if self.critic is not None:
-            self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=t.critic_lr, betas=tuple(t.betas),
-                                                  weight_decay=t.weight_decay)
+            self.critic_optim = make_optimizer(self.critic.parameters(), plan.optimizer, t.critic_lr,
+                                               tuple(t.betas), t.weight_decay, world)
+            self.critic_offload = StateOffload(self.critic_optim, offload, pin)
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, lr_lambda(cfg))
         # fp16 needs loss scaling (CC 7.x); bf16 and fp32 do not
         self.scaler = torch.amp.GradScaler(device.type) if plan.dtype.grad_scaler else None
@@ -115,6 +129,7 @@ class Trainer:
     def _make_engine(self):
         p, m = self.plan, self.cfg.model
         copy = build_inference_copy(m.path, p, self.device, m.trust_remote_code)
+        self.rollout_model = copy
         try:
             from .rollout import make_hf_engine
         except ImportError:
@@ -158,19 +173,23 @@ class Trainer:
                 scores = [s + cfg.reward.model_coef * r for s, r in zip(scores, rm)]
         exp = pad_batch(batch, self.tokenizer.pad_token_id, scores)
         self.engine.release()
+        # the rollout copy is refilled by the next weight sync: its memory serves scoring and the update
+        release_weights(self.rollout_model)
 
         updates = (len(exp) // (cfg.train.mini_batch or len(exp))) * cfg.train.ppo_epochs
         kl_coef = self.kl_ctl.value
         T = cfg.rollout.temperature
+        self.actor.eval()
         with phase("score"):
             # On-policy with one update per step, the old log-probs equal the current ones: the
             # update's own forward provides them (ratio 1), and this pass is skipped.
             if updates > 1 or (kl_coef > 0 and cfg.algo.kl_in == "reward"):
                 exp.old_logp, _ = policy_logprobs(self.actor, exp, self.plan.score_micro_batch, T, self.device)
             if self.ref is not None:
-                with on_device(self.ref, self.device, self.plan.swap_models):
+                with on_device(self.ref, self.device, self.plan.swap_models and not self.lora):
                     exp.ref_logp, _ = policy_logprobs(self.ref, exp, self.plan.score_micro_batch, T, self.device)
             if self.critic is not None:
+                self.critic.eval()
                 exp.values = critic_values(self.critic, exp, self.plan.score_micro_batch, self.device)
         exp = advantages(exp, cfg.algo, n, kl_coef)
 
@@ -182,6 +201,7 @@ class Trainer:
         if self.critic_sched is not None:
             self.critic_sched.step()
         with phase("sync"):
+            restore_weights(self.rollout_model)
             self.engine.sync_weights(lm_weights(self.actor))
         if "actor/kl" in stats:
             self.kl_ctl.update(stats["actor/kl"], len(exp))
@@ -225,17 +245,19 @@ class Trainer:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item())
 
-    def _optimizer_step(self, model, optim) -> float:
+    def _optimizer_step(self, model, optim, offload: StateOffload) -> float:
         params = [p for p in model.parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(optim)
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if self.scaler is not None:
-            self.scaler.step(optim)
-            self.scaler.update()
-        else:
-            optim.step()
+        with offload.resident():  # offloaded state comes back for the step only
+            if self.scaler is not None:
+                self.scaler.step(optim)
+                self.scaler.update()
+            else:
+                optim.step()
+        optim.zero_grad(set_to_none=True)  # gradients are dead weight during the next rollout
         return float(norm)
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -247,6 +269,7 @@ class Trainer:
         acc: dict[str, float] = {}
         first_epoch: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
         grad_norms, skipped = [], 0
+        self.actor.train()  # HF checkpoints activations (and applies LoRA dropout) only in training mode
         for epoch in range(cfg.train.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.gen) if mini < len(exp) else torch.arange(len(exp))
             for m0 in range(0, len(exp), mini):
@@ -285,7 +308,8 @@ class Trainer:
                     self.optim.zero_grad(set_to_none=True)
                     skipped += 1
                     continue
-                grad_norms.append(self._optimizer_step(self.actor, self.optim))
+                grad_norms.append(self._optimizer_step(self.actor, self.optim, self.offload))
+        self.actor.eval()
         self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
         if self.bad_in_a_row >= cfg.train.max_bad_steps:
             raise TrainingError(f"the loss was NaN or infinite in {self.bad_in_a_row} steps in a row (updates "
@@ -306,6 +330,7 @@ class Trainer:
         cfg = self.cfg
         mini = cfg.train.mini_batch or len(exp)
         losses, clips, norms = [], [], []
+        self.critic.train()
         for _ in range(cfg.train.ppo_epochs):
             order = torch.randperm(len(exp), generator=self.gen) if mini < len(exp) else torch.arange(len(exp))
             for m0 in range(0, len(exp), mini):
@@ -326,7 +351,8 @@ class Trainer:
                 if bad:
                     self.critic_optim.zero_grad(set_to_none=True)
                     continue
-                norms.append(self._optimizer_step(self.critic, self.critic_optim))
+                norms.append(self._optimizer_step(self.critic, self.critic_optim, self.critic_offload))
+        self.critic.eval()
         ev = algos.explained_variance(exp.values, exp.returns, exp.response_mask).item()
         out = {"critic/vf_loss": _mean(losses), "critic/vf_clip_frac": _mean(clips),
                "critic/values_mean": algos.masked_mean(exp.values, exp.response_mask).item(),
@@ -409,12 +435,19 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        tensors = {"actor": get_model_state_dict(self.actor, options=full)}
-        state: dict[str, Any] = {"optim": get_optimizer_state_dict(self.actor, self.optim, options=full),
-                                 "sched": self.sched.state_dict()}
+        files: dict[str, bytes] = {}
+        if self.lora:  # the frozen base is the model's own: only the adapter, in peft's format
+            tensors = {"adapter_model": lora_io.adapter_state(self.actor)}
+            files["adapter_config.json"] = lora_io.adapter_config_json(self.actor)
+        else:
+            tensors = {"actor": get_model_state_dict(self.actor, options=full)}
+        optim_state = self.offload.state_dict(lambda: get_optimizer_state_dict(self.actor, self.optim, options=full))
+        state: dict[str, Any] = {"optim": optim_state, "sched": self.sched.state_dict()}
         if self.critic is not None:
-            tensors["critic"] = get_model_state_dict(self.critic, options=full)
-            state["critic_optim"] = get_optimizer_state_dict(self.critic, self.critic_optim, options=full)
+            tensors["critic"] = (lora_io.trainable_state(self.critic) if self.lora else
+                                 get_model_state_dict(self.critic, options=full))
+            state["critic_optim"] = self.critic_offload.state_dict(
+                lambda: get_optimizer_state_dict(self.critic, self.critic_optim, options=full))
             state["critic_sched"] = self.critic_sched.state_dict()
         state["train"] = {"step": self.step, "sampler": self.sampler.state_dict(), "rng": checkpoint.rng_state(self.gen),
                           "kl_ctl": self.kl_ctl.state_dict(), "bad_in_a_row": self.bad_in_a_row,
@@ -422,7 +455,7 @@ class Trainer:
         if self.rank != 0:
             return None
         meta = {"step": self.step, "config": to_dict(self.cfg), "plan": self.plan.decisions()}
-        folder = checkpoint.save(self.run_dir, self.step, tensors, state, meta, self.cfg.run.keep_last)
+        folder = checkpoint.save(self.run_dir, self.step, tensors, state, meta, self.cfg.run.keep_last, files)
         self.log(f"checkpoint: {folder}")
         return folder
 
@@ -431,15 +464,32 @@ class Trainer:
                                                              set_optimizer_state_dict)
         tensors, state, meta = checkpoint.load(folder)
         full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.actor, tensors["actor"], options=full)
-        set_optimizer_state_dict(self.actor, self.optim, state["optim"], options=full)
-        self.sched.load_state_dict(state["sched"])
-        if self.critic is not None:
-            if "critic" not in tensors:
-                raise checkpoint.CheckpointError(f"{folder} has no critic; it was not a PPO (gae) run")
-            set_model_state_dict(self.critic, tensors["critic"], options=full)
-            set_optimizer_state_dict(self.critic, self.critic_optim, state["critic_optim"], options=full)
-            self.critic_sched.load_state_dict(state["critic_sched"])
+        kind = "adapter_model" if self.lora else "actor"
+        if kind not in tensors:
+            raise checkpoint.CheckpointError(
+                f"{folder} holds {'a LoRA adapter' if 'adapter_model' in tensors else 'full weights'}, but this run "
+                f"{'trains LoRA' if self.lora else 'trains every weight'}; resume with the lora.enabled the run had")
+        try:
+            if self.lora:
+                lora_io.load_adapter_state(self.actor, tensors["adapter_model"], str(folder))
+            else:
+                set_model_state_dict(self.actor, tensors["actor"], options=full)
+            set_optimizer_state_dict(self.actor, self.optim, state["optim"], options=full)
+            self.sched.load_state_dict(state["sched"])
+            if self.critic is not None:
+                if "critic" not in tensors:
+                    raise checkpoint.CheckpointError(f"{folder} has no critic; it was not a PPO (gae) run")
+                if self.lora:
+                    lora_io.load_trainable(self.critic, tensors["critic"], f"{folder} (critic)")
+                else:
+                    set_model_state_dict(self.critic, tensors["critic"], options=full)
+                set_optimizer_state_dict(self.critic, self.critic_optim, state["critic_optim"], options=full)
+                self.critic_sched.load_state_dict(state["critic_sched"])
+        except ValueError as e:
+            raise checkpoint.CheckpointError(str(e)) from None
+        self.offload.to_host()
+        if self.critic_offload is not None:
+            self.critic_offload.to_host()
         tr = state["train"]
         self.step = tr["step"]
         self.sampler.load_state_dict(tr["sampler"])
@@ -451,11 +501,22 @@ class Trainer:
         self.log(f"resumed from {folder} at step {self.step}")
 
     def export(self, out: Path) -> Path:
-        """The trained actor as an HF folder that transformers loads."""
-        weights = dict(lm_weights(self.actor))
+        """The trained actor as an HF folder that transformers loads. Under LoRA: the adapter (peft format)
+        in `<out>-adapter`, and the merged model in `out` when lora.export_merged."""
+        out = Path(out)
+        if self.lora:
+            adapter = lora_io.adapter_state(self.actor)
+            if self.rank == 0:
+                folder = lora_io.save_adapter(self.actor, out.with_name(out.name + "-adapter"), adapter)
+                self.log(f"final adapter: {folder}")
+            if not self.cfg.lora.export_merged:
+                return out.with_name(out.name + "-adapter")
+        # one tensor at a time to the host: a second full copy on the GPU could run out of memory;
+        # merged LoRA weights are fp32 (W + scale B A), so the whole merged folder is fp32
+        weights = {k: (v.float() if self.lora else v).cpu() for k, v in lm_weights(self.actor)}
         if self.rank == 0:
             save_hf(weights, self.cfg.model.path, self.tokenizer, out, self.cfg.model.trust_remote_code)
-            self.log(f"final model: {out}")
+            self.log(f"final model: {out}" + (" (merged: plain transformers, no peft needed)" if self.lora else ""))
         return out
 
 
