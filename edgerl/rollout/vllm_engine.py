@@ -251,7 +251,7 @@ def _import_vllm():
     from vllm.engine.arg_utils import EngineArgs
     if "logprobs_mode" not in getattr(EngineArgs, "__dataclass_fields__", {}):
         raise VLLMEngineError(f"vllm {vllm.__version__} has no logprobs_mode, so its log-probs ignore the "
-                              "temperature; edgerl needs vllm >= 0.10.2")
+                              "temperature; upgrade vllm (the engine is checked with 0.32)")
     return vllm, current_platform
 
 
