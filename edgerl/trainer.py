@@ -114,19 +114,22 @@ class Trainer:
 
     def _make_engine(self):
         p, m = self.plan, self.cfg.model
+        max_len = max(len(x.input_ids) for x in self.prompts) + self.cfg.rollout.max_new_tokens
+        if p.rollout_engine == "vllm":
+            from .rollout.vllm_engine import VLLMEngine
+            folder = self.run_dir / "rollout-model"  # vLLM loads from a folder; weights are pushed after
+            if self.rank == 0:
+                save_hf(dict(lm_weights(self.actor)), m.path, self.tokenizer, folder, m.trust_remote_code)
+            return VLLMEngine(str(folder), dtype=p.dtype.compute, gpu_memory_utilization=p.rollout_memory_share,
+                              max_model_len=max_len, max_num_seqs=p.rollout_batch, seed=self.cfg.train.seed,
+                              enable_sleep=self.device.type == "cuda", note=p.reasons["rollout_engine"])
         copy = build_inference_copy(m.path, p, self.device, m.trust_remote_code)
         try:
             from .rollout import make_hf_engine
-        except ImportError:
-            make_hf_engine = None
-        if p.rollout_engine == "vllm":
-            raise TrainingError("the plan chose vllm but this build of edgerl trains with the hf engine; "
-                                "set --set plan.rollout_engine=hf")
-        if make_hf_engine is not None:
-            return make_hf_engine(copy, device_is_cuda=self.device.type == "cuda", cuda_graphs=p.cuda_graphs,
-                                  max_batch=p.rollout_batch,
-                                  max_seq_len=max(len(x.input_ids) for x in self.prompts) + self.cfg.rollout.max_new_tokens)
-        return HFGenerateEngine(copy, p.rollout_batch, note="plain HF generate")
+        except ImportError:  # the static-cache engine is not part of this build
+            return HFGenerateEngine(copy, p.rollout_batch, note="plain HF generate")
+        return make_hf_engine(copy, device_is_cuda=self.device.type == "cuda", cuda_graphs=p.cuda_graphs,
+                              max_batch=p.rollout_batch, max_seq_len=max_len)
 
     # --- one step -------------------------------------------------------------------------------------
 
