@@ -1,1 +1,42 @@
 """Rollout engines behind one interface: ``hf`` (static KV cache + CUDA graphs on GPU) and ``vllm``."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import RolloutBatch, RolloutEngine, SamplingParams, cut_at_eos
+from .decoder import SUPPORTED, UnsupportedModel
+from .hf import HFGenerateEngine, load_weights
+from .static import StaticCacheEngine
+
+# CPU choice, measured (bench/bench_rollout.py --cpu-compare, SmolLM2-135M shape, fp32, 2 cores):
+# see CPU_REASON for the numbers.
+CPU_STATIC = False
+CPU_REASON = "not measured yet"
+
+
+def make_hf_engine(model: torch.nn.Module, *, device_is_cuda: bool, cuda_graphs: bool,
+                   max_batch: int, max_seq_len: int) -> RolloutEngine:
+    """The `hf` engine for the plan: the static-cache engine where it can run this model, else plain
+    HF generate. `describe()` of the result says which and why. Only "cannot run this model" falls
+    back (UnsupportedModel, NotImplementedError for a rope type); any other error propagates."""
+    if not device_is_cuda:
+        if cuda_graphs:
+            raise ValueError("cuda_graphs=True needs a CUDA device; the plan sets it only on CUDA")
+        if not CPU_STATIC:
+            return HFGenerateEngine(model, max_batch, note=f"plain HF generate on the CPU: {CPU_REASON}")
+        try:
+            return StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=False,
+                                     note=f"on the CPU: {CPU_REASON}")
+        except (UnsupportedModel, NotImplementedError) as e:
+            return HFGenerateEngine(model, max_batch, note=f"plain HF generate on the CPU: {e}")
+    try:
+        why = ("decode step captured once, replayed per token" if cuda_graphs
+               else "the plan turned CUDA graphs off")
+        return StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=cuda_graphs, note=why)
+    except (UnsupportedModel, NotImplementedError) as e:
+        return HFGenerateEngine(model, max_batch, note=f"plain HF generate: the static engine cannot run it: {e}")
+
+
+__all__ = ["RolloutBatch", "RolloutEngine", "SamplingParams", "cut_at_eos", "HFGenerateEngine", "load_weights",
+           "StaticCacheEngine", "UnsupportedModel", "SUPPORTED", "make_hf_engine"]
