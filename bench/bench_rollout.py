@@ -99,11 +99,13 @@ def run_one(args, shape, dtype_name, kind, device, bw) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total) if cap else 1.0, device)
         rec["memory_cap_gib"] = cap
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     model = engine = None
     try:
         model = build(shape, args.vocab, dtype, device)
         rec["weight_bytes"] = weight_bytes(model)
+        if cuda:   # the peak of generation (weights included), not of building the random model in fp32
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, args.vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=())

@@ -91,10 +91,9 @@ def inv_freq_for(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    # HF: normalise in fp32, cast back, then scale. F.rms_norm is one fused kernel on CUDA instead of
+    # five (pow, mean, add, rsqrt, mul), which counts when a decode step is ~1200 tiny kernels.
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +147,8 @@ class StaticDecoder:
         """x: (B, L, hidden); pos: (B, L) position ids. `attend(i, q, k, v)` stores k, v in layer i's
         cache and returns the attention output (B, L, heads * D) from q (B, H, L, D), k, v (B, KVH, L, D)."""
         B, L, _ = x.shape
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)   # (B, 1, L, D)
+        cos = F.embedding(pos, self.cos).unsqueeze(1)                       # (B, 1, L, D)
+        sin = F.embedding(pos, self.sin).unsqueeze(1)
         for i, layer in enumerate(self.model.model.layers):
             at, mlp = layer.self_attn, layer.mlp
             h = _rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
@@ -202,20 +202,23 @@ class StaticDecoder:
         """One token per row. tok: (B,) inputs; col: (1,) cache column they go to (all rows share it);
         start: (B,). Returns fp32 logits (B, vocab). No host synchronisation, fixed shapes and
         addresses: safe to capture in a CUDA graph and replay with tok/col/start updated in place."""
-        B = tok.shape[0]
+        B, S, BK = tok.shape[0], self.max_seq_len, tok.shape[0] * self.n_kv
         pos = (col - start)[:, None]                                                    # (B, 1)
         hidden = (self.cols[None, :] < start[:, None]) | (self.cols[None, :] > col)     # (B, S)
-        hidden = hidden[:, None, None, :]                                               # (B, 1, 1, S)
+        # One additive mask for all layers, so each layer's scores are a single baddbmm.
+        zero = torch.zeros((), device=tok.device, dtype=self.dtype)
+        bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]
+        bias = bias.expand(B, self.n_kv, 1, S).reshape(BK, 1, S)                       # (B*KVH, 1, S)
 
         def attend(i, q, k, v):
             kc, vc = self.cache[i, 0, :B], self.cache[i, 1, :B]          # (B, KVH, S, D)
             kc.index_copy_(2, col, k)
             vc.index_copy_(2, col, v)
             # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G).
-            qg = q.reshape(B, self.n_kv, self.group, self.head_dim)      # (B, KVH, G, D)
-            s = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scaling    # (B, KVH, G, S)
-            p = s.masked_fill(hidden, -math.inf).softmax(-1).to(self.dtype)
-            return torch.matmul(p, vc).reshape(B, 1, -1)                 # (B, 1, H * D)
+            qg = q.reshape(BK, self.group, self.head_dim)                # (B*KVH, G, D)
+            s = torch.baddbmm(bias, qg, kc.reshape(BK, S, self.head_dim).transpose(1, 2), alpha=self.scaling)
+            p = torch.softmax(s, -1, dtype=torch.float32).to(self.dtype)  # (B*KVH, G, S)
+            return torch.bmm(p, vc.reshape(BK, S, self.head_dim)).reshape(B, 1, -1)   # (B, 1, H * D)
 
         x = self._layers(F.embedding(tok[:, None], self.model.model.embed_tokens.weight), pos, attend)
         return self._logits(x[:, 0])

@@ -201,6 +201,12 @@ class StaticCacheEngine:
                             logprobs=logprobs, info=info)
 
     def _generate_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
+        if self.device.type == "cuda":   # streams, events and capture follow the current device
+            with torch.cuda.device(self.device):
+                return self._run_chunk(chunk, mode, max_new, info)
+        return self._run_chunk(chunk, mode, max_new, info)
+
+    def _run_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
         s, B, cuda = self._state, mode.rows, self.device.type == "cuda"
         graph = None
         if self.cuda_graphs:
