@@ -240,3 +240,6 @@ def test_factory_on_cpu_says_what_it_chose():
     assert ("eager decode" in eng.describe()) == isinstance(eng, StaticCacheEngine)
     with pytest.raises(ValueError, match="CUDA"):
         make_hf_engine(tiny_llama(), device_is_cuda=False, cuda_graphs=True, max_batch=4, max_seq_len=64)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    eng = make_hf_engine(gpt2, device_is_cuda=False, cuda_graphs=False, max_batch=4, max_seq_len=64)
+    assert isinstance(eng, HFGenerateEngine) and "plain HF generate on the CPU" in eng.describe()

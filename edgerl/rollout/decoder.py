@@ -34,10 +34,9 @@ def check_supported(model: torch.nn.Module, max_seq_len: int) -> None:
         raise UnsupportedModel(f"{arch} is not a llama-family decoder the static engine implements "
                                f"(supported: {', '.join(SUPPORTED)} and fine-tunes of them such as SmolLM2)")
     cfg = model.config
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
-        need = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    need = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    for i, layer in enumerate(model.model.layers):
         for path in need:
             obj = layer
             for part in path.split("."):
@@ -77,7 +76,7 @@ def inv_freq_for(config, head_dim: int) -> tuple[torch.Tensor, float]:
             f"rope_type {rtype!r} is not implemented by the static engine (its frequencies change with the "
             f"sequence length); implemented: {', '.join(_STATIC_ROPE)}. Use the plain HF generate engine.")
     if rtype == "default":
-        base = float(params["rope_theta"])
+        base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scale = 1.0
     else:
