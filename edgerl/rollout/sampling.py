@@ -3,7 +3,9 @@
 Order and semantics follow HF's logits warpers (temperature, then top-k, then top-p), so the
 sampled distribution is the one HF `generate` samples from. Draws use the Gumbel-max trick
 (argmax(logits + Gumbel noise) is a sample of softmax(logits)) on `torch.rand` from an explicit
-generator: `torch.multinomial` offers no such guarantee of being free of host syncs across versions.
+generator. `torch.multinomial` cannot be captured: for one sample it validates the probabilities
+with `.item()` (ATen Distributions.cpp, "probability tensor contains either inf, nan or element < 0"),
+a host sync per token; internally it then does this same Gumbel argmax.
 """
 
 from __future__ import annotations
