@@ -70,7 +70,7 @@ def test_greedy_in_chunks_and_samples_per_prompt():
 
 
 def test_all_rows_stop_early():
-    """When every row has hit EOS the loop stops before max_new_tokens (checked every 16 steps)."""
+    """When every row has hit EOS the loop stops before max_new_tokens (on the CPU: at once)."""
     model = tiny_llama()
     first = static(model).generate(PROMPTS, 1, greedy(4)).response_ids
     eos = sorted({r[1] for r in first})                 # every row stops at token 2 at the latest
@@ -78,7 +78,7 @@ def test_all_rows_stop_early():
     ref = HFGenerateEngine(model, 8).generate(PROMPTS, 1, greedy(200, eos))
     assert got.response_ids == ref.response_ids
     assert not any(got.truncated)
-    assert got.info["decode_steps"] < 40
+    assert got.info["decode_steps"] == max(len(r) for r in got.response_ids) - 1
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
