@@ -29,7 +29,7 @@ from .models import (build_actor, build_critic, build_frozen, build_inference_co
 from .plan import Plan
 from .rewards import RewardItem, check_sources, default_compute_score, load_reward_function, score_batch
 from .rollout.base import SamplingParams
-from .rollout.hf import HFGenerateEngine
+from .rollout import make_hf_engine
 
 
 class TrainingError(RuntimeError):
@@ -124,10 +124,6 @@ class Trainer:
                               max_model_len=max_len, max_num_seqs=p.rollout_batch, seed=self.cfg.train.seed,
                               enable_sleep=self.device.type == "cuda", note=p.reasons["rollout_engine"])
         copy = build_inference_copy(m.path, p, self.device, m.trust_remote_code)
-        try:
-            from .rollout import make_hf_engine
-        except ImportError:  # the static-cache engine is not part of this build
-            return HFGenerateEngine(copy, p.rollout_batch, note="plain HF generate")
         return make_hf_engine(copy, device_is_cuda=self.device.type == "cuda", cuda_graphs=p.cuda_graphs,
                               max_batch=p.rollout_batch, max_seq_len=max_len)
 
