@@ -64,9 +64,10 @@ def _c(name: str, status: str, detail: str, fix: str = "") -> Check:
 def check_driver(nvml: NvmlReport, simulated: bool) -> Check:
     if simulated:
         return _c("driver and NVML", "skip", "simulated GPU: this machine's driver is not checked")
-    if not nvml.ok:
-        return _c("driver and NVML", "fail", nvml.reason,
-                  "install the NVIDIA driver for your GPU (nvidia-smi must work) and `pip install nvidia-ml-py`")
+    if not nvml.ok:  # a machine without a GPU is a valid (slow) place to train: warn, do not fail
+        return _c("driver and NVML", "warn", f"{nvml.reason}; edgerl trains on the CPU",
+                  "if this machine has an NVIDIA GPU: install its driver (nvidia-smi must work) and "
+                  "`pip install nvidia-ml-py`")
     gpus = "; ".join(f"{g.index}: {g.name} (sm_{g.cc[0]}{g.cc[1]}, {g.total / GiB:.1f} GiB)" for g in nvml.gpus)
     return _c("driver and NVML", "ok", f"driver {nvml.driver_version} (CUDA {nvml.cuda_driver}); {gpus or 'no GPU'}")
 
@@ -209,7 +210,8 @@ def check_vllm(dev: Device, dtype: DtypePolicy) -> Check:
         return _c("vLLM", "ok", why)
     if dev.software.has("vllm"):
         return _c("vLLM", "warn", f"installed but not usable here: {why}", "edgerl uses its hf engine instead")
-    return _c("vLLM", "ok", f"{why}; the hf engine (static KV cache + CUDA graphs) is used",
+    engine = "the hf engine (static KV cache + CUDA graphs)" if dev.is_cuda else "the hf engine"
+    return _c("vLLM", "ok", f"{why}; {engine} is used",
               "optional on CC >= 7.0: pip install 'edgerl[vllm]'" if dev.is_cuda and dev.cc >= (7, 0) else "")
 
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from . import algos, checkpoint
+from . import lora as lora_io
 from .config import Config, to_dict
 from .data import PromptSampler, load_prompts
-from . import lora as lora_io
 from .experience import Experience, advantages, critic_values, micro_batches, pad_batch, policy_logprobs
 from .memory import fmt_bytes
 from .metrics import MetricsWriter
@@ -31,7 +31,7 @@ from .optim import StateOffload, make_optimizer
 from .plan import Plan
 from .rewards import RewardItem, check_sources, default_compute_score, load_reward_function, score_batch
 from .rollout.base import SamplingParams
-from .rollout.hf import HFGenerateEngine
+from .rollout import make_hf_engine
 
 
 class TrainingError(RuntimeError):
@@ -128,20 +128,20 @@ class Trainer:
 
     def _make_engine(self):
         p, m = self.plan, self.cfg.model
+        max_len = max(len(x.input_ids) for x in self.prompts) + self.cfg.rollout.max_new_tokens
+        self.rollout_model = None  # the hf engine's weights, freed between rollouts
+        if p.rollout_engine == "vllm":
+            from .rollout.vllm_engine import VLLMEngine
+            folder = self.run_dir / "rollout-model"  # vLLM loads from a folder; weights are pushed after
+            if self.rank == 0:
+                save_hf(dict(lm_weights(self.actor)), m.path, self.tokenizer, folder, m.trust_remote_code)
+            return VLLMEngine(str(folder), dtype=p.dtype.compute, gpu_memory_utilization=p.rollout_memory_share,
+                              max_model_len=max_len, max_num_seqs=p.rollout_batch, seed=self.cfg.train.seed,
+                              enable_sleep=self.device.type == "cuda", note=p.reasons["rollout_engine"])
         copy = build_inference_copy(m.path, p, self.device, m.trust_remote_code)
         self.rollout_model = copy
-        try:
-            from .rollout import make_hf_engine
-        except ImportError:
-            make_hf_engine = None
-        if p.rollout_engine == "vllm":
-            raise TrainingError("the plan chose vllm but this build of edgerl trains with the hf engine; "
-                                "set --set plan.rollout_engine=hf")
-        if make_hf_engine is not None:
-            return make_hf_engine(copy, device_is_cuda=self.device.type == "cuda", cuda_graphs=p.cuda_graphs,
-                                  max_batch=p.rollout_batch,
-                                  max_seq_len=max(len(x.input_ids) for x in self.prompts) + self.cfg.rollout.max_new_tokens)
-        return HFGenerateEngine(copy, p.rollout_batch, note="plain HF generate")
+        return make_hf_engine(copy, device_is_cuda=self.device.type == "cuda", cuda_graphs=p.cuda_graphs,
+                              max_batch=p.rollout_batch, max_seq_len=max_len)
 
     # --- one step -------------------------------------------------------------------------------------
 
@@ -173,8 +173,8 @@ class Trainer:
                 scores = [s + cfg.reward.model_coef * r for s, r in zip(scores, rm)]
         exp = pad_batch(batch, self.tokenizer.pad_token_id, scores)
         self.engine.release()
-        # the rollout copy is refilled by the next weight sync: its memory serves scoring and the update
-        release_weights(self.rollout_model)
+        if self.rollout_model is not None:  # refilled by the next weight sync: its memory serves the update
+            release_weights(self.rollout_model)
 
         updates = (len(exp) // (cfg.train.mini_batch or len(exp))) * cfg.train.ppo_epochs
         kl_coef = self.kl_ctl.value
@@ -201,7 +201,8 @@ class Trainer:
         if self.critic_sched is not None:
             self.critic_sched.step()
         with phase("sync"):
-            restore_weights(self.rollout_model)
+            if self.rollout_model is not None:
+                restore_weights(self.rollout_model)
             self.engine.sync_weights(lm_weights(self.actor))
         if "actor/kl" in stats:
             self.kl_ctl.update(stats["actor/kl"], len(exp))

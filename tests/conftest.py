@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# ../shared beside the repository; EDGERL_SHARED points elsewhere (e.g. a copy on a GPU machine)
+SHARED = Path(os.environ.get("EDGERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
 
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from edgerl.cli.data import app
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
 TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
 GSM8K_TEST = SHARED / "data" / "gsm8k" / "test.jsonl"
 

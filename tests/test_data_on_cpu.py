@@ -15,7 +15,7 @@ from edgerl.config import DataConfig
 from edgerl.data import DataError, PromptSampler, check_data, load_prompts, prepare_gsm8k
 from edgerl.tasks import GSM8K_INSTRUCTION, generate_arithmetic
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
 TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
 GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
 

@@ -51,7 +51,7 @@ def test_volta_on_a_cu130_wheel_fails_though_majors_match_sm_75():
 
 def test_no_driver():
     checks = checks_for(fake_probe("P40", nvml_ok=False))
-    assert checks["driver and NVML"].status == "fail"
+    assert checks["driver and NVML"].status == "warn"  # a GPU-less machine still trains, on the CPU
     assert "no NVIDIA driver" in checks["driver and NVML"].detail
 
 

@@ -12,7 +12,7 @@ from edgerl.rewards import (RewardError, RewardItem, arithmetic_score, check_sou
                             default_compute_score, gsm8k_extract, gsm8k_score, load_reward_function,
                             math_score, parse_number, score_batch)
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
 TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
 
 

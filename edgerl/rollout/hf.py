@@ -76,15 +76,20 @@ class HFGenerateEngine:
 
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, weights) -> None:
-    """Copy (name, tensor) pairs into `model`'s parameters and buffers, casting to their dtype.
-    Every parameter must be covered once: a missing or unknown name is an error, not a skip."""
+    """Copy (name, tensor) pairs into `model`'s parameters, casting to their dtype, in place (engines
+    and captured CUDA graphs keep pointing at the same storage). Every parameter must be covered:
+    a missing or unknown name is an error, not a skip. A tied weight may come under either of its
+    names (`lm_head.weight` or `model.embed_tokens.weight`), as a full state dict sends both."""
     params = dict(model.named_parameters())
+    aliases = dict(model.named_parameters(remove_duplicate=False))
+    first_name = {id(p): n for n, p in params.items()}
     seen = set()
     for name, tensor in weights:
-        if name not in params:
+        if name not in aliases:
             raise KeyError(f"weight {name!r} has no parameter in the inference model")
-        params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
-        seen.add(name)
+        p = aliases[name]
+        p.copy_(tensor.to(device=p.device, dtype=p.dtype))
+        seen.add(first_name[id(p)])
     missing = set(params) - seen
     if missing:
         raise KeyError(f"weight sync left {len(missing)} parameters untouched, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,284 @@
+"""The fast `hf` engine: a static KV cache, an eager prefill, and the decode step replayed from a CUDA graph.
+
+HF `generate` spends most of a small model's step in per-token Python and kernel launches. Here one
+decode step (model, sampling, EOS bookkeeping) works only on fixed tensors updated in place, so it is
+captured once per batch size and replayed per token: one launch instead of ~25 per layer. Plain
+`torch.cuda.CUDAGraph`, not torch.compile, so it runs on Pascal (CC 6.x) too. Without CUDA (or with
+`cuda_graphs=False`) the same step runs eagerly.
+
+Seeding: each `generate` draws one seed from the caller's generator (or the global torch RNG when
+none is given) and seeds the engine's own generator on the model's device with it; on CUDA that
+generator is registered with every captured graph (graph-safe Philox state). The same seed, inputs,
+mode (graph or eager) and batch layout give the same samples; graph and eager runs of one seed may
+draw differently (same distribution), and so do the CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .base import RolloutBatch, SamplingParams, cut_at_eos
+from .decoder import StaticDecoder
+from .hf import load_weights
+from .sampling import sample
+
+CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each look is a device-to-host copy)
+
+
+@dataclass(frozen=True)
+class _Mode:
+    """What a captured step bakes in (shapes and branches); temperature and top-p are tensors instead."""
+    rows: int
+    greedy: bool
+    top_k: int
+    top_p: bool
+    eos: tuple[int, ...]
+    pad: int
+
+
+class _State:
+    """Static tensors the decode step reads and writes in place (so captured graphs see new values)."""
+
+    def __init__(self, max_batch: int, max_seq_len: int, device: torch.device) -> None:
+        long = dict(device=device, dtype=torch.long)
+        self.tok = torch.zeros(max_batch, **long)        # input token of the next step, per row
+        self.start = torch.zeros(max_batch, **long)      # first real column (left padding), per row
+        self.done = torch.zeros(max_batch, device=device, dtype=torch.bool)
+        self.col = torch.zeros(1, **long)                # cache column the next step writes (shared)
+        self.step = torch.zeros(1, **long)               # response index the next sample goes to
+        self.out_tok = torch.zeros(max_batch, max_seq_len, **long)
+        self.out_logp = torch.zeros(max_batch, max_seq_len, device=device, dtype=torch.float32)
+        self.temp = torch.ones(1, device=device, dtype=torch.float32)
+        self.top_p = torch.ones(1, device=device, dtype=torch.float32)
+
+
+class StaticCacheEngine:
+    """`RolloutEngine` over a llama-family HF model (see `decoder.SUPPORTED`).
+
+    model: the engine's inference copy (compute dtype, on its device; weights are read in place, so
+    never replace its parameters, only copy into them: `sync_weights` does). max_batch: rows
+    generated at once (the plan's rollout batch); max_seq_len: prompt + response tokens a row may
+    reach. The KV cache (layers x 2 x max_batch x KV heads x max_seq_len x head dim) is allocated on
+    the first `generate` and kept until `release()`. cuda_graphs: capture the decode step (CUDA only).
+    Raises decoder.UnsupportedModel / NotImplementedError for models or rope types it cannot run."""
+
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
+                 cuda_graphs: bool, note: str = "") -> None:
+        if max_batch < 1 or max_seq_len < 2:
+            raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
+                             f"got max_batch={max_batch}, max_seq_len={max_seq_len}")
+        self.dec = StaticDecoder(model, max_batch, max_seq_len)
+        self.device = self.dec.device
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}; "
+                             "use cuda_graphs=False")
+        if cuda_graphs and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+            raise RuntimeError(f"torch {torch.__version__} has no graph-safe generator registration "
+                               "(CUDAGraph.register_generator_state); use torch >= 2.6 or cuda_graphs=False")
+        self.model = model
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.cuda_graphs = cuda_graphs
+        self.note = note
+        self._gen = torch.Generator(device=self.device)
+        self._state: Optional[_State] = None
+        self._graphs: dict[_Mode, torch.cuda.CUDAGraph] = {}
+        self._eos: dict[tuple[int, ...], torch.Tensor] = {}
+        self._pool = None
+
+    def describe(self) -> str:
+        mode = "static KV cache + CUDA graph decode" if self.cuda_graphs else "static KV cache, eager decode"
+        size = f"{self.max_batch} sequences x {self.max_seq_len} tokens, cache {self.dec.cache_bytes() / 2**20:.0f} MiB"
+        return f"hf engine: {mode} ({size})" + (f" ({self.note})" if self.note else "")
+
+    @torch.no_grad()
+    def sync_weights(self, weights) -> None:
+        # In-place copies: the decoder and the captured graphs keep pointing at the same storage.
+        load_weights(self.model, weights)
+
+    def release(self) -> None:
+        """Drop graphs, their memory pool, the cache and the static buffers; `generate` rebuilds them."""
+        self._graphs.clear()
+        self._pool = None
+        self._state = None
+        self._eos.clear()
+        self.dec.free()
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def _emit(self, logits: torch.Tensor, mode: _Mode) -> None:
+        """Sample from logits (B, V), record token and log-prob at `step`, update done/tok/step in place."""
+        s, B = self._state, mode.rows
+        tok, logp = sample(logits, s.temp, greedy=mode.greedy, top_k=mode.top_k,
+                           top_p=s.top_p if mode.top_p else None, generator=self._gen)
+        done = s.done[:B]
+        tok = torch.where(done, mode.pad, tok)           # finished rows keep emitting pad, as HF does
+        logp = logp.masked_fill(done, 0.0)
+        s.out_tok[:B].index_copy_(1, s.step, tok[:, None])
+        s.out_logp[:B].index_copy_(1, s.step, logp[:, None])
+        if mode.eos:
+            done.logical_or_((tok[:, None] == self._eos[mode.eos]).any(-1))
+        s.tok[:B].copy_(tok)
+        s.step.add_(1)
+
+    def _step(self, mode: _Mode) -> None:
+        s, B = self._state, mode.rows
+        self._emit(self.dec.decode(s.tok[:B], s.col, s.start[:B]), mode)
+        s.col.add_(1)
+
+    def _graph(self, mode: _Mode) -> torch.cuda.CUDAGraph:
+        """Capture the decode step for this mode (once; reused until `release`)."""
+        if mode in self._graphs:
+            return self._graphs[mode]
+        s = self._state
+        rng = self._gen.get_state()   # the warm-up draws; put them back so capturing changes no samples
+        for t in (s.col, s.step, s.start, s.tok):   # keep the warm-up's writes inside the buffers
+            t.zero_()
+        s.done.fill_(False)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):   # warm-up off the capture: cuBLAS handles, lazy init, allocator
+            for _ in range(2):
+                self._step(mode)
+                s.col.zero_()
+                s.step.zero_()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        if not mode.greedy:
+            g.register_generator_state(self._gen)
+        with torch.cuda.graph(g, pool=self._pool):
+            self._step(mode)
+        self._gen.set_state(rng)
+        self._graphs[mode] = g
+        return g
+
+    # ---- generate -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n_samples: int, params: SamplingParams,
+                 generator: Optional[torch.Generator] = None) -> RolloutBatch:
+        _check(prompts, n_samples, params, self.max_seq_len)
+        rows = [list(p) for p in prompts for _ in range(n_samples)]
+        if self._state is None:
+            self.dec.allocate()
+            self._state = _State(self.max_batch, self.max_seq_len, self.device)
+        s = self._state
+        temp = params.temperature if params.temperature > 0 else 1.0   # greedy may say T=0
+        s.temp.fill_(temp)
+        s.top_p.fill_(params.top_p)
+        eos = tuple(params.eos_token_ids)
+        if eos and eos not in self._eos:
+            self._eos[eos] = torch.tensor(eos, device=self.device, dtype=torch.long)
+        if generator is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        else:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+        self._gen.manual_seed(seed)
+
+        info = {"engine": "static", "cuda_graphs": self.cuda_graphs, "capture_s": 0.0, "prefill_s": 0.0,
+                "decode_s": 0.0, "decode_steps": 0, "chunks": 0, "seed": seed}
+        responses, logprobs, truncated = [], [], []
+        for first in range(0, len(rows), self.max_batch):
+            chunk = rows[first:first + self.max_batch]
+            mode = _Mode(rows=len(chunk), greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
+                         top_p=not params.greedy and params.top_p < 1.0, eos=eos, pad=params.pad_token_id)
+            toks, lps = self._generate_chunk(chunk, mode, params.max_new_tokens, info)
+            for tok_row, lp_row in zip(toks, lps):
+                resp, cut = cut_at_eos(tok_row, eos, params.max_new_tokens)
+                responses.append(resp)
+                logprobs.append(lp_row[:len(resp)])
+                truncated.append(cut)
+            info["chunks"] += 1
+        return RolloutBatch(prompt_ids=rows, response_ids=responses, truncated=truncated,
+                            logprobs=logprobs, info=info)
+
+    def _generate_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
+        if self.device.type == "cuda":   # streams, events and capture follow the current device
+            with torch.cuda.device(self.device):
+                return self._run_chunk(chunk, mode, max_new, info)
+        return self._run_chunk(chunk, mode, max_new, info)
+
+    def _run_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
+        s, B, cuda = self._state, mode.rows, self.device.type == "cuda"
+        graph = None
+        if self.cuda_graphs:
+            t0 = time.perf_counter()
+            fresh = mode not in self._graphs
+            graph = self._graph(mode)
+            if fresh:
+                torch.cuda.synchronize(self.device)
+                info["capture_s"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        width = max(len(p) for p in chunk)
+        ids = torch.full((B, width), mode.pad, dtype=torch.long)
+        for i, p in enumerate(chunk):   # left padding: every prompt ends at column width - 1
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        s.start[:B].copy_(torch.tensor([width - len(p) for p in chunk], dtype=torch.long))
+        s.done.fill_(False)
+        s.step.zero_()
+        logits = self.dec.prefill(ids.to(self.device), s.start[:B])
+        self._emit(logits, mode)            # response token 0 comes from the prompt's last column
+        s.col.fill_(width)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        info["prefill_s"] += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        steps = 1
+        pending: deque = deque()   # (pinned flag, event): read one check late so the GPU queue never drains
+        for t in range(1, max_new):
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step(mode)
+            steps = t + 1
+            if mode.eos and not cuda:      # on the CPU the look costs nothing: every step
+                if bool(s.done[:B].all()):
+                    break
+            elif mode.eos and steps % CHECK_EVERY == 0:
+                flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
+                flag.copy_(s.done[:B].all().view(1), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                pending.append((flag, ev))
+                if len(pending) > 1:
+                    old_flag, old_ev = pending.popleft()
+                    old_ev.synchronize()
+                    if bool(old_flag[0]):
+                        break
+        toks = s.out_tok[:B, :steps].tolist()
+        lps = s.out_logp[:B, :steps].tolist()
+        info["decode_s"] += time.perf_counter() - t0
+        info["decode_steps"] += steps - 1
+        return toks, lps
+
+
+def _check(prompts: list[list[int]], n_samples: int, params: SamplingParams, max_seq_len: int) -> None:
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if not params.greedy:
+        if params.temperature <= 0:
+            raise ValueError(f"SamplingParams.temperature must be > 0 when sampling, got {params.temperature}; "
+                             "set greedy=True for argmax decoding")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {params.top_k}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(p) + params.max_new_tokens > max_seq_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens {params.max_new_tokens} > "
+                             f"the engine's max_seq_len {max_seq_len}; build the engine with max_seq_len >= "
+                             "prompt length + response length, or shorten the prompt")

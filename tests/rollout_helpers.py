@@ -1,0 +1,75 @@
+"""Tiny random llama-family models and slow reference computations for the rollout engine tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+# Prompts of different lengths (left padding inside one batch), token ids below every tiny vocab.
+PROMPTS = [[5, 17, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 99], [3], [250, 251, 252, 253, 254, 255, 256]]
+
+
+def _shake(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """HF init leaves norm weights at 1 and biases at 0; move them so a wrong use of either shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def tiny_llama(seed: int = 0, *, tied: bool = True, dtype=torch.float32, device="cpu", **extra) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, **extra)
+    return _shake(LlamaForCausalLM(cfg), seed).to(device=device, dtype=dtype)
+
+
+def tiny_qwen2(seed: int = 1, *, tied: bool = False, dtype=torch.float32, device="cpu") -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=600, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, rope_theta=10000.0)
+    model = _shake(Qwen2ForCausalLM(cfg), seed).to(device=device, dtype=dtype)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None   # the qkv biases are exercised
+    return model
+
+
+@torch.no_grad()
+def recompute_logprobs(model, prompts, responses, temperature: float) -> list[list[float]]:
+    """log_softmax(logits / T) at each response token from one full forward over left-padded
+    prompt + response (right-padded), with HF's left-padding position ids."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    total = width + max(len(r) for r in responses)
+    ids = torch.zeros((len(prompts), total), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, width - len(p):width + len(r)] = torch.tensor(p + r)
+        mask[i, width - len(p):width + len(r)] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device)).logits
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    out = []
+    for i, r in enumerate(responses):
+        at = torch.arange(width - 1, width - 1 + len(r), device=device)
+        out.append(logp[i, at, torch.tensor(r, device=device)].tolist())
+    return out
+
+
+@torch.no_grad()
+def next_token_logits(model, prompts, responses) -> list[torch.Tensor]:
+    """For each row, the fp32 logits (len(response), V) that predicted each response token."""
+    device = next(model.parameters()).device
+    out = []
+    for p, r in zip(prompts, responses):
+        ids = torch.tensor([p + r], device=device)
+        logits = model(input_ids=ids).logits[0].float()
+        out.append(logits[len(p) - 1:len(p) - 1 + len(r)])
+    return out

