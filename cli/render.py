@@ -16,7 +16,7 @@ LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout
           "cuda_graphs": "CUDA graphs", "kernel_backend": "log-prob kernel", "kernel_tiles": "kernel tiles",
           "logprob_chunk": "log-prob chunk", "grad_checkpointing": "grad checkpointing",
           "swap_models": "swap models", "optimizer_offload": "optimizer offload",
-          "param_offload": "param offload", "optimizer": "optimizer", "lora": "LoRA",
+          "param_offload": "param offload", "optimizer": "optimizer", "lora": "LoRA", "base_dtype": "LoRA base dtype",
           "micro_batch": "micro-batch", "score_micro_batch": "scoring micro-batch",
           "rollout_batch": "rollout batch", "rollout_memory_share": "rollout memory share", "env": "environment"}
 
@@ -30,6 +30,8 @@ def _fmt(key: str, v: Any) -> str:
         return "off" if not v else f"r={v['rank']} alpha={v['alpha']:g} ({v['params'] / 1e6:.1f}M params)"
     if key == "env":
         return " ".join(f"{k}={val}" for k, val in v.items()) or "-"
+    if key == "base_dtype":
+        return v or "-"
     if isinstance(v, bool):
         return "on" if v else "off"
     return str(v)

@@ -133,7 +133,8 @@ class TrainConfig:
 @dataclass
 class LoraConfig:
     enabled: Optional[bool] = F(False, "train LoRA adapters instead of all weights; None lets the plan "
-                                "turn it on when full fine-tuning does not fit")
+                                "turn it on when full fine-tuning does not fit on the GPU (it prefers LoRA to "
+                                "streaming every weight over PCIe with FSDP2 parameter offload)")
     rank: int = F(16, "LoRA rank r")
     alpha: float = F(32.0, "LoRA alpha (scale = alpha / rank)")
     dropout: float = F(0.0, "LoRA dropout")

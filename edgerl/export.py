@@ -6,7 +6,7 @@ import dataclasses
 from typing import Optional
 
 from .config import Config, to_toml
-from .plan import Plan
+from .plan import DEFAULT_LORA_TARGETS, Plan
 
 _VERL_ADV = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus"}
 _VERL_KL = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
@@ -20,8 +20,11 @@ def pinned_config(cfg: Config, p: Plan, profile: Optional[str]) -> Config:
         cfg.plan, dtype=p.dtype.compute, attention=p.attention, rollout_engine=p.rollout_engine,
         cuda_graphs=p.cuda_graphs, kernel_backend=p.kernel_backend, grad_checkpointing=p.grad_checkpointing,
         param_offload=p.param_offload, optimizer_offload=p.optimizer_offload, optimizer=p.optimizer,
+        base_dtype=p.base_dtype if p.lora else cfg.plan.base_dtype,
         rollout_batch=p.rollout_batch, score_micro_batch=p.score_micro_batch)
     lora = dataclasses.replace(cfg.lora, enabled=bool(p.lora))
+    if p.lora:  # the targets the plan counted, so that a different architecture default cannot creep in
+        lora = dataclasses.replace(lora, target_modules=list(p.lora["targets"]))
     train = dataclasses.replace(cfg.train, micro_batch=p.micro_batch)
     run = dataclasses.replace(cfg.run, profile=profile or cfg.run.profile)
     return dataclasses.replace(cfg, plan=po, lora=lora, train=train, run=run)
@@ -92,7 +95,9 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
     if p.lora:
         lines += [f"actor_rollout_ref.model.lora_rank={p.lora['rank']}",
                   f"actor_rollout_ref.model.lora_alpha={p.lora['alpha']:g}",
-                  "actor_rollout_ref.model.target_modules=all-linear"]
+                  "actor_rollout_ref.model.target_modules=" + (
+                      "all-linear" if tuple(p.lora["targets"]) == DEFAULT_LORA_TARGETS  # the same 7 projections
+                      else f"[{','.join(p.lora['targets'])}]")]
     if p.kernel_backend == "triton":
         caveats.append("edgerl's fused log-prob kernel has no verl switch; verl's closest is "
                        "actor_rollout_ref.model.use_fused_kernels=True (Ampere and newer).")

@@ -21,7 +21,6 @@ and `MixedPrecisionPolicy(param_dtype=compute)` casts each unsharded layer to th
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -174,10 +173,3 @@ def save_adapter(head: nn.Module, out: Path, state: Optional[dict[str, torch.Ten
     (out / "adapter_config.json").write_bytes(adapter_config_json(head))
     return out
 
-
-def describe(head: nn.Module) -> dict[str, Any]:
-    """Trainable and total parameter counts (for the run log and tests)."""
-    total = sum(p.numel() for p in head.parameters())
-    trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
-    cfg = json.loads(adapter_config_json(head)) if peft_of(head) is not None else {}
-    return {"trainable": trainable, "total": total, "rank": cfg.get("r"), "targets": cfg.get("target_modules")}

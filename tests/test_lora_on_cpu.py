@@ -221,8 +221,25 @@ def test_recommend_lora_shows_the_adapter_row():
     res = CliRunner().invoke(app, ["recommend", "--gpu", "p40", "-m", "qwen2.5-1.5b", "--lora"],
                              env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
-    row = next(line for line in res.output.splitlines() if line.lstrip("│ ").startswith("LoRA"))
+    row = next(line for line in res.output.splitlines() if line.lstrip("│ ").startswith("LoRA "))
     assert "r=16" in row and "trainable parameters" in row and "saves" in row
+
+
+def test_recommended_lora_config_reproduces_the_plan(tmp_path):
+    from typer.testing import CliRunner
+    from edgerl.cli.main import app
+    from edgerl.config import load_config
+    from edgerl.target import plan_for, resolve_target
+    out = tmp_path / "p40.toml"
+    args = ["recommend", "--gpu", "p40", "-m", "qwen2.5-1.5b", "--lora", "--set", "plan.base_dtype=fp16"]
+    res = CliRunner().invoke(app, [*args, "-f", "toml", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    cfg = load_config(out)
+    assert cfg.lora.enabled and cfg.plan.base_dtype == "fp16" and len(cfg.lora.target_modules) == 7
+    a = plan_for(cfg, resolve_target("p40"))
+    b = json.loads(CliRunner().invoke(app, [*args, "-f", "json"]).output)
+    assert a.decisions()["lora"] == b["plan"]["lora"] and a.base_dtype == b["plan"]["base_dtype"] == "fp16"
+    assert a.micro_batch == b["plan"]["micro_batch"]
 
 
 def test_resume_with_lora_continues_exactly(tiny_llama, tmp_path):
@@ -278,6 +295,7 @@ def test_ppo_with_a_lora_critic(tiny_qwen, tmp_path):
 def test_fp16_base_is_stored_in_fp16_and_computes_in_fp32(tiny_llama, tmp_path):
     from transformers import AutoModelForCausalLM
     t = make_trainer(tiny_llama, tmp_path / "run", *LORA, "plan.base_dtype=fp16", "train.steps=1",
+                     "plan.grad_checkpointing=true",
                      "run.save_every=0", "run.export_final=false")
     dtypes = {n: p.dtype for n, p in t.actor.named_parameters()}
     assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
