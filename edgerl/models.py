@@ -116,15 +116,18 @@ class ValueModel(nn.Module):
 
 
 def init_distributed(device: torch.device) -> None:
-    """A process group for FSDP2: torchrun's, or a one-process group on this device."""
+    """A process group for FSDP2: torchrun's (env://), or a one-process group on this device.
+
+    The one-process group uses an in-memory store: no port is opened, so runs started by this
+    process (or beside it) cannot collide on MASTER_PORT."""
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+    device_id = device if device.type == "cuda" else None
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, device_id=device_id)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
 
 
 def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.device) -> nn.Module:
