@@ -129,23 +129,18 @@ class ValueModel(nn.Module):
 
 
 def init_distributed(device: torch.device) -> None:
-    """A process group for FSDP2: torchrun's, or a one-process group on this device."""
+    """A process group for FSDP2: torchrun's (env://), or a one-process group on this device.
+
+    The one-process group uses an in-memory store: no port is opened, so runs started by this
+    process (or beside it) cannot collide on MASTER_PORT."""
     if dist.is_initialized():
         return
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {}
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        # one process: a free port, passed directly. Not through os.environ, which child processes
-        # (an `edgerl train` started from here) would inherit and then collide on.
-        import socket
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        kwargs["init_method"] = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None,
-                            **kwargs)
+    device_id = device if device.type == "cuda" else None
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, device_id=device_id)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
 
 
 def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.device) -> nn.Module:
