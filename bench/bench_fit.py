@@ -191,7 +191,8 @@ def main() -> None:
     for run_name, shape_name, sets in queue:
         elapsed = time.time() - t0
         if elapsed > args.budget_s:
-            results.append({"name": run_name, "status": f"skipped: {elapsed:.0f} s of the {args.budget_s} s budget used"})
+            results.append({"name": run_name,
+                            "status": f"skipped: {elapsed:.0f} s of the {args.budget_s} s budget used"})
             print(f"{run_name}: {results[-1]['status']}", flush=True)
             continue
         model = work / "models" / shape_name

@@ -144,6 +144,8 @@ class StateOffload:
         if not self.enabled or not self.offloaded:
             return
         for key, t in self._tensors():
+            if t.untyped_storage().nbytes() or key not in self._nbytes:
+                continue  # not offloaded (created while resident)
             t.untyped_storage().resize_(self._nbytes[key])
             t.copy_(self._host[key], non_blocking=self.pin)
         self.offloaded = False

@@ -424,7 +424,9 @@ class Trainer:
         elif p.rollout_batch > 1:
             fix = f"--set plan.rollout_batch={max(1, p.rollout_batch // 2)}"
         else:
-            fix = f"--set rollout.max_new_tokens={max(16, self.cfg.rollout.max_new_tokens // 2)} or --set lora.enabled=true"
+            other = ("--set plan.base_dtype=fp16" if self.lora and p.base_dtype == "fp32" else
+                     "a smaller model" if self.lora else "--set lora.enabled=true")
+            fix = f"--set rollout.max_new_tokens={max(16, self.cfg.rollout.max_new_tokens // 2)} or {other}"
         raise TrainingError(f"CUDA out of memory in step {self.step + 1}: the plan estimated "
                             f"{fmt_bytes(p.memory.total)} (peak in {p.memory.peak_phase}), the process reserved "
                             f"{fmt_bytes(measured)} before failing. {saved}. Try {fix}, then resume with "
