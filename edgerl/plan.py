@@ -461,9 +461,9 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     reasons["optimizer"] = (
         "asked for with plan.optimizer=adamw8bit: 8-bit AdamW (bitsandbytes), 2 bytes of state per trainable "
         "parameter" if o.get("optimizer") == "adamw8bit" else
-        f"8-bit AdamW (bitsandbytes): 2 bytes of state per trainable parameter instead of 8, because fp32 "
-        f"state does not fit even in host memory between updates ({found.stage}); plan.optimizer=adamw "
-        "forbids it" if optimizer == "adamw8bit" else
+        "8-bit AdamW (bitsandbytes): 2 bytes of state per trainable parameter instead of 8; fp32 state did "
+        "not fit, not even waiting in host memory between updates (--set plan.optimizer=adamw forbids 8-bit)"
+        if optimizer == "adamw8bit" else
         "AdamW with fp32 moments (8 bytes per trainable parameter)")
     reasons["base_dtype"] = base_reason if use_lora else "not used: full fine-tuning keeps fp32 master weights"
     share = mem.phase_totals()["rollout"] / total if total else 0.0
