@@ -123,9 +123,9 @@ class ValueModel(nn.Module):
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
         hidden = out.last_hidden_state[:, start:start + length]
-        # the head computes in its unsharded dtype (FSDP2 casts it to the compute dtype); values in fp32
-        v = self.value_head(hidden.to(self.value_head.weight.dtype)).float()
-        return v.squeeze(-1).clone()  # not a view: FSDP2 hooks the output
+        # under FSDP2 mixed precision the head's weight arrives in the compute dtype; values are fp32
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).float()
+        return values.squeeze(-1).clone()  # not a view: FSDP2 hooks the output
 
 
 def init_distributed(device: torch.device) -> None:

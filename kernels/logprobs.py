@@ -17,7 +17,7 @@ from .tiles import TORCH_BYTES_PER_LOGIT, Tiles, choose_chunk
 BACKENDS = ("auto", "torch", "triton")
 # Temporaries scaling with the vocabulary stay under this by default (chunk=None); the planner
 # passes its own chunk from choose_chunk(n_tokens, vocab, budget_bytes).
-DEFAULT_BUDGET_BYTES = 256 * 2**20
+DEFAULT_BUDGET_BYTES = 32 * 2**20  # bounds the chunk x V temporaries of one slab (bench: bench_logprobs.py)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
