@@ -35,7 +35,12 @@ def apply_lora(lm: nn.Module, rank: int, alpha: float, dropout: float, targets: 
                base_path: str = ""):
     """Inject LoRA layers into `lm` in place (every other weight frozen); returns the PeftModel.
     `lm` stays the module the caller holds: peft wraps it, it does not copy it."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        from .models import ModelError
+        raise ModelError(f"LoRA needs peft ({e}): pip install 'edgerl[lora]' (or peft), or --set "
+                         "lora.enabled=false") from None
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_path or None)
     try:

@@ -387,3 +387,20 @@ def test_missing_bitsandbytes_is_a_clear_error(monkeypatch):
     with pytest.raises(optim.OptimizerError, match="pip install bitsandbytes.*plan.optimizer=adamw"):
         optim.make_optimizer([torch.nn.Parameter(torch.zeros(3))], "adamw8bit", 1e-3, (0.9, 0.999), 0.0)
 
+
+
+def test_missing_peft_is_a_clear_error(monkeypatch, tiny_llama):
+    import builtins
+    from transformers import AutoModelForCausalLM
+    from edgerl.lora import apply_lora
+    from edgerl.models import ModelError
+    real = builtins.__import__
+
+    def no_peft(name, *args, **kwargs):
+        if name == "peft" or name.startswith("peft."):
+            raise ImportError("No module named 'peft'")
+        return real(name, *args, **kwargs)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    monkeypatch.setattr(builtins, "__import__", no_peft)
+    with pytest.raises(ModelError, match="LoRA needs peft.*edgerl\\[lora\\]"):
+        apply_lora(lm, 4, 8.0, 0.0, ["q_proj"])
