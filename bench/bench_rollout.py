@@ -96,7 +96,7 @@ def run_one(args, shape, dtype_name, kind, device, bw) -> dict:
     if cuda:
         cap = args.fp32_cap_gib if dtype_name == "fp32" else None
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total) if cap else 1.0, device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total) if cap else 1.0, torch.cuda.current_device())
         rec["memory_cap_gib"] = cap
         torch.cuda.empty_cache()
     model = engine = None
