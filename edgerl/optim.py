@@ -45,7 +45,9 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, b
     if not params:
         raise OptimizerError("no trainable parameters: every weight is frozen")
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        # fused: one kernel per step and no temporaries the size of the parameters (foreach AdamW
+        # allocates whole-model lists of intermediates, which the memory model cannot afford)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
     if name != "adamw8bit":
         raise OptimizerError(f"plan.optimizer={name!r}: choose adamw or adamw8bit")
     if world_size > 1:
