@@ -108,7 +108,7 @@ def run_one(name: str, model: Path, sets: list[str], profile: str, work: Path, t
     except subprocess.TimeoutExpired:
         status, text = f"timeout after {timeout} s", log.read_text()
     res: dict = {"name": name, "status": status, "wall_s": round(time.time() - start, 1), "log": str(log)}
-    if status.startswith("error"):
+    if status != "ok":
         res["tail"] = text[-1500:]
     if (run / "plan.json").exists():
         pj = json.loads((run / "plan.json").read_text())
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--allow-param-offload", action="store_true", help="let 'fits' include FSDP2 param offload")
     ap.add_argument("--work", default=None, help="folder for models, runs and logs (default: a temp folder)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, end to end")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these modes (full, lora, lora-fp16)")
     args = ap.parse_args()
     t0 = time.time()
     profile = "cpu" if args.smoke else args.profile
@@ -187,6 +188,10 @@ def main() -> None:
         name = largest["lora-fp16"]  # an fp32 base on that shape needs parameter offload, if it fits at all
         queue.append((f"lora-{name}-param-offload", name, base + MODES["lora"]))
 
+    if args.only:
+        def mode_of(run_name: str) -> str:
+            return next(m for m in ("full", "lora-fp16", "lora") if run_name.startswith(m + "-"))
+        queue = [q for q in queue if mode_of(q[0]) in args.only]
     results = []
     for run_name, shape_name, sets in queue:
         elapsed = time.time() - t0
