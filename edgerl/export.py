@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from .config import Config, to_toml
+from .modelspec import HF_IDS
 from .plan import DEFAULT_LORA_TARGETS, Plan
 
 _VERL_ADV = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus"}
@@ -63,7 +64,7 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
         f"data.train_batch_size={p.task.prompts_per_step}",
         f"data.max_prompt_length={p.task.prompt_len}",
         f"data.max_response_length={p.task.response_len}",
-        f"actor_rollout_ref.model.path={cfg.model.path}",
+        f"actor_rollout_ref.model.path={HF_IDS.get(cfg.model.path.lower(), cfg.model.path)}",
         f"actor_rollout_ref.rollout.n={n}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={p.micro_batch}",
@@ -90,7 +91,8 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
     elif cfg.algo.kl_coef > 0:
         lines += ["algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={cfg.algo.kl_coef}"]
     if p.task.algo == "gae":
-        lines += [f"critic.model.path={cfg.model.critic_path or cfg.model.path}",
+        critic = cfg.model.critic_path or cfg.model.path
+        lines += [f"critic.model.path={HF_IDS.get(critic.lower(), critic)}",
                   f"critic.ppo_micro_batch_size_per_gpu={p.micro_batch}"]
     if p.lora:
         lines += [f"actor_rollout_ref.model.lora_rank={p.lora['rank']}",

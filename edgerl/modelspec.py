@@ -114,6 +114,14 @@ ALIASES = {
 }
 
 
+# Catalogue names -> the Hugging Face ids they describe (base models; -Instruct variants share the shape).
+HF_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B", "qwen2.5-3b": "Qwen/Qwen2.5-3B",
+          "qwen2.5-7b": "Qwen/Qwen2.5-7B", "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+          "llama-3.2-3b": "meta-llama/Llama-3.2-3B", "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+          "smollm2-135m": "HuggingFaceTB/SmolLM2-135M", "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
+          "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B", "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
 def from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     """A spec from the fields of an HF config.json (llama/qwen2/mistral naming)."""
     text_cfg = cfg.get("text_config", cfg)
