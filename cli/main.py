@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Callable, List, Optional
 

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import ConfigError, load_config, to_toml
-from .main import ConfigOpt, SetOpt, app, console, err, friendly
+from .main import ConfigOpt, SetOpt, app, console, friendly
 
 
-def _device_for(target, cfg) -> tuple["torch.device", str]:
+def _device_for(target, cfg) -> tuple[Any, str]:
     """The torch device to train on, and how a profile is emulated on it."""
     import torch
     from ..memory import DEFAULT_CALIBRATION
@@ -108,6 +107,11 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"[yellow]stopped by {trainer.stop_signal} after step {trainer.step}; resume with "
                       f"edgerl train --resume {run_dir}[/]")
         raise typer.Exit(130)
+    from ..metrics import read_metrics
+    rewards = [r["reward/mean"] for r in read_metrics(run_dir) if isinstance(r.get("reward/mean"), float)]
+    if len(rewards) >= 10:
+        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+        console.print(f"reward: mean {first:.3f} over the first 5 steps, {last:.3f} over the last 5")
     console.print(f"[bold green]done[/]: {trainer.step} steps; run folder {run_dir}; plot with edgerl plot {run_dir}")
 
 

@@ -62,7 +62,7 @@ class DataConfig:
     max_prompt_len: int = F(256, "prompt length limit in tokens")
     on_too_long: Literal["error", "filter"] = F(
         "error", "prompts over max_prompt_len: stop with the row numbers, or drop them and print how many")
-    shuffle: bool = F(True, "shuffle prompts each epoch (seeded by run.seed)")
+    shuffle: bool = F(True, "shuffle prompts each epoch (seeded by train.seed)")
     difficulty: int = F(1, "builtin:arithmetic difficulty level, 1 (one-digit sums) to 4")
     num_examples: int = F(4096, "builtin:arithmetic number of problems generated")
 

@@ -12,11 +12,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from .device import GiB, Device, arch_covers, wheel_for
 from .memory import fmt_bytes
-from .plan import DtypePolicy, Plan, pick_attention, pick_dtype, vllm_support
+from .decisions import DtypePolicy, pick_attention, pick_dtype, vllm_support
+from .plan import Plan
 from .probe import NvmlReport, ProbeResult
 
 STATUSES = ("ok", "warn", "fail", "skip")

@@ -7,7 +7,8 @@ from typing import Optional
 
 from .config import Config, to_toml
 from .modelspec import HF_IDS
-from .plan import DEFAULT_LORA_TARGETS, Plan
+from .decisions import DEFAULT_LORA_TARGETS
+from .plan import Plan
 
 _VERL_ADV = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus"}
 _VERL_KL = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}

@@ -165,7 +165,7 @@ def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.de
 def _lora_targets(lm: nn.Module, plan: Plan, explicit: Optional[list[str]]) -> list[str]:
     """The plan's targets for the actor's model; the architecture's own defaults for another
     backbone (model.critic_path)."""
-    from .plan import lora_targets
+    from .decisions import lora_targets
     return list(lora_targets(getattr(lm.config, "model_type", "?"), explicit or None))
 
 

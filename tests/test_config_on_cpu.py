@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgerl.config import Config, ConfigError, describe, load_config, parse_set, to_toml
+from edgerl.config import ConfigError, describe, load_config, parse_set, to_toml
 
 
 def test_defaults_validate_and_floats_stay_floats():

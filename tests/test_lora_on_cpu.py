@@ -126,7 +126,7 @@ def test_merged_export_is_the_adapted_model(trained, tiny_llama):
 def test_lora_param_count_matches_peft(fixture, rank, targets, request):
     from transformers import AutoModelForCausalLM
     from edgerl.lora import apply_lora
-    from edgerl.plan import lora_targets
+    from edgerl.decisions import lora_targets
     path = request.getfixturevalue(fixture)
     spec = resolve(str(path))
     names = lora_targets(spec.model_type, targets)

@@ -9,7 +9,7 @@ from edgerl.memory import Setting, estimate
 from edgerl.modelspec import CATALOGUE, resolve
 from edgerl.plan import PlanError, Task, plan
 from edgerl.profiles import device_from_profile, get_profile
-from fakes import CU126_ARCH, fake_probe
+from fakes import fake_probe
 
 SMALL = Task(prompt_len=256, response_len=256, prompts_per_step=2, samples_per_prompt=8)
 

@@ -4,7 +4,6 @@ and the sequence-classification reward model on a tiny random model."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 

@@ -1,7 +1,6 @@
 """Tile and chunk choosers: pure functions, checked across the capability table, plus a compile of the
 real kernels for sm_80/86/90 (no GPU needed) to prove the shared-memory estimate bounds what Triton
 allocates."""
-import importlib.util
 import json
 import os
 import subprocess
