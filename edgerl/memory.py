@@ -57,7 +57,7 @@ class Setting:
     compute_bytes: int              # 4 fp32, 2 fp16/bf16
     base_bytes: int                 # bytes per frozen base weight (LoRA) or master weight (full)
     grad_checkpointing: bool
-    swap_models: bool               # reference/critic leave the GPU outside the phases that use them
+    swap_models: bool               # the reference model leaves the GPU outside the scoring phase
     optimizer_offload: bool         # optimizer state lives in host memory between updates
     param_offload: bool             # FSDP2 CPUOffloadPolicy: params, grads, optimizer on the host
     micro_batch: int
@@ -152,7 +152,9 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     kv = s.rollout_batch * L * m.kv_bytes_per_token(b_c)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
     prefill = s.rollout_batch * prompt_len * (4 * m.hidden_size + 3 * m.intermediate_size) * b_c
-    resident_off = 0 if s.swap_models else ref + critic_state + rm
+    # only the frozen reference moves between phases; the critic (FSDP2-wrapped, trained) and a
+    # reward model stay on the device
+    resident_off = (0 if s.swap_models else ref) + critic_state + rm
     rollout = {"master weights": master, "optimizer state": optim, "generation weights": gen_copy,
                "other models": resident_off, "KV cache": kv, "sampling logits": sample,
                "prefill activations": prefill}
@@ -165,9 +167,6 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     else:
         scorers = {"compute weights": stream, "reference weights": ref,
                    "critic weights": critic_state, "reward model": rm}
-    if s.swap_models:  # the actor scores first, then each other model in turn takes the GPU
-        others = max(scorers["reference weights"], scorers["critic weights"], scorers["reward model"])
-        scorers = {"compute weights": scorers["compute weights"], "other models (one at a time)": others}
     score = {"master weights": master, "optimizer state": optim, **scorers,
              "activations": act(score_tokens, train=False), "log-prob logits": logits}
 
@@ -195,7 +194,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     elif s.optimizer_offload:
         host += T * s.optimizer_bytes_per_param
     if s.swap_models:
-        host += ref + critic_state + rm
+        host += ref
     return MemoryEstimate(phases=phases, budget=budget, host_needed=host)
 
 

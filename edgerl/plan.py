@@ -125,7 +125,7 @@ class _Search:
 STAGES = (  # (name, checkpointing, swap models, optimizer offload, param offload, 8-bit AdamW), fastest first
     ("none", False, False, False, False, False),
     ("gradient checkpointing", True, False, False, False, False),
-    ("+ models leave the GPU between phases", True, True, False, False, False),
+    ("+ the reference waits in host memory outside scoring", True, True, False, False, False),
     # exact fp32 state over PCIe before approximate 8-bit state: offload costs ~2 x 8 bytes per parameter
     # of transfer per step, small next to a rollout on the cards that need it
     ("+ optimizer state in host memory between updates", True, True, True, False, False),
@@ -326,8 +326,8 @@ def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device:
     first = found.stage == STAGES[0][0]
     reasons["grad_checkpointing"] = (f"not needed: {fits}" if not s.grad_checkpointing else
                                      f"on: without it the update does not fit with a useful micro-batch; {fits}")
-    reasons["swap_models"] = ("reference/critic stay on the GPU" if not s.swap_models else
-                              "reference and critic move to host memory outside the phases that use them")
+    reasons["swap_models"] = ("the reference model stays on the GPU" if not s.swap_models else
+                              "the reference model moves to host memory outside the scoring phase")
     reasons["optimizer_offload"] = ("optimizer state stays on the GPU" if not s.optimizer_offload else
                                     "optimizer state waits in host memory between updates and comes back "
                                     "for the optimizer step only")
