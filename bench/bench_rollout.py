@@ -26,17 +26,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from edgerl.modelspec import CATALOGUE  # noqa: E402
 from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine  # noqa: E402
 
-SHAPES = {   # SmolLM2 configs (all tied embeddings, vocab 49152)
-    "135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                 intermediate_size=1536),
-    "360m": dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
-                 intermediate_size=2560),
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
-                 intermediate_size=8192),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128),
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+SHAPES = {   # SmolLM2 shapes from edgerl's catalogue (tied embeddings, vocab 49152), and a tiny one for --smoke
+    **{name: CATALOGUE[f"smollm2-{name}"].llama_config_fields() for name in ("135m", "360m", "1.7b")},
+    "tiny": TINY,
 }
 DATASHEET_TBS = [   # HBM/GDDR bandwidth by device-name substring, TB/s (vendor datasheets)
     ("H200", 4.8), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935),

@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES = {
-    "362m": dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
-                 intermediate_size=2560),
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
-                 intermediate_size=8192),
+from edgerl.modelspec import CATALOGUE
+
+SHAPES = {  # edgerl's catalogue shapes (the 362M one is SmolLM2-360M), and a tiny one for --smoke
+    "362m": CATALOGUE["smollm2-360m"].llama_config_fields(),
+    "1.7b": CATALOGUE["smollm2-1.7b"].llama_config_fields(),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128),
 }

@@ -78,6 +78,12 @@ class ModelSpec:
                                  f"choose from {', '.join(shapes)}")
         return self.num_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
 
+    def llama_config_fields(self) -> dict[str, int]:
+        """The width fields of an HF LlamaConfig with this shape (for random-weight benchmark models)."""
+        return dict(hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                    num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                    intermediate_size=self.intermediate_size)
+
     def describe(self) -> str:
         return (f"{self.name}: {self.n_params() / 1e6:.0f}M parameters, {self.num_layers} layers, hidden "
                 f"{self.hidden_size}, {self.num_heads} heads / {self.num_kv_heads} KV heads, vocabulary "
