@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from .errors import CheckpointError
 
 _STEP = re.compile(r"^step-(\d{6,})$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing or unreadable; the message names the folder."""
 
 
 def rng_state(generator: Optional[torch.Generator] = None) -> dict[str, Any]:

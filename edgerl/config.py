@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
+from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,8 +24,6 @@ else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A config value is missing, mistyped or inconsistent; the message says how to fix it."""
 
 
 def F(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:

@@ -14,10 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+from .errors import DataError
 
 
-class DataError(ValueError):
-    """Bad training data or data settings; the message names the file, row or field and the fix."""
 
 
 @dataclass

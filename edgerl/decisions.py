@@ -8,12 +8,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .errors import PlanError
 from .device import Device
 from .modelspec import ModelSpec
 
 
-class PlanError(ValueError):
-    """No setting fits, or an override asks for something this device cannot do."""
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
+from .errors import SpecError
 
 GiB = 1024**3
 MiB = 1024**2
 
 
-class SpecError(ValueError):
-    """A GPU description (--gpu-spec, a capability) edgerl cannot use; the message says why."""
 
 
 @dataclass(frozen=True)

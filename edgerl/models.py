@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .errors import ModelError
 from .kernels import Tiles, token_logprobs_and_entropy
 from .plan import Plan
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class ModelError(RuntimeError):
-    """A model or tokenizer could not be loaded; the message says what to do."""
 
 
 def model_source(path: str) -> str:

@@ -12,10 +12,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
+from .errors import ModelSpecError
 
 
-class ModelSpecError(ValueError):
-    """A model name or folder edgerl cannot describe; the message lists what it can."""
 
 
 @dataclass(frozen=True)

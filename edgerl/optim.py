@@ -18,10 +18,9 @@ import contextlib
 from typing import Iterable, Iterator
 
 import torch
+from .errors import OptimizerError
 
 
-class OptimizerError(RuntimeError):
-    """The optimizer the plan asks for cannot be built here; the message says what to do."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

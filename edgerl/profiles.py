@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Optional
 
+from .errors import ProfileError
 from .device import GiB, Device, Software, capability, cpu_device, gpu_from_capability
 
 if sys.version_info >= (3, 11):
@@ -23,8 +24,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class ProfileError(ValueError):
-    """Unknown profile name or a malformed profile file."""
 
 
 @dataclass(frozen=True)

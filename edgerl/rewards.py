@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from .errors import RewardError
 
 RewardResult = Union[float, dict]
 RewardFn = Callable[..., RewardResult]
@@ -29,8 +30,6 @@ SIGNATURE = ("fn(data_source: str, solution_str: str, ground_truth: str, extra_i
              "-> float | dict with a 'score' key")
 
 
-class RewardError(ValueError):
-    """A reward function is missing, cannot be loaded, or failed on a sample; the message says which."""
 
 
 # --- gsm8k: verl/utils/reward_score/gsm8k.py --------------------------------------------------

@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from .errors import DataError
+
 ARITHMETIC_SOURCE = "edgerl/arithmetic"
 GSM8K_SOURCE = "openai/gsm8k"
 
@@ -167,7 +169,6 @@ def gsm8k_row(question: str, answer: str, split: str, index: int) -> dict[str, A
 
 
 def _read_gsm8k_jsonl(path: Path) -> list[dict[str, Any]]:
-    from .datafiles import DataError
 
     examples = []
     try:
@@ -192,7 +193,6 @@ def _read_gsm8k_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _load_gsm8k_hub(split: str) -> list[dict[str, Any]]:
-    from .datafiles import DataError
 
     try:
         import datasets
@@ -212,7 +212,6 @@ def prepare_gsm8k(out_path: str | Path, source: str | Path | None = None,
     GSM8K JSONL (`{"question", "answer"}` per line). Row i gets extra_info.index = i, the position
     in the source split, as verl's `map(..., with_indices=True)` does.
     """
-    from .datafiles import DataError
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from .errors import TrainingError
 from . import checkpoint
 from . import lora as lora_io
 from .config import to_dict
@@ -15,8 +16,6 @@ from .memory import fmt_bytes
 from .models import lm_weights, save_hf
 
 
-class TrainingError(RuntimeError):
-    """Training cannot continue; the message says why and what to change."""
 
 
 class TrainerState:
