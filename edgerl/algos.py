@@ -11,11 +11,13 @@ grad should stay finite there. A row with no valid token never produces NaN. Imp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
-ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
 
 
 def _check(mask: torch.Tensor, **tensors: torch.Tensor | None) -> torch.Tensor:
@@ -262,36 +264,77 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
     return masked_whiten(ret, m), ret
 
 
-def compute_advantages(name: str, mask: torch.Tensor, *, token_rewards: torch.Tensor | None = None,
-                       values: torch.Tensor | None = None, scores: torch.Tensor | None = None,
-                       n_samples: int = 1, gamma: float = 1.0, lam: float = 1.0,
-                       norm_by_std: bool = True, whiten: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dispatches on `name` in ADVANTAGES. Returns advantages (B, T) and returns (B, T) or None.
-      gae:          token_rewards, values; gamma, lam; whiten (advantages only). returns for the critic.
-      grpo:         scores (B,); n_samples, norm_by_std (False = Dr. GRPO). returns None.
-      rloo:         scores (B,); n_samples. returns None.
-      reinforce_pp: token_rewards; gamma. returns = discounted return-to-go.
-    grpo and rloo read `scores` only, so a KL-in-reward penalty reaches them only if the caller
-    passes scores = token_rewards.sum(-1) (what verl does); gae and reinforce_pp see it directly.
-    The estimators take different inputs, so this is an explicit dispatch, not a registry."""
-    def need(**kw):
-        for k, v in kw.items():
-            if v is None:
-                raise ValueError(f"advantage estimator {name!r} needs {k}=...; it was not given")
-    if name == "gae":
-        need(token_rewards=token_rewards, values=values)
-        return gae(token_rewards, values, mask, gamma, lam, whiten=whiten)
-    if name == "grpo":
-        need(scores=scores)
-        return grpo_advantages(scores, mask, n_samples, norm_by_std=norm_by_std), None
-    if name == "rloo":
-        need(scores=scores)
-        return rloo_advantages(scores, mask, n_samples), None
-    if name == "reinforce_pp":
-        need(token_rewards=token_rewards)
-        return reinforce_pp_advantages(token_rewards, mask, gamma)
-    raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADVANTAGES}")
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """Everything an advantage estimator may read. mask, token_rewards, values: (B, T); scores: (B,),
+    the sequence scores (grpo and rloo read these only, so a KL-in-reward penalty reaches them when
+    the caller passes scores = token_rewards.sum(-1), as verl does); n_samples: group size."""
+    mask: torch.Tensor
+    scores: torch.Tensor
+    token_rewards: torch.Tensor
+    values: torch.Tensor | None = None
+    n_samples: int = 1
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_by_std: bool = True
+    whiten: bool = True
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: fn(AdvantageInputs) -> (advantages (B, T), returns (B, T) or None)."""
+    name: str
+    fn: Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
+    critic: bool        # needs values from a learned critic (and trains it on the returns)
+    groups: bool        # compares the samples of one prompt: needs n_samples >= 2
+    verl_name: str      # algorithm.adv_estimator in verl
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def estimator(name: str, *, critic: bool = False, groups: bool = False, verl_name: str | None = None):
+    """Register an advantage estimator under `name` (the value of algo.advantage). Adding one is this
+    decorator on a function of AdvantageInputs, and a test against a slow reference."""
+    def register(fn):
+        ESTIMATORS[name] = Estimator(name, fn, critic, groups, verl_name or name)
+        return fn
+    return register
+
+
+def _need(name: str, **kw) -> None:
+    for k, v in kw.items():
+        if v is None:
+            raise ValueError(f"advantage estimator {name!r} needs {k}=...; it was not given")
+
+
+@estimator("gae", critic=True)
+def _gae(x: AdvantageInputs):
+    _need("gae", values=x.values)
+    return gae(x.token_rewards, x.values, x.mask, x.gamma, x.lam, whiten=x.whiten)
+
+
+@estimator("grpo", groups=True)
+def _grpo(x: AdvantageInputs):
+    return grpo_advantages(x.scores, x.mask, x.n_samples, norm_by_std=x.norm_by_std), None
+
+
+@estimator("rloo", groups=True)
+def _rloo(x: AdvantageInputs):
+    return rloo_advantages(x.scores, x.mask, x.n_samples), None
+
+
+@estimator("reinforce++", verl_name="reinforce_plus_plus")
+def _reinforce_pp(x: AdvantageInputs):
+    return reinforce_pp_advantages(x.token_rewards, x.mask, x.gamma)
+
+
+def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registered estimator `name` on `inputs`. Returns advantages (B, T) and returns (B, T) or
+    None (returns train the critic; only gae and reinforce++ define them)."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {', '.join(ESTIMATORS)}")
+    return ESTIMATORS[name].fn(inputs)
 
 
 # ----------------------------------------------------------------------------- losses

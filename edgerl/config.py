@@ -88,8 +88,8 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage: Literal["gae", "grpo", "rloo", "reinforce++"] = F(
-        "grpo", "advantage estimator; 'gae' trains a critic (PPO)")
+    advantage: str = F("grpo", "advantage estimator, one of edgerl.algos.ESTIMATORS: 'gae' (PPO: trains a "
+                       "critic), 'grpo', 'rloo', 'reinforce++'")
     norm_adv_by_std: bool = F(True, "grpo: divide by the group std (False is Dr. GRPO)")
     gamma: float = F(1.0, "discount for gae and reinforce++")
     lam: float = F(0.95, "GAE lambda")
@@ -206,8 +206,14 @@ class Config:
 
     def validate(self) -> "Config":
         """Cross-field rules; raises ConfigError naming the keys and the fix."""
+        from .algos import ESTIMATORS  # the registry says which estimators exist and what they need
         a, r, t = self.algo, self.rollout, self.train
-        if a.advantage in ("grpo", "rloo") and r.n_samples < 2:
+        if a.advantage not in ESTIMATORS:
+            names = list(ESTIMATORS)
+            close = difflib.get_close_matches(a.advantage, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"algo.advantage: {a.advantage!r} is not one of {', '.join(map(repr, names))}{hint}")
+        if ESTIMATORS[a.advantage].groups and r.n_samples < 2:
             raise ConfigError(f"{a.advantage} needs rollout.n_samples >= 2 to form a group baseline; "
                               "set rollout.n_samples=4 or use algo.advantage=gae")
         positive = {"rollout.n_samples": r.n_samples, "rollout.max_new_tokens": r.max_new_tokens,

@@ -93,15 +93,16 @@ def critic_values(critic: Callable, exp: Experience, micro: int, device: torch.d
 
 
 def advantages(exp: Experience, algo_cfg, n_samples: int, kl_coef: float) -> Experience:
-    """Fill advantages/returns per the config: KL in the reward when `kl_in == 'reward'`."""
+    """Fill advantages/returns with the configured estimator; the KL enters the token rewards when
+    `kl_in == 'reward'`."""
     mask = exp.response_mask
     kl = None
     if kl_coef > 0 and algo_cfg.kl_in == "reward" and exp.ref_logp is not None:
         kl = algos.kl_estimate(exp.old_logp, exp.ref_logp, algo_cfg.kl_estimator)
     token_rewards = algos.token_level_rewards(exp.scores, mask, kl, kl_coef if kl is not None else 0.0)
-    name = {"reinforce++": "reinforce_pp"}.get(algo_cfg.advantage, algo_cfg.advantage)
-    scores = token_rewards.sum(-1) if kl is not None else exp.scores
-    adv, ret = algos.compute_advantages(
-        name, mask, token_rewards=token_rewards, values=exp.values, scores=scores, n_samples=n_samples,
-        gamma=algo_cfg.gamma, lam=algo_cfg.lam, norm_by_std=algo_cfg.norm_adv_by_std, whiten=True)
+    inputs = algos.AdvantageInputs(
+        mask=mask, scores=token_rewards.sum(-1) if kl is not None else exp.scores, token_rewards=token_rewards,
+        values=exp.values, n_samples=n_samples, gamma=algo_cfg.gamma, lam=algo_cfg.lam,
+        norm_by_std=algo_cfg.norm_adv_by_std, whiten=True)
+    adv, ret = algos.compute_advantages(algo_cfg.advantage, inputs)
     return replace(exp, advantages=adv, returns=ret)

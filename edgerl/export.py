@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from .algos import ESTIMATORS
 from .config import Config, to_toml
-from .modelspec import HF_IDS
 from .decisions import DEFAULT_LORA_TARGETS
+from .dtypes import hf_name
+from .modelspec import HF_IDS
 from .plan import Plan
 
-_VERL_ADV = {"gae": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce++": "reinforce_plus_plus"}
 _VERL_KL = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
-_VERL_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def pinned_config(cfg: Config, p: Plan, profile: Optional[str]) -> Config:
@@ -61,7 +61,7 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
     n = p.task.samples_per_prompt
     mini_prompts = max(1, p.task.mini // n)
     lines = [
-        f"algorithm.adv_estimator={_VERL_ADV[p.task.algo]}",
+        f"algorithm.adv_estimator={ESTIMATORS[p.task.algo].verl_name}",
         f"data.train_batch_size={p.task.prompts_per_step}",
         f"data.max_prompt_length={p.task.prompt_len}",
         f"data.max_response_length={p.task.response_len}",
@@ -76,7 +76,7 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
         f"actor_rollout_ref.actor.fsdp_config.optimizer_offload={p.optimizer_offload or p.param_offload}",
         f"actor_rollout_ref.ref.fsdp_config.param_offload={p.swap_models or p.param_offload}",
         f"actor_rollout_ref.rollout.name={'vllm' if dev.is_cuda else 'hf'}",
-        f"actor_rollout_ref.rollout.dtype={_VERL_DTYPE[p.dtype.compute]}",
+        f"actor_rollout_ref.rollout.dtype={hf_name(p.dtype.compute)}",
         f"actor_rollout_ref.rollout.gpu_memory_utilization={max(0.1, round(p.rollout_memory_share, 2))}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={p.score_micro_batch}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={p.score_micro_batch}",
@@ -84,14 +84,14 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
     ]
     if p.dtype.compute != "bf16":
-        lines.append(f"+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={_VERL_DTYPE[p.dtype.compute]}")
+        lines.append(f"+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={hf_name(p.dtype.compute)}")
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "loss":
         lines += ["actor_rollout_ref.actor.use_kl_loss=True",
                   f"actor_rollout_ref.actor.kl_loss_coef={cfg.algo.kl_coef}",
                   f"actor_rollout_ref.actor.kl_loss_type={_VERL_KL[cfg.algo.kl_estimator]}"]
     elif cfg.algo.kl_coef > 0:
         lines += ["algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={cfg.algo.kl_coef}"]
-    if p.task.algo == "gae":
+    if p.task.critic:
         critic = cfg.model.critic_path or cfg.model.path
         lines += [f"critic.model.path={HF_IDS.get(critic.lower(), critic)}",
                   f"critic.ppo_micro_batch_size_per_gpu={p.micro_batch}"]

@@ -32,6 +32,8 @@ class ModelSpec:
     qkv_bias: bool = False          # qwen2 has biases on q, k and v
     max_position: int = 4096
     source: str = "catalogue"
+    rope_type: str = "default"      # the static rollout engine implements default, linear, llama3 and yarn
+    sliding_window: Optional[int] = None   # set only where the model really uses windowed attention
 
     @property
     def hd(self) -> int:
@@ -95,9 +97,9 @@ CATALOGUE: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("qwen2.5-1.5b", "qwen2", 151936, 1536, 28, 12, 2, 8960, True, qkv_bias=True, max_position=32768),
     ModelSpec("qwen2.5-3b", "qwen2", 151936, 2048, 36, 16, 2, 11008, True, qkv_bias=True, max_position=32768),
     ModelSpec("qwen2.5-7b", "qwen2", 152064, 3584, 28, 28, 4, 18944, False, qkv_bias=True, max_position=32768),
-    ModelSpec("llama-3.2-1b", "llama", 128256, 2048, 16, 32, 8, 8192, True, head_dim=64, max_position=131072),
-    ModelSpec("llama-3.2-3b", "llama", 128256, 3072, 28, 24, 8, 8192, True, head_dim=128, max_position=131072),
-    ModelSpec("llama-3.1-8b", "llama", 128256, 4096, 32, 32, 8, 14336, False, head_dim=128, max_position=131072),
+    ModelSpec("llama-3.2-1b", "llama", 128256, 2048, 16, 32, 8, 8192, True, head_dim=64, max_position=131072, rope_type="llama3"),
+    ModelSpec("llama-3.2-3b", "llama", 128256, 3072, 28, 24, 8, 8192, True, head_dim=128, max_position=131072, rope_type="llama3"),
+    ModelSpec("llama-3.1-8b", "llama", 128256, 4096, 32, 32, 8, 14336, False, head_dim=128, max_position=131072, rope_type="llama3"),
     ModelSpec("smollm2-135m", "llama", 49152, 576, 30, 9, 3, 1536, True, max_position=8192),
     ModelSpec("smollm2-360m", "llama", 49152, 960, 32, 15, 5, 2560, True, max_position=8192),
     ModelSpec("smollm2-1.7b", "llama", 49152, 2048, 24, 32, 32, 8192, True, max_position=8192),
@@ -127,13 +129,35 @@ HF_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5
           "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B", "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
+# Decoder-only architectures edgerl trains: FSDP2 wraps their `model.layers`, LoRA has default targets
+# for them, and the static-cache rollout engine implements their forward (edgerl/rollout/decoder.py).
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+
+
+def _rope(text_cfg: dict[str, Any]) -> str:
+    rp = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling") or {}
+    return str(rp.get("rope_type", rp.get("type", "default"))) if isinstance(rp, dict) else "default"
+
+
+def _window(text_cfg: dict[str, Any]) -> Optional[int]:
+    window = text_cfg.get("sliding_window")
+    types = text_cfg.get("layer_types") or []
+    used = ("sliding_attention" in types) if types else bool(text_cfg.get("use_sliding_window", True))
+    return int(window) if window and used else None
+
+
 def from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     """A spec from the fields of an HF config.json (llama/qwen2/mistral naming)."""
     text_cfg = cfg.get("text_config", cfg)
+    model_type = str(text_cfg.get("model_type", ""))
+    if model_type not in SUPPORTED_TYPES:
+        raise ModelSpecError(f"{source}: model_type {model_type or '(none)'!r} is not one edgerl trains; it trains "
+                             f"decoder-only {', '.join(SUPPORTED_TYPES)} models and their fine-tunes (SmolLM2, "
+                             "Qwen2.5, Llama 3, Mistral); GPT-2, GPT-NeoX and other architectures are not supported")
     try:
         heads = int(text_cfg["num_attention_heads"])
         return ModelSpec(
-            name=name, model_type=str(text_cfg.get("model_type", "llama")),
+            name=name, model_type=model_type, rope_type=_rope(text_cfg), sliding_window=_window(text_cfg),
             vocab_size=int(text_cfg["vocab_size"]), hidden_size=int(text_cfg["hidden_size"]),
             num_layers=int(text_cfg["num_hidden_layers"]), num_heads=heads,
             num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads),
@@ -196,3 +220,30 @@ def _from_hf_cache(repo_id: str) -> Optional[ModelSpec]:
     if isinstance(found, str):
         return from_hf_config(_read_json(Path(found)), repo_id, found)
     return None
+
+
+def classifier_params(name_or_path: str) -> int:
+    """Parameters of a sequence-classification reward model from its local config: exact for the
+    architectures edgerl trains, else embeddings + layers x (4 h^2 attention + 2 h x intermediate MLP).
+    The plan needs its bytes, not its exact shape. Raises ModelSpecError when no config is found."""
+    path = Path(name_or_path).expanduser()
+    cfg_file = path / "config.json" if path.is_dir() else None
+    if cfg_file is None or not cfg_file.exists():
+        from huggingface_hub import try_to_load_from_cache
+        found = try_to_load_from_cache(name_or_path, "config.json") if "/" in name_or_path else None
+        if not isinstance(found, str):
+            raise ModelSpecError(f"reward.model={name_or_path!r}: no config.json there or in the local HF cache; "
+                                 "point reward.model at a local HF folder")
+        cfg_file = Path(found)
+    full = _read_json(cfg_file)
+    cfg = full.get("text_config", full)
+    if cfg.get("model_type") in SUPPORTED_TYPES:  # exact count (its LM head is a 1-row score head)
+        spec = from_hf_config(full, cfg_file.parent.name, str(cfg_file))
+        return spec.n_params() - (0 if spec.tie_embeddings else spec.embedding_params())
+    h = cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("n_embd")
+    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers")
+    if not h or not layers:
+        raise ModelSpecError(f"{cfg_file}: no hidden size or layer count (hidden_size, num_hidden_layers) to size "
+                             "the reward model")
+    inter = cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * h
+    return int(cfg.get("vocab_size", 0) * h + layers * (4 * h * h + 2 * h * inter))

@@ -1,8 +1,8 @@
 """`plan()`: how to train on this device. Pure: same inputs, same plan, no I/O.
 
-Every hardware decision is made here, once, with its reason; `doctor`, `recommend`, `train` and
-the README print the same `Plan`. The memory-relevant knobs are chosen by searching from the
-fastest setting to the most frugal until the memory model fits the budget.
+The single-choice decisions come from `decisions.py`, each with its reason; the memory-relevant
+knobs are chosen here by walking `moves.STAGES` from the fastest setting to the most frugal until
+the memory model fits the budget. `doctor`, `recommend`, `train` and the README print this `Plan`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,15 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from .device import GiB, MiB, Device
+from .decisions import (DtypePolicy, bnb_support, choose_logprob_chunk, logit_bytes, lora_targets, optimizer_reason,
+                        pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
+                        pick_reward_model_dtype, pick_rollout, rollout_share_reason)
+from .device import GiB, Device
+from .dtypes import nbytes
+from .errors import ModelSpecError, PlanError
 from .memory import DEFAULT_CALIBRATION, Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
-from .modelspec import ModelSpec, ModelSpecError
-from .decisions import (DTYPE_BYTES, DtypePolicy, PlanError, choose_logprob_chunk, logit_bytes, lora_targets,
-                        pick_attention, pick_base_dtype, pick_dtype, pick_kernels, pick_rollout)
+from .modelspec import ModelSpec
+from .moves import STAGES, TASK_MOVES, Stage, stages_for
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,8 @@ class Task:
     prompts_per_step: int = 4
     samples_per_prompt: int = 4
     mini_batch: Optional[int] = None       # sequences per PPO update; None = all of the step
-    algo: str = "grpo"                     # gae trains a critic
+    algo: str = "grpo"
+    critic: bool = False                   # the estimator learns values (gae): a critic model trains too
     kl: bool = True                        # a reference model is needed (kl_coef > 0)
     reward_model_params: int = 0
     lora: Optional[bool] = False           # None: the plan turns LoRA on when full fine-tuning cannot fit
@@ -67,6 +72,7 @@ class Plan:
     optimizer: str
     lora: Optional[dict[str, Any]]
     base_dtype: Optional[str]            # storage of the frozen LoRA base; None with full fine-tuning
+    reward_model_dtype: Optional[str]    # None without a reward model
     micro_batch: int
     score_micro_batch: int
     rollout_batch: int
@@ -78,7 +84,7 @@ class Plan:
 
     DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "kernel_backend", "kernel_tiles",
                  "logprob_chunk", "grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
-                 "optimizer", "lora", "base_dtype", "micro_batch", "score_micro_batch", "rollout_batch",
+                 "optimizer", "lora", "base_dtype", "reward_model_dtype", "micro_batch", "score_micro_batch", "rollout_batch",
                  "rollout_memory_share", "env")
 
     def value(self, key: str) -> Any:
@@ -122,46 +128,13 @@ class _Search:
     stage: str
 
 
-STAGES = (  # (name, checkpointing, swap models, optimizer offload, param offload, 8-bit AdamW), fastest first
-    ("none", False, False, False, False, False),
-    ("gradient checkpointing", True, False, False, False, False),
-    ("+ the reference waits in host memory outside scoring", True, True, False, False, False),
-    # exact fp32 state over PCIe before approximate 8-bit state: offload costs ~2 x 8 bytes per parameter
-    # of transfer per step, small next to a rollout on the cards that need it
-    ("+ optimizer state in host memory between updates", True, True, True, False, False),
-    ("+ 8-bit AdamW state (bitsandbytes) on the GPU", True, True, False, False, True),
-    ("+ 8-bit AdamW state in host memory between updates", True, True, True, False, True),
-    ("+ FSDP2 CPU offload of parameters, gradients and optimizer", True, True, True, True, False),
-)
-
-
-def _stages(optimizer: Optional[str], bnb_ok: bool, param_offload: bool) -> list[tuple]:
-    """STAGES for this run: 8-bit ones only where bitsandbytes runs and plan.optimizer is not adamw;
-    with plan.optimizer=adamw8bit every stage uses it (duplicates dropped); `param_offload` False drops
-    the last stage (LoRA=auto tries adapters before streaming every weight over PCIe)."""
-    out, seen = [], set()
-    for name, ckpt, swap, opt_off, par_off, eight in STAGES:
-        if par_off and not param_offload:
-            continue
-        if optimizer == "adamw" and eight or optimizer is None and eight and not bnb_ok:
-            continue
-        if optimizer == "adamw8bit":
-            eight = True
-            if (ckpt, swap, opt_off, par_off) in seen:
-                continue
-        seen.add((ckpt, swap, opt_off, par_off))
-        out.append((name, ckpt, swap, opt_off, par_off, eight))
-    return out
-
-
 def _search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
-            cal: Calibration, host_memory: int, stages: list[tuple]) -> tuple[Optional[_Search], list[str]]:
+            cal: Calibration, host_memory: int, stages: list[Stage]) -> tuple[Optional[_Search], list[str]]:
     tried: list[str] = []
     mini = task.mini
     small = min(mini, 4)  # below 4 sequences a micro-batch leaves the GPU idle: checkpoint first
-    for i, (name, ckpt, swap, opt_off, par_off, eight) in enumerate(stages):
-        values = {"grad_checkpointing": ckpt, "swap_models": swap, "optimizer_offload": opt_off,
-                  "param_offload": par_off}
+    for i, stage in enumerate(stages):
+        name, eight, values = stage.name, stage.eight_bit, stage.knobs()
         if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
             continue
         last = i == len(stages) - 1 or all(
@@ -211,42 +184,36 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     dtype, reasons["dtype"] = pick_dtype(device, o.get("dtype"))
     attention, reasons["attention"] = pick_attention(device, dtype, o.get("attention"))
     engine, graphs, reasons["rollout_engine"], reasons["cuda_graphs"] = pick_rollout(
-        device, dtype, o.get("rollout_engine"), o.get("cuda_graphs"))
+        device, dtype, model, task.prompt_len + task.response_len, o.get("rollout_engine"), o.get("cuda_graphs"))
     backend, tiles, reasons["kernel_backend"] = pick_kernels(device, dtype, model, o.get("kernel_backend"))
     reasons["kernel_tiles"] = reasons["kernel_backend"] if tiles else "no Triton kernel on this device"
 
     total = int(o["memory_gib"] * GiB) if "memory_gib" in o else device.total_memory
-    if "headroom_gib" in o:
-        headroom = int(o["headroom_gib"] * GiB)
-        hreason = f"plan.headroom_gib={o['headroom_gib']}"
-    else:
-        headroom = max(256 * MiB, int(0.05 * total)) if device.is_cuda else int(0.25 * total)
-        hreason = ("5% of device memory (at least 256 MiB) kept free for the allocator and libraries"
-                   if device.is_cuda else "25% of host RAM left to the OS and other processes")
+    headroom, hreason = pick_headroom(device, total, o.get("headroom_gib"))
     budget = total - headroom
     per_logit = logit_bytes(backend, dtype)
     chunk = choose_logprob_chunk(model, budget, per_logit)
     reasons["logprob_chunk"] = (f"{chunk} tokens per chunk: the kernel holds {fmt_bytes(chunk * model.vocab_size * per_logit)} "
                                 f"of logits at a time instead of tokens x {model.vocab_size} for the whole batch")
 
-    # bitsandbytes' 8-bit optimizers run from CC 6.0 (hardware.md section 8): Pascal included
-    bnb_ok = device.is_cuda and device.cc >= (6, 0) and device.software.has("bitsandbytes")
+    bnb_ok, bnb_why = bnb_support(device)
     if o.get("optimizer") == "adamw8bit" and not bnb_ok:
-        raise PlanError("plan.optimizer=adamw8bit needs bitsandbytes on a CUDA device with CC >= 6.0 "
-                        f"({device.describe()}{', bitsandbytes not installed' if device.is_cuda else ''}); "
-                        "pip install bitsandbytes, or use adamw")
+        raise PlanError(f"plan.optimizer=adamw8bit is not possible on {device.describe()}: {bnb_why}; "
+                        "use adamw")
     base_dtype, base_reason = pick_base_dtype(device, dtype, o.get("base_dtype"))
-    need_host_for_offload = not device.integrated
-    host = device.host_memory if need_host_for_offload else 0
+    rm_dtype, reasons["reward_model_dtype"] = (pick_reward_model_dtype(dtype) if task.reward_model_params
+                                               else (None, "no reward model"))
+    host = device.host_memory if not device.integrated else 0
 
     def base_setting(lora_params: int) -> Setting:
         return Setting(
-            compute_bytes=dtype.compute_bytes, base_bytes=DTYPE_BYTES[base_dtype] if lora_params else 4,
+            compute_bytes=dtype.compute_bytes,
+            base_bytes=int(nbytes(base_dtype)) if lora_params else dtype.param_bytes,
             grad_checkpointing=False, swap_models=False, optimizer_offload=False, param_offload=False,
             micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk, logit_bytes=per_logit,
             eager_attention=attention == "eager",
             lora_params=lora_params,
-            critic=task.algo == "gae", reference=task.kl and not lora_params,
+            critic=task.critic, reference=task.kl and not lora_params,
             reward_model_params=task.reward_model_params, cuda=device.is_cuda)
 
     forced = {k: o.get(k) for k in ("grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
@@ -264,7 +231,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
                 lora_params = model.lora_params(task.lora_rank, targets)
             except ModelSpecError as e:
                 raise PlanError(f"lora.target_modules: {e}") from None
-        stages = _stages(o.get("optimizer"), bnb_ok, param_offload=use_lora or task.lora is not None)
+        stages = stages_for(o.get("optimizer"), bnb_ok, param_offload=use_lora or task.lora is not None)
         found, tried = _search(model, task, base_setting(lora_params if use_lora else 0), budget, forced,
                                calibration, host, stages)
         attempts.append((use_lora, found, tried))
@@ -279,30 +246,16 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     s, mem = found.setting, found.memory
     _memory_reasons(reasons, found, task, device, attempts, model, lora_params, use_lora, targets, mem, calibration)
     optimizer = "adamw8bit" if s.optimizer_bytes_per_param == 2 else "adamw"
-    reasons["optimizer"] = (
-        "asked for with plan.optimizer=adamw8bit: 8-bit AdamW (bitsandbytes), 2 bytes of state per trainable "
-        "parameter" if o.get("optimizer") == "adamw8bit" else
-        "8-bit AdamW (bitsandbytes): 2 bytes of state per trainable parameter instead of 8; fp32 state did "
-        "not fit, not even waiting in host memory between updates (--set plan.optimizer=adamw forbids 8-bit)"
-        if optimizer == "adamw8bit" else
-        "AdamW with fp32 moments (8 bytes per trainable parameter)")
-    reasons["base_dtype"] = base_reason if use_lora else "not used: full fine-tuning keeps fp32 master weights"
+    reasons["optimizer"] = optimizer_reason(optimizer, o.get("optimizer"))
+    reasons["base_dtype"] = base_reason if use_lora else \
+        f"not used: full fine-tuning keeps {dtype.param} master weights"
     share = mem.phase_totals()["rollout"] / total if total else 0.0
     if "rollout_memory_share" in o:
         share = float(o["rollout_memory_share"])
         reasons["rollout_memory_share"] = f"asked for with plan.rollout_memory_share={share}"
     else:
-        reasons["rollout_memory_share"] = (
-            f"the rollout phase's estimate over device memory; vLLM's gpu_memory_utilization "
-            "comes from here, not from hand tuning" if engine == "vllm" else
-            "the rollout phase's estimate over device memory (the static KV cache is sized by the plan)")
-    env = []
-    if device.is_cuda and not device.integrated:
-        env.append(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
-    env.append(("TOKENIZERS_PARALLELISM", "false"))
-    reasons["env"] = ("expandable segments cut fragmentation between phases of different shapes; "
-                      "tokenizer threads off inside the training loop") if device.is_cuda else \
-        "tokenizer threads off inside the training loop"
+        reasons["rollout_memory_share"] = rollout_share_reason(engine)
+    env, reasons["env"] = pick_env(device)
     lora_info = None
     if use_lora:
         lora_info = {"rank": task.lora_rank, "alpha": task.lora_alpha, "targets": list(targets),
@@ -311,9 +264,9 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
                 cuda_graphs=graphs, kernel_backend=backend, kernel_tiles=tiles, logprob_chunk=chunk,
                 grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
                 optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,
-                lora=lora_info, base_dtype=base_dtype if use_lora else None, micro_batch=s.micro_batch,
-                score_micro_batch=s.score_micro_batch,
-                rollout_batch=s.rollout_batch, rollout_memory_share=round(share, 4), env=tuple(env),
+                lora=lora_info, base_dtype=base_dtype if use_lora else None, reward_model_dtype=rm_dtype,
+                micro_batch=s.micro_batch, score_micro_batch=s.score_micro_batch,
+                rollout_batch=s.rollout_batch, rollout_memory_share=round(share, 4), env=env,
                 memory=mem, headroom=headroom, reasons=reasons | {"headroom": hreason})
 
 
@@ -323,7 +276,7 @@ def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device:
     s = found.setting
     budget = fmt_bytes(mem.budget)
     fits = f"estimate {fmt_bytes(mem.total)} (peak in {mem.peak_phase}) of a {budget} budget"
-    first = found.stage == STAGES[0][0]
+    first = found.stage == STAGES[0].name
     reasons["grad_checkpointing"] = (f"not needed: {fits}" if not s.grad_checkpointing else
                                      f"on: without it the update does not fit with a useful micro-batch; {fits}")
     reasons["swap_models"] = ("the reference model stays on the GPU" if not s.swap_models else
@@ -371,15 +324,13 @@ def _no_fit_message(device: Device, model: ModelSpec, task: Task, budget: int, a
     def fits(**changes: Any) -> bool:
         return fits_on(device, model, replace(task, **changes), o, cal)
 
-    if task.response_len > 32 and fits(response_len=task.response_len // 2):
-        lines.append(f"  - a shorter response: --set rollout.max_new_tokens={task.response_len // 2}")
-        found_any = True
-    if task.samples_per_prompt > 2 and fits(samples_per_prompt=task.samples_per_prompt // 2):
-        lines.append(f"  - fewer samples: --set rollout.n_samples={task.samples_per_prompt // 2}")
-        found_any = True
-    if task.prompts_per_step > 1 and fits(prompts_per_step=1):
-        lines.append("  - one prompt per step: --set train.prompts_per_step=1")
-        found_any = True
+    fields = {"rollout.max_new_tokens": "response_len", "rollout.n_samples": "samples_per_prompt",
+              "train.prompts_per_step": "prompts_per_step"}
+    for label, key, smaller in TASK_MOVES:
+        value = smaller(task)
+        if value is not None and fits(**{fields[key]: value}):
+            lines.append(f"  - {label}: --set {key}={value}")
+            found_any = True
     if not task.lora and task.lora is not None and fits(lora=True):
         lines.append(f"  - LoRA adapters (r={task.lora_rank}): --set lora.enabled=true")
         found_any = True

@@ -44,9 +44,13 @@ def resolve_target(gpu: Optional[str] = None, gpu_spec: Optional[str] = None,
 
 
 def task_from_config(cfg: Config, prompt_len: Optional[int] = None) -> Task:
+    from .algos import ESTIMATORS
+    from .modelspec import classifier_params
     return Task(prompt_len=prompt_len or cfg.data.max_prompt_len, response_len=cfg.rollout.max_new_tokens,
                 prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.rollout.n_samples,
-                mini_batch=cfg.train.mini_batch, algo=cfg.algo.advantage, kl=cfg.algo.kl_coef > 0,
+                mini_batch=cfg.train.mini_batch, algo=cfg.algo.advantage,
+                critic=ESTIMATORS[cfg.algo.advantage].critic, kl=cfg.algo.kl_coef > 0,
+                reward_model_params=classifier_params(cfg.reward.model) if cfg.reward.model else 0,
                 lora=cfg.lora.enabled, lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
                 lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.target_modules else None)
 

@@ -363,21 +363,28 @@ def test_compute_advantages_dispatch():
     mask = ragged_mask(6, 5, gen)
     r, v = rand(6, 5, gen, mask), rand(6, 5, gen, mask)
     s = torch.randn(6, generator=gen, dtype=torch.float64)
-    a, ret = algos.compute_advantages("gae", mask, token_rewards=r, values=v, gamma=0.9, lam=0.8,
-                                      whiten=False)
+
+    def inputs(**kw):
+        return algos.AdvantageInputs(mask=mask, scores=s, token_rewards=r, **kw)
+    a, ret = algos.compute_advantages("gae", inputs(values=v, gamma=0.9, lam=0.8, whiten=False))
     a2, ret2 = algos.gae(r, v, mask, 0.9, 0.8)
     close(a, a2)
     close(ret, ret2)
-    a, ret = algos.compute_advantages("grpo", mask, scores=s, n_samples=3, norm_by_std=False)
+    a, ret = algos.compute_advantages("grpo", inputs(n_samples=3, norm_by_std=False))
     close(a, algos.grpo_advantages(s, mask, 3, norm_by_std=False))
     assert ret is None
-    close(algos.compute_advantages("rloo", mask, scores=s, n_samples=2)[0], algos.rloo_advantages(s, mask, 2))
-    close(algos.compute_advantages("reinforce_pp", mask, token_rewards=r, gamma=0.9)[1],
-          algos.reinforce_pp_advantages(r, mask, 0.9)[1])
+    close(algos.compute_advantages("rloo", inputs(n_samples=2))[0], algos.rloo_advantages(s, mask, 2))
+    close(algos.compute_advantages("reinforce++", inputs(gamma=0.9))[1], algos.reinforce_pp_advantages(r, mask, 0.9)[1])
     with pytest.raises(ValueError, match="needs values"):
-        algos.compute_advantages("gae", mask, token_rewards=r)
-    with pytest.raises(ValueError, match="reinforce_pp"):
-        algos.compute_advantages("ppo", mask)
+        algos.compute_advantages("gae", inputs())
+    with pytest.raises(ValueError, match="reinforce\\+\\+"):
+        algos.compute_advantages("ppo", inputs())
+
+
+def test_registry_says_which_estimators_need_a_critic_or_groups():
+    assert {n for n, e in algos.ESTIMATORS.items() if e.critic} == {"gae"}
+    assert {n for n, e in algos.ESTIMATORS.items() if e.groups} == {"grpo", "rloo"}
+    assert algos.ESTIMATORS["reinforce++"].verl_name == "reinforce_plus_plus"
 
 
 # ----------------------------------------------------------------------------- aggregation
