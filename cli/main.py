@@ -2,50 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import typer
-from rich.console import Console
 
 from ..config import ConfigError, load_config
-from ..device import SpecError
 from ..modelspec import ModelSpecError
 from ..plan import PlanError
-from ..profiles import ProfileError, list_profiles
-
-app = typer.Typer(name="edgerl", no_args_is_help=True, add_completion=False,
-                  help="Hardware-adaptive RL fine-tuning (PPO, GRPO) of LLMs on the GPUs people actually have.")
-console = Console()
-err = Console(stderr=True)
-
-# Errors caused by what the user typed or pointed at: one clear line, no traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, ProfileError, ModelSpecError, SpecError)
-
-
-def add_user_errors(*errors: type[BaseException]) -> None:
-    global USER_ERRORS
-    USER_ERRORS = USER_ERRORS + tuple(errors)
-
-
-def friendly(fn: Callable) -> Callable:
-    """Turn user errors into a red message and exit status 2."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except USER_ERRORS as e:
-            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-    return wrapper
-
-
-GpuOpt = typer.Option(None, "--gpu", "--profile", help="plan for this GPU profile (see `edgerl profiles`)")
-SpecOpt = typer.Option(None, "--gpu-spec", help='a GPU without a profile: cc=6.1,memory=24GiB,name="Quadro P6000"')
-ConfigOpt = typer.Option(None, "--config", "-c", help="run config TOML")
-SetOpt = typer.Option(None, "--set", "-s", help="override one config key: --set train.lr=1e-6 (repeatable)")
+from ..profiles import list_profiles
+from . import data as data_cmd
+from . import train as train_cmd
+from .app import ConfigOpt, GpuOpt, SetOpt, SpecOpt, app, console, err, friendly
 
 
 @app.command()
@@ -152,25 +121,23 @@ def profiles() -> None:
     console.print(t)
 
 
-def _register() -> None:
-    """Commands that live in their own modules, and the errors they raise for bad input."""
-    from ..checkpoint import CheckpointError
-    from ..data import DataError
-    from ..embedded import EmbeddedModelError
-    from ..models import ModelError
-    from ..rewards import RewardError
-    from ..trainer import TrainingError
-    from . import train as _train  # noqa: F401  registers train and plot
-    from .data import app as data_app
-    app.add_typer(data_app, name="data")
-    add_user_errors(CheckpointError, DataError, EmbeddedModelError, ModelError, RewardError, TrainingError)
+@app.command("config")
+@friendly
+def config_cmd(config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
+    """Print a run config with every key, its value and what it does (the defaults, or your file with
+    --set applied): a starting point for `edgerl train --config`."""
+    from ..config import to_toml
+    typer.echo(to_toml(load_config(config, list(sets or []))))
+
+
+app.command()(train_cmd.train)
+app.command()(train_cmd.plot)
+app.add_typer(data_cmd.app, name="data")
 
 
 def main() -> None:
     app()
 
-
-_register()
 
 if __name__ == "__main__":
     main()

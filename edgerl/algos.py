@@ -361,6 +361,26 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
     raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {AGG_MODES}")
 
 
+def batch_counts(mask: torch.Tensor) -> tuple[float, float, float]:
+    """mask: (B, T). (valid tokens, rows with a valid token, rows): what `aggregate` divides by."""
+    m = mask.bool()
+    return float(m.sum()), float(m.any(dim=1).sum()), float(m.shape[0])
+
+
+def accumulation_weight(part_mask: torch.Tensor, whole: tuple[float, float, float], mode: str) -> float:
+    """The share of a micro-batch (part_mask, (b, T)) in the loss of the batch it belongs to, whose
+    `batch_counts` are `whole`: sum over micro-batches of weight x aggregate(part) equals
+    aggregate(whole batch) for every mode (the batch may span several processes)."""
+    tokens, rows, n = batch_counts(part_mask)
+    if mode == "token-mean":
+        return tokens / max(1.0, whole[0])
+    if mode == "seq-mean-token-sum-norm":
+        return n / whole[2]
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return rows / max(1.0, whole[1])
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {AGG_MODES}")
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""Checkpoints written atomically (a temporary folder, then one rename), the last K kept.
+"""Checkpoints written atomically (a temporary folder, then one rename), the last K kept; and the
+atomic writers every file a user relies on goes through.
 
 A checkpoint folder `step-000012/` holds: the actor (and critic) weights as safetensors, the
 optimizer and scheduler states, every RNG state, the data position, the KL controller, the
@@ -15,7 +16,8 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 from .errors import CheckpointError
@@ -75,6 +77,56 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and one rename: a crash
+    leaves the old file or the new one, never half of either."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_folder(target: Path, aside: Optional[Path] = None) -> Iterator[Path]:
+    """Yield a temporary folder beside `target`; on success it becomes `target` in one rename. An
+    existing `target` is first moved to `aside` (kept, never deleted); without `aside` it is an error.
+    On failure the temporary folder is removed and `target` is untouched."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-tmp-", dir=target.parent))
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if target.exists():
+            if aside is None:
+                raise CheckpointError(f"{target} already exists")
+            os.replace(target, aside)
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stale_temporaries(run_dir: Path) -> list[Path]:
+    """Temporary folders and files left by writes that were killed (checkpoints, exports, configs).
+    Only meaningful while holding the run folder's lock: then no write is in progress."""
+    run_dir = Path(run_dir)
+    found = [p for p in run_dir.glob(".*-tmp-*")] + [p for p in (run_dir / "checkpoints").glob(".step-*")]
+    found += [p for p in run_dir.glob(".config.toml-*")] + [p for p in run_dir.glob(".plan.json-*")]
+    return sorted(found)
 
 
 def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],

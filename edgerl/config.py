@@ -194,13 +194,15 @@ class Config:
     def sequences_per_step(self) -> int:
         return self.train.prompts_per_step * self.rollout.n_samples
 
-    def effective_batch(self) -> str:
-        """The batch in one line, e.g. '4 prompts x 4 samples = 16 sequences per step; ...'."""
+    def effective_batch(self, planned_micro: Optional[int] = None) -> str:
+        """The batch in one line, e.g. '4 prompts x 4 samples = 16 sequences per step; ...';
+        `planned_micro` is the plan's micro-batch when the config leaves it to the plan."""
         seqs = self.sequences_per_step
         mini = self.train.mini_batch or seqs
         updates = (seqs // mini) * self.train.ppo_epochs
         micro = self.train.micro_batch
-        micro_s = f"micro-batch {micro}" if micro else "micro-batch chosen by the plan"
+        micro_s = (f"micro-batch {micro}" if micro else f"micro-batch {planned_micro} (plan)" if planned_micro
+                   else "micro-batch chosen by the plan")
         return (f"{self.train.prompts_per_step} prompts x {self.rollout.n_samples} samples = "
                 f"{seqs} sequences per step; mini-batch {mini} -> {updates} update(s) per step; {micro_s}")
 
@@ -440,16 +442,3 @@ def to_toml(cfg: Config, comments: dict[str, str] | None = None) -> str:
                 lines.append(f"{f.name} = {_toml_value(value)}  # {note}")
         lines.append("")
     return "\n".join(lines)
-
-
-def describe() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, doc) for every config key, for `edgerl train --help-config` and docs."""
-    rows = []
-    for section in dataclasses.fields(Config):
-        cls = _hints(Config)[section.name]
-        hints = _hints(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((f"{section.name}.{f.name}", _type_name(hints[f.name]), repr(default),
-                         f.metadata.get("doc", "")))
-    return rows

@@ -198,22 +198,32 @@ def pick_rollout(dev: Device, dtype: DtypePolicy, model: ModelSpec, max_len: int
 
 def pick_kernels(dev: Device, dtype: DtypePolicy, model: ModelSpec,
                  forced: Optional[str]) -> tuple[str, Optional[dict[str, Any]], str]:
+    """The log-prob kernel: Triton from CC 8.0 (Triton's README supports 8.0+; below it tl.dot has no
+    tensor-core path and falls back to FMA, triton#5066, hardware.md section 12), else chunked torch,
+    which reaches the tensor cores through cuBLAS on 7.x. Below 7.0 Triton is refused (Inductor's own
+    gate; Pascal has no tensor cores to reach either way)."""
     from .kernels.tiles import choose_tiles  # pure: no torch or triton import
-    triton_ok = dev.is_cuda and dev.cc >= (7, 0) and dev.software.has("triton")
-    if forced == "triton" and not triton_ok:
-        why = ("Triton and torch.compile need CC >= 7.0" if dev.is_cuda else "Triton needs a CUDA device") \
-            if not (dev.is_cuda and dev.cc >= (7, 0)) else "triton is not installed"
-        raise PlanError(f"plan.kernel_backend=triton is not possible on {dev.describe()}: {why}; use torch")
-    backend = forced or ("triton" if triton_ok else "torch")
+    has = dev.software.has("triton")
+    if forced == "triton":
+        if not dev.is_cuda or dev.cc < (7, 0) or not has:
+            why = ("Triton needs a CUDA device" if not dev.is_cuda else
+                   f"{dev.sm}: Triton and torch.compile need CC >= 7.0" if dev.cc < (7, 0) else
+                   "triton is not installed")
+            raise PlanError(f"plan.kernel_backend=triton is not possible on {dev.describe()}: {why}; use torch")
+    backend = forced or ("triton" if dev.is_cuda and dev.cc >= (8, 0) and has else "torch")
     if backend == "torch":
         why = (f"asked for with plan.kernel_backend=torch" if forced else
                "CPU" if not dev.is_cuda else
-               f"{dev.sm}: Triton needs CC >= 7.0" if dev.cc < (7, 0) else "triton is not installed")
+               f"{dev.sm}: Triton and torch.compile need CC >= 7.0" if dev.cc < (7, 0) else
+               f"{dev.sm}: below CC 8.0 Triton's matmuls fall back to FMA (no tensor cores), while cuBLAS "
+               "reaches them" if dev.cc < (8, 0) else "triton is not installed")
         return "torch", None, f"{why}: chunked torch log-probs (never the full tokens x vocabulary logits)"
     tiles = choose_tiles(dev.smem_per_block_optin, dtype.compute, model.hidden_size, model.vocab_size, cc=dev.cc)
     t = dataclasses.asdict(tiles)
+    slow = (" (asked for below CC 8.0: Triton's matmuls run on FMA units here, not the tensor cores)"
+            if dev.cc < (8, 0) else "")
     return "triton", t, (f"{dev.sm} with triton: fused log-prob kernel, tiles sized to "
-                         f"{dev.smem_per_block_optin // 1024} KB shared memory per block ({tiles.reason})")
+                         f"{dev.smem_per_block_optin // 1024} KB shared memory per block ({tiles.reason}){slow}")
 
 
 def logit_bytes(backend: str, dtype: DtypePolicy) -> int:

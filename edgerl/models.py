@@ -26,10 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ModelError
+from .dtypes import torch_dtype
 from .kernels import Tiles, token_logprobs_and_entropy
 from .plan import Plan
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 
@@ -148,7 +147,7 @@ def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.de
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh}
-    compute = DTYPES[plan.dtype.compute]
+    compute = torch_dtype(plan.dtype.compute)
     # Any weight stored in another dtype than the compute one (the master weights under mixed
     # precision, or a half-precision LoRA base under fp32 compute) is cast per layer at unshard.
     if any(p.dtype != compute for p in module.parameters()):
@@ -169,8 +168,8 @@ def _lora_targets(lm: nn.Module, plan: Plan, explicit: Optional[list[str]]) -> l
 
 
 def _base_dtype(plan: Plan) -> torch.dtype:
-    """fp32 master weights for full fine-tuning; the plan's storage dtype for a frozen LoRA base."""
-    return DTYPES[plan.base_dtype] if plan.lora and plan.base_dtype else torch.float32
+    """The plan's master-weight dtype for full fine-tuning; its storage dtype for a frozen LoRA base."""
+    return torch_dtype(plan.base_dtype if plan.lora and plan.base_dtype else plan.dtype.param)
 
 
 def build_actor(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False,
@@ -209,29 +208,20 @@ def build_critic(path: str, plan: Plan, device: torch.device, trust_remote_code:
 
 def build_frozen(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False) -> PolicyHead:
     """The reference policy: compute dtype, no gradients, not sharded (it is only read)."""
-    lm = load_causal_lm(path, DTYPES[plan.dtype.compute], plan.attention, trust_remote_code)
+    lm = load_causal_lm(path, torch_dtype(plan.dtype.compute), plan.attention, trust_remote_code)
     lm.requires_grad_(False).eval()
     return PolicyHead(lm, plan).to(device)
 
 
 def build_inference_copy(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False) -> nn.Module:
     """The rollout engine's own weights, in the compute dtype; the trainer syncs them after each update."""
-    lm = load_causal_lm(path, DTYPES[plan.dtype.compute], "sdpa" if plan.attention == "flash_attention_2"
-                        and not plan.device.is_cuda else plan.attention, trust_remote_code)
+    lm = load_causal_lm(path, torch_dtype(plan.dtype.compute), plan.attention, trust_remote_code)
     lm.requires_grad_(False).eval()
     lm.to(device)
     for p in lm.parameters():  # weights read from a memory-mapped file (CPU) cannot be released
         if not p.untyped_storage().resizable():
             p.data = p.data.clone()
     return lm
-
-
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded tensors of an FSDP2 module (on its device), by parameter name."""
-    out = {}
-    for name, p in module.state_dict().items():
-        out[name] = p.full_tensor() if hasattr(p, "full_tensor") else p
-    return out
 
 
 def lm_weights(actor: PolicyHead) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,9 +1,10 @@
-"""The training loop, top to bottom:
+"""The training loop, one method per phase of a step, in the order a step runs them:
 
-    rollout -> rewards -> old / reference log-probs and values -> advantages
-            -> PPO epochs over mini- and micro-batches -> optimizer -> metrics -> checkpoint
+    rollout -> rewards -> scores (old / reference log-probs, values) -> advantages -> update
+            -> weight sync -> metrics -> checkpoint
 
-It reads the `Plan` and never asks which GPU it runs on.
+It is built from a prepared `Session` (edgerl/session.py) and reads its `Plan`; it never asks which
+GPU it runs on.
 """
 
 from __future__ import annotations
@@ -18,20 +19,25 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import algos
+from . import algos, state
 from . import lora as lora_io
-from .config import Config
-from .data import PromptSampler, load_prompts
-from .experience import Experience, advantages, critic_values, micro_batches, pad_batch, policy_logprobs
+from .config import Config, to_dict
+from .data import Prompt, PromptSampler
+from .dtypes import torch_dtype
+from .errors import USER_ERRORS, TrainingError
+from .experience import Experience, advantages, critic_values, pad_batch, policy_logprobs
 from .metrics import MetricsWriter
-from .models import (build_actor, build_critic, build_frozen, build_inference_copy, init_distributed,
-                     lm_weights, load_tokenizer, on_device, release_weights, restore_weights, save_hf)
+from .models import (build_actor, build_critic, build_frozen, init_distributed, lm_weights, on_device, save_hf)
+from .moves import next_moves
 from .optim import StateOffload, make_optimizer
-from .plan import Plan
 from .rewards import RewardItem, check_sources, default_compute_score, load_reward_function, score_batch
-from .rollout.base import SamplingParams
-from .rollout import make_hf_engine
-from .trainer_state import TrainerState, TrainingError  # noqa: F401  (TrainingError is public here too)
+from .rollout import EngineContext, build_engine
+from .rollout.base import RolloutBatch, SamplingParams
+from .runfolder import aside_name
+from .session import Session
+from .update import Learner, run_update
+
+__all__ = ["Trainer", "TrainingError", "lr_lambda"]
 
 
 def lr_lambda(cfg: Config) -> Callable[[int], float]:
@@ -49,27 +55,34 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
     return f
 
 
-class Trainer(TrainerState):
-    def __init__(self, cfg: Config, plan: Plan, device: torch.device, run_dir: Path,
-                 log: Callable[[str], None] = print, resume: Optional[Path] = None) -> None:
-        self.cfg, self.plan, self.device, self.run_dir, self.log = cfg, plan, device, Path(run_dir), log
+class Trainer:
+    def __init__(self, session: Session) -> None:
+        """Build models, optimizers and the engine, and restore the checkpoint to resume from. The
+        session's run-folder lock is released when this fails, or when `run` ends."""
+        self.session = session
+        try:
+            self._build(session)
+        except BaseException:
+            session.close()
+            raise
+
+    def _build(self, s: Session) -> None:
+        cfg, plan, device = self.cfg, self.plan, self.device = s.cfg, s.plan, s.device
+        self.run_dir, self.log, self.tokenizer, self.prompts = s.run_dir, s.log, s.tokenizer, s.prompts
         torch.manual_seed(cfg.train.seed)
         init_distributed(device)
         self.rank = dist.get_rank()
-        m = cfg.model
-        self.tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
-        # the generated task is seeded apart from train.seed: every run trains on the same problems
-        self.prompts, report = load_prompts(cfg.data, self.tokenizer, seed=0, log=log)
-        log(report.lines()[0])
+        m, t = cfg.model, cfg.train
         if cfg.reward.function:
             self.reward_fn = load_reward_function(cfg.reward.function)
         else:
             check_sources({p.data_source for p in self.prompts})
             self.reward_fn = default_compute_score
         self.reward_model = None
-        if cfg.reward.model:
+        if plan.reward_model_dtype:
             from .reward_model import RewardModel
-            self.reward_model = RewardModel(cfg.reward.model, device=device)
+            self.reward_model = RewardModel(cfg.reward.model, device=device,
+                                            dtype=torch_dtype(plan.reward_model_dtype))
 
         self.lora = plan.lora is not None
         self.actor = build_actor(m.path, plan, device, m.trust_remote_code, cfg.lora.dropout)
@@ -78,40 +91,33 @@ class Trainer(TrainerState):
             self.ref = lora_io.ReferencePolicy(self.actor) if self.lora else build_frozen(
                 m.path, plan, device if not plan.swap_models else torch.device("cpu"), m.trust_remote_code)
         self.critic = build_critic(m.critic_path or m.path, plan, device, m.trust_remote_code, cfg.lora.dropout,
-                                   cfg.lora.target_modules) if cfg.algo.advantage == "gae" else None
+                                   cfg.lora.target_modules) if plan.task.critic else None
         if self.lora:
             n = sum(p.numel() for p in self.actor.parameters() if p.requires_grad)
-            log(f"LoRA r={plan.lora['rank']}: {n:,} trainable parameters (the plan counted "
-                f"{plan.lora['params']:,}); base stored in {plan.base_dtype}")
-        t = cfg.train
-        world = dist.get_world_size()
-        # the state waits in host memory between updates unless FSDP2 already keeps it there
-        offload, pin = plan.optimizer_offload and not plan.param_offload, device.type == "cuda"
-        self.optim = make_optimizer(self.actor.parameters(), plan.optimizer, t.lr, tuple(t.betas), t.weight_decay,
-                                    world)
-        self.offload = StateOffload(self.optim, offload, pin)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(cfg))
-        self.critic_optim = self.critic_sched = self.critic_offload = None
-        if self.critic is not None:
-            self.critic_optim = make_optimizer(self.critic.parameters(), plan.optimizer, t.critic_lr,
-                                               tuple(t.betas), t.weight_decay, world)
-            self.critic_offload = StateOffload(self.critic_optim, offload, pin)
-            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, lr_lambda(cfg))
-        # fp16 needs loss scaling (CC 7.x); bf16 and fp32 do not
-        self.scaler = torch.amp.GradScaler(device.type) if plan.dtype.grad_scaler else None
-        self.kl_ctl = (algos.AdaptiveKL(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
-                       if cfg.algo.kl_target else algos.FixedKL(cfg.algo.kl_coef))
-        self.engine = self._make_engine()
-        self.sampler = PromptSampler(len(self.prompts), t.prompts_per_step, t.seed, cfg.data.shuffle)
-        self.gen = torch.Generator().manual_seed(t.seed)
-        self.step = 0
-        self.bad_in_a_row = 0
+            self.log(f"LoRA r={plan.lora['rank']}: {n:,} trainable parameters (the plan counted "
+                     f"{plan.lora['params']:,}); base stored in {plan.base_dtype}")
+        loop = state.LoopState(
+            step=0, sampler=PromptSampler(len(self.prompts), t.prompts_per_step, t.seed, cfg.data.shuffle),
+            gen=torch.Generator().manual_seed(t.seed),
+            kl_ctl=(algos.AdaptiveKL(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+                    if cfg.algo.kl_target else algos.FixedKL(cfg.algo.kl_coef)),
+            # fp16 needs loss scaling (CC 7.x); bf16 and fp32 do not
+            scaler=torch.amp.GradScaler(device.type) if plan.dtype.grad_scaler else None)
+        self.state = state.TrainState(
+            actor=self._learner("actor", self.actor, t.lr),
+            critic=self._learner("critic", self.critic, t.critic_lr) if self.critic is not None else None,
+            loop=loop, lora=self.lora, meta={"config": to_dict(cfg), "plan": plan.decisions()})
+        max_len = max(len(x.input_ids) for x in self.prompts) + cfg.rollout.max_new_tokens
+        self.engine = build_engine(plan, EngineContext(
+            model_path=m.path, trust_remote_code=m.trust_remote_code, device=device, max_seq_len=max_len,
+            seed=t.seed, work_dir=self.run_dir,
+            save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor)))))
         self.stop_signal: Optional[str] = None
-        if resume is not None:
-            self._load(resume)
-        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=resume is not None)
-        if resume is not None:
-            self.metrics.truncate_after(self.step)
+        if s.resume is not None:
+            state.restore(s.resume.checkpoint, self.state, self.log)
+        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None)
+        if s.resume is not None:
+            self.metrics.truncate_after(self.state.loop.step)
         self.engine.sync_weights(lm_weights(self.actor))
         eos = self.tokenizer.eos_token_id
         r = cfg.rollout
@@ -120,30 +126,117 @@ class Trainer(TrainerState):
             eos_token_ids=(eos,) if (r.stop_at_eos and eos is not None) else (),
             pad_token_id=self.tokenizer.pad_token_id)
 
-    # --- setup helpers ------------------------------------------------------------------------------
+    def _learner(self, name: str, model: torch.nn.Module, lr: float) -> Learner:
+        p, t = self.plan, self.cfg.train
+        optim = make_optimizer(model.parameters(), p.optimizer, lr, tuple(t.betas), t.weight_decay,
+                               dist.get_world_size())
+        # the state waits in host memory between updates unless FSDP2 already keeps it there
+        offload = StateOffload(optim, p.optimizer_offload and not p.param_offload, self.device.type == "cuda")
+        return Learner(name, model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(self.cfg)), offload)
 
-    def _make_engine(self):
-        p, m = self.plan, self.cfg.model
-        max_len = max(len(x.input_ids) for x in self.prompts) + self.cfg.rollout.max_new_tokens
-        self.rollout_model = None  # the hf engine's weights, freed between rollouts
-        if p.rollout_engine == "vllm":
-            from .rollout.vllm_engine import VLLMEngine
-            folder = self.run_dir / "rollout-model"  # vLLM loads from a folder; weights are pushed after
-            if self.rank == 0:
-                save_hf(dict(lm_weights(self.actor)), m.path, self.tokenizer, folder, m.trust_remote_code)
-            return VLLMEngine(str(folder), dtype=p.dtype.compute, gpu_memory_utilization=p.rollout_memory_share,
-                              max_model_len=max_len, max_num_seqs=p.rollout_batch, seed=self.cfg.train.seed,
-                              enable_sleep=self.device.type == "cuda", note=p.reasons["rollout_engine"])
-        copy = build_inference_copy(m.path, p, self.device, m.trust_remote_code)
-        self.rollout_model = copy
-        return make_hf_engine(copy, device_is_cuda=self.device.type == "cuda", cuda_graphs=p.cuda_graphs,
-                              max_batch=p.rollout_batch, max_seq_len=max_len)
+    @property
+    def step(self) -> int:
+        return self.state.loop.step
 
-    # --- one step -------------------------------------------------------------------------------------
+    # --- the phases of one step --------------------------------------------------------------------
 
-    def train_step(self) -> dict[str, Any]:
-        cfg, t0, times = self.cfg, time.perf_counter(), {}
-        n = cfg.rollout.n_samples
+    def rollout(self, prompts: list[Prompt]) -> RolloutBatch:
+        """n samples per prompt from the current policy (the engine holds a synced copy or the weights)."""
+        return self.engine.generate([list(p.input_ids) for p in prompts], self.cfg.rollout.n_samples,
+                                    self.sampling, self.state.loop.gen)
+
+    def rewards(self, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list[float], dict[str, list[float]]]:
+        """One score per response: the rule or user reward, plus the reward model's score if any."""
+        n = self.cfg.rollout.n_samples
+        texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        rows = [p for p in prompts for _ in range(n)]
+        items = [RewardItem(p.data_source, text, p.ground_truth, p.extra) for p, text in zip(rows, texts)]
+        scores, components = score_batch(self.reward_fn, items)
+        if self.reward_model is not None:
+            rm = self.reward_model.score([p.raw_prompt for p in rows], texts)
+            components["reward_model"] = rm
+            scores = [s + self.cfg.reward.model_coef * r for s, r in zip(scores, rm)]
+        return scores, components
+
+    def score(self, exp: Experience, kl_coef: float) -> Experience:
+        """Old and reference log-probs and the critic's values, without gradients."""
+        cfg, p = self.cfg, self.plan
+        T = cfg.rollout.temperature
+        updates = (len(exp) // (cfg.train.mini_batch or len(exp))) * cfg.train.ppo_epochs
+        self.actor.eval()
+        # On-policy with one update per step, the old log-probs equal the current ones: the update's
+        # own forward provides them (ratio 1), and this pass is skipped.
+        if updates > 1 or (kl_coef > 0 and cfg.algo.kl_in == "reward"):
+            exp.old_logp, _ = policy_logprobs(self.actor, exp, p.score_micro_batch, T, self.device)
+        if self.ref is not None:
+            with on_device(self.ref, self.device, p.swap_models and not self.lora):
+                exp.ref_logp, _ = policy_logprobs(self.ref, exp, p.score_micro_batch, T, self.device)
+        if self.critic is not None:
+            self.critic.eval()
+            exp.values = critic_values(self.critic, exp, p.score_micro_batch, self.device)
+        return exp
+
+    def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
+        """PPO epochs for the actor, then the critic; counts skipped (non-finite) updates."""
+        cfg, a, lp = self.cfg, self.cfg.algo, self.state.loop
+        epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
+
+        def actor_loss(part: Experience, epoch: int):
+            logp, ent = self.actor(part.input_ids, part.attention_mask, part.response_ids, part.start,
+                                   cfg.rollout.temperature)
+            old = part.old_logp if part.old_logp is not None else logp.detach()
+            mask = part.response_mask
+            loss, st = algos.policy_loss(logp, old, part.advantages, mask, a.clip_low, a.clip_high, a.dual_clip,
+                                         a.loss_agg)
+            st["pg_loss"] = loss.detach()
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * algos.aggregate(ent, mask, a.loss_agg)
+            if part.ref_logp is not None and a.kl_in == "loss" and kl_coef > 0:
+                loss = loss + kl_coef * algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, a.loss_agg)
+            if epoch == 0:
+                epoch0["logp"].append(logp.detach().float().cpu())
+                epoch0["ent"].append(ent.detach().float().cpu())
+                epoch0["mask"].append(mask.cpu())
+                if part.ref_logp is not None:
+                    epoch0["ref"].append(part.ref_logp.cpu())
+            return loss, st
+
+        def critic_loss(part: Experience, epoch: int):
+            v = self.critic(part.input_ids, part.attention_mask, part.start, part.response_ids.shape[1])
+            loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask, a.value_clip, a.loss_agg)
+            return loss, {"vf_loss": loss.detach(), "vf_clip_frac": st["vf_clip_frac"]}
+
+        common = dict(mini=cfg.train.mini_batch or len(exp), epochs=cfg.train.ppo_epochs, micro=self.plan.micro_batch,
+                      agg=a.loss_agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
+                      scaler=lp.scaler)
+        res = run_update(self.state.actor, exp, actor_loss, **common)
+        out = {**res.stats, "actor/skipped_updates": float(res.skipped)}
+        if epoch0["logp"]:
+            logp, ent, mask = (torch.cat(epoch0[k]) for k in ("logp", "ent", "mask"))
+            out["actor/entropy"] = algos.masked_mean(ent, mask).item()
+            if epoch0["ref"]:
+                ref = torch.cat(epoch0["ref"])
+                out["actor/kl"] = algos.masked_mean(algos.kl_estimate(logp, ref, a.kl_estimator), mask).item()
+        if self.critic is not None:
+            cres = run_update(self.state.critic, exp, critic_loss, **common)
+            out |= cres.stats
+            out["critic/values_mean"] = algos.masked_mean(exp.values, exp.response_mask).item()
+            out["critic/explained_var"] = algos.explained_variance(exp.values, exp.returns, exp.response_mask).item()
+        lp.skipped_total += res.skipped
+        lp.bad_in_a_row = lp.bad_in_a_row + 1 if res.skipped else 0
+        if res.skipped:
+            self.log(f"step {lp.step + 1}: the loss was NaN or infinite; {res.skipped} update(s) skipped "
+                     f"({lp.bad_in_a_row} step(s) in a row, the run stops at {cfg.train.max_bad_steps})")
+        if lp.bad_in_a_row >= cfg.train.max_bad_steps:
+            raise TrainingError(f"the loss was NaN or infinite in {lp.bad_in_a_row} steps in a row (updates "
+                                f"skipped); lower train.lr (now {cfg.train.lr}), check the rewards, or use fp32 "
+                                f"(--set plan.dtype=fp32) if fp16 overflows")
+        return out
+
+    def step_once(self) -> dict[str, Any]:
+        """One step, readable top to bottom. Returns its metrics."""
+        t0, times = time.perf_counter(), {}
+        lp = self.state.loop
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -155,55 +248,30 @@ class Trainer(TrainerState):
                 torch.cuda.synchronize(self.device)
             times[f"time/{name}_s"] = time.perf_counter() - start
 
-        prompts = [self.prompts[i] for i in self.sampler.next_batch()]
+        prompts = [self.prompts[i] for i in lp.sampler.next_batch()]
         with phase("rollout"):
-            batch = self.engine.generate([list(p.input_ids) for p in prompts], n, self.sampling, self.gen)
+            batch = self.rollout(prompts)
         with phase("reward"):
-            texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-            rows = [p for p in prompts for _ in range(n)]
-            items = [RewardItem(p.data_source, text, p.ground_truth, p.extra) for p, text in zip(rows, texts)]
-            scores, components = score_batch(self.reward_fn, items)
-            if self.reward_model is not None:
-                rm = self.reward_model.score([p.raw_prompt for p in rows], texts)
-                components["reward_model"] = rm
-                scores = [s + cfg.reward.model_coef * r for s, r in zip(scores, rm)]
+            scores, components = self.rewards(prompts, batch)
         exp = pad_batch(batch, self.tokenizer.pad_token_id, scores)
-        self.engine.release()
-        if self.rollout_model is not None:  # refilled by the next weight sync: its memory serves the update
-            release_weights(self.rollout_model)
-
-        updates = (len(exp) // (cfg.train.mini_batch or len(exp))) * cfg.train.ppo_epochs
-        kl_coef = self.kl_ctl.value
-        T = cfg.rollout.temperature
-        self.actor.eval()
+        self.engine.release()   # its memory serves scoring and the update
+        kl_coef = lp.kl_ctl.value
         with phase("score"):
-            # On-policy with one update per step, the old log-probs equal the current ones: the
-            # update's own forward provides them (ratio 1), and this pass is skipped.
-            if updates > 1 or (kl_coef > 0 and cfg.algo.kl_in == "reward"):
-                exp.old_logp, _ = policy_logprobs(self.actor, exp, self.plan.score_micro_batch, T, self.device)
-            if self.ref is not None:
-                with on_device(self.ref, self.device, self.plan.swap_models and not self.lora):
-                    exp.ref_logp, _ = policy_logprobs(self.ref, exp, self.plan.score_micro_batch, T, self.device)
-            if self.critic is not None:
-                self.critic.eval()
-                exp.values = critic_values(self.critic, exp, self.plan.score_micro_batch, self.device)
-        exp = advantages(exp, cfg.algo, n, kl_coef)
-
+            exp = self.score(exp, kl_coef)
+        exp = advantages(exp, self.cfg.algo, self.cfg.rollout.n_samples, kl_coef)
         with phase("update"):
-            stats = self.update_actor(exp, kl_coef)
-            if self.critic is not None:
-                stats |= self.update_critic(exp)
-        self.sched.step()
-        if self.critic_sched is not None:
-            self.critic_sched.step()
+            stats = self.update(exp, kl_coef)
+        for ln in (self.state.actor, self.state.critic):
+            if ln is not None:
+                ln.sched.step()
         with phase("sync"):
-            if self.rollout_model is not None:
-                restore_weights(self.rollout_model)
             self.engine.sync_weights(lm_weights(self.actor))
         if "actor/kl" in stats:
-            self.kl_ctl.update(stats["actor/kl"], len(exp))
+            lp.kl_ctl.update(stats["actor/kl"], len(exp))
+        return self._metrics(batch, scores, components, stats, kl_coef, times, time.perf_counter() - t0)
 
-        step_s = time.perf_counter() - t0
+    def _metrics(self, batch: RolloutBatch, scores: list[float], components: dict[str, list[float]],
+                 stats: dict[str, float], kl_coef: float, times: dict[str, float], step_s: float) -> dict[str, Any]:
         lengths = [len(r) for r in batch.response_ids]
         sc = torch.tensor(scores)
         out = {"reward/mean": sc.mean().item(), "reward/std": sc.std().item() if len(sc) > 1 else 0.0,
@@ -211,10 +279,10 @@ class Trainer(TrainerState):
                "response/length_mean": sum(lengths) / len(lengths), "response/length_min": min(lengths),
                "response/length_max": max(lengths),
                "response/clip_ratio": sum(batch.truncated) / len(batch.truncated),
-               **stats, "actor/lr": self.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
+               **stats, "actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
                "perf/step_s": step_s, "perf/tokens_per_s": batch.response_tokens / step_s,
                "perf/rollout_tokens_per_s": batch.response_tokens / max(times["time/rollout_s"], 1e-9),
-               **times, "train/bad_steps_in_a_row": self.bad_in_a_row}
+               **times, "train/bad_steps_in_a_row": self.state.loop.bad_in_a_row}
         if self.device.type == "cuda":
             out["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             out["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -225,150 +293,73 @@ class Trainer(TrainerState):
             pass
         return out
 
-    # --- updates ---------------------------------------------------------------------------------------
+    # --- checkpoints, export, failures -------------------------------------------------------------
 
-    def _weights(self, part: Experience, whole: Experience) -> float:
-        """This micro-batch's share of the mini-batch loss, so that accumulation equals one big batch."""
-        if self.cfg.algo.loss_agg == "token-mean":
-            return part.response_mask.sum().item() / max(1.0, whole.response_mask.sum().item())
-        nonempty = lambda e: (e.response_mask.sum(-1) > 0).sum().item()  # noqa: E731
-        if self.cfg.algo.loss_agg == "seq-mean-token-sum-norm":
-            return len(part) / len(whole)
-        return nonempty(part) / max(1, nonempty(whole))
+    def save(self) -> Optional[Path]:
+        return state.save(self.run_dir, self.state, self.cfg.run.keep_last, self.rank == 0, self.log)
 
-    def _finite_everywhere(self, loss: torch.Tensor) -> bool:
-        ok = torch.tensor([float(torch.isfinite(loss).all())], device=loss.device)
-        if dist.get_world_size() > 1:  # every rank must skip together, or FSDP's collectives hang
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok.item())
+    def _write_hf(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
+        if self.rank == 0:
+            save_hf(weights, self.cfg.model.path, self.tokenizer, folder, self.cfg.model.trust_remote_code)
 
-    def _optimizer_step(self, model, optim, offload: StateOffload) -> float:
-        params = [p for p in model.parameters() if p.grad is not None]
-        if self.scaler is not None:
-            self.scaler.unscale_(optim)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        with offload.resident():  # offloaded state comes back for the step only
-            if self.scaler is not None:
-                self.scaler.step(optim)
-                self.scaler.update()
-            else:
-                optim.step()
-        optim.zero_grad(set_to_none=True)  # gradients are dead weight during the next rollout
-        return float(norm)
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
-    def _mini_batches(self, exp: Experience):
-        """(epoch, mini-batch) for every PPO epoch; the rows are reshuffled each epoch when a step holds
-        more than one mini-batch."""
-        mini = self.cfg.train.mini_batch or len(exp)
-        for epoch in range(self.cfg.train.ppo_epochs):
-            order = torch.randperm(len(exp), generator=self.gen) if mini < len(exp) else torch.arange(len(exp))
-            for m0 in range(0, len(exp), mini):
-                yield epoch, exp.rows(order[m0:m0 + mini])
-
-    def update_actor(self, exp: Experience, kl_coef: float) -> dict[str, float]:
-        cfg, a = self.cfg, self.cfg.algo
-        mini = cfg.train.mini_batch or len(exp)
-        acc: dict[str, float] = {}
-        first_epoch: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
-        grad_norms, skipped = [], 0
-        self.actor.train()  # HF checkpoints activations (and applies LoRA dropout) only in training mode
-        for epoch, mexp in self._mini_batches(exp):
-            self.optim.zero_grad(set_to_none=True)
-            bad = False
-            for sl in micro_batches(len(mexp), self.plan.micro_batch):
-                part = mexp.rows(sl).to(self.device)
-                logp, ent = self.actor(part.input_ids, part.attention_mask, part.response_ids, part.start,
-                                       cfg.rollout.temperature)
-                old = part.old_logp if part.old_logp is not None else logp.detach()
-                mask = part.response_mask
-                loss, st = algos.policy_loss(logp, old, part.advantages, mask, a.clip_low, a.clip_high,
-                                             a.dual_clip, a.loss_agg)
-                st["pg_loss"] = loss.detach()
-                if a.entropy_coef:
-                    loss = loss - a.entropy_coef * algos.aggregate(ent, mask, a.loss_agg)
-                if part.ref_logp is not None and a.kl_in == "loss" and kl_coef > 0:
-                    kl_term = algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, a.loss_agg)
-                    loss = loss + kl_coef * kl_term
-                if not self._finite_everywhere(loss):
-                    bad = True
-                    break
-                w = self._weights(part, mexp)
-                self._backward(loss * w)
-                for k, v in st.items():
-                    acc[f"actor/{k}"] = acc.get(f"actor/{k}", 0.0) + float(v) * w / (
-                        cfg.train.ppo_epochs * (len(exp) // mini))
-                if epoch == 0:
-                    first_epoch["logp"].append(logp.detach().float().cpu())
-                    first_epoch["ent"].append(ent.detach().float().cpu())
-                    first_epoch["mask"].append(mask.cpu())
-                    if part.ref_logp is not None:
-                        first_epoch["ref"].append(part.ref_logp.cpu())
-            if bad:
-                self.optim.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            grad_norms.append(self._optimizer_step(self.actor, self.optim, self.offload))
-        self.actor.eval()
-        self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
-        if self.bad_in_a_row >= cfg.train.max_bad_steps:
-            raise TrainingError(f"the loss was NaN or infinite in {self.bad_in_a_row} steps in a row (updates "
-                                f"skipped); lower train.lr (now {cfg.train.lr}), check the rewards, or use fp32 "
-                                f"(--set plan.dtype=fp32) if fp16 overflows")
-        out = {**acc, "actor/skipped_updates": float(skipped)}
-        if grad_norms:
-            out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        if first_epoch["logp"]:
-            logp, ent, mask = (torch.cat(first_epoch[k]) for k in ("logp", "ent", "mask"))
-            out["actor/entropy"] = algos.masked_mean(ent, mask).item()
-            if first_epoch["ref"]:
-                ref = torch.cat(first_epoch["ref"])
-                out["actor/kl"] = algos.masked_mean(algos.kl_estimate(logp, ref, a.kl_estimator), mask).item()
+    def export(self, out: Path) -> Path:
+        """The trained actor as an HF folder that transformers loads, written atomically; an earlier
+        export at `out` is kept beside it. Under LoRA: the adapter (peft format) in `<out>-adapter`, and
+        the merged model in `out` when lora.export_merged."""
+        from . import checkpoint
+        out = Path(out)
+        step = self.state.loop.step
+        if self.lora:
+            adapter = lora_io.adapter_state(self.actor)
+            target = out.with_name(out.name + "-adapter")
+            if self.rank == 0:
+                with checkpoint.atomic_folder(target, aside_name(target, _export_step(target))) as tmp:
+                    lora_io.save_adapter(self.actor, tmp, adapter)
+                    (tmp / "edgerl-export.json").write_text(f'{{"step": {step}}}\n')
+                self.log(f"final adapter: {target}")
+            if not self.cfg.lora.export_merged:
+                return target
+        # one tensor at a time to the host: a second full copy on the GPU could run out of memory;
+        # merged LoRA weights are fp32 (W + scale B A), so the whole merged folder is fp32
+        weights = {k: (v.float() if self.lora else v).cpu() for k, v in lm_weights(self.actor)}
+        if self.rank == 0:
+            with checkpoint.atomic_folder(out, aside_name(out, _export_step(out))) as tmp:
+                self._write_hf(tmp, weights)
+                (tmp / "edgerl-export.json").write_text(f'{{"step": {step}}}\n')
+            self.log(f"final model: {out}" + (" (merged: plain transformers, no peft needed)" if self.lora else ""))
         return out
 
-    def update_critic(self, exp: Experience) -> dict[str, float]:
-        cfg = self.cfg
-        losses, clips, norms = [], [], []
-        self.critic.train()
-        for _, mexp in self._mini_batches(exp):
-            self.critic_optim.zero_grad(set_to_none=True)
-            bad = False
-            for sl in micro_batches(len(mexp), self.plan.micro_batch):
-                part = mexp.rows(sl).to(self.device)
-                v = self.critic(part.input_ids, part.attention_mask, part.start, part.response_ids.shape[1])
-                loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask,
-                                            cfg.algo.value_clip, cfg.algo.loss_agg)
-                if not self._finite_everywhere(loss):
-                    bad = True
-                    break
-                self._backward(loss * self._weights(part, mexp))
-                losses.append(loss.item())
-                clips.append(float(st["vf_clip_frac"]))
-            if bad:
-                self.critic_optim.zero_grad(set_to_none=True)
-                continue
-            norms.append(self._optimizer_step(self.critic, self.critic_optim, self.critic_offload))
-        self.critic.eval()
-        ev = algos.explained_variance(exp.values, exp.returns, exp.response_mask).item()
-        out = {"critic/vf_loss": _mean(losses), "critic/vf_clip_frac": _mean(clips),
-               "critic/values_mean": algos.masked_mean(exp.values, exp.response_mask).item(),
-               "critic/explained_var": ev}
-        if norms:
-            out["critic/grad_norm"] = _mean(norms)
-        return out
+    def _failed(self, e: BaseException, before_steps: int, snap: dict[str, Any]) -> BaseException:
+        """The step raised: save the last good state (when the weights are still those of the last
+        completed step), then return the error to raise: out of memory becomes advice; a user error
+        (a reward function that raised, say) keeps its type and gains what was saved; anything else
+        is raised as it is, after a line saying what was saved."""
+        saved = state.failed_step(self.state, before_steps, snap, self.save)
+        resume = f"then resume with --resume {self.run_dir}"
+        if isinstance(e, torch.OutOfMemoryError):
+            p = self.plan
+            measured = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+            from .memory import fmt_bytes
+            fixes = next_moves(p, self.cfg.rollout.max_new_tokens)
+            return TrainingError(f"CUDA out of memory in step {self.step + 1}: the plan estimated "
+                                 f"{fmt_bytes(p.memory.total)} (peak in {p.memory.peak_phase}), the process reserved "
+                                 f"{fmt_bytes(measured)} before failing. {saved}. Try {fixes[0]}"
+                                 + (f" (next: {fixes[1]})" if len(fixes) > 1 else "") + f", {resume}")
+        if isinstance(e, USER_ERRORS):
+            return type(e)(f"{e}\n{saved}; fix the cause, {resume}")
+        self.log(f"step {self.step + 1} failed ({type(e).__name__}); {saved}")
+        return e
 
-    # --- the loop ------------------------------------------------------------------------------------
+    # --- the loop ----------------------------------------------------------------------------------
 
     def run(self, on_step: Optional[Callable[[int, dict], None]] = None) -> Path:
         """Train until train.steps (or a signal); returns the run folder."""
         handlers = {}
+        lp = self.state.loop
 
         def request_stop(signum, _frame):
             self.stop_signal = signal.Signals(signum).name
-            self.log(f"{self.stop_signal} received: finishing step {self.step + 1}, then saving a checkpoint")
+            self.log(f"{self.stop_signal} received: finishing step {lp.step + 1}, then saving a checkpoint")
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -376,21 +367,26 @@ class Trainer(TrainerState):
             except ValueError:  # not in the main thread
                 pass
         try:
-            while self.step < self.cfg.train.steps and self.stop_signal is None:
-                before = self._snapshot()
+            while lp.step < self.cfg.train.steps and self.stop_signal is None:
+                snap, before = lp.snapshot(), self.state.actor.optimizer_steps()
                 try:
-                    stats = self.train_step()
-                except torch.OutOfMemoryError as e:
-                    self._out_of_memory(e, before)
-                self.step += 1
-                self.metrics.write(self.step, stats)
+                    stats = self.step_once()
+                except TrainingError:
+                    raise
+                except Exception as e:  # save what the completed steps earned, then stop with the cause
+                    err = self._failed(e, before, snap)
+                    if err is e:
+                        raise
+                    raise err from e
+                lp.step += 1
+                self.metrics.write(lp.step, stats)
                 if on_step:
-                    on_step(self.step, stats)
+                    on_step(lp.step, stats)
                 every = self.cfg.run.save_every
-                if self.stop_signal or (every and self.step % every == 0):
+                if self.stop_signal or (every and lp.step % every == 0):
                     self.save()
             if self.stop_signal is None:
-                if self.cfg.run.save_every and self.step % self.cfg.run.save_every:
+                if self.cfg.run.save_every and lp.step % self.cfg.run.save_every:
                     self.save()
                 if self.cfg.run.export_final:
                     self.export(self.run_dir / "final")
@@ -398,13 +394,19 @@ class Trainer(TrainerState):
             for sig, h in handlers.items():
                 signal.signal(sig, h)
             self.metrics.close()
+            self.session.close()
         return self.run_dir
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
+def _export_step(folder: Path) -> Optional[int]:
+    """The step an earlier export was written at (its edgerl-export.json), when there is one."""
+    import json
+    try:
+        return int(json.loads((folder / "edgerl-export.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _nanmean(xs: list[float]) -> float:
     vals = [x for x in xs if not math.isnan(x)]
-    return _mean(vals)
+    return sum(vals) / len(vals) if vals else float("nan")

@@ -13,11 +13,11 @@ Public API:
 """
 from .logprobs import DEFAULT_BUDGET_BYTES, resolve_backend, token_logprobs_and_entropy
 from .reference import naive_logprobs_and_entropy
-from .tiles import (SMEM_DEFAULT, SMEM_PER_BLOCK_OPTIN, TORCH_BYTES_PER_LOGIT, Tiles, choose_chunk, choose_tiles,
+from .tiles import (SMEM_DEFAULT, TORCH_BYTES_PER_LOGIT, Tiles, choose_chunk, choose_tiles,
                     estimate_smem, make_tiles)
 
 __all__ = [
-    "DEFAULT_BUDGET_BYTES", "SMEM_DEFAULT", "SMEM_PER_BLOCK_OPTIN", "TORCH_BYTES_PER_LOGIT", "Tiles",
+    "DEFAULT_BUDGET_BYTES", "SMEM_DEFAULT", "TORCH_BYTES_PER_LOGIT", "Tiles",
     "choose_chunk", "choose_tiles", "estimate_smem", "make_tiles", "naive_logprobs_and_entropy",
     "resolve_backend", "token_logprobs_and_entropy",
 ]

@@ -22,14 +22,14 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """'auto' -> 'triton' on CUDA with CC >= 7.0 and triton importable, else 'torch'.
+    """'auto' -> 'triton' on CUDA with CC >= 8.0 and triton importable, else 'torch'.
     'triton' on a setup that cannot run it raises, naming the reason; it never falls back."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "torch":
         return "torch"
     if backend == "auto":
-        if device.type != "cuda":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < triton_impl.AUTO_MIN_CC:
             return "torch"
         return "torch" if triton_impl.unavailable_reason(device, dtype) else "triton"
     why = triton_impl.unavailable_reason(device, dtype)

@@ -15,16 +15,6 @@ from dataclasses import dataclass
 # Bytes per element of the tl.dot operands (and of the grad-logits tile the backward stores).
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
-# cudaDevAttrMaxSharedMemoryPerBlockOptin by compute capability, for when the device cannot be asked
-# (torch < 2.7 has no `shared_memory_per_block_optin`). Pascal has no opt-in above the 48 KB default;
-# sm_80+ values already exclude the 1 KB per block the hardware reserves.
-SMEM_PER_BLOCK_OPTIN = {
-    (6, 0): 49152, (6, 1): 49152, (6, 2): 49152,
-    (7, 0): 98304, (7, 2): 98304, (7, 5): 65536,
-    (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
-    (9, 0): 232448, (10, 0): 232448, (12, 0): 101376,
-}
-
 # The default static limit, and the only one on Pascal: tiles chosen for it compile everywhere.
 SMEM_DEFAULT = 49152
 

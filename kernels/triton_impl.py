@@ -9,10 +9,13 @@ import importlib
 
 import torch
 
-from .tiles import DTYPE_BYTES, SMEM_DEFAULT, SMEM_PER_BLOCK_OPTIN, Tiles, choose_tiles, estimate_smem
+from .tiles import DTYPE_BYTES, SMEM_DEFAULT, Tiles, choose_tiles, estimate_smem
 
 TORCH_TO_TILE_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-MIN_CC = (7, 0)  # Triton and torch.compile refuse older GPUs (Inductor's has_triton checks major >= 7)
+# backend="auto" picks Triton from CC 8.0: Triton's README supports 8.0+, and below it tl.dot falls back
+# to FMA (triton#5066) while torch's chunked path reaches the tensor cores through cuBLAS. edgerl's plan
+# passes its own choice explicitly (decisions.pick_kernels); this is the default for direct callers.
+AUTO_MIN_CC = (8, 0)
 
 
 def kernels_module():
@@ -32,9 +35,6 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
         if not interpreted:
             return f"tensors are on {device}, not CUDA (set TRITON_INTERPRET=1 before import to run Triton's CPU interpreter)"
         return None
-    cc = torch.cuda.get_device_capability(device)
-    if cc < MIN_CC:
-        return f"{torch.cuda.get_device_name(device)} is sm_{cc[0]}{cc[1]}; Triton needs compute capability >= 7.0"
     try:
         kernels_module()
     except ImportError as e:
@@ -49,8 +49,9 @@ def _device_limits(device: torch.device) -> tuple[int, tuple[int, int] | None, i
         return SMEM_DEFAULT, None, 1
     props = torch.cuda.get_device_properties(device)
     cc = (props.major, props.minor)
-    # torch < 2.7 lacks the attribute; the table holds the same CUDA attribute per capability.
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or SMEM_PER_BLOCK_OPTIN.get(cc, SMEM_DEFAULT)
+    # torch < 2.7 lacks the attribute: fall back to the 48 KB every CC allows. edgerl's planner passes
+    # tiles sized from its own capability table, so this only shapes direct callers' defaults there.
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or SMEM_DEFAULT
     return smem, cc, props.multi_processor_count
 
 

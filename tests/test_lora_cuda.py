@@ -20,12 +20,8 @@ REWARD = f'reward.function="{Path(__file__).with_name("reward_fns.py")}:vowel_sh
 
 
 def trainer(model_dir: Path, run_dir: Path, *sets: str, resume: Path | None = None):
-    from edgerl.config import load_config
-    from edgerl.target import plan_for, resolve_target
-    from edgerl.trainer import Trainer
-    cfg = load_config(sets=[f'model.path="{model_dir}"', f'run.out_dir="{run_dir}"', *FAST, REWARD, *sets])
-    plan = plan_for(cfg, resolve_target(None))
-    return Trainer(cfg, plan, torch.device("cuda", 0), run_dir, log=lambda s: None, resume=resume)
+    from conftest import prepare_trainer
+    return prepare_trainer(model_dir, run_dir, [*FAST, REWARD, *sets], resume=resume)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -38,10 +34,10 @@ def test_adamw8bit_trains_and_resumes_exactly(tiny_llama, tmp_path):
     from edgerl.metrics import read_metrics
     sets = ["plan.optimizer=adamw8bit", "train.steps=4", "run.save_every=2", "run.export_final=false"]
     t = trainer(tiny_llama, tmp_path / "straight", *sets)
-    assert t.plan.optimizer == "adamw8bit" and type(t.optim).__name__ == "LocalAdamW8bit"
+    assert t.plan.optimizer == "adamw8bit" and type(t.state.actor.optim).__name__ == "LocalAdamW8bit"
     t.run()
     embed = t.actor.lm.model.embed_tokens.weight  # 49152 x 64: far above bitsandbytes' 4096-value minimum
-    assert t.optim.state[embed]["state1"].dtype == torch.uint8 and t.optim.state[embed]["state1"].is_cuda
+    assert t.state.actor.optim.state[embed]["state1"].dtype == torch.uint8 and t.state.actor.optim.state[embed]["state1"].is_cuda
     rows = read_metrics(tmp_path / "straight")
     assert all(math.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0 for r in rows)
     trainer(tiny_llama, tmp_path / "split", *sets[:-2], "train.steps=2", "run.save_every=2",
@@ -76,10 +72,10 @@ def test_lora_on_an_fp16_base_computes_in_fp32(tiny_llama, tmp_path):
 
 def test_optimizer_state_waits_in_pinned_host_memory(tiny_llama, tmp_path):
     t = trainer(tiny_llama, tmp_path / "run", "plan.optimizer_offload=true", "train.steps=2")
-    assert t.offload.enabled and t.offload.pin
+    assert t.state.actor.offload.enabled and t.state.actor.offload.pin
     t.run()
-    assert t.offload.offloaded and t.offload.device_bytes() == 0
-    assert t.offload._host and all(h.is_pinned() for h in t.offload._host.values())
-    with t.offload.resident():
-        assert t.offload.device_bytes() > 0
-        assert all(s["exp_avg"].is_cuda for s in t.optim.state.values())
+    assert t.state.actor.offload.offloaded and t.state.actor.offload.device_bytes() == 0
+    assert t.state.actor.offload._host and all(h.is_pinned() for h in t.state.actor.offload._host.values())
+    with t.state.actor.offload.resident():
+        assert t.state.actor.offload.device_bytes() > 0
+        assert all(s["exp_avg"].is_cuda for s in t.state.actor.optim.state.values())

@@ -68,7 +68,7 @@ def test_only_adapter_weights_change(trained):
     changed = [n for n in adapter if not torch.equal(before[n], after[n])]
     assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
     assert read_metrics(run)[-1]["actor/grad_norm"] > 0
-    assert {p for group in t.optim.param_groups for p in group["params"]} == \
+    assert {p for group in t.state.actor.optim.param_groups for p in group["params"]} == \
         {p for n, p in t.actor.named_parameters() if ".lora_" in n}
 
 
@@ -116,7 +116,7 @@ def test_merged_export_is_the_adapted_model(trained, tiny_llama):
     torch.testing.assert_close(logp_of_logits(hf_logits(merged, ids, mask), targets, start), mine.double(),
                                rtol=0, atol=1e-5)
     # the rollout copy was synced with the same merged weights
-    copy = dict(t.rollout_model.named_parameters())
+    copy = dict(t.engine.model.named_parameters())
     for n, p in merged.named_parameters():
         torch.testing.assert_close(copy[n], p, rtol=0, atol=1e-6)
 
@@ -318,11 +318,11 @@ def test_optimizer_offload_is_exact_and_frees_the_state(tiny_llama, tmp_path):
               f'reward.function="{REWARDS}:vowel_share"', "run.save_every=1"]
     on = make_trainer(tiny_llama, tmp_path / "on", *common, "plan.optimizer_offload=true")
     off = make_trainer(tiny_llama, tmp_path / "off", *common, "plan.optimizer_offload=false")
-    assert on.offload.enabled and not off.offload.enabled
+    assert on.state.actor.offload.enabled and not off.state.actor.offload.enabled
     on.run()
     off.run()
-    assert on.offload.offloaded and on.offload.device_bytes() == 0  # between updates: host memory only
-    assert off.offload.device_bytes() > 0
+    assert on.state.actor.offload.offloaded and on.state.actor.offload.device_bytes() == 0  # between updates: host memory only
+    assert off.state.actor.offload.device_bytes() > 0
     for ra, rb in zip(read_metrics(tmp_path / "on"), read_metrics(tmp_path / "off")):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl", "reward/mean"):
             assert ra[key] == rb[key], key
@@ -331,9 +331,9 @@ def test_optimizer_offload_is_exact_and_frees_the_state(tiny_llama, tmp_path):
     _, state, _ = checkpoint.load(checkpoint.latest(tmp_path / "on"))  # saved while resident
     exp_avg = [s["exp_avg"] for s in state["optim"]["state"].values()]
     assert exp_avg and all(e.abs().sum() > 0 for e in exp_avg[:3])
-    again = make_trainer(tiny_llama, tmp_path / "on", *common, "plan.optimizer_offload=true",
-                         resume=checkpoint.checkpoints(tmp_path / "on")[0])
-    assert again.offload.offloaded  # loaded state goes straight to host memory
+    again = make_trainer(tiny_llama, tmp_path / "again", *common, "plan.optimizer_offload=true",
+                         resume=checkpoint.checkpoints(tmp_path / "on")[0], branch=True)
+    assert again.state.actor.offload.offloaded  # loaded state goes straight to host memory
     again.run()
     for (n, p), (_, q) in zip(again.actor.named_parameters(), on.actor.named_parameters()):
         assert torch.equal(full(p), full(q)), n

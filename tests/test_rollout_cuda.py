@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine, make_hf_engine
+from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine
 from rollout_helpers import PROMPTS, next_token_logits, recompute_logprobs, tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
@@ -125,7 +125,3 @@ def test_graph_sees_synced_weights_and_survives_release():
     assert graph.generate(PROMPTS, 1, greedy(16)).response_ids == after
 
 
-def test_factory_on_cuda():
-    eng = make_hf_engine(tiny_llama(device="cuda"), device_is_cuda=True, cuda_graphs=True, max_batch=4,
-                         max_seq_len=64)
-    assert isinstance(eng, StaticCacheEngine) and "CUDA graph" in eng.describe()

@@ -9,8 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from edgerl.rollout import (HFGenerateEngine, SamplingParams, StaticCacheEngine, UnsupportedModel, load_weights,
-                            make_hf_engine)
+from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine, UnsupportedModel, load_weights
 from edgerl.rollout.sampling import filter_logits, sample
 from rollout_helpers import PROMPTS, next_token_logits, recompute_logprobs, tiny_llama, tiny_qwen2
 
@@ -221,25 +220,11 @@ def test_bad_requests_are_clear_errors():
         StaticCacheEngine(tiny_llama(), 4, 16, cuda_graphs=True)
 
 
-def test_unsupported_architecture_and_rope_fall_back_with_a_reason():
+def test_unsupported_architecture_and_rope_are_refused_by_the_decoder():
+    # the plan routes such models to hf-generate (decisions.static_engine_support); the decoder checks again
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64))
     with pytest.raises(UnsupportedModel, match="LlamaForCausalLM, Qwen2ForCausalLM"):
         static(gpt2)
-    eng = make_hf_engine(gpt2, device_is_cuda=True, cuda_graphs=True, max_batch=4, max_seq_len=64)
-    assert isinstance(eng, HFGenerateEngine) and "GPT2LMHeadModel" in eng.describe()
     dyn = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(NotImplementedError, match="dynamic"):
         static(dyn)
-    eng = make_hf_engine(dyn, device_is_cuda=True, cuda_graphs=False, max_batch=4, max_seq_len=64)
-    assert isinstance(eng, HFGenerateEngine) and "dynamic" in eng.describe()
-
-
-def test_factory_on_cpu_says_what_it_chose():
-    eng = make_hf_engine(tiny_llama(), device_is_cuda=False, cuda_graphs=False, max_batch=4, max_seq_len=64)
-    assert "CPU" in eng.describe()
-    assert ("eager decode" in eng.describe()) == isinstance(eng, StaticCacheEngine)
-    with pytest.raises(ValueError, match="CUDA"):
-        make_hf_engine(tiny_llama(), device_is_cuda=False, cuda_graphs=True, max_batch=4, max_seq_len=64)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    eng = make_hf_engine(gpt2, device_is_cuda=False, cuda_graphs=False, max_batch=4, max_seq_len=64)
-    assert isinstance(eng, HFGenerateEngine) and "plain HF generate on the CPU" in eng.describe()

@@ -20,15 +20,11 @@ FAST = ["rollout.max_new_tokens=16", "train.prompts_per_step=2", "rollout.n_samp
 
 
 def train(model_dir: Path, run_dir: Path, *sets: str):
-    from edgerl.config import load_config
     from edgerl.metrics import read_metrics
-    from edgerl.target import plan_for, resolve_target
-    from edgerl.trainer import Trainer
-    cfg = load_config(sets=[f'model.path="{model_dir}"', f'run.out_dir="{run_dir}"', *FAST, *sets])
-    plan = plan_for(cfg, resolve_target(None))
-    t = Trainer(cfg, plan, torch.device("cuda", 0), run_dir, log=lambda s: None)
+    from conftest import prepare_trainer
+    t = prepare_trainer(model_dir, run_dir, [*FAST, *sets])
     t.run()
-    return plan, t, read_metrics(run_dir)
+    return t.plan, t, read_metrics(run_dir)
 
 
 def finite(rows, key):
@@ -45,8 +41,8 @@ def test_bf16_grpo_with_triton_and_graphs(tiny_llama, tmp_path):
 
 def test_fp16_uses_the_gradient_scaler(tiny_llama, tmp_path):
     plan, t, rows = train(tiny_llama, tmp_path / "run", 'plan.dtype="fp16"')
-    assert plan.dtype.grad_scaler and t.scaler is not None
-    assert finite(rows, "actor/grad_norm") and t.scaler.get_scale() > 0
+    assert plan.dtype.grad_scaler and t.state.loop.scaler is not None
+    assert finite(rows, "actor/grad_norm") and t.state.loop.scaler.get_scale() > 0
 
 
 def test_ppo_with_critic(tiny_qwen, tmp_path):

@@ -15,18 +15,17 @@ import torch
 from edgerl import checkpoint
 from edgerl.config import load_config
 from edgerl.metrics import read_metrics
-from edgerl.target import plan_for, resolve_target
 from edgerl.trainer import Trainer, TrainingError
+from conftest import prepare_trainer
 
 REWARDS = Path(__file__).with_name("reward_fns.py")
 FAST = ["rollout.max_new_tokens=8", "train.prompts_per_step=2", "rollout.n_samples=4", "run.tensorboard=false",
         "data.num_examples=64", "train.lr=1e-4"]
 
 
-def make_trainer(model_dir: Path, run_dir: Path, *sets: str, resume: Path | None = None) -> Trainer:
-    cfg = load_config(sets=[f'model.path="{model_dir}"', f'run.out_dir="{run_dir}"', *FAST, *sets])
-    plan = plan_for(cfg, resolve_target("cpu"))
-    return Trainer(cfg, plan, torch.device("cpu"), run_dir, log=lambda s: None, resume=resume)
+def make_trainer(model_dir: Path, run_dir: Path, *sets: str, resume: Path | None = None,
+                 branch: bool = False) -> Trainer:
+    return prepare_trainer(model_dir, run_dir, ['run.profile="cpu"', *FAST, *sets], resume=resume, branch=branch)
 
 
 REQUIRED = ["reward/mean", "reward/std", "response/length_mean", "response/length_min", "response/length_max",
@@ -112,14 +111,14 @@ def test_nan_loss_skips_updates_then_aborts(tiny_llama, tmp_path, monkeypatch):
 
 def test_out_of_memory_saves_the_last_good_state(tiny_llama, tmp_path, monkeypatch):
     t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=3", "run.save_every=0")
-    real = t.train_step
+    real = t.step_once
 
     def step_then_oom():
         if t.step == 1:
-            t.sampler.next_batch()  # the failing step had already drawn its prompts
+            t.state.loop.sampler.next_batch()  # the failing step had already drawn its prompts
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real()
-    monkeypatch.setattr(t, "train_step", step_then_oom)
+    monkeypatch.setattr(t, "step_once", step_then_oom)
     with pytest.raises(TrainingError) as e:
         t.run()
     msg = str(e.value)
@@ -129,8 +128,8 @@ def test_out_of_memory_saves_the_last_good_state(tiny_llama, tmp_path, monkeypat
     assert state["train"]["step"] == 1
     # the data position is that of the last completed step, so a resume redoes step 2's prompts
     fresh = make_trainer(tiny_llama, tmp_path / "fresh", "train.steps=1", "run.save_every=0")
-    fresh.sampler.next_batch()
-    assert state["train"]["sampler"] == fresh.sampler.state_dict()
+    fresh.state.loop.sampler.next_batch()
+    assert state["train"]["sampler"] == fresh.state.loop.sampler.state_dict()
 
 
 def test_reward_exceptions_name_the_sample(tiny_llama, tmp_path):

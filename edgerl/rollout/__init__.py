@@ -1,6 +1,18 @@
-"""Rollout engines behind one interface: ``hf`` (static KV cache + CUDA graphs on GPU) and ``vllm``."""
+"""Rollout engines behind one interface, built by the name the plan chose (`plan.rollout_engine`).
+
+    "hf"           edgerl's static KV cache decoder; the decode step is replayed from a CUDA graph on GPUs
+    "hf-generate"  transformers' `generate`, for models the static decoder does not implement
+    "vllm"         a colocated vLLM engine
+
+Adding an engine: a class with the `RolloutEngine` methods (base.py) and one entry in `ENGINES`.
+The trainer only calls `build_engine` and the interface.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -9,40 +21,83 @@ from .decoder import SUPPORTED, UnsupportedModel
 from .hf import HFGenerateEngine, load_weights
 from .static import StaticCacheEngine
 
-# CPU choice, measured on this project's shared 2-core x86 build machine, fp32, 8 rows, 1 torch thread,
-# HF generate and the static engine called alternately in one process (median of per-round ratios
-# hf/static): SmolLM2-135M shape 1.04x and 1.20x (64-token prompt, 32 new; rounds 0.86-1.64), 1.05x
-# (16-token prompt, 64 new); a tiny 2-layer model 1.75x. With 2 threads the shared machine gave
-# 0.33x-6x per round: noise. At 135M the CPU is bound by arithmetic, so the engines tie; the static
-# engine is not slower, is faster on the tiny models CPU runs use, returns the sampler's log-probs,
-# and CPU runs then check the same code the GPU runs.
-CPU_STATIC = True
-CPU_REASON = ("static cache eager decode on the CPU: measured 1.04-1.2x HF generate's speed at 135M, "
-              "1.75x on tiny models, and it is the code the GPU runs")
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine builder may need besides the plan."""
+    model_path: str                 # the actor's model (config and initial weights)
+    trust_remote_code: bool
+    device: torch.device
+    max_seq_len: int                # longest prompt + max_new_tokens
+    seed: int
+    work_dir: Path                  # a folder the engine may write to (vLLM loads from a folder)
+    save_initial: Callable[[Path], None]   # writes the actor's current weights as an HF folder there
 
 
-def make_hf_engine(model: torch.nn.Module, *, device_is_cuda: bool, cuda_graphs: bool,
-                   max_batch: int, max_seq_len: int) -> RolloutEngine:
-    """The `hf` engine for the plan: the static-cache engine where it can run this model, else plain
-    HF generate. `describe()` of the result says which and why. Only "cannot run this model" falls
-    back (UnsupportedModel, NotImplementedError for a rope type); any other error propagates."""
-    if not device_is_cuda:
-        if cuda_graphs:
-            raise ValueError("cuda_graphs=True needs a CUDA device; the plan sets it only on CUDA")
-        if not CPU_STATIC:
-            return HFGenerateEngine(model, max_batch, note=f"plain HF generate on the CPU: {CPU_REASON}")
-        try:
-            return StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=False,
-                                     note=CPU_REASON)
-        except (UnsupportedModel, NotImplementedError) as e:
-            return HFGenerateEngine(model, max_batch, note=f"plain HF generate on the CPU: {e}")
-    try:
-        why = ("decode step captured once, replayed per token" if cuda_graphs
-               else "the plan turned CUDA graphs off")
-        return StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=cuda_graphs, note=why)
-    except (UnsupportedModel, NotImplementedError) as e:
-        return HFGenerateEngine(model, max_batch, note=f"plain HF generate: the static engine cannot run it: {e}")
+class OwnWeights:
+    """An hf engine over its own compute-dtype copy of the weights. Between rollouts the copy's storage
+    is freed (the memory serves scoring and the update; the plan counts it in the rollout phase only)
+    and re-allocated by the next weight sync, which refills every parameter."""
+
+    def __init__(self, engine, model: torch.nn.Module) -> None:
+        self.engine, self.model = engine, model
+        self.name = engine.name
+
+    def generate(self, prompts, n_samples, params, generator=None) -> RolloutBatch:
+        return self.engine.generate(prompts, n_samples, params, generator)
+
+    def release(self) -> None:
+        from ..models import release_weights
+        self.engine.release()
+        release_weights(self.model)
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from ..models import restore_weights
+        restore_weights(self.model)
+        self.engine.sync_weights(weights)
+
+    def describe(self) -> str:
+        return self.engine.describe()
+
+
+def _inference_copy(plan, ctx: EngineContext) -> torch.nn.Module:
+    from ..models import build_inference_copy
+    return build_inference_copy(ctx.model_path, plan, ctx.device, ctx.trust_remote_code)
+
+
+def _static(plan, ctx: EngineContext) -> RolloutEngine:
+    copy = _inference_copy(plan, ctx)
+    why = plan.reasons.get("cuda_graphs", "")
+    # The plan chose this engine for this model (decisions.static_engine_support); the decoder checks
+    # the loaded model again and raises UnsupportedModel if the two disagree.
+    engine = StaticCacheEngine(copy, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs, note=why)
+    return OwnWeights(engine, copy)
+
+
+def _generate(plan, ctx: EngineContext) -> RolloutEngine:
+    copy = _inference_copy(plan, ctx)
+    return OwnWeights(HFGenerateEngine(copy, plan.rollout_batch, note=plan.reasons.get("rollout_engine", "")), copy)
+
+
+def _vllm(plan, ctx: EngineContext) -> RolloutEngine:
+    from .vllm_engine import VLLMEngine
+    folder = ctx.work_dir / "rollout-model"   # vLLM loads from a folder; weights are pushed after each update
+    ctx.save_initial(folder)
+    return VLLMEngine(str(folder), dtype=plan.dtype.compute, gpu_memory_utilization=plan.rollout_memory_share,
+                      max_model_len=ctx.max_seq_len, max_num_seqs=plan.rollout_batch, seed=ctx.seed,
+                      enable_sleep=ctx.device.type == "cuda", note=plan.reasons.get("rollout_engine", ""))
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _static, "hf-generate": _generate, "vllm": _vllm}
+
+
+def build_engine(plan, ctx: EngineContext) -> RolloutEngine:
+    """The engine the plan chose, ready for its first `sync_weights`."""
+    if plan.rollout_engine not in ENGINES:
+        raise ValueError(f"plan.rollout_engine={plan.rollout_engine!r}: no such engine ({', '.join(ENGINES)})")
+    return ENGINES[plan.rollout_engine](plan, ctx)
 
 
 __all__ = ["RolloutBatch", "RolloutEngine", "SamplingParams", "cut_at_eos", "HFGenerateEngine", "load_weights",
-           "StaticCacheEngine", "UnsupportedModel", "SUPPORTED", "make_hf_engine"]
+           "StaticCacheEngine", "UnsupportedModel", "SUPPORTED", "ENGINES", "EngineContext", "build_engine",
+           "OwnWeights"]

@@ -33,9 +33,9 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from ..dtypes import FLOAT_NAMES, hf_name
 from .base import RolloutBatch, SamplingParams, cut_at_eos
 
-VLLM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 class VLLMEngineError(RuntimeError):
@@ -60,8 +60,8 @@ class VLLMEngine:
     def __init__(self, model_path: str | os.PathLike, *, dtype: str, gpu_memory_utilization: float,
                  max_model_len: int, max_num_seqs: int, seed: int, enable_sleep: bool,
                  note: str = "", enforce_eager: Optional[bool] = None) -> None:
-        if dtype not in VLLM_DTYPES:
-            raise VLLMEngineError(f"dtype={dtype!r} is not one of {sorted(VLLM_DTYPES)}")
+        if dtype not in FLOAT_NAMES:
+            raise VLLMEngineError(f"dtype={dtype!r} is not one of {', '.join(FLOAT_NAMES)}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise VLLMEngineError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]; "
                                   "it comes from plan.rollout_memory_share")
@@ -86,7 +86,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             self.llm = self.vllm.LLM(
-                model=str(self.model_path), dtype=VLLM_DTYPES[dtype], seed=seed,
+                model=str(self.model_path), dtype=hf_name(dtype), seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
                 enable_sleep_mode=self.sleep_mode, logprobs_mode="processed_logprobs",
@@ -256,15 +256,11 @@ def _import_vllm():
 
 
 def _check_device(platform, dtype: str) -> str:
-    """'cuda' or 'cpu'; anything else, or a GPU vLLM cannot serve in this dtype, is an error."""
+    """'cuda' or 'cpu' (which vllm build is installed); anything else is an error. Whether the GPU and
+    dtype suit vLLM is the plan's decision (decisions.vllm_support), made before an engine is built."""
     if platform.is_cuda_alike():
         if not torch.cuda.is_available():
             raise VLLMEngineError("vllm is a CUDA build but torch sees no CUDA device")
-        cc = torch.cuda.get_device_capability()
-        if cc < (7, 0):
-            raise VLLMEngineError(f"sm_{cc[0]}{cc[1]}: vLLM needs CC >= 7.0; use plan.rollout_engine=hf")
-        if dtype == "bf16" and cc < (8, 0):
-            raise VLLMEngineError(f"sm_{cc[0]}{cc[1]}: vLLM refuses bf16 below CC 8.0; use fp16 or fp32")
         return "cuda"
     if platform.is_cpu():
         return "cpu"

@@ -1,0 +1,146 @@
+"""`prepare(cfg)`: everything `edgerl train` does before the first step, as a library call that the
+CLI, the benchmarks and the tests all use, so that what they measure is what users run.
+
+    device (probed, or a profile emulated on this GPU with its real memory cap)
+    -> plan -> environment -> tokenizer and data (validated before anything is written)
+    -> run folder (checked, locked, config and plan written atomically) -> resume point
+
+Under torchrun each rank prepares its own session on its own device; the plan is made per rank
+for the memory one GPU holds, and rank 0 alone writes files and talks to the user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from . import checkpoint, runfolder
+from .config import Config, ConfigError, load_config, to_toml
+from .data import DataReport, Prompt, load_prompts
+from .errors import RunDirError
+from .memory import DEFAULT_CALIBRATION
+from .plan import Plan
+from .target import Target, model_spec, plan_for, resolve_target
+
+
+@dataclass
+class Session:
+    cfg: Config
+    target: Target
+    plan: Plan
+    device: Any                          # torch.device
+    run_dir: Path
+    tokenizer: Any
+    prompts: list[Prompt]
+    data_report: DataReport
+    resume: Optional[runfolder.ResumePoint] = None
+    emulation: str = ""                  # how a profile is emulated on this GPU; "" when not
+    finished: bool = False               # resumed a run that already reached train.steps and exported
+    log: Callable[[str], None] = print
+    lock: Optional[runfolder.RunLock] = field(default=None, repr=False)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+def load(config: Optional[Path] = None, sets: tuple[str, ...] | list[str] = (), resume: Optional[Path] = None,
+         out: Optional[Path] = None) -> tuple[Config, Optional[runfolder.ResumePoint]]:
+    """The run config: the file (or, when resuming, the run's own config.toml) with `--set` overrides,
+    and the resume point. `out` (--out) names the run folder; with `resume` it branches."""
+    extra = list(sets)
+    point = None
+    if resume is not None:
+        point = runfolder.resume_point(resume)
+        if config is None and (point.run_dir / "config.toml").exists():
+            config = point.run_dir / "config.toml"  # resume with the run's own config; --set still applies
+    cfg = load_config(config, extra)
+    if out is not None:
+        cfg.run.out_dir = str(out)
+    elif point is not None:
+        cfg.run.out_dir = str(point.run_dir)
+    return cfg, point
+
+
+def _device_for(target: Target, cfg: Config) -> tuple[Any, str]:
+    """The torch device to train on, and how a profile is emulated on it."""
+    import torch
+    real = target.probe.primary
+    if not target.simulated:
+        return (torch.device("cuda", real.index) if real.is_cuda else torch.device("cpu")), ""
+    dev = target.device
+    if not dev.is_cuda:
+        return torch.device("cpu"), "profile cpu: training on the CPU"
+    if not real.is_cuda:
+        raise ConfigError(f"--profile {cfg.run.profile} plans for a {dev.name}, but this machine has no usable GPU "
+                          f"({real.note}); use --profile cpu, or run edgerl recommend --gpu {cfg.run.profile} to "
+                          "see the plan")
+    if dev.total_memory > real.total_memory:
+        raise ConfigError(f"--profile {cfg.run.profile} has {dev.total_memory / 2**30:.1f} GiB, more than this "
+                          f"{real.name} ({real.total_memory / 2**30:.1f} GiB): a bigger GPU cannot be emulated")
+    # The cap covers torch's allocator; the CUDA context lives outside it, as on the real card.
+    share = max(0.01, (dev.total_memory - DEFAULT_CALIBRATION.cuda_context) / real.total_memory)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, share), real.index)
+    return torch.device("cuda", real.index), (
+        f"emulating {dev.describe()} on {real.describe()}: memory capped at {share:.1%} of this GPU, the "
+        f"profile's dtype, attention and kernel limits apply; speed is NOT emulated")
+
+
+def cap_memory(profile: str) -> str:
+    """Emulate a profile's memory on this GPU (for benchmarks that run a peer beside edgerl)."""
+    cfg = load_config(None, [f"run.profile={json.dumps(profile)}"])
+    return _device_for(resolve_target(profile), cfg)[1]
+
+
+def apply_env(plan: Plan, device: Any) -> None:
+    """Set the plan's environment variables where the user has not set them."""
+    for key, value in plan.env:
+        if os.environ.get(key):
+            continue
+        os.environ[key] = value
+        if key == "PYTORCH_CUDA_ALLOC_CONF" and device.type == "cuda":
+            import torch
+            # the probe has already initialised CUDA, so the variable alone would come too late
+            torch.cuda.memory._set_allocator_settings(value)
+
+
+def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log: Callable[[str], None] = print,
+            probe_fn: Optional[Callable[[], Any]] = None) -> Session:
+    """A session ready for `Trainer(session)`. Raises a user error (edgerl.errors) for anything the
+    user typed or pointed at, before any file is written."""
+    from .models import load_tokenizer
+    target = resolve_target(cfg.run.profile, probe_fn=probe_fn)
+    device, emulation = _device_for(target, cfg)
+    plan = plan_for(cfg, target, model_spec(cfg))
+    apply_env(plan, device)
+
+    out = Path(cfg.run.out_dir).expanduser() if cfg.run.out_dir else \
+        Path("runs") / f"{Path(cfg.model.path).name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if resume is None:
+        runfolder.check_new(out)
+        run_dir = out
+    else:
+        run_dir = runfolder.check_resume(resume, out)
+    cfg.run.out_dir = str(run_dir)
+
+    m = cfg.model
+    tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
+    # the generated task is seeded apart from train.seed: every run trains on the same problems
+    prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log)
+    finished = (resume is not None and run_dir == resume.run_dir and resume.step >= cfg.train.steps
+                and (run_dir / "final").exists())
+    lock = runfolder.open_run(run_dir, log)
+    try:
+        if resume is None or run_dir != resume.run_dir:
+            checkpoint.atomic_write_text(run_dir / "config.toml", to_toml(cfg))
+        checkpoint.atomic_write_text(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
+    except OSError as e:
+        lock.release()
+        raise RunDirError(f"cannot write to the run folder {run_dir}: {e}") from None
+    return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
+                   prompts=prompts, data_report=report, resume=resume, emulation=emulation, finished=finished,
+                   log=log, lock=lock)
