@@ -1,4 +1,5 @@
-"""edgerl.measure on the CPU: the arithmetic with a fake clock, the result check, the cache, the CLI."""
+"""edgerl.measure and edgerl.measurements on the CPU: arithmetic with a fake clock, the result check,
+the cache, the command line."""
 
 from __future__ import annotations
 
@@ -130,18 +131,109 @@ def test_bf16_below_cc8_is_marked_emulated():
     assert M._matmul_item(run_on_cpu((8, 0)), "bf16", 1.0)["bf16_matmul"].status == "ok"
 
 
-def test_fp32_measurement_restores_tf32_settings():
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
+def tf32_like(a, b, out):
+    """fp32 matmul on inputs rounded to TF32's 10-bit mantissa, as cuBLAS does with TF32 on."""
+    def r(x):
+        return ((x.view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32) if x.dtype == torch.float32 else x
+    return torch.matmul(r(a), r(b), out=out)
+
+
+def test_tf32_is_not_passed_off_as_fp32():
+    it = M._matmul_item(run_on_cpu((8, 0), tf32_like), "fp32", 1.0)["fp32_matmul"]
+    assert it.status == "wrong" and it.value is None
+
+
+def test_fp32_precision_is_ieee_while_timing_and_restored_after():
+    cu, mk = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+    before = (cu.fp32_precision, mk.fp32_precision)
+    cu.fp32_precision, mk.fp32_precision = "tf32", "bf16"
     try:
         seen = []
         def spy(a, b, out):
-            seen.append(torch.get_float32_matmul_precision())
+            seen.append((a.dtype, cu.fp32_precision, mk.fp32_precision))
             return torch.matmul(a, b, out=out)
         M.measure("cpu", clock=FakeClock(0.001), matmul=spy, **TINY)
-        assert "highest" in seen and torch.get_float32_matmul_precision() == "high"
+        assert (torch.float32, "ieee", "ieee") in seen
+        assert (cu.fp32_precision, mk.fp32_precision) == ("tf32", "bf16")
     finally:
-        torch.set_float32_matmul_precision(before)
+        cu.fp32_precision, mk.fp32_precision = before
+
+
+class LegacyTorch:
+    """torch < 2.9: no fp32_precision; allow_tf32 mirrors the one global matmul precision."""
+    def __init__(self, precision):
+        self.precision = precision
+        legacy = self
+
+        class Matmul:
+            allow_tf32 = property(lambda s: legacy.precision != "highest",
+                                  lambda s, v: setattr(legacy, "precision", "high" if v else "highest"))
+        self.backends = type("B", (), {"cuda": type("C", (), {"matmul": Matmul()})()})()
+
+    def get_float32_matmul_precision(self):
+        return self.precision
+
+    def set_float32_matmul_precision(self, p):
+        self.precision = p
+
+
+@pytest.mark.parametrize("before", ["highest", "high", "medium"])
+def test_legacy_torch_gets_highest_and_its_own_setting_back(before):
+    t = LegacyTorch(before)
+    with M._strict_fp32(t):
+        assert t.precision == "highest" and t.backends.cuda.matmul.allow_tf32 is False
+    assert t.precision == before
+
+
+class CpuAsCuda:
+    """torch with device "cuda:0" and pinned memory mapped to plain CPU tensors, so that the GPU-only
+    items run their arithmetic and sizing here."""
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def randn(self, *shape, device=None, **kw):
+        return torch.randn(*shape, **kw)
+
+    def empty(self, *shape, device=None, pin_memory=False, **kw):
+        return torch.empty(*shape, **kw)
+
+    def linspace(self, *args, device=None, **kw):
+        return torch.linspace(*args, **kw)
+
+    def Generator(self, device=None):
+        return torch.Generator()
+
+
+def gpu_run(mem_cap=1 << 30, l2=0, integrated=False, per_call=0.004):
+    mm = lambda a, b, out: torch.matmul(a, b, out=out)
+    return M._Run(CpuAsCuda(), "cuda:0", (9, 0), FakeClock(per_call), mm, mem_cap, (32, 64, 128),
+                  copy_bytes=4 * MiB, transfer_bytes=4 * MiB, integrated=integrated, l2_bytes=l2)
+
+
+def test_transfer_gbs_from_a_fake_clock():
+    out = M._transfer_items(gpu_run(), pinned=True, budget_s=1.0)
+    # 4 MiB = 4194304 bytes each way in 4 ms = 1.048576 GB/s (one direction, not read + write)
+    for k in ("h2d_pinned", "d2h_pinned"):
+        assert out[k].value == pytest.approx(1.048576) and out[k].size == "4 MiB"
+        assert "page-locked" in out[k].note
+
+
+def test_buffers_shrink_to_a_small_cards_free_memory():
+    small = gpu_run(mem_cap=4 * MiB, l2=1 * MiB, integrated=True)   # e.g. a Jetson short of memory
+    t = M._transfer_items(small, pinned=False, budget_s=1.0)["h2d_pageable"]
+    assert t.size == "2 MiB" and "integrated GPU" in t.note and "pageable" in t.note
+    c = M._copy_item(small, 1.0)["memory_copy"]
+    assert c.size == "2 MiB" and "2.0x the L2 cache" in c.note
+    # three fp32 64 x 64 matrices take 48 KiB; with a 50 KiB cap n stops at 64 even though 128 is listed
+    assert M._matmul_item(gpu_run(mem_cap=50 * 1024, per_call=1e-6), "fp32", 1.0)["fp32_matmul"].size == "n=64"
+    none = M._matmul_item(gpu_run(mem_cap=1024), "fp32", 1.0)["fp32_matmul"]
+    assert none.status == "skipped" and "does not fit" in none.note
+
+
+def test_matmul_size_stops_growing_when_the_next_would_not_fit_the_budget():
+    # 0.05 s per call: the next size would need ~8 x 0.05 x 6 = 2.4 s of a 1 s share, so n stays at 32
+    assert M._matmul_item(gpu_run(per_call=0.05), "fp32", 1.0)["fp32_matmul"].size == "n=32"
+    assert M._matmul_item(gpu_run(per_call=1e-6), "fp32", 1.0)["fp32_matmul"].size == "n=128"
 
 
 # --- the real CPU measurement --------------------------------------------------------------------
@@ -160,8 +252,8 @@ def test_cpu_measurement_runs_quickly():
 
 
 def test_import_does_not_import_torch():
-    out = subprocess.run([sys.executable, "-c", "import sys, edgerl.measure; print('torch' in sys.modules)"],
-                         capture_output=True, text=True, check=True)
+    code = "import sys, edgerl.measure, edgerl.measurements; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
@@ -213,11 +305,14 @@ def test_cache_is_keyed_by_normalized_uuid(cache):
 def test_corrupted_cache_is_ignored_with_a_note(cache, caplog):
     uuid = "58b3fdb6-aaaa-bbbb-cccc-0123456789ab"
     cache.mkdir(parents=True)
-    for text in ('{"version": 1, "kind": "cu', '[1, 2]', json.dumps({**sample().to_dict(), "fp32_matmul": 3})):
+    no_value = {**sample().to_dict()["bf16_matmul"], "value": None}
+    for text in ('{"version": 1, "kind": "cu', '[1, 2]', json.dumps({**sample().to_dict(), "fp32_matmul": 3}),
+                 json.dumps({**sample().to_dict(), "bf16_matmul": no_value}),
+                 json.dumps({**sample().to_dict(), "cc": "90"})):
         (cache / f"{uuid}.json").write_text(text)
         m, note = M.read_cached(uuid)
         assert m is None and "unreadable" in note and "--bench" in note
-    with caplog.at_level(logging.WARNING, logger="edgerl.measure"):
+    with caplog.at_level(logging.WARNING, logger="edgerl.measurements"):
         assert M.load_cached(uuid) is None
     assert "unreadable" in caplog.text
 
