@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 from .embedded import cache_root
-from .measurements import (ITEMS, Item, Measurements, load_cached, normalize_uuid,  # noqa: F401
-                           read_cached, save, summary)
+from .measurements import (ITEMS, Item, Measurements, cache_path, load_cached,  # noqa: F401
+                           normalize_uuid, read_cached, save, summary)
 
 MiB = 1024**2
 # Largest max|C - ref| / rms(ref) a correct path gives, ref = float64 product of the same inputs,
@@ -213,6 +213,31 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
+def device_uuid(device: Optional[str] = None) -> str:
+    """The cache key of `device` ("cuda:N" or "cpu"; default: the first GPU, else the CPU), in
+    `normalize_uuid` form, so it equals `normalize_uuid` of NVML's "GPU-..." UUID for the same GPU."""
+    import torch
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cuda":
+        return "cpu-" + platform.node().lower()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    p = torch.cuda.get_device_properties(index)
+    return normalize_uuid(str(getattr(p, "uuid", "")) or f"{p.name}-cuda{index}")
+
+
+def cached_or_measured(device: Optional[str] = None, refresh: bool = False, max_age_days: Optional[float] = None,
+                       **measure_kw: Any) -> tuple[Measurements, str]:
+    """(measurements, where they came from) for `edgerl doctor --bench`: the cache file when it is
+    fresh for this GPU and this torch, else a new `measure()`, saved. `refresh` always measures."""
+    import torch
+    if not refresh:
+        m, note = read_cached(device_uuid(device), torch.__version__, max_age_days)
+        if m is not None:
+            return m, f"cached in {cache_path(m.uuid)}"
+    m = measure(device, **measure_kw)
+    return m, (f"{note}; " if not refresh and note else "") + f"measured now, saved to {save(m)}"
+
+
 def measure(device: Optional[str] = None, budget_s: float = 30.0, item_s: float = 3.0, pageable: bool = False,
             sizes: Optional[tuple[int, ...]] = None, copy_bytes: Optional[int] = None,
             transfer_bytes: int = 256 * MiB, clock: Optional[Clock] = None,
@@ -233,7 +258,7 @@ def measure(device: Optional[str] = None, budget_s: float = 30.0, item_s: float 
         p = torch.cuda.get_device_properties(index)
         free, _ = torch.cuda.mem_get_info(index)
         meta = dict(kind="cuda", name=p.name, cc=(p.major, p.minor), cuda=torch.version.cuda,
-                    uuid=normalize_uuid(str(getattr(p, "uuid", f"cuda{index}-{p.name}"))))
+                    uuid=device_uuid(f"cuda:{index}"))
         r = _Run(torch, f"cuda:{index}", (p.major, p.minor), clock or CudaClock(torch), matmul, free // 4,
                  sizes or (1024, 2048, 4096, 8192), copy_bytes or 512 * MiB, transfer_bytes,
                  bool(getattr(p, "is_integrated", False)), int(getattr(p, "L2_cache_size", 0)))
@@ -242,7 +267,7 @@ def measure(device: Optional[str] = None, budget_s: float = 30.0, item_s: float 
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (AttributeError, ValueError, OSError):  # not every OS has these names
             avail = 4 << 30
-        meta = dict(kind="cpu", name=_cpu_name(), cc=None, cuda=None, uuid="cpu-" + platform.node().lower())
+        meta = dict(kind="cpu", name=_cpu_name(), cc=None, cuda=None, uuid=device_uuid("cpu"))
         r = _Run(torch, "cpu", None, clock or HostClock(), matmul, avail // 4, sizes or (256, 512, 1024, 2048),
                  copy_bytes or 256 * MiB, transfer_bytes)
     r.matmul = matmul or (lambda a, b, out: torch.matmul(a, b, out=out))
@@ -296,10 +321,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--budget", type=float, default=30.0, help="seconds for the whole run (default 30)")
     ap.add_argument("--pageable", action="store_true", help="also time pageable host<->device copies")
     ap.add_argument("--no-save", action="store_true", help=f"do not write {cache_root() / 'bench'}")
+    ap.add_argument("--cached", action="store_true", help="print the cached result if it is fresh, else measure")
     args = ap.parse_args(argv)
-    m = measure(args.device, budget_s=args.budget, pageable=args.pageable)
-    if not args.no_save:
-        print(f"saved {save(m)}", file=sys.stderr)
+    if args.cached:
+        m, where = cached_or_measured(args.device, budget_s=args.budget, pageable=args.pageable)
+        print(where, file=sys.stderr)
+    else:
+        m = measure(args.device, budget_s=args.budget, pageable=args.pageable)
+        if not args.no_save:
+            print(f"saved {save(m)}", file=sys.stderr)
     print(json.dumps(m.to_dict(), indent=2) if args.json else "\n".join(summary(m)))
     return 1 if any(getattr(m, k).status == "wrong" for k in ITEMS) else 0
 

@@ -358,3 +358,20 @@ def test_main_prints_json_and_saves(cache, monkeypatch, capsys):
     monkeypatch.setattr(M, "measure", lambda device, budget_s, pageable: sample(fp16_matmul=Item(status="wrong")))
     assert M.main(["--no-save"]) == 1
     assert "fp16 (fp32 accumulate) WRONG RESULTS" in capsys.readouterr().out
+
+
+def test_cached_or_measured_reuses_a_fresh_file_and_remeasures_a_stale_one(cache, monkeypatch):
+    uuid = sample().uuid
+    monkeypatch.setattr(M, "device_uuid", lambda device=None: uuid)
+    measured = []
+    monkeypatch.setattr(M, "measure", lambda device, **kw: measured.append(device) or sample(
+        torch_version=torch.__version__, name="measured now"))
+    M.save(sample(torch_version=torch.__version__, name="from the cache"))
+    m, where = M.cached_or_measured("cuda:0")
+    assert m.name == "from the cache" and where.startswith("cached in") and measured == []
+    m, where = M.cached_or_measured("cuda:0", refresh=True)
+    assert m.name == "measured now" and measured == ["cuda:0"] and "saved to" in where
+    M.save(sample(torch_version="2.0.0"))                       # another torch: stale
+    m, where = M.cached_or_measured("cuda:0")
+    assert m.name == "measured now" and "measured with torch 2.0.0" in where
+    assert M.load_cached(uuid).name == "measured now"
