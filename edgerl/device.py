@@ -75,6 +75,7 @@ class Software:
     torch_cuda: Optional[str] = None          # torch.version.cuda, e.g. "12.6"; None for CPU builds
     arch_list: tuple[str, ...] = ()           # torch.cuda.get_arch_list()
     libs: tuple[tuple[str, Optional[str]], ...] = ()  # (distribution, version or None)
+    machine: str = ""                         # platform.machine(): x86_64, aarch64; "" when unknown
 
     def version(self, lib: str) -> Optional[str]:
         return dict(self.libs).get(lib)

@@ -167,7 +167,7 @@ def probe_software(cuda: Optional[CudaBackend] = None) -> Software:
         except Exception:  # a broken CUDA torch must not break the probe; doctor reports it
             arch = ()
     return Software(python=platform.python_version(), torch=dict(libs).get("torch"), torch_cuda=tcuda,
-                    arch_list=arch, libs=tuple(libs))
+                    arch_list=arch, libs=tuple(libs), machine=platform.machine())
 
 
 def host_memory() -> tuple[int, Optional[int]]:
