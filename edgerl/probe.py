@@ -269,6 +269,7 @@ def probe(nvml: Optional[NvmlBackend] = None, cuda: Optional[CudaBackend] = None
             free, _ = cuda.mem_get_info(i)
         except Exception:
             free = g.free if g else None
+        integrated = getattr(p, "is_integrated", None)  # when torch lacks it, the capability table decides
         try:
             row = capability(cc)
         except ValueError as e:
@@ -281,15 +282,13 @@ def probe(nvml: Optional[NvmlBackend] = None, cuda: Optional[CudaBackend] = None
             smem_per_block=int(getattr(p, "shared_memory_per_block", DEFAULT_SMEM_PER_BLOCK)),
             # shared_memory_per_block_optin exists from torch 2.7; older torch: the table
             smem_per_block_optin=int(getattr(p, "shared_memory_per_block_optin", row.smem_per_block_optin)),
-            integrated=bool(getattr(p, "is_integrated", False)),
+            integrated=None if integrated is None else bool(integrated),
             memory_bandwidth_gbs=_bandwidth(p),
             pcie_gen=g.pcie_gen if g else None, pcie_gen_max=g.pcie_gen_max if g else None,
             pcie_width=g.pcie_width if g else None, pcie_width_max=g.pcie_width_max if g else None,
             utilization_pct=g.utilization_pct if g else None,
             driver_version=nvml_rep.driver_version, cuda_driver=nvml_rep.cuda_driver,
             host_memory_available=ram_avail)
-        if "GTX 16" in dev.name:  # sm_75 without tensor cores (hardware.md §1)
-            dev = replace(dev, tensor_cores=False)
         devices.append(replace(dev, source="probe", note="probed"))
     if not devices:
         return cpu("; ".join(notes) or "no supported GPU")
