@@ -1,7 +1,8 @@
 """`Device`: what edgerl knows about the hardware, from a probe, a profile or a spec.
 
 The per-capability table below is the one place facts about compute capabilities live; every
-row cites ../shared/reference/hardware.md (which names its sources). A `Device` is plain data:
+row cites ../shared/reference/hardware.md (which names its sources), the CUDA programming guide or
+NVIDIA's CCCL. A `Device` is plain data:
 the plan reads it, nothing reads the hardware except `edgerl.probe`.
 """
 
@@ -33,9 +34,9 @@ class Capability:
 
 
 _K = 1024
-# Sources. 6.x-9.0 rows: hardware.md §1 [G][CCCL]. 5.x, 7.2: CUDA C++ Programming Guide 12.x, "Technical
-# Specifications per Compute Capability" (the 13.x guide no longer lists CC < 7.5): 48 KB per block with no
-# opt-in above it on 5.x/6.x, 64/96/64 KB per SM on 5.0/5.2/5.3, 96 KB per SM and per block on 7.2, 2048
+# Sources. 6.0, 6.1, 7.0, 7.5, 8.x, 9.0, 10.0, 12.0: hardware.md §1 [G][CCCL]. 5.x and 7.2: CUDA C++
+# Programming Guide 12.x, "Technical Specifications per Compute Capability": 48 KB per block with no opt-in
+# above it on 5.x/6.x, 64/96/64 KB per SM on 5.0/5.2/5.3, 96 KB per SM and per block on 7.2, 2048
 # resident threads per SM; fp16: the same guide's arithmetic-throughput table (no native fp16 arithmetic on
 # 5.0/5.2, 2x fp32 on 5.3 and 6.2, 1/64 on 6.1). 6.2: NVIDIA/cccl arch_traits.h@004ad19 (64 KB per SM,
 # 48 KB opt-in). 10.3, 12.1: the same file (sm_103 has sm_100's traits, sm_121 has sm_120's).
