@@ -49,7 +49,8 @@ BUILDS: tuple[WheelBuild, ...] = (
     WheelBuild("cu132", (13, 2), (2, 12), None, _CU130_ARCHS, "R580", (13, 0),
                "arch list UNVERIFIED: taken as cu130's (CUDA 13 cannot target below sm_75)"),
 )
-# Jetson SoCs (integrated) and the JetPack index that serves them; JetPack 6 runs on Orin modules only.
+# Jetson SoCs (integrated). JetPack 6 (Jetson Linux r36) is the Orin family's release (docs.nvidia.com/jetson,
+# r36.x developer guides); the Nano lost support from L4T r34 on (forums.developer.nvidia.com/t/286278).
 _JETSON = {(5, 3): "Jetson Nano/TX1", (6, 2): "Jetson TX2", (7, 2): "Jetson Xavier", (8, 7): "Jetson Orin"}
 
 
