@@ -144,6 +144,7 @@ class Device:
     pcie_width: Optional[int] = None
     pcie_width_max: Optional[int] = None
     utilization_pct: Optional[int] = None
+    ecc_enabled: Optional[bool] = None         # NVML's current ECC mode; None when unknown or not applicable
     driver_version: Optional[str] = None
     cuda_driver: Optional[str] = None          # highest CUDA version the driver supports, "13.0"
     host_memory_available: Optional[int] = None

@@ -38,6 +38,7 @@ class NvmlGpu:
     pcie_width: Optional[int] = None
     pcie_width_max: Optional[int] = None
     utilization_pct: Optional[int] = None
+    ecc_enabled: Optional[bool] = None         # current ECC mode; None where NVML has none (GeForce, Jetson)
 
 
 @dataclass
@@ -107,6 +108,10 @@ class RealNvml:
                     gpu.utilization_pct = int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
                 except pynvml.NVMLError:
                     pass  # not supported under MIG
+                try:  # (current, pending): the memory total above already reflects the current mode
+                    gpu.ecc_enabled = bool(pynvml.nvmlDeviceGetEccMode(h)[0])
+                except pynvml.NVMLError:
+                    pass  # GeForce cards have no ECC
                 rep.gpus.append(gpu)
             return rep
         except pynvml.NVMLError as e:
@@ -286,7 +291,7 @@ def probe(nvml: Optional[NvmlBackend] = None, cuda: Optional[CudaBackend] = None
             memory_bandwidth_gbs=_bandwidth(p),
             pcie_gen=g.pcie_gen if g else None, pcie_gen_max=g.pcie_gen_max if g else None,
             pcie_width=g.pcie_width if g else None, pcie_width_max=g.pcie_width_max if g else None,
-            utilization_pct=g.utilization_pct if g else None,
+            utilization_pct=g.utilization_pct if g else None, ecc_enabled=g.ecc_enabled if g else None,
             driver_version=nvml_rep.driver_version, cuda_driver=nvml_rep.cuda_driver,
             host_memory_available=ram_avail)
         devices.append(replace(dev, source="probe", note="probed"))

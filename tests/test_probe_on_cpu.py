@@ -39,6 +39,15 @@ def test_probe_reads_each_gpu_class(key):
     assert d.host_memory == (d.total_memory if d.integrated else 64 * GiB) and d.host_memory_available == 48 * GiB
 
 
+def test_probe_reports_the_ecc_mode_nvml_sees():
+    p40 = nvml_gpu("P40")
+    p40.ecc_enabled = True
+    r = probe(nvml=FakeNvml([p40]), cuda=FakeCuda([p40], CU126_ARCH), env={}, host=(8 * GiB, None),
+              software=software())
+    assert r.primary.ecc_enabled is True
+    assert fake_probe("3090").primary.ecc_enabled is None
+
+
 def test_probe_refuses_kepler_with_the_true_reason():
     k80 = nvml_gpu("P40")
     k80.name, k80.cc = "Tesla K80", (3, 7)
