@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .device import GiB, Device, arch_covers, wheel_for
+from .device import GiB, Device, arch_covers
 from .memory import fmt_bytes
 from .decisions import DtypePolicy, pick_attention, pick_dtype, vllm_support
 from .plan import Plan
 from .probe import NvmlReport, ProbeResult
+from .wheels import wheel_advice
 
 STATUSES = ("ok", "warn", "fail", "skip")
 
@@ -77,12 +78,11 @@ def check_torch_cuda(dev: Device, probe: ProbeResult, simulated: bool) -> Check:
     sw = dev.software
     if sw.torch is None:
         return _c("torch sees CUDA", "fail", "torch is not installed",
-                  wheel_for(dev.cc, dev.cuda_driver)[0] if dev.is_cuda else "pip install torch")
+                  _wheel(dev, dev.cc, dev.cuda_driver).fix() if dev.is_cuda else "pip install torch")
     if simulated:
         if sw.torch_cuda is None:
-            cmd, why = wheel_for(dev.cc, None)
             return _c("torch sees CUDA", "fail", f"torch {sw.torch} here is a CPU-only build; on the {dev.name} "
-                      "it would not see the GPU", f"{cmd}  ({why})")
+                      "it would not see the GPU", _wheel(dev, dev.cc, None).fix())
         return _c("torch sees CUDA", "skip", f"torch {sw.torch} with CUDA {sw.torch_cuda}; simulated GPU")
     if probe.cuda_available:
         return _c("torch sees CUDA", "ok", f"torch {sw.torch} (CUDA {sw.torch_cuda}) sees "
@@ -90,7 +90,7 @@ def check_torch_cuda(dev: Device, probe: ProbeResult, simulated: bool) -> Check:
     if not probe.nvml.ok:
         return _c("torch sees CUDA", "skip", f"no usable NVIDIA GPU ({dev.note}); edgerl runs on the CPU")
     g = probe.nvml.gpus[0] if probe.nvml.gpus else None
-    cmd = wheel_for(g.cc, probe.nvml.cuda_driver)[0] if g else "pip install torch"
+    cmd = _wheel(dev, g.cc, probe.nvml.cuda_driver).fix() if g else "pip install torch"
     return _c("torch sees CUDA", "fail", dev.note, cmd)
 
 
@@ -101,17 +101,19 @@ def check_arch(dev: Device, probe: ProbeResult) -> Check:
         return _c(name, "skip", "no GPU")
     arch = dev.software.arch_list
     if dev.software.torch_cuda is None:
-        cmd, why = wheel_for(cc, drv)
         return _c(name, "fail", f"CPU-only torch {dev.software.torch}: no CUDA kernels at all",
-                  f"{cmd}  ({why})")
+                  _wheel(dev, cc, drv).fix())
     if not arch:
         return _c(name, "warn", "torch reports no arch list (no GPU visible to it)")
     if arch_covers(arch, cc):
         return _c(name, "ok", f"sm_{cc[0]}{cc[1]} is covered by {' '.join(arch)}")
-    cmd, why = wheel_for(cc, drv)
     return _c(name, "fail", f"sm_{cc[0]}{cc[1]} is not in this torch build ({' '.join(arch)}): every kernel "
               "launch fails with 'no kernel image is available for execution on the device'",
-              f"{cmd}  ({why})")
+              _wheel(dev, cc, drv).fix())
+
+
+def _wheel(dev: Device, cc: tuple[int, int], driver_cuda: Optional[str]):
+    return wheel_advice(cc, driver_cuda, integrated=dev.integrated, machine=dev.software.machine or "x86_64")
 
 
 def _target_cc(dev: Device, probe: ProbeResult) -> tuple[Optional[tuple[int, int]], Optional[str]]:

@@ -38,6 +38,7 @@ class NvmlGpu:
     pcie_width: Optional[int] = None
     pcie_width_max: Optional[int] = None
     utilization_pct: Optional[int] = None
+    ecc_enabled: Optional[bool] = None         # current ECC mode; None where NVML has none (GeForce, Jetson)
 
 
 @dataclass
@@ -107,6 +108,10 @@ class RealNvml:
                     gpu.utilization_pct = int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
                 except pynvml.NVMLError:
                     pass  # not supported under MIG
+                try:  # (current, pending): the memory total above already reflects the current mode
+                    gpu.ecc_enabled = bool(pynvml.nvmlDeviceGetEccMode(h)[0])
+                except pynvml.NVMLError:
+                    pass  # GeForce cards have no ECC
                 rep.gpus.append(gpu)
             return rep
         except pynvml.NVMLError as e:
@@ -167,7 +172,7 @@ def probe_software(cuda: Optional[CudaBackend] = None) -> Software:
         except Exception:  # a broken CUDA torch must not break the probe; doctor reports it
             arch = ()
     return Software(python=platform.python_version(), torch=dict(libs).get("torch"), torch_cuda=tcuda,
-                    arch_list=arch, libs=tuple(libs))
+                    arch_list=arch, libs=tuple(libs), machine=platform.machine())
 
 
 def host_memory() -> tuple[int, Optional[int]]:
@@ -269,6 +274,7 @@ def probe(nvml: Optional[NvmlBackend] = None, cuda: Optional[CudaBackend] = None
             free, _ = cuda.mem_get_info(i)
         except Exception:
             free = g.free if g else None
+        integrated = getattr(p, "is_integrated", None)  # when torch lacks it, the capability table decides
         try:
             row = capability(cc)
         except ValueError as e:
@@ -281,15 +287,13 @@ def probe(nvml: Optional[NvmlBackend] = None, cuda: Optional[CudaBackend] = None
             smem_per_block=int(getattr(p, "shared_memory_per_block", DEFAULT_SMEM_PER_BLOCK)),
             # shared_memory_per_block_optin exists from torch 2.7; older torch: the table
             smem_per_block_optin=int(getattr(p, "shared_memory_per_block_optin", row.smem_per_block_optin)),
-            integrated=bool(getattr(p, "is_integrated", False)),
+            integrated=None if integrated is None else bool(integrated),
             memory_bandwidth_gbs=_bandwidth(p),
             pcie_gen=g.pcie_gen if g else None, pcie_gen_max=g.pcie_gen_max if g else None,
             pcie_width=g.pcie_width if g else None, pcie_width_max=g.pcie_width_max if g else None,
-            utilization_pct=g.utilization_pct if g else None,
+            utilization_pct=g.utilization_pct if g else None, ecc_enabled=g.ecc_enabled if g else None,
             driver_version=nvml_rep.driver_version, cuda_driver=nvml_rep.cuda_driver,
             host_memory_available=ram_avail)
-        if "GTX 16" in dev.name:  # sm_75 without tensor cores (hardware.md §1)
-            dev = replace(dev, tensor_cores=False)
         devices.append(replace(dev, source="probe", note="probed"))
     if not devices:
         return cpu("; ".join(notes) or "no supported GPU")

@@ -11,15 +11,20 @@ from edgerl.probe import NvmlGpu, NvmlReport, probe
 
 # name, cc, memory GiB, SMs, smem opt-in (bytes) as torch reports them
 GPUS = {
+    "M40": ("Tesla M40 24GB", (5, 2), 22.4, 24, 49152),
     "P40": ("Tesla P40", (6, 1), 22.4, 30, 49152),
     "P100": ("Tesla P100-PCIE-16GB", (6, 0), 15.9, 56, 49152),
     "V100": ("Tesla V100-SXM2-16GB", (7, 0), 15.8, 80, 98304),
     "T4": ("Tesla T4", (7, 5), 14.6, 40, 65536),
     "GTX1660": ("NVIDIA GeForce GTX 1660", (7, 5), 5.8, 22, 65536),
+    "GTX1660TI": ("NVIDIA GeForce GTX 1660 Ti", (7, 5), 5.8, 24, 65536),
+    "T1000": ("NVIDIA T1000 8GB", (7, 5), 7.8, 14, 65536),
     "3090": ("NVIDIA GeForce RTX 3090", (8, 6), 23.7, 82, 101376),
     "A100": ("NVIDIA A100-SXM4-40GB", (8, 0), 39.4, 108, 166912),
     "H100": ("NVIDIA H100 80GB HBM3", (9, 0), 79.1, 132, 232448),
+    "ORIN": ("Orin", (8, 7), 61.4, 16, 166912),
 }
+INTEGRATED = {"ORIN"}  # torch says is_integrated=1: the GPU shares the host's memory
 
 CU126_ARCH = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 CU130_ARCH = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
@@ -66,7 +71,7 @@ class FakeCuda:
         return SimpleNamespace(name=g.name, major=g.cc[0], minor=g.cc[1], total_memory=g.total - 300 * 2**20,
                                multi_processor_count=sms, shared_memory_per_block=49152,
                                shared_memory_per_block_optin=smem, uuid=g.uuid.removeprefix("GPU-"),
-                               is_integrated=False, memory_clock_rate=None, memory_bus_width=None)
+                               is_integrated=int(key in INTEGRATED), memory_clock_rate=None, memory_bus_width=None)
 
     def mem_get_info(self, i: int):
         return (self.gpus[i].free, self.gpus[i].total)

@@ -2,9 +2,26 @@
 
 import pytest
 
-from edgerl.device import GiB, arch_covers, capability, device_from_spec, SpecError, wheel_for
+from edgerl.device import GiB, arch_covers, capability, device_from_spec, SpecError
 from edgerl.probe import probe
 from fakes import CU126_ARCH, CU130_ARCH, GPUS, FakeCuda, FakeNvml, fake_probe, nvml_gpu, software
+
+# What each GPU class must come out as (hardware.md §1, §9, §12): tensor cores, fp16 at least as fast as fp32,
+# native fp16 arithmetic at all, integrated (memory shared with the host)
+EXPECTED = {
+    "M40": (False, False, False, False),      # sm_52: no fp16 units at all
+    "P40": (False, False, True, False),       # sm_61: fp16 at 1/64
+    "P100": (False, True, True, False),
+    "V100": (True, True, True, False),
+    "T4": (True, True, True, False),
+    "GTX1660": (False, True, True, False),    # sm_75 without tensor cores
+    "GTX1660TI": (False, True, True, False),
+    "T1000": (False, True, True, False),      # Quadro T-series: sm_75 without tensor cores
+    "3090": (True, True, True, False),
+    "A100": (True, True, True, False),
+    "H100": (True, True, True, False),
+    "ORIN": (True, True, True, True),
+}
 
 
 @pytest.mark.parametrize("key", list(GPUS))
@@ -16,10 +33,33 @@ def test_probe_reads_each_gpu_class(key):
     assert d.sm_count == sms and d.smem_per_block_optin == smem
     assert d.nvml_index == 0 and d.index == 0
     assert d.bf16 == (cc >= (8, 0))
-    assert d.tensor_cores == (cc >= (7, 0) and key != "GTX1660")
-    assert d.fp16_fast == (cc != (6, 1))
+    assert (d.tensor_cores, d.fp16_fast, d.fp16_native, d.integrated) == EXPECTED[key]
     assert d.pcie_gen == 3 and d.driver_version == "560.35.03" and d.cuda_driver == "12.6"
-    assert d.host_memory == 64 * GiB and d.host_memory_available == 48 * GiB
+    # a Jetson's GPU memory is its host memory: offloading there frees nothing
+    assert d.host_memory == (d.total_memory if d.integrated else 64 * GiB) and d.host_memory_available == 48 * GiB
+
+
+def test_probe_reports_the_ecc_mode_nvml_sees():
+    p40 = nvml_gpu("P40")
+    p40.ecc_enabled = True
+    r = probe(nvml=FakeNvml([p40]), cuda=FakeCuda([p40], CU126_ARCH), env={}, host=(8 * GiB, None),
+              software=software())
+    assert r.primary.ecc_enabled is True
+    assert fake_probe("3090").primary.ecc_enabled is None
+
+
+def test_probe_refuses_kepler_with_the_true_reason():
+    k80 = nvml_gpu("P40")
+    k80.name, k80.cc = "Tesla K80", (3, 7)
+
+    class K80(FakeCuda):
+        def properties(self, i):
+            p = super().properties(i)
+            p.name, p.major, p.minor = "Tesla K80", 3, 7
+            return p
+    r = probe(nvml=FakeNvml([k80]), cuda=K80([k80], CU126_ARCH), env={}, host=(8 * GiB, None), software=software())
+    assert r.primary.kind == "cpu"
+    assert "Tesla K80" in r.primary.note and "below 5.0" in r.primary.note and "cu118" in r.primary.note
 
 
 def test_no_driver_gives_cpu_with_reason():
@@ -105,27 +145,35 @@ def test_arch_coverage(arch, cc, covered):
     assert arch_covers(arch, cc) is covered
 
 
-def test_wheel_advice_for_pascal_and_volta():
-    assert "cu126" in wheel_for((6, 1), "12.8")[0]
-    assert "cu118" in wheel_for((6, 1), "12.2")[0]
-    assert "cu126" in wheel_for((7, 0), "13.0")[0]
-    assert "cu128" in wheel_for((12, 0), "12.8")[0]
-
-
 def test_capability_table_rules():
     assert capability((7, 2)).cc == (7, 2) and capability((7, 2)).arch == "Volta"
-    with pytest.raises(SpecError, match="below 6.0"):
-        capability((5, 2))
+    assert capability((5, 2)).arch == "Maxwell" and capability((5, 2)).smem_per_block_optin == 48 * 1024
+    with pytest.raises(SpecError, match=r"3\.7 \(Kepler\) is below 5\.0.*cu118 wheels up to torch 2\.7.*sm_50"):
+        capability((3, 7))
     with pytest.raises(SpecError, match="not in edgerl's table"):
         capability((11, 0))
+    # a CC above the known ones is refused, not planned with the facts of the nearest lower minor
+    with pytest.raises(SpecError, match=r"9\.9 is not in edgerl's table \(5\.0, 5\.2, .*9\.0.*\)"):
+        capability((9, 9))
+    with pytest.raises(SpecError, match="not in edgerl's table"):
+        capability((8, 8))
+
+
+def test_sm62_is_not_described_as_slow_fp16():
+    # Jetson TX2 (6.2) has fast fp16, unlike 6.1; the table must not fall back to 6.1's row
+    tx2 = capability((6, 2))
+    assert tx2.fp16_fast and tx2.integrated and tx2.smem_per_sm == 64 * 1024
+    dev = device_from_spec("cc=6.2,memory=8GiB", software(), 8 * GiB)
+    assert "1/64" not in dev.fp16_speed()
+    assert "1/64" in device_from_spec("cc=6.1,memory=8GiB", software(), 8 * GiB).fp16_speed()
 
 
 def test_gpu_spec_fills_missing_fields_from_the_table():
     d = device_from_spec('cc=6.1,memory=24GiB,name="Quadro P6000"', software(), 32 * GiB)
     assert d.name == "Quadro P6000" and d.cc == (6, 1) and d.total_memory == 24 * GiB
     assert d.smem_per_block_optin == 49152 and not d.fp16_fast and not d.bf16 and d.source == "spec"
-    d = device_from_spec("cc=8.6,memory=12288MiB,sm_count=28", software(), 32 * GiB)
-    assert d.total_memory == 12 * GiB and d.sm_count == 28 and d.bf16
+    d = device_from_spec("cc=8.6,memory=12288MiB,sm_count=28,smem=48KiB", software(), 32 * GiB)
+    assert d.total_memory == 12 * GiB and d.sm_count == 28 and d.bf16 and d.smem_per_block_optin == 49152
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -135,7 +183,15 @@ def test_gpu_spec_fills_missing_fields_from_the_table():
     ("cc=6.1,memory=24GiB,colour=red", "unknown key 'colour'"),
     ("cc=6.1,memory=24GiB,bf16=true", "native bf16 starts at CC 8.0"),
     ("cc=6.1,memory=24GiB,name=\"P6000", "unclosed quote"),
-    ("cc=5.0,memory=4GiB", "below 6.0"),
+    ("cc=3.7,memory=12GiB", "below 5.0"),
+    ("cc=6.1,memory=24", "memory='24' has no unit; write e.g. memory=24GiB or memory=22919MiB"),
+    ("cc=6.1,memory=24GiB,host_memory=64", "host_memory='64' has no unit"),
+    ("cc=6.1,memory=24TB", "unknown unit 'TB'"),
+    ("cc=6.1,memory=100MiB", "memory=100MiB is below 1 GiB"),
+    ("cc=6.1,memory=0.5GiB", "below 1 GiB"),
+    ("cc=6.1,memory=24GiB,tensor_cores=true", "tensor cores start at CC 7.0"),
+    ("cc=7.5,memory=6GiB,name='GeForce GTX 1660 Ti',tensor_cores=true", "sm_75 without tensor cores"),
+    ("cc=9.9,memory=80GiB", "not in edgerl's table"),
     ("memory=24GiB,cc", "not key=value"),
 ])
 def test_gpu_spec_errors(spec, message):
