@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from edgerl.config import load_config
-from edgerl.data import DataError, check_data, prepare_gsm8k
-from edgerl.errors import USER_ERRORS
+from edgerl.data import check_data, prepare_gsm8k
+from edgerl.errors import USER_ERRORS, DataError
 from edgerl.rewards import KNOWN_SOURCES
 
 app = typer.Typer(help="Check training data and prepare datasets (verl-compatible parquet).",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from .config import DataConfig
-from .datafiles import ANSWER_NAMES, RawTable, check_column, get_field, is_missing, read_table
+from .datafiles import ANSWER_NAMES, RawTable, check_column, get_field, is_missing, json_type, read_table
 from .errors import DataError
 from .rewards import ground_truth_problem
 from .sampler import PromptSampler  # noqa: F401  (part of the data API)
@@ -109,7 +109,9 @@ def _check_prompt(value: Any) -> Union[str, Chat]:
         return value
     if isinstance(value, list):
         return _check_chat(value)
-    raise ValueError(f"is a {type(value).__name__} ({_short(value)}); expected a string or a chat list "
+    if isinstance(value, dict) and "role" in value:
+        raise ValueError(f"is one message ({_short(value)}), not a chat list; wrap it in a list: [{{...}}]")
+    raise ValueError(f"is {json_type(value)} ({_short(value)}); expected a string or a chat list "
                      "[{'role': 'user', 'content': ...}]")
 
 
@@ -162,10 +164,10 @@ def _check_answer(value: Any) -> str:
     if value is None:
         raise ValueError("is null")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"is a {type(value).__name__} ({_short(value)}); expected a string or a number")
+        raise ValueError(f"is {json_type(value)} ({_short(value)}); expected a string or a number")
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"is {value}")
+            raise ValueError(f"is {value}, which no answer can equal; give a finite number or a string")
         return str(int(value)) if value.is_integer() else repr(value)
     s = str(value)
     if not s.strip():

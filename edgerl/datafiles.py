@@ -94,6 +94,15 @@ def text_lines(text: str) -> list[str]:
     return [ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n")]
 
 
+def json_type(value: Any) -> str:
+    """JSON's name for the type of a parsed value, for messages ('an array', not 'a list')."""
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+             dict: "an object"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """object_pairs_hook for json: a reader keeps only the last of two equal keys; say so instead."""
     seen = Counter(k for k, _ in pairs)
@@ -177,7 +186,7 @@ def _read_json(p: Path) -> RawTable:
         except ValueError as e:
             raise DataError(f"{p}: line {lineno} {e}") from None
         if not isinstance(obj, dict):
-            raise DataError(f"{p}: line {lineno} is a JSON {type(obj).__name__}, not an object; "
+            raise DataError(f"{p}: line {lineno} is {json_type(obj)}, not an object; "
                             "each line must look like {\"prompt\": ..., ...}")
         rows.append(obj)
         lines.append(lineno)
@@ -218,8 +227,8 @@ def _read_json_array(p: Path, text: str) -> RawTable:
             except ValueError as e:
                 raise DataError(f"{p}: row {len(rows)} (0-based; line {start}) {e}") from None
             if not isinstance(obj, dict):
-                raise DataError(f"{p}: row {len(rows)} (0-based; line {start}) of the array is a "
-                                f"{type(obj).__name__}, not an object; expected [{{\"prompt\": ..., ...}}, ...]")
+                raise DataError(f"{p}: row {len(rows)} (0-based; line {start}) of the array is {json_type(obj)}, "
+                                "not an object; expected [{\"prompt\": ..., ...}, ...]")
             rows.append(obj)
             lines.append(start)
             i = _SPACE.match(text, i).end()
@@ -241,10 +250,13 @@ def _read_csv(p: Path) -> RawTable:
     text = read_text(p)
     # csv.reader, not DictReader: DictReader keys cells by header name, so of two columns with one
     # name it keeps the second silently, and it gives no line numbers
-    reader = csv.reader(io.StringIO(text, newline=""))
+    # strict: a quote left open or text after a closing quote is an error, not a cell that swallows
+    # the rest of the file
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     header: Optional[list[str]] = None
     rows: list[dict[str, Any]] = []
     lines: list[int] = []
+    start = 1
     try:
         while True:
             start = reader.line_num + 1
@@ -265,7 +277,8 @@ def _read_csv(p: Path) -> RawTable:
             rows.append(dict(zip(header, cells)))
             lines.append(start)
     except csv.Error as e:
-        raise DataError(f"cannot read {p} as CSV: line {reader.line_num}: {e}") from None
+        raise DataError(f"{p}: the row starting on line {start} is not valid CSV ({e}); check its quotes: a "
+                        "quoted cell must be closed, and nothing may follow its closing quote") from None
     return RawTable(source=f"{p} (CSV)", columns=list(header or []), rows=rows, lines=lines, name=str(p))
 
 

@@ -295,3 +295,35 @@ def test_data_modules_import_in_one_direction():
     assert _edgerl_imports("sampler") == {"errors"}
     assert _edgerl_imports("rewards") == {"errors"}
     assert "data" not in _edgerl_imports("tasks") | _edgerl_imports("datafiles") | _edgerl_imports("rewards")
+
+
+# --- the smaller siblings: types named as JSON names them, quotes, a lone message -----------------------
+
+def test_json_values_are_named_by_their_json_type(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, "null"])
+    assert f"{path}: line 2 is null, not an object" in error_of(cfg(path, answer_key="answer"), tok)
+    path = tmp_path / "d.json"
+    path.write_text('[{"prompt": "a", "answer": "1"}, [1, 2]]')
+    assert "row 1 (0-based; line 1) of the array is an array, not an object" in \
+        error_of(cfg(path, answer_key="answer"), tok)
+
+
+def test_one_message_instead_of_a_chat_list(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": user(), "answer": "4"}])
+    assert "field 'prompt' is one message ({'role': 'user', 'content': 'What is 2 + 2?'}), not a chat list; " \
+           "wrap it in a list: [{...}]" in error_of(cfg(path, answer_key="answer", default_source="math"), tok)
+
+
+def test_non_finite_answer(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "answer": NaN}\n')
+    assert "field 'answer' is nan, which no answer can equal; give a finite number or a string" in \
+        error_of(cfg(path, answer_key="answer", default_source="math"), tok)
+
+
+def test_csv_quote_left_open_names_the_row_start(tmp_path, tok):
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,answer\nWhat is 1 + 1?,2\n"What is 2 + 2?,4\nWhat is 3 + 3?,6\n')
+    msg = error_of(cfg(path, answer_key="answer", default_source="math"), tok)
+    assert msg.startswith(f"{path}: the row starting on line 3 is not valid CSV (unexpected end of data); "
+                          "check its quotes")

@@ -242,8 +242,8 @@ def test_wrong_types_name_rows_and_fields(tmp_path, tok):
         load_prompts(cfg(path), tok)
     msg = str(e.value)
     assert "3 bad row(s)" in msg
-    assert "row 1 (0-based; line 2): field 'prompt' is a int (42)" in msg
-    assert "row 4 (0-based; line 5): field 'reward_model.ground_truth' is a list" in msg
+    assert "row 1 (0-based; line 2): field 'prompt' is a number (42); expected a string or a chat list" in msg
+    assert "row 4 (0-based; line 5): field 'reward_model.ground_truth' is an array ([1, 2])" in msg
     assert "row 5 (0-based; line 6): field 'prompt' message 0 of the chat list" in msg
 
 
