@@ -263,7 +263,8 @@ def test_not_utf8_in_a_gsm8k_source(tmp_path):
     from edgerl.data import prepare_gsm8k
     src = tmp_path / "g.jsonl"
     src.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "\xff", "answer": "#### 2"}\n')
-    with pytest.raises(DataError, match=re.escape(f"cannot read {src}: line 2 is not UTF-8 text (byte 0xff at column 15")):
+    want = f"cannot read {src}: line 2 is not UTF-8 text (byte 0xff at column 15"
+    with pytest.raises(DataError, match=re.escape(want)):
         prepare_gsm8k(tmp_path / "o.parquet", source=src)
     assert not (tmp_path / "o.parquet").exists()
 

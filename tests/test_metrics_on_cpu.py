@@ -119,7 +119,8 @@ def test_a_crash_while_archiving_loses_nothing(tmp_path, monkeypatch):
             raise OSError(5, "Input/output error")
         real_replace(src, dst)
     monkeypatch.setattr(os, "replace", fails_second_time)
-    with pytest.raises(ConfigError, match="cannot write .*metrics.jsonl: Input/output error; the file there is unchanged"):
+    with pytest.raises(ConfigError, match="cannot write .*metrics.jsonl: Input/output error; the file there is "
+                                          "unchanged"):
         w.archive_after(2)
     monkeypatch.setattr(os, "replace", real_replace)
     assert (run / "metrics.jsonl").read_text() == lines(1, 2, 3, 4)
