@@ -1,4 +1,8 @@
-"""`edgerl data`: check training data before a run, and prepare GSM8K in verl's format."""
+"""`edgerl data`: check training data before a run, and prepare GSM8K in verl's format.
+
+Exit status, as for `edgerl train`: 0 when the command did its work, 2 for bad input (a file that
+cannot be read, a bad row, a bad setting or path). `data check` exits 2 exactly when `edgerl
+train` would stop on the same data and settings before its first step."""
 
 from __future__ import annotations
 
@@ -10,8 +14,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edgerl.config import ConfigError, load_config
-from edgerl.data import DataError, check_data, prepare_gsm8k
+from edgerl.config import load_config
+from edgerl.data import check_data, prepare_gsm8k
+from edgerl.errors import USER_ERRORS, DataError
 from edgerl.rewards import KNOWN_SOURCES
 
 app = typer.Typer(help="Check training data and prepare datasets (verl-compatible parquet).",
@@ -23,9 +28,12 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+BAD_INPUT = 2  # the exit status of every edgerl command for input the user can fix
+
+
 def _fail(msg: str) -> None:
     err_console.print(f"[red]error:[/red] {msg}", markup=True, highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+    raise typer.Exit(BAD_INPUT)
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
@@ -60,7 +68,14 @@ def check(
     config: Optional[Path] = typer.Option(None, help="run config TOML to read data settings from"),
     set_: List[str] = typer.Option([], "--set", help="override a config key, e.g. --set data.split=test"),
 ) -> None:
-    """Validate FILE as training data and summarise it (rows, sources, prompt lengths in tokens)."""
+    """Validate FILE as training data and summarise it (rows, sources, prompt lengths in tokens).
+
+    Exit status: 0 when `edgerl train` would accept the data with these settings (notes may
+    follow the table); 2 when it would stop before its first step: the file cannot be read, a row
+    is bad, a setting or the tokenizer is wrong, or prompts exceed data.max_prompt_len while
+    data.on_too_long=error (the same status `edgerl train` exits with). A data_source without a
+    built-in reward is a note, not an error: `edgerl train --reward path/to/file.py:fn` scores it.
+    """
     try:
         cfg = load_config(config, set_)
         changes: dict[str, Any] = {"path": file}
@@ -74,7 +89,7 @@ def check(
         cfg.validate()
         tok = load_tokenizer(tokenizer or cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
         summary = check_data(cfg.data, tok, seed=0)
-    except (DataError, ConfigError) as e:
+    except USER_ERRORS as e:
         _fail(str(e))
         return
 
@@ -96,14 +111,18 @@ def check(
     console.print(table)
 
     unknown = sorted(s for s in summary.sources if s not in KNOWN_SOURCES)
-    if unknown:
+    if unknown and not cfg.reward.function:
         console.print(f"[yellow]note:[/yellow] no built-in reward for data source(s) {', '.join(unknown)}; "
                       "train with --reward path/to/file.py:fn", highlight=False)
+    if over and (summary.on_too_long == "error" or over == summary.rows):
+        why = ("edgerl train stops on them" if summary.on_too_long == "error"
+               else "data.on_too_long=filter would leave nothing to train on")
+        _fail(f"{over} of {summary.rows} prompt(s) exceed data.max_prompt_len={summary.max_prompt_len} tokens "
+              f"{rows_s.strip()}: {why}; raise data.max_prompt_len"
+              + (", or set data.on_too_long=filter to drop them" if summary.on_too_long == "error" else ""))
     if over:
-        action = ("training stops with an error" if summary.on_too_long == "error"
-                  else f"training drops these {over} rows")
         console.print(f"[yellow]note:[/yellow] {over} prompt(s) exceed data.max_prompt_len="
-                      f"{summary.max_prompt_len}: {action} (data.on_too_long={summary.on_too_long})",
+                      f"{summary.max_prompt_len}: training drops these {over} rows (data.on_too_long=filter)",
                       highlight=False)
     else:
         console.print("[green]ok[/green]: every row is valid and fits data.max_prompt_len", highlight=False)
@@ -111,15 +130,19 @@ def check(
 
 @prepare_app.command("gsm8k")
 def prepare_gsm8k_cmd(
-    out: Path = typer.Option(..., "--out", help="parquet file to write, e.g. data/gsm8k/train.parquet"),
+    out: Path = typer.Option(..., "--out", help="parquet file to write, e.g. data/gsm8k/train.parquet (its "
+                             "folder must exist; '.parquet' is added to a name without a suffix)"),
     from_: Optional[Path] = typer.Option(None, "--from", help="local GSM8K JSONL ({question, answer} "
                                          "lines); default: download openai/gsm8k from the HF hub"),
     split: str = typer.Option("train", help="split name (hub split, and extra_info.split)"),
+    force: bool = typer.Option(False, "--force", help="replace --out if it exists"),
 ) -> None:
-    """Write GSM8K as verl's examples/data_preprocess/gsm8k.py does."""
+    """Write GSM8K as verl's examples/data_preprocess/gsm8k.py does. The file appears whole or not
+    at all; an existing one is kept unless --force. Exit status 2 for bad input."""
     try:
-        n = prepare_gsm8k(out, source=from_, split=split)
-    except DataError as e:
+        path, n = prepare_gsm8k(out, source=from_, split=split, overwrite=force)
+    except USER_ERRORS as e:
         _fail(str(e))
         return
-    console.print(f"wrote {n} rows to {out} (verl format: data_source openai/gsm8k)", highlight=False)
+    console.print(f"wrote {n} rows to {path} (verl format: data_source openai/gsm8k)", highlight=False,
+                  soft_wrap=True)

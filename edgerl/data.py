@@ -1,7 +1,8 @@
 """Training prompts: load, validate, apply the chat template, tokenize; sample them resumably.
 
     prompts, report = load_prompts(cfg.data, tokenizer)      # all validation happens here
-    sampler = PromptSampler(len(prompts), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle)
+    sampler = PromptSampler(len(prompts), cfg.train.prompts_per_step, cfg.train.seed, cfg.data.shuffle,
+                            log=log)                  # says when a step must repeat prompts
     batch = [prompts[i] for i in sampler.next_batch()]
 
 Sources: .parquet / .jsonl / .json / .csv files, HF datasets by name, 'builtin:arithmetic'.
@@ -13,22 +14,27 @@ counted (`data.on_too_long`), never dropped silently.
 
 from __future__ import annotations
 
+import json
 import math
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from .config import DataConfig
-from .datafiles import ANSWER_NAMES, DataError, RawTable, check_column, get_field, is_missing, read_table
-from .tasks import GSM8K_SOURCE, prepare_gsm8k  # noqa: F401  (re-exported: part of the data API)
+from .datafiles import ANSWER_NAMES, RawTable, check_column, get_field, is_missing, json_type, read_table
+from .errors import DataError
+from .rewards import ground_truth_problem
+from .sampler import PromptSampler  # noqa: F401  (part of the data API)
+from .tasks import BUILTIN_PREFIX, prepare_gsm8k, read_builtin  # prepare_gsm8k: part of the data API
 
 __all__ = ["DataError", "Prompt", "DataReport", "DataSummary", "load_prompts", "check_data",
            "PromptSampler", "prepare_gsm8k"]
 
 Chat = list[dict[str, str]]
 _MAX_LISTED = 5  # rows named in one error message
-_GSM8K_NAMES = (GSM8K_SOURCE, "gsm8k")
+ROLES = ("system", "user", "assistant", "tool")
+# role names of other chat formats (ShareGPT, Gemma), offered as the fix
+_ROLE_HINTS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 
 
 @dataclass(frozen=True)
@@ -96,28 +102,72 @@ def _check_prompt(value: Any) -> Union[str, Chat]:
     if isinstance(value, str):
         if not value.strip():
             raise ValueError("is an empty string")
+        if _holds_json_chat(value):
+            raise ValueError("is a string holding a JSON chat list; it would reach the model as that text, "
+                             "not as a conversation: store the list itself (JSONL, JSON or parquet; CSV "
+                             "cannot hold lists)")
         return value
     if isinstance(value, list):
-        if not value:
-            raise ValueError("is an empty chat list")
-        for j, msg in enumerate(value):
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) \
-                    or not isinstance(msg.get("content"), str):
-                raise ValueError(f"message {j} of the chat list is {_short(msg)}; each message must be "
-                                 "{'role': str, 'content': str}")
-        return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise ValueError(f"is a {type(value).__name__} ({_short(value)}); expected a string or a chat list "
+        return _check_chat(value)
+    if isinstance(value, dict) and "role" in value:
+        raise ValueError(f"is one message ({_short(value)}), not a chat list; wrap it in a list: [{{...}}]")
+    raise ValueError(f"is {json_type(value)} ({_short(value)}); expected a string or a chat list "
                      "[{'role': 'user', 'content': ...}]")
+
+
+def _check_chat(value: list) -> Chat:
+    """A chat list the model can answer: known roles, a user turn, and a last turn the model replies
+    to. The chat template renders every message into the prompt, so a trailing assistant turn
+    (often the reference answer) would hand the model the answer."""
+    if not value:
+        raise ValueError("is an empty chat list")
+    for j, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) \
+                or not isinstance(msg.get("content"), str):
+            raise ValueError(f"message {j} of the chat list is {_short(msg)}; each message must be "
+                             "{'role': str, 'content': str}")
+    roles = [m["role"] for m in value]
+    for j, role in enumerate(roles):
+        if role not in ROLES:
+            guess = role.lower() if role.lower() in ROLES else _ROLE_HINTS.get(role.lower())
+            hint = f"; write '{guess}' for it" if guess else ""
+            raise ValueError(f"message {j} of the chat list has the role {role!r}; the roles are "
+                             f"{', '.join(ROLES)}{hint}")
+    if "user" not in roles:
+        raise ValueError(f"is a chat list without a user turn (roles: {', '.join(roles)}); add the user's "
+                         "message the model should answer")
+    if roles[-1] == "assistant":
+        raise ValueError(f"is a chat list that ends with an assistant turn (message {len(roles) - 1}), which "
+                         "would put the answer in the model's input; drop the trailing assistant turn, or "
+                         "point data.prompt_key at a column of user turns")
+    if roles[-1] == "system":
+        raise ValueError(f"is a chat list that ends with a system turn (message {len(roles) - 1}); end it "
+                         "with the user turn the model should answer")
+    for j, m in enumerate(value):
+        if m["role"] == "user" and not m["content"].strip():
+            raise ValueError(f"message {j} of the chat list is a user turn with empty content")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _holds_json_chat(text: str) -> bool:
+    s = text.strip()
+    if not (s.startswith("[") and s.endswith("]") and '"role"' in s):
+        return False
+    try:
+        value = json.loads(s)
+    except ValueError:
+        return False
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
 
 
 def _check_answer(value: Any) -> str:
     if value is None:
         raise ValueError("is null")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"is a {type(value).__name__} ({_short(value)}); expected a string or a number")
+        raise ValueError(f"is {json_type(value)} ({_short(value)}); expected a string or a number")
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"is {value}")
+            raise ValueError(f"is {value}, which no answer can equal; give a finite number or a string")
         return str(int(value)) if value.is_integer() else repr(value)
     s = str(value)
     if not s.strip():
@@ -155,12 +205,9 @@ def _rows(table: RawTable, cfg: DataConfig) -> list[_Row]:
             elif not isinstance(source, str) or not source:
                 raise ValueError(f"field '{cfg.data_source_key}' is {_short(source)}; expected a "
                                  "non-empty string naming the reward")
-            if source in _GSM8K_NAMES and answer is not None and "#### " in answer:
-                # raw GSM8K answers hold the whole solution; the gsm8k reward compares the number
-                # alone, so every reward would silently be 0
-                raise ValueError(f"field '{cfg.answer_key}' holds a whole GSM8K solution "
-                                 f"({_short(answer[-30:])}); the gsm8k reward needs the number alone: "
-                                 "write the data with `edgerl data prepare gsm8k`")
+            problem = ground_truth_problem(source, answer)
+            if problem is not None:
+                raise ValueError(problem if answer is None else f"field '{cfg.answer_key}' {problem}")
             extra = raw.get("extra_info")
             extra = dict(extra) if isinstance(extra, dict) else {}
             messages = prompt if isinstance(prompt, list) else None
@@ -168,6 +215,8 @@ def _rows(table: RawTable, cfg: DataConfig) -> list[_Row]:
             out.append(_Row(i, messages, text, answer, source, extra))
         except ValueError as e:
             problems.append(f"{table.where(i)}: {e}")
+    if len(problems) == 1:
+        raise DataError(f"{table.name}: 1 bad row; fix or remove it: {problems[0]}")  # one line
     if problems:
         shown = "\n  ".join(problems[:_MAX_LISTED])
         more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
@@ -180,7 +229,12 @@ def _field(raw: dict, key: str, check: Callable[[Any], Any]) -> Any:
     if is_missing(value):
         top = key.split(".")[0]
         inner = raw.get(top)
-        keys = f" (it has {', '.join(map(str, inner))})" if isinstance(inner, dict) else ""
+        if isinstance(inner, dict):
+            keys = f" (it has {', '.join(map(str, inner))})"
+        elif top in raw:
+            keys = f" ('{top}' is {_short(inner)}, not an object)"
+        else:  # rows of JSON lines need not share their keys: show what this one has
+            keys = f" (the row has {', '.join(map(str, raw)) or 'no fields'})"
         raise ValueError(f"field '{key}' is missing{keys}")
     try:
         return check(value)
@@ -250,8 +304,10 @@ def _tokenize(texts: list[str], special: list[bool], tokenizer: Any) -> list[lis
 
 
 def _prepare(cfg: DataConfig, tokenizer: Any, seed: int):
-    table = read_table(cfg.path, cfg.split, difficulty=cfg.difficulty, num_examples=cfg.num_examples,
-                       seed=seed)
+    if cfg.path.startswith(BUILTIN_PREFIX):
+        table = read_builtin(cfg.path, cfg.difficulty, cfg.num_examples, seed)
+    else:
+        table = read_table(cfg.path, cfg.split)
     rows = _rows(table, cfg)
     texts, special, fmt = _render(rows, cfg, tokenizer, table.name)
     ids = _tokenize(texts, special, tokenizer)
@@ -313,52 +369,3 @@ def check_data(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataSummary:
                             "p99": _percentile(lengths, 99), "max": lengths[-1]},
         max_prompt_len=cfg.max_prompt_len, rows_over_limit=len(over), first_rows_over_limit=over[:_MAX_LISTED],
         on_too_long=cfg.on_too_long)
-
-
-# --- sampling -----------------------------------------------------------------------------------
-
-class PromptSampler:
-    """Seeded, resumable prompt order: each epoch is a permutation of range(n_prompts) (the
-    identity when shuffle is False); batches run across epoch boundaries, so every prompt is used
-    once per epoch and none is skipped. `state_dict()` after k batches, loaded into a fresh sampler,
-    continues with batch k+1 exactly."""
-
-    def __init__(self, n_prompts: int, batch_size: int, seed: int = 0, shuffle: bool = True):
-        if n_prompts < 1:
-            raise DataError("no prompts to sample from")
-        if batch_size < 1:
-            raise DataError(f"prompt batch size must be at least 1, got {batch_size}")
-        self.n_prompts, self.batch_size, self.seed, self.shuffle = n_prompts, batch_size, seed, shuffle
-        self.epoch, self.pos = 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(self.n_prompts))
-        if self.shuffle:
-            random.Random(f"edgerl-sampler/{self.seed}/{epoch}").shuffle(order)
-        return order
-
-    def next_batch(self) -> list[int]:
-        """The next `batch_size` prompt indices."""
-        out: list[int] = []
-        while len(out) < self.batch_size:
-            if self.pos == self.n_prompts:
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
-            take = min(self.batch_size - len(out), self.n_prompts - self.pos)
-            out.extend(self._order[self.pos:self.pos + take])
-            self.pos += take
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"n_prompts": self.n_prompts, "batch_size": self.batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("n_prompts", "seed", "shuffle"):
-            if state.get(key) != getattr(self, key):
-                raise DataError(f"cannot resume the prompt order: the checkpoint has {key}={state.get(key)!r} "
-                                f"but this run has {getattr(self, key)!r}; the data or seed changed since "
-                                "the checkpoint")
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-        self._order = self._permutation(self.epoch)

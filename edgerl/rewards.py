@@ -170,15 +170,28 @@ def arithmetic_extract(solution_str: str) -> tuple[Optional[str], bool]:
     return gsm8k_extract(solution_str, "flexible"), False
 
 
+_DECIMAL = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def arithmetic_truth(ground_truth: Any) -> Optional[float]:
+    """The ground truth of an arithmetic row as a number: an integer or a decimal ('12', '3.5',
+    '-4', '1,200'); None when it is not one ('seven', '1e3', 'nan': no answer could equal it)."""
+    s = str(ground_truth).strip()
+    return float(s.replace(",", "")) if _DECIMAL.fullmatch(s) else None
+
+
 def arithmetic_score(solution_str: str, ground_truth: str) -> dict[str, float]:
-    """{'score': 1.0 if the answer equals the integer ground truth else 0.0, 'marker': 1.0 if it
+    """{'score': 1.0 if the answer equals the numeric ground truth else 0.0, 'marker': 1.0 if it
     came from the '#### <number>' form}. Unlike gsm8k the comparison is numeric ('12.', '12.0',
-    '1,200' count), and an unmarked answer (the last number) earns full credit too: a 135M model
+    '1,200' count; a decimal ground truth such as 3.5 works as well as the built-in task's
+    integers), and an unmarked answer (the last number) earns full credit too: a 135M model
     rarely writes the marker at first, and the task is to learn arithmetic; 'marker' is logged so
     the format can be watched."""
     if ground_truth is None:
         raise ValueError("the arithmetic reward needs a ground truth; this row has none")
-    truth = int(ground_truth)
+    truth = arithmetic_truth(ground_truth)
+    if truth is None:
+        raise ValueError(f"the arithmetic reward needs a number as the ground truth, got {ground_truth!r}")
     answer, marked = arithmetic_extract(solution_str)
     value = None
     if answer is not None:
@@ -221,6 +234,35 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Opt
         raise _unknown_source(data_source)
     res = fn(solution_str, ground_truth)
     return res if isinstance(res, dict) else float(res)
+
+
+def ground_truth_problem(data_source: str, ground_truth: Optional[str]) -> Optional[str]:
+    """Why the built-in reward of `data_source` could never give full credit against `ground_truth`
+    (a phrase that follows "field 'answer' ..." for a present ground truth, a sentence for an
+    absent one); None when it can, or when `data_source` has no built-in reward. The data loader
+    asks this of every row, so a bad answer stops the run before training, not at its first step."""
+    fn = _BUILTIN.get(ALIASES.get(data_source, data_source))
+    if fn is None:
+        return None
+    if ground_truth is None:
+        return (f"data_source {data_source!r} is scored against a reference answer, but there is none "
+                "(data.answer_key=''); set data.answer_key to the answer column, or give these rows a "
+                "data_source of your own and score them with --reward path/to/file.py:fn")
+    if fn is gsm8k_score:
+        if "#### " in ground_truth:
+            return (f"holds a whole GSM8K solution ({_excerpt(ground_truth, 30)}); the gsm8k reward needs "
+                    "the number alone: write the data with `edgerl data prepare gsm8k`")
+        found = gsm8k_extract("#### " + ground_truth, "strict")
+        if found != ground_truth:
+            # verl's gsm8k reward compares text: the number after '#### ' in the response, commas
+            # removed, must equal the ground truth exactly
+            fix = f"write {found!r}" if found else "write the number alone, digits only, e.g. '72'"
+            return (f"is {_excerpt(ground_truth, 30)}, which the gsm8k reward can never match: it compares "
+                    f"the number after '#### ' in a response (commas removed) with it as text; {fix}")
+    if fn is arithmetic_score and arithmetic_truth(ground_truth) is None:
+        return (f"is {_excerpt(ground_truth, 30)}, which the arithmetic reward cannot compare: it "
+                "compares numbers; write an integer or a decimal, such as 12 or 3.5")
+    return None
 
 
 def check_sources(data_sources: Iterable[str]) -> None:

@@ -15,7 +15,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from .datafiles import RawTable, json_line, read_text, text_lines
 from .errors import DataError
+from .outfiles import output_file, write_atomically
 
 ARITHMETIC_SOURCE = "edgerl/arithmetic"
 GSM8K_SOURCE = "openai/gsm8k"
@@ -144,6 +146,22 @@ def generate_arithmetic(n: int, difficulty: int = 1, seed: int = 0) -> list[dict
     return rows
 
 
+BUILTIN_PREFIX = "builtin:"
+
+
+def read_builtin(path: str, difficulty: int, num_examples: int, seed: int) -> RawTable:
+    """The rows of 'builtin:arithmetic' (data.path) as a table, like a file's."""
+    name = path[len(BUILTIN_PREFIX):]
+    if name != "arithmetic":
+        raise DataError(f"unknown built-in task {path!r}; the built-in task is 'builtin:arithmetic'")
+    try:
+        rows = generate_arithmetic(num_examples, difficulty, seed)
+    except ValueError as e:
+        raise DataError(f"{path}: {e} (data.difficulty / data.num_examples)") from None
+    return RawTable(source=f"{path} (difficulty {difficulty}, {num_examples} problems, seed {seed})",
+                    columns=list(rows[0]), rows=rows, name=path, kind="builtin")
+
+
 # --- GSM8K -----------------------------------------------------------------------------------
 
 _GSM8K_ANSWER = re.compile("#### (\\-?[0-9\\.\\,]+)")  # verl's extract_solution regex
@@ -169,21 +187,22 @@ def gsm8k_row(question: str, answer: str, split: str, index: int) -> dict[str, A
 
 
 def _read_gsm8k_jsonl(path: Path) -> list[dict[str, Any]]:
-
+    if path.is_dir():
+        raise DataError(f"--from {path} is a folder; give the GSM8K JSONL file, e.g. {path / 'train.jsonl'}")
+    if not path.exists():
+        raise DataError(f"cannot read --from {path}: no such file (looked for {path.resolve()})")
     examples = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, line in enumerate(text_lines(read_text(path)), start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json_line(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg}, column {e.colno})") from None
+        except ValueError as e:
+            raise DataError(f"{path}: line {lineno} {e}") from None
         for key in ("question", "answer"):
-            if not isinstance(obj.get(key), str):
+            if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
                 raise DataError(f"{path}: line {lineno} has no string '{key}' field; GSM8K lines "
                                 'look like {"question": ..., "answer": "... #### 72"}')
         examples.append(obj)
@@ -205,16 +224,20 @@ def _load_gsm8k_hub(split: str) -> list[dict[str, Any]]:
 
 
 def prepare_gsm8k(out_path: str | Path, source: str | Path | None = None,
-                  split: str = "train") -> int:
-    """Write GSM8K as verl-compatible parquet at `out_path`; return the number of rows.
+                  split: str = "train", overwrite: bool = False) -> tuple[Path, int]:
+    """Write GSM8K as verl-compatible parquet at `out_path`; return (the file written, rows).
 
     `source` None reads `openai/gsm8k` (config 'main', `split`) from the HF hub; otherwise a local
     GSM8K JSONL (`{"question", "answer"}` per line). Row i gets extra_info.index = i, the position
-    in the source split, as verl's `map(..., with_indices=True)` does.
+    in the source split, as verl's `map(..., with_indices=True)` does. `out_path` without a suffix
+    gets '.parquet'; its folder must exist; an existing file is replaced only with `overwrite`.
+    The file appears whole or not at all (written beside it, then renamed).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    # checked before the (possibly downloaded) source is read: a bad --out fails at once
+    out = output_file(out_path, (".parquet",), option="--out", overwrite=overwrite)
     examples = _load_gsm8k_hub(split) if source is None else _read_gsm8k_jsonl(Path(source))
     rows = []
     for i, ex in enumerate(examples):
@@ -223,8 +246,6 @@ def prepare_gsm8k(out_path: str | Path, source: str | Path | None = None,
         except ValueError as e:
             where = source if source is not None else f"{GSM8K_SOURCE}[{split}]"
             raise DataError(f"{where}: example {i} (0-based): {e}") from None
-    out = Path(out_path)
-    if out.parent and not out.parent.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    return len(rows)
+    table = pa.Table.from_pylist(rows)
+    write_atomically(out, lambda tmp: pq.write_table(table, tmp))
+    return out, len(rows)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from edgerl.config import DataConfig
-from edgerl.data import DataError, PromptSampler, check_data, load_prompts, prepare_gsm8k
+from edgerl.data import DataError, check_data, load_prompts, prepare_gsm8k
 from edgerl.tasks import GSM8K_INSTRUCTION, generate_arithmetic
 
 from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
@@ -242,8 +242,8 @@ def test_wrong_types_name_rows_and_fields(tmp_path, tok):
         load_prompts(cfg(path), tok)
     msg = str(e.value)
     assert "3 bad row(s)" in msg
-    assert "row 1 (0-based; line 2): field 'prompt' is a int (42)" in msg
-    assert "row 4 (0-based; line 5): field 'reward_model.ground_truth' is a list" in msg
+    assert "row 1 (0-based; line 2): field 'prompt' is a number (42); expected a string or a chat list" in msg
+    assert "row 4 (0-based; line 5): field 'reward_model.ground_truth' is an array ([1, 2])" in msg
     assert "row 5 (0-based; line 6): field 'prompt' message 0 of the chat list" in msg
 
 
@@ -288,10 +288,10 @@ def test_unreadable_files(tmp_path, tok, monkeypatch):
     fake.write_text("this is not parquet")
     with pytest.raises(DataError, match=r"cannot read .*fake.parquet as parquet"):
         load_prompts(cfg(fake), tok)
-    binary = tmp_path / "bin.jsonl"
-    binary.write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(DataError, match="not UTF-8"):
-        load_prompts(cfg(binary), tok)
+    utf16 = tmp_path / "bin.jsonl"
+    utf16.write_bytes('{"prompt": "hi"}\n'.encode("utf-16"))
+    with pytest.raises(DataError, match=r"bin.jsonl: it is UTF-16 text .*save it as UTF-8"):
+        load_prompts(cfg(utf16), tok)
     other = tmp_path / "d.txt"
     other.write_text("x")
     with pytest.raises(DataError, match=r"unsupported file type '.txt'"):
@@ -300,7 +300,7 @@ def test_unreadable_files(tmp_path, tok, monkeypatch):
 
     def denied(self, *a, **k):
         raise PermissionError(13, "Permission denied", str(self))
-    monkeypatch.setattr(Path, "read_text", denied)
+    monkeypatch.setattr(Path, "read_bytes", denied)
     with pytest.raises(DataError, match=r"cannot read .*locked.jsonl: permission denied"):
         load_prompts(cfg(good), tok)
 
@@ -420,8 +420,10 @@ def test_builtin_answers_match_the_numbers_in_the_question(level):
 def test_prepare_gsm8k_matches_verl_rule(tmp_path, tok):
     if not GSM8K_TRAIN.is_file():
         pytest.skip(f"needs GSM8K at {GSM8K_TRAIN} (shared test data)")
+    (tmp_path / "gsm8k").mkdir()
     out = tmp_path / "gsm8k" / "train.parquet"
-    n = prepare_gsm8k(out, source=GSM8K_TRAIN, split="train")
+    written, n = prepare_gsm8k(out, source=GSM8K_TRAIN, split="train")
+    assert written == out
     src = [json.loads(line) for line in GSM8K_TRAIN.read_text().splitlines() if line.strip()]
     table = pq.read_table(out)
     rows = table.to_pylist()
@@ -457,34 +459,3 @@ def test_prepare_gsm8k_bad_source(tmp_path):
     broken = write_jsonl(tmp_path / "h.jsonl", [{"question": "q", "answer": "#### 1"}, "{oops"])
     with pytest.raises(DataError, match="line 2 is not valid JSON"):
         prepare_gsm8k(tmp_path / "o.parquet", source=broken)
-
-
-# --- sampler --------------------------------------------------------------------------------------
-
-def test_sampler_deterministic_epochs_and_resume():
-    a, b = PromptSampler(10, 4, seed=7), PromptSampler(10, 4, seed=7)
-    seq_a = [a.next_batch() for _ in range(10)]
-    assert seq_a == [b.next_batch() for _ in range(10)]
-    assert seq_a != [PromptSampler(10, 4, seed=8).next_batch() for _ in range(10)]
-    flat = [i for batch in seq_a for i in batch]
-    assert all(len(batch) == 4 for batch in seq_a)
-    epochs = [flat[k:k + 10] for k in range(0, 40, 10)]
-    assert all(sorted(e) == list(range(10)) for e in epochs)  # every prompt once per epoch
-    assert len({tuple(e) for e in epochs}) > 1                 # reshuffled each epoch
-    # resume after 3 batches (mid-epoch) continues exactly
-    c = PromptSampler(10, 4, seed=7)
-    for _ in range(3):
-        c.next_batch()
-    state = json.loads(json.dumps(c.state_dict()))  # survives a JSON checkpoint
-    d = PromptSampler(10, 4, seed=7)
-    d.load_state_dict(state)
-    assert [d.next_batch() for _ in range(7)] == seq_a[3:]
-
-
-def test_sampler_without_shuffle_and_mismatch():
-    s = PromptSampler(5, 2, seed=0, shuffle=False)
-    assert [s.next_batch() for _ in range(3)] == [[0, 1], [2, 3], [4, 0]]
-    with pytest.raises(DataError, match="n_prompts=5 but this run has 6"):
-        PromptSampler(6, 2, seed=0, shuffle=False).load_state_dict(s.state_dict())
-    with pytest.raises(DataError):
-        PromptSampler(0, 2)

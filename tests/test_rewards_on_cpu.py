@@ -8,8 +8,8 @@ import math
 import pytest
 
 from edgerl.rewards import (RewardError, RewardItem, arithmetic_score, check_sources,
-                            default_compute_score, gsm8k_extract, gsm8k_score, load_reward_function,
-                            math_score, parse_number, score_batch)
+                            default_compute_score, ground_truth_problem, gsm8k_extract, gsm8k_score,
+                            load_reward_function, math_score, parse_number, score_batch)
 
 from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
 TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
@@ -112,6 +112,49 @@ def test_arithmetic_score(response, score, marker):
 def test_arithmetic_thousands():
     assert arithmetic_score("#### 1,200", "1200")["score"] == 1.0
     assert arithmetic_score("so 1,200", "1200")["score"] == 1.0
+
+
+def test_arithmetic_decimal_ground_truth():
+    assert arithmetic_score("#### 3.5", "3.5")["score"] == 1.0
+    assert arithmetic_score("half of 7 is 3.50", "3.5")["score"] == 1.0
+    assert arithmetic_score("#### 3", "3.5")["score"] == 0.0
+    assert arithmetic_score("#### 1200", "1,200")["score"] == 1.0
+    assert arithmetic_score("#### 12", " 12 ")["score"] == 1.0
+    for bad in ("seven", "nan", "inf", "1e3", "1/2", "1,2"):
+        with pytest.raises(ValueError, match="needs a number as the ground truth"):
+            arithmetic_score("#### 1", bad)
+
+
+def _best_score(source: str, truth: str) -> float:
+    """The best reward any plain statement of `truth` (and of its digits) earns; 0 when the reward
+    cannot even compare it."""
+    digits = "".join(c for c in truth if c.isdigit() or c in "-.")
+    best = 0.0
+    for said in {truth, truth.replace(",", ""), digits}:
+        for response in (f"#### {said}", f"The answer is {said}", f"\\boxed{{{said}}}"):
+            try:
+                res = default_compute_score(source, response, truth)
+            except ValueError:
+                return 0.0
+            best = max(best, res["score"] if isinstance(res, dict) else res)
+    return best
+
+
+@pytest.mark.parametrize("source, truth", [
+    (s, t) for s in ("gsm8k", "openai/gsm8k", "math", "arithmetic", "edgerl/arithmetic")
+    for t in ("72", "-7", "3.5", "0.25", "1,000", "1000", "$5", "72 apples", " 72", "seven", "1/2",
+              "\\frac{1}{2}", "3 + 4 = 7\n#### 7", "nan", "1e3")])
+def test_ground_truth_check_agrees_with_the_reward(source, truth):
+    """The load-time check refuses exactly the ground truths that no response could get full credit
+    for: what it lets through trains, what it stops would have scored 0 (or failed) every time."""
+    assert (ground_truth_problem(source, truth) is None) == (_best_score(source, truth) == 1.0)
+
+
+def test_ground_truth_check_leaves_other_sources_alone():
+    assert ground_truth_problem("my/task", "anything at all") is None
+    assert ground_truth_problem("my/task", None) is None
+    for source in ("gsm8k", "math", "arithmetic"):
+        assert "data.answer_key=''" in ground_truth_problem(source, None)
 
 
 # --- dispatch ----------------------------------------------------------------------------------------
