@@ -14,6 +14,8 @@ from ..plan import PlanError
 from ..profiles import list_profiles
 from . import data as data_cmd
 from . import train as train_cmd
+from rich.markup import escape
+
 from .app import ConfigOpt, GpuOpt, SetOpt, SpecOpt, app, console, err, friendly
 
 
@@ -22,13 +24,26 @@ from .app import ConfigOpt, GpuOpt, SetOpt, SpecOpt, app, console, err, friendly
 def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
            model: Optional[str] = typer.Option(None, "--model", "-m", help="model for the plan summary"),
            config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
-           as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+           as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+           bench: bool = typer.Option(False, "--bench", help="measure this GPU's matmul, memory and PCIe speed "
+                                      "(a few seconds; cached per GPU and used by the plan)"),
+           refresh: bool = typer.Option(False, "--refresh-bench", help="measure again even if a cached result exists")) -> None:
     """Is this machine ready to train, and if not, exactly what to fix."""
+    import dataclasses
     from ..doctor import Environment, exit_code, run_checks
     from ..target import plan_for, resolve_target
     from .render import checks_table, print_plan
     cfg = load_config(config, list(sets or []) + ([f"model.path={json.dumps(model)}"] if model else []))
     target = resolve_target(gpu, gpu_spec)
+    where = ""
+    if bench or refresh:
+        if target.simulated:
+            raise ConfigError("--bench measures this machine's GPU; it cannot measure a GPU given by --gpu or "
+                              "--gpu-spec (drop those, or drop --bench)")
+        from ..measure import cached_or_measured
+        dev = target.device
+        m, where = cached_or_measured(f"cuda:{dev.index}" if dev.is_cuda else "cpu", refresh=refresh)
+        target = dataclasses.replace(target, device=dataclasses.replace(dev, measured=m))
     plan, plan_error = None, None
     try:
         plan = plan_for(cfg, target)
@@ -38,14 +53,17 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
                         simulated=target.simulated)
     code = exit_code(checks)
     if as_json:
+        m = target.device.measured
         out = {"device": target.device.describe(), "simulated": target.simulated,
                "checks": [c.to_dict() for c in checks], "plan": plan.to_dict() if plan else None,
-               "plan_error": plan_error, "ok": code == 0}
+               "plan_error": plan_error, "measured": m.to_dict() if m is not None else None, "ok": code == 0}
         typer.echo(json.dumps(out, indent=2, default=str))
         raise typer.Exit(code)
     if target.simulated:
         console.print(f"[bold]Simulating[/] {target.device.describe()} with this machine's software.")
     console.print(checks_table(checks))
+    if where:
+        console.print(f"[dim]measurements {escape(where)}[/]")
     if plan:
         print_plan(console, plan)
     else:

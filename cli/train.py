@@ -10,7 +10,6 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..config import ConfigError
 from .app import ConfigOpt, SetOpt, console, friendly
 
 
@@ -82,11 +81,9 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
 
 @friendly
 def plot(run_dir: Path = typer.Argument(..., help="a run folder with metrics.jsonl"),
-         out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG path (default RUN_DIR/curves.png)")) -> None:
+         out: Optional[Path] = typer.Option(None, "--out", "-o", help=".png (default RUN_DIR/curves.png), .pdf or "
+                                            ".svg; a folder gets curves.png")) -> None:
     """Write a PNG of a run's curves (reward, length, KL, entropy, losses, speed, memory)."""
     from ..metrics import plot as plot_run
-    try:
-        path = plot_run(run_dir, out)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-    console.print(f"wrote {path}")
+    path = plot_run(run_dir, out)
+    console.print(f"wrote {escape(str(path))}", soft_wrap=True)

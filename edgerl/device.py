@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 from .errors import SpecError
 
 GiB = 1024**3
@@ -145,6 +145,8 @@ class Device:
     pcie_width_max: Optional[int] = None
     utilization_pct: Optional[int] = None
     ecc_enabled: Optional[bool] = None         # NVML's current ECC mode; None when unknown or not applicable
+    uuid: Optional[str] = None                 # NVML's GPU UUID (probed devices only)
+    measured: Optional[Any] = None             # measurements.Measurements from `edgerl doctor --bench`, if cached
     driver_version: Optional[str] = None
     cuda_driver: Optional[str] = None          # highest CUDA version the driver supports, "13.0"
     host_memory_available: Optional[int] = None

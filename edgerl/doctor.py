@@ -16,7 +16,6 @@ from typing import Optional
 
 from .device import GiB, Device, arch_covers
 from .memory import fmt_bytes
-from .decisions import DtypePolicy, pick_attention, pick_dtype, vllm_support
 from .plan import Plan
 from .probe import NvmlReport, ProbeResult
 from .wheels import wheel_advice
@@ -141,104 +140,6 @@ def check_runtime_vs_driver(dev: Device, probe: ProbeResult, simulated: bool) ->
     return _c(name, "ok", f"torch CUDA {tcuda} <= driver CUDA {drv}")
 
 
-def check_bf16(dev: Device) -> Check:
-    if not dev.is_cuda:
-        return _c("native bf16", "skip", "CPU")
-    if dev.bf16:
-        return _c("native bf16", "ok", f"{dev.sm}: bf16 tensor cores")
-    return _c("native bf16", "ok", f"{dev.sm}: no native bf16 (torch.cuda.is_bf16_supported() says True by "
-              "emulation on 7.x); edgerl never picks bf16 here")
-
-
-def check_fp16(dev: Device, dtype: DtypePolicy) -> Check:
-    if not dev.is_cuda:
-        return _c("fp16 speed class", "skip", "CPU")
-    if not dev.fp16_fast:
-        return _c("fp16 speed class", "ok", f"{dev.sm}: fp16 at 1/64 of fp32; the plan computes in {dtype.compute}")
-    tc = "with tensor cores" if dev.tensor_cores else "without tensor cores"
-    return _c("fp16 speed class", "ok", f"{dev.sm}: fast fp16 {tc}; the plan computes in {dtype.compute}")
-
-
-def check_flash_attn(dev: Device, dtype: DtypePolicy) -> Check:
-    name = "FlashAttention-2"
-    v = dev.software.version("flash_attn")
-    if not dev.is_cuda or dev.cc < (8, 0):
-        detail = f"not for {dev.sm if dev.is_cuda else 'the CPU'} (needs sm_80 and fp16/bf16)"
-        if v:
-            return _c(name, "warn", f"flash_attn {v} is installed but {detail}; code that imports it "
-                      "unconditionally fails here", "edgerl does not use it here; nothing to do")
-        return _c(name, "ok", f"{detail}; SDPA is used instead")
-    if v:
-        return _c(name, "ok", f"flash_attn {v} on {dev.sm}")
-    return _c(name, "ok", f"flash_attn not installed; SDPA's built-in flash backend serves {dtype.compute} on "
-              f"{dev.sm}", "optional: pip install flash-attn --no-build-isolation")
-
-
-def sdpa_backends(dev: Device, dtype: str) -> list[str]:
-    """SDPA backends that serve `dtype` on `dev` (hardware.md section 5)."""
-    if not dev.is_cuda:
-        return ["math", "flash (CPU)"]
-    out = []
-    if (8, 0) <= dev.cc and dtype in ("fp16", "bf16"):
-        out += ["flash", "cudnn"]
-    if dev.cc >= (5, 0) and (dtype in ("fp16", "fp32") or (dtype == "bf16" and dev.cc >= (8, 0))):
-        out.append("mem-efficient")
-    return out + ["math"]
-
-
-def check_sdpa(dev: Device, dtype: DtypePolicy) -> Check:
-    backends = sdpa_backends(dev, dtype.compute)
-    fused = [b for b in backends if b != "math"]
-    status = "ok" if fused else "warn"
-    return _c("SDPA backends", status, f"{dtype.compute} on {dev.sm if dev.is_cuda else 'CPU'}: {', '.join(backends)}",
-              "" if fused else "only the math backend: attention memory grows with length squared")
-
-
-def check_triton(dev: Device) -> Check:
-    v = dev.software.version("triton")
-    if not dev.is_cuda:
-        return _c("Triton", "skip", "CPU: the torch chunked kernels are used")
-    if dev.cc < (7, 0):
-        return _c("Triton", "ok", f"not on {dev.sm}: Triton and torch.compile need CC >= 7.0; the torch chunked "
-                  "log-prob kernel is used")
-    if v:
-        return _c("Triton", "ok", f"triton {v}: fused log-prob kernel")
-    return _c("Triton", "warn", "triton is not installed: the slower torch chunked kernel is used",
-              "pip install triton")
-
-
-def check_vllm(dev: Device, dtype: DtypePolicy) -> Check:
-    ok, why = vllm_support(dev, dtype)
-    if ok:
-        return _c("vLLM", "ok", why)
-    if dev.software.has("vllm"):
-        return _c("vLLM", "warn", f"installed but not usable here: {why}", "edgerl uses its hf engine instead")
-    engine = "the hf engine (static KV cache + CUDA graphs)" if dev.is_cuda else "the hf engine"
-    return _c("vLLM", "ok", f"{why}; {engine} is used",
-              "optional on CC >= 7.0: pip install 'edgerl[vllm]'" if dev.is_cuda and dev.cc >= (7, 0) else "")
-
-
-def check_bnb(dev: Device) -> Check:
-    v = dev.software.version("bitsandbytes")
-    if not dev.is_cuda:
-        return _c("bitsandbytes", "skip", "CPU")
-    if v:
-        return _c("bitsandbytes", "ok", f"bitsandbytes {v}: 8-bit AdamW available (CC >= 6.0)")
-    return _c("bitsandbytes", "ok", "not installed: 8-bit AdamW unavailable (optional)", "pip install bitsandbytes")
-
-
-def check_host_ram(dev: Device, plan: Optional[Plan]) -> Check:
-    need = plan.memory.host_needed if plan else 0
-    have = dev.host_memory_available or dev.host_memory
-    detail = f"{fmt_bytes(dev.host_memory)} RAM ({fmt_bytes(dev.host_memory_available)} available)"
-    if need and need > have:
-        return _c("host RAM for offload", "fail", f"{detail}; the plan offloads {fmt_bytes(need)}",
-                  "free memory, add RAM, or use LoRA (--set lora.enabled=true)")
-    if need:
-        return _c("host RAM for offload", "ok", f"{detail}; the plan offloads {fmt_bytes(need)}")
-    return _c("host RAM for offload", "ok", f"{detail}; the plan offloads nothing")
-
-
 def check_folders(env: Environment) -> list[Check]:
     out = []
     hf_home = Path(env.env.get("HF_HOME") or Path(env.env.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface")
@@ -291,33 +192,43 @@ def check_memory_in_use(dev: Device, simulated: bool) -> Check:
     return _c("GPU memory free", "ok", f"{fmt_bytes(dev.free_memory)} of {fmt_bytes(dev.total_memory)} free")
 
 
+def check_gpus(probe: ProbeResult, simulated: bool) -> Optional[Check]:
+    """Every GPU torch sees, and whether each pair can reach the other's memory directly (peer to peer);
+    only for several GPUs."""
+    if simulated or len(probe.devices) < 2 or not probe.cuda_available:
+        return None
+    names = "; ".join(f"{d.index}: {d.describe()}" for d in probe.devices)
+    if not probe.peer_access:
+        return _c("GPUs and peer access", "ok", f"{names}; peer access not reported")
+    blocked = [f"{i}->{j}" for i, j, ok in probe.peer_access if not ok]
+    if blocked:
+        return _c("GPUs and peer access", "warn", f"{names}; no peer access for {', '.join(blocked)}: NCCL goes "
+                  "through host memory between them (slower all-gathers under FSDP2)",
+                  "check nvidia-smi topo -m; an IOMMU or PCIe ACS setting can block peer-to-peer")
+    return _c("GPUs and peer access", "ok", f"{names}; every pair has peer access")
+
+
 def run_checks(dev: Device, probe: ProbeResult, plan: Optional[Plan], env: Optional[Environment] = None,
                simulated: bool = False) -> list[Check]:
+    from .doctor_plan import plan_checks
     env = env or Environment()
-    dtype = plan.dtype if plan else pick_dtype(dev, None)[0]
-    checks: list[Check] = [
+    checks: list[Optional[Check]] = [
         check_driver(probe.nvml, simulated),
         check_torch_cuda(dev, probe, simulated),
         check_arch(dev, probe),
         check_runtime_vs_driver(dev, probe, simulated),
-        check_bf16(dev),
-        check_fp16(dev, dtype),
-        check_flash_attn(dev, dtype),
-        check_sdpa(dev, dtype),
-        check_triton(dev),
-        check_vllm(dev, dtype),
-        check_bnb(dev),
-        check_host_ram(dev, plan),
+        check_gpus(probe, simulated),
+        *plan_checks(dev, plan, simulated),
         *check_folders(env),
         check_pcie(dev, simulated),
         check_allocator(dev, env, plan),
         check_memory_in_use(dev, simulated),
     ]
-    return checks
+    return [c for c in checks if c is not None]
 
 
 def exit_code(checks: list[Check]) -> int:
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 
-__all__ = ["Check", "Environment", "run_checks", "exit_code", "sdpa_backends", "pick_attention"]
+__all__ = ["Check", "Environment", "run_checks", "exit_code"]

@@ -145,11 +145,6 @@ class MetricsWriter:
         finally:
             self._fh = open(self.path, "a", encoding="utf-8")
 
-    def truncate_after(self, step: int) -> Optional[Path]:
-        """The name the trainer's resume calls today: the same as `archive_after` (rows after `step`
-        are moved aside, not deleted)."""
-        return self.archive_after(step)
-
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self._fh.write(json.dumps(row) + "\n")

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from .decisions import (DtypePolicy, bnb_support, choose_logprob_chunk, logit_bytes, lora_targets, optimizer_reason,
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
-                        pick_reward_model_dtype, pick_rollout, rollout_share_reason)
+                        pick_reward_model_dtype, pick_rollout, rollout_share_reason, transfer_note)
 from .device import GiB, Device
 from .dtypes import nbytes
 from .errors import ModelSpecError, PlanError
@@ -218,9 +218,9 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
 
     forced = {k: o.get(k) for k in ("grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
                                     "rollout_batch", "score_micro_batch", "micro_batch")}
-    if device.integrated:
-        forced["param_offload"] = forced["param_offload"] or False
-        forced["optimizer_offload"] = forced["optimizer_offload"] or False
+    if device.integrated:  # host memory is the same memory: moving anything there frees nothing
+        for k in ("param_offload", "optimizer_offload", "swap_models"):
+            forced[k] = forced[k] or False
     targets: tuple[str, ...] = ()
     lora_params = 0
     attempts: list[tuple[bool, Optional[_Search], list[str]]] = []
@@ -279,14 +279,17 @@ def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device:
     first = found.stage == STAGES[0].name
     reasons["grad_checkpointing"] = (f"not needed: {fits}" if not s.grad_checkpointing else
                                      f"on: without it the update does not fit with a useful micro-batch; {fits}")
+    ref_bytes = model.n_params() * s.compute_bytes if s.reference else 0
+    state_bytes = (lora_params or model.n_params()) * s.optimizer_bytes_per_param
     reasons["swap_models"] = ("the reference model stays on the GPU" if not s.swap_models else
-                              "the reference model moves to host memory outside the scoring phase")
+                              "the reference model moves to host memory outside the scoring phase"
+                              + transfer_note(device, ref_bytes))
     reasons["optimizer_offload"] = ("optimizer state stays on the GPU" if not s.optimizer_offload else
                                     "optimizer state waits in host memory between updates and comes back "
-                                    "for the optimizer step only")
+                                    "for the optimizer step only" + transfer_note(device, state_bytes))
     reasons["param_offload"] = ("weights stay on the GPU" if not s.param_offload else
                                 f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
-                                "layers stream over PCIe (slow, but it fits)")
+                                "layers stream over PCIe (slow, but it fits)" + transfer_note(device, mem.host_needed))
     reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
                               f"mini-batch ({task.mini}) that fits" + ("" if first else f" after {found.stage}"))
     reasons["score_micro_batch"] = f"{s.score_micro_batch} sequences per no-grad log-prob pass"

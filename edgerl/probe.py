@@ -61,6 +61,7 @@ class CudaBackend(Protocol):
     def mem_get_info(self, index: int) -> tuple[int, int]: ...
     def arch_list(self) -> list[str]: ...
     def cuda_version(self) -> Optional[str]: ...
+    def can_access_peer(self, a: int, b: int) -> bool: ...
 
 
 class RealNvml:
@@ -152,6 +153,9 @@ class RealCuda:
     def cuda_version(self) -> Optional[str]:
         return self.torch.version.cuda
 
+    def can_access_peer(self, a: int, b: int) -> bool:
+        return bool(self.torch.cuda.can_device_access_peer(a, b))
+
 
 def probe_software(cuda: Optional[CudaBackend] = None) -> Software:
     """Versions of torch and the optional libraries (None when absent)."""
@@ -192,6 +196,7 @@ class ProbeResult:
     cuda_available: bool
     software: Software
     notes: tuple[str, ...] = ()
+    peer_access: tuple[tuple[int, int, bool], ...] = ()   # (torch index a, b, a can read b's memory)
 
     @property
     def primary(self) -> Device:
@@ -293,11 +298,22 @@ def probe(nvml: Optional[NvmlBackend] = None, cuda: Optional[CudaBackend] = None
             pcie_width=g.pcie_width if g else None, pcie_width_max=g.pcie_width_max if g else None,
             utilization_pct=g.utilization_pct if g else None, ecc_enabled=g.ecc_enabled if g else None,
             driver_version=nvml_rep.driver_version, cuda_driver=nvml_rep.cuda_driver,
-            host_memory_available=ram_avail)
+            host_memory_available=ram_avail, uuid=(g.uuid if g else uuid) or None)
+        if dev.uuid:  # an earlier `edgerl doctor --bench` of this GPU (a file read; never measures here)
+            from .measurements import read_cached
+            dev = replace(dev, measured=read_cached(dev.uuid, torch_version=sw.torch)[0])
         devices.append(replace(dev, source="probe", note="probed"))
     if not devices:
         return cpu("; ".join(notes) or "no supported GPU")
-    return ProbeResult(tuple(devices), nvml_rep, True, sw, tuple(notes))
+    peers = []
+    for a in devices:
+        for b in devices:
+            if a.index != b.index:
+                try:
+                    peers.append((a.index, b.index, bool(cuda.can_access_peer(a.index, b.index))))
+                except Exception as e:  # reported, never fatal: the doctor says peer access is unknown
+                    notes.append(f"peer access {a.index}->{b.index} unknown: {e}")
+    return ProbeResult(tuple(devices), nvml_rep, True, sw, tuple(notes), tuple(peers))
 
 
 def _bandwidth(p: Any) -> Optional[float]:

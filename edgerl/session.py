@@ -137,6 +137,8 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     try:
         if resume is None or run_dir != resume.run_dir:
             checkpoint.atomic_write_text(run_dir / "config.toml", to_toml(cfg))
+        if resume is not None and run_dir != resume.run_dir:  # a branch starts with its trunk's history
+            _copy_history(resume, run_dir)
         checkpoint.atomic_write_text(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
     except OSError as e:
         lock.release()
@@ -144,3 +146,12 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
                    prompts=prompts, data_report=report, resume=resume, emulation=emulation, finished=finished,
                    log=log, lock=lock)
+
+
+def _copy_history(point: runfolder.ResumePoint, run_dir: Path) -> None:
+    src = point.run_dir / "metrics.jsonl"
+    if not src.exists():
+        return
+    from .metrics import read_metrics
+    rows = [r for r in read_metrics(point.run_dir, log=lambda s: None) if r.get("step", 0) <= point.step]
+    checkpoint.atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))

@@ -97,7 +97,8 @@ class Trainer:
             self.log(f"LoRA r={plan.lora['rank']}: {n:,} trainable parameters (the plan counted "
                      f"{plan.lora['params']:,}); base stored in {plan.base_dtype}")
         loop = state.LoopState(
-            step=0, sampler=PromptSampler(len(self.prompts), t.prompts_per_step, t.seed, cfg.data.shuffle),
+            step=0, sampler=PromptSampler(len(self.prompts), t.prompts_per_step, t.seed, cfg.data.shuffle,
+                                           log=self.log),
             gen=torch.Generator().manual_seed(t.seed),
             kl_ctl=(algos.AdaptiveKL(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
                     if cfg.algo.kl_target else algos.FixedKL(cfg.algo.kl_coef)),
@@ -115,9 +116,11 @@ class Trainer:
         self.stop_signal: Optional[str] = None
         if s.resume is not None:
             state.restore(s.resume.checkpoint, self.state, self.log)
-        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None)
+        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None, log=self.log)
         if s.resume is not None:
-            self.metrics.truncate_after(self.state.loop.step)
+            moved = self.metrics.archive_after(self.state.loop.step)
+            if moved is not None:
+                self.log(f"metrics of the steps after {self.state.loop.step} (they are redone now) moved to {moved}")
         self.engine.sync_weights(lm_weights(self.actor))
         eos = self.tokenizer.eos_token_id
         r = cfg.rollout

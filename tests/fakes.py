@@ -57,6 +57,7 @@ class FakeCuda:
     arch: list
     version: Optional[str] = "12.6"
     available: bool = True
+    peer: bool = True
 
     def is_available(self) -> bool:
         return self.available and bool(self.gpus)
@@ -81,6 +82,9 @@ class FakeCuda:
 
     def cuda_version(self):
         return self.version
+
+    def can_access_peer(self, a: int, b: int) -> bool:
+        return self.peer
 
 
 def software(torch_cuda: Optional[str] = "12.6", arch=CU126_ARCH, **libs) -> Software:

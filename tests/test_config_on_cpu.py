@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgerl.config import ConfigError, describe, load_config, parse_set, to_toml
+from edgerl.config import Config, ConfigError, load_config, parse_set, to_toml
 
 
 def test_defaults_validate_and_floats_stay_floats():
@@ -67,7 +67,23 @@ def test_effective_batch_line():
     assert cfg.effective_batch().startswith("8 prompts x 8 samples = 64 sequences per step; mini-batch 16 -> 4 update(s)")
 
 
-def test_every_key_is_documented():
-    rows = describe()
-    assert len(rows) > 50
-    assert all(doc for _, _, _, doc in rows)
+def test_every_key_is_documented_and_printed_by_edgerl_config():
+    import dataclasses
+    from typer.testing import CliRunner
+    from edgerl.cli.main import app
+    keys = [(s.name, f) for s in dataclasses.fields(Config) for f in dataclasses.fields(s.type if isinstance(
+        s.type, type) else type(getattr(Config(), s.name)))]
+    assert len(keys) > 50
+    assert all(f.metadata.get("doc") for _, f in keys)
+    res = CliRunner().invoke(app, ["config", "--set", "train.lr=3e-6"])
+    assert res.exit_code == 0, res.output
+    for section, f in keys:
+        assert f"{f.name} = " in res.output or f"# {f.name} = (unset)" in res.output, (section, f.name)
+    assert load_config(sets=["train.lr=3e-6"]) == _reload(res.output)
+
+
+def _reload(text: str):
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as fh:
+        fh.write(text)
+    return load_config(fh.name)

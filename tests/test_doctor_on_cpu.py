@@ -67,14 +67,65 @@ def test_runtime_newer_than_driver():
     assert checks_for(r)["CUDA runtime vs driver"].status == "fail"
 
 
-def test_triton_and_flash_attn_by_capability():
+def test_attention_and_kernel_report_the_plan():
     c = checks_for(fake_probe("P40", flash_attn="2.7.4"))
-    assert c["Triton"].status == "ok" and "CC >= 7.0" in c["Triton"].detail
-    assert c["FlashAttention-2"].status == "warn"
-    c = checks_for(fake_probe("T4", triton=None))
-    assert c["Triton"].status == "warn" and c["Triton"].fix == "pip install triton"
+    assert c["log-prob kernel"].status == "ok" and "CC >= 7.0" in c["log-prob kernel"].detail
+    assert c["attention"].status == "warn" and "flash_attn 2.7.4 is installed but cannot run here" in c["attention"].detail
+    c = checks_for(fake_probe("T4"))
+    assert c["log-prob kernel"].detail.startswith("torch:") and "FMA" in c["log-prob kernel"].detail
+    c = checks_for(fake_probe("3090", triton=None))
+    assert c["log-prob kernel"].status == "warn" and "pip install triton" in c["log-prob kernel"].fix
     c = checks_for(fake_probe("3090"))
-    assert "mem-efficient" in c["SDPA backends"].detail and "flash" in c["SDPA backends"].detail
+    assert "mem-efficient" in c["attention"].detail and "flash" in c["attention"].detail
+    assert c["log-prob kernel"].detail.startswith("triton:")
+
+
+def test_fp16_reason_is_exact_for_each_class():
+    assert "1/64" in checks_for(fake_probe("P40"))["fp16 and compute dtype"].detail
+    assert "1/64" not in checks_for(fake_probe("P100"))["fp16 and compute dtype"].detail
+    assert "no native fp16" in checks_for(fake_probe("M40"))["fp16 and compute dtype"].detail
+
+
+def test_vllm_advice_names_the_capability_and_torch_constraints():
+    assert "sm_75" in checks_for(fake_probe("V100"))["vLLM"].fix
+    assert "replace the torch" in checks_for(fake_probe("3090"))["vLLM"].fix
+    assert "community" in checks_for(fake_probe("P40"))["vLLM"].fix
+
+
+def test_ecc_advice_when_the_plan_is_short_of_memory():
+    import dataclasses
+    r = fake_probe("P40")
+    dev = dataclasses.replace(r.primary, ecc_enabled=True, profile="p40")
+    big = plan(dev, CATALOGUE["qwen2.5-1.5b"], Task(prompt_len=256, response_len=512, prompts_per_step=8,
+                                                     samples_per_prompt=8, lora=None))
+    ecc = {c.name: c for c in run_checks(dev, r, big, FakeEnv())}["ECC"]
+    assert ecc.status == "warn" and "nvidia-smi -i 0 -e 0" in ecc.fix and "1.50 GiB" in ecc.fix
+    off = dataclasses.replace(dev, ecc_enabled=False)
+    assert "ECC" not in {c.name for c in run_checks(off, r, big, FakeEnv())}
+
+
+def test_several_gpus_are_listed_with_peer_access():
+    from edgerl.device import GiB
+    from edgerl.probe import probe
+    from fakes import FakeCuda, FakeNvml, nvml_gpu, software
+    gpus = [nvml_gpu("T4", 0), nvml_gpu("T4", 1)]
+    for peer, status in ((True, "ok"), (False, "warn")):
+        r = probe(nvml=FakeNvml(gpus), cuda=FakeCuda(gpus, CU126_ARCH, peer=peer), env={}, host=(64 * GiB, 48 * GiB),
+                  software=software())
+        c = {x.name: x for x in run_checks(r.primary, r, None, FakeEnv())}["GPUs and peer access"]
+        assert c.status == status and "0: Tesla T4" in c.detail and "1: Tesla T4" in c.detail
+
+
+def test_a_wrong_measured_matmul_fails_the_doctor():
+    import dataclasses
+    from edgerl.measurements import Item, Measurements
+    r = fake_probe("T4")
+    m = Measurements(kind="cuda", name="Tesla T4", uuid="gpu-t4", cc=(7, 5), torch="2.7.1", cuda="12.6",
+                     date="2026-12-01T00:00:00Z", fp32_matmul=Item(value=8.0, status="ok", note=""),
+                     fp16_matmul=Item(value=60.0, status="wrong", note="max error 0.5"))
+    dev = dataclasses.replace(r.primary, measured=m)
+    c = {x.name: x for x in run_checks(dev, r, None, FakeEnv())}["measured speed"]
+    assert c.status == "fail" and "fp16_matmul" in c.detail and "reinstall" in c.fix
 
 
 def test_folders_and_allocator():

@@ -7,7 +7,7 @@ from edgerl.modelspec import CATALOGUE
 from edgerl.plan import Task, plan
 from fakes import software
 
-TASK = Task(prompt_len=128, response_len=128, prompts_per_step=2, samples_per_prompt=4)
+TASK = Task(prompt_len=128, response_len=128, prompts_per_step=2, samples_per_prompt=4, lora=None)
 
 # spec -> (tensor cores, bf16, fp16 at least as fast as fp32, native fp16, integrated, smem opt-in KiB,
 #          compute dtype the plan picks, kernel backend)
@@ -15,9 +15,9 @@ SPECS = [
     ('cc=5.2,memory=22939MiB,name="Tesla M40 24GB"', (False, False, False, False, False, 48, "fp32", "torch")),
     ("cc=5.3,memory=4GiB", (False, False, True, True, True, 48, "fp32", "torch")),   # Jetson Nano
     ("cc=6.2,memory=8GiB", (False, False, True, True, True, 48, "fp32", "torch")),   # Jetson TX2
-    ("cc=7.2,memory=32GiB", (True, False, True, True, True, 96, "fp16", "triton")),  # Jetson Xavier
-    ('cc=7.5,memory=6GiB,name="GeForce GTX 1660 Ti"', (False, False, True, True, False, 64, "fp16", "triton")),
-    ('cc=7.5,memory=4GiB,name="Quadro T1000"', (False, False, True, True, False, 64, "fp16", "triton")),
+    ("cc=7.2,memory=32GiB", (True, False, True, True, True, 96, "fp16", "torch")),  # Jetson Xavier
+    ('cc=7.5,memory=6GiB,name="GeForce GTX 1660 Ti"', (False, False, True, True, False, 64, "fp16", "torch")),
+    ('cc=7.5,memory=4GiB,name="Quadro T1000"', (False, False, True, True, False, 64, "fp16", "torch")),
     ("cc=8.7,memory=62841MiB", (True, True, True, True, True, 163, "bf16", "triton")),  # Jetson AGX Orin
     ("cc=10.0,memory=180GiB", (True, True, True, True, False, 227, "bf16", "triton")),
     ("cc=12.0,memory=32GiB", (True, True, True, True, False, 99, "bf16", "triton")),

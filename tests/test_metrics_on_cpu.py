@@ -92,18 +92,10 @@ def test_archive_after_moves_later_rows_aside(tmp_path):
     assert second == run / "metrics.after-step-2-2.jsonl"
     assert second.read_text() == '{"step": 3, "reward/mean": 9.0}\n' and side.read_text() == lines(3, 4, 5)
     w = writer(run, [])
-    assert w.archive_after(2) is None and w.truncate_after(2) is None
+    assert w.archive_after(2) is None
     w.close()
     assert sorted(p.name for p in run.iterdir()) == ["metrics.after-step-2-2.jsonl", "metrics.after-step-2.jsonl",
                                                      "metrics.jsonl"]
-
-
-def test_truncate_after_no_longer_deletes(tmp_path):
-    run = run_with(tmp_path, lines(1, 2, 3))
-    w = writer(run, [])
-    side = w.truncate_after(1)
-    w.close()
-    assert read_metrics(run) == [{"step": 1, "reward/mean": 0.1}] and side.read_text() == lines(2, 3)
 
 
 def test_a_crash_while_archiving_loses_nothing(tmp_path, monkeypatch):

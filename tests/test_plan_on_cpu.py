@@ -17,15 +17,16 @@ SMALL = Task(prompt_len=256, response_len=256, prompts_per_step=2, samples_per_p
 TABLE = [
     ("P40", {}, "fp32", "sdpa", "torch", "hf", True),
     ("P100", {}, "fp32", "sdpa", "torch", "hf", True),
-    ("V100", {}, "fp16-mixed", "sdpa", "triton", "hf", True),
-    ("T4", {}, "fp16-mixed", "sdpa", "triton", "hf", True),
-    ("GTX1660", {}, "fp16-mixed", "sdpa", "triton", "hf", True),
+    ("V100", {}, "fp16-mixed", "sdpa", "torch", "hf", True),      # Triton's tl.dot has no tensor-core path < 8.0
+    ("T4", {}, "fp16-mixed", "sdpa", "torch", "hf", True),
+    ("GTX1660", {}, "fp16-mixed", "sdpa", "torch", "hf", True),
     ("3090", {}, "bf16-mixed", "sdpa", "triton", "hf", True),
     ("3090", {"flash_attn": "2.7.4"}, "bf16-mixed", "flash_attention_2", "triton", "hf", True),
     ("A100", {"vllm": "0.10.1"}, "bf16-mixed", "sdpa", "triton", "vllm", False),
     ("H100", {"triton": None}, "bf16-mixed", "sdpa", "torch", "hf", True),
     ("P40", {"vllm": "0.10.1", "flash_attn": "2.7.4"}, "fp32", "sdpa", "torch", "hf", True),
-    ("T4", {"vllm": "0.10.1"}, "fp16-mixed", "sdpa", "triton", "vllm", False),
+    ("T4", {"vllm": "0.10.1"}, "fp16-mixed", "sdpa", "torch", "vllm", False),
+    ("H100", {"flash_attn": "2.7.4"}, "bf16-mixed", "flash_attention_2", "triton", "hf", True),
     (None, {}, "fp32", "sdpa", "torch", "hf", False),
 ]
 
@@ -42,6 +43,32 @@ def test_decisions_per_device(key, libs, dtype, attention, kernel, engine, graph
     assert p.memory.fits and p.memory.total <= p.memory.budget
     if kernel == "triton":
         assert p.kernel_tiles["smem_bytes"] <= dev.smem_per_block_optin
+
+
+def test_blackwell_keeps_sdpa_unless_flash_attention_is_asked_for():
+    from edgerl.device import device_from_spec
+    from fakes import software
+    dev = device_from_spec("cc=12.0,memory=31GiB,name=\"NVIDIA GeForce RTX 5090\"",
+                           software(flash_attn="2.7.4"), 64 * GiB)
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    assert p.attention == "sdpa" and "Blackwell" in p.reasons["attention"]
+    forced = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"attention": "flash_attention_2"})
+    assert forced.attention == "flash_attention_2" and "no kernel image" in forced.reasons["attention"]
+
+
+@pytest.mark.parametrize("key,gain,dtype", [("P100", 2.0, "fp16-mixed"), ("P40", 0.9, "fp32"), ("P40", None, "fp32")])
+def test_measured_fp16_speed_decides_below_cc7(key, gain, dtype):
+    from edgerl.measurements import Item, Measurements
+    dev = fake_probe(key).primary
+    if gain is not None:
+        item = lambda v: Item(value=v, status="ok", note="")  # noqa: E731
+        m = Measurements(kind="cuda", name=dev.name, uuid="gpu-x", cc=dev.cc, torch="2.7.1", cuda="12.6",
+                         date="2026-12-01T00:00:00Z", fp32_matmul=item(10.0), fp16_matmul=item(10.0 * gain))
+        dev = dataclasses.replace(dev, measured=m)
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    assert p.dtype.name == dtype
+    assert ("measured by edgerl doctor --bench" in p.reasons["dtype"]) == (gain is not None)
+    assert gain is not None or "from the table" in p.reasons["dtype"]
 
 
 def test_plan_is_pure_and_deterministic():
