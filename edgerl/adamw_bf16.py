@@ -19,9 +19,12 @@ Both keep the moments in bf16 with stochastic rounding. Rounded to nearest, the 
 sticks: with beta2 = 0.999 its per-step change (v * 1e-3 when the gradient vanishes) is below half
 a bf16 spacing, so after one large gradient it never decays and that weight's step stays damped.
 
-The random bits come from a generator seeded by (seed, parameter index, process rank, step count,
-chunk): runs are reproducible, and a resumed run (the step count is in the state dict) draws the
-bits of one that never stopped, with no generator state to save.
+The random bits come from a generator seeded by (seed, parameter index, shard, step count, chunk):
+runs are reproducible, and a resumed run (the step count is in the state dict) draws the bits of
+one that never stopped, with no generator state to save. The shard is the process's place along
+the mesh dimensions that shard the parameter, not its rank: copies of one shard on several
+processes (a replicated mesh dimension, or plain tensors under data parallelism) draw the same
+bits and so stay identical.
 
 FSDP2: parameters, gradients and state are DTensors; the update is elementwise, so it runs on each
 local shard, and the state stays DTensor so DCP's full state dict gathers it as for torch's AdamW.
@@ -41,7 +44,6 @@ import math
 from typing import Iterable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from .errors import OptimizerError
 
@@ -52,7 +54,7 @@ CHUNK = 1 << 21
 WORKSPACE_BYTES = 28 * CHUNK
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor that holds the data: a DTensor's local shard, or `t` itself."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
@@ -67,7 +69,18 @@ def round_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.int32) + bits).bitwise_and_(-65536).view(torch.float32).bfloat16()
 
 
-def _seed(*key: int) -> int:
+def _shard(p: torch.Tensor) -> tuple[int, ...]:
+    """Which shard of `p` this process holds: its coordinates along the mesh dimensions that split
+    `p` (FSDP2 shards dim 0 over a 1-D mesh: the rank). () for a plain tensor, a replicated one, or
+    one 'sharded' over a single process, which holds all of it and so steps as a plain tensor would."""
+    if not hasattr(p, "placements"):
+        return ()
+    mesh, coord = p.device_mesh, p.device_mesh.get_coordinate()
+    return tuple(c for d, (c, placement) in enumerate(zip(coord, p.placements))
+                 if placement.is_shard() and mesh.size(d) > 1)
+
+
+def _seed(*key) -> int:
     """A 63-bit generator seed that depends on every part of `key` (blake2b, not Python's hash)."""
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
 
@@ -123,7 +136,7 @@ class AdamWBF16(torch.optim.Optimizer):
                                  "load the model in bf16 (no fp32 master copy), or use plan.optimizer=adamw")
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _bits(self, device: torch.device, shape: torch.Size, key: tuple[int, ...]) -> torch.Tensor:
+    def _bits(self, device: torch.device, shape: torch.Size, key: tuple) -> torch.Tensor:
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device=device)
@@ -145,7 +158,6 @@ class AdamWBF16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         index = -1  # the parameter's position in the groups: the same after a rebuild from a checkpoint
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -160,10 +172,11 @@ class AdamWBF16(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"])
                 names = ["exp_avg", "exp_avg_sq"] + (["compensation"] if self.kahan else [])
-                tensors = [_local(state[n]) for n in names]
-                w = _local(p)
-                for c, (wc, gc, *st) in enumerate(_chunks(w, _local(p.grad), tensors)):
-                    bits = self._bits(w.device, wc.shape, (index, rank, step, c))
+                tensors = [local_tensor(state[n]) for n in names]
+                w = local_tensor(p)
+                shard = _shard(p)
+                for c, (wc, gc, *st) in enumerate(_chunks(w, local_tensor(p.grad), tensors)):
+                    bits = self._bits(w.device, wc.shape, (index, shard, step, c))
                     _update(wc, gc, st[0], st[1], st[2] if self.kahan else None, bits, lr, beta1, beta2, eps,
                             wd, step)
         return loss

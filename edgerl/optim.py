@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
-from .adamw_bf16 import WORKSPACE_BYTES, AdamWBF16
+from .adamw_bf16 import WORKSPACE_BYTES, AdamWBF16, local_tensor as _local
 from .errors import OptimizerError
 
 
@@ -45,29 +45,16 @@ class TrainingBytes:
         return self.weights + self.grads + self.state
 
 
-# name -> bytes per trainable parameter (the memory model reads this):
-#
-# | name          | weights  | grads | state                                   | total |
-# |---------------|----------|-------|-----------------------------------------|-------|
-# | adamw         | 4 fp32   | 4     | 8: fp32 m, v                            | 16    |
-# | adamw8bit     | 4 fp32   | 4     | 2: uint8 m, v (+ fp32 scale per 256)    | 10    |
-# | adamw-bf16    | 2 bf16   | 2     | 6: bf16 m, v, Kahan compensation        | 10    |
-# | adamw-bf16-sr | 2 bf16   | 2     | 4: bf16 m, v; weights rounded at random | 8     |
-#
-# adamw8bit's scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096
-# values in fp32 (8 bytes): both are left out, as the plan always has. TRL's bf16 model with torch's
-# AdamW is 2 + 2 + 4 = 8 bytes too, but loses updates below half a bf16 spacing (adamw_bf16.py).
+# name -> bytes per trainable parameter (the table is in make_optimizer's docstring). adamw8bit's
+# scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096 values in fp32
+# (8 bytes): both left out, as the plan always has. TRL's bf16 model with torch's AdamW is also
+# 2 + 2 + 4 = 8 bytes, but drops updates below half a bf16 spacing (adamw_bf16.py).
 OPTIMIZERS: dict[str, TrainingBytes] = {
     "adamw": TrainingBytes(4, 4, 8, "fp32"),
     "adamw8bit": TrainingBytes(4, 4, 2, "fp32"),
     "adamw-bf16": TrainingBytes(2, 2, 6, "bf16", WORKSPACE_BYTES),
     "adamw-bf16-sr": TrainingBytes(2, 2, 4, "bf16", WORKSPACE_BYTES),
 }
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds the data: a DTensor's local shard, or `t` itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _bnb():

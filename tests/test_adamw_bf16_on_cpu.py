@@ -291,3 +291,21 @@ def test_resume_through_dcp_state_dict_and_offload_equals_a_straight_run(name):
         other = mlp(True)
         train(other, make_optimizer(other.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=8), 8)
         assert any(not torch.equal(full(p), full(q)) for p, q in zip(other.parameters(), straight.parameters()))
+
+
+@pytest.mark.slow
+def test_two_processes_shard_checkpoint_and_keep_replicas_identical():
+    """torchrun with 2 gloo processes (tests/two_ranks_adamw_bf16.py): uneven FSDP2 shards (24 + 23
+    rows), gradients reduced in fp32, resume through a full state dict gathered from both ranks equals
+    8 straight steps, and a tensor held whole by both ranks stays identical (the random bits follow
+    the shard, not the rank). About 10 s on 2 cores."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    worker = Path(__file__).with_name("two_ranks_adamw_bf16.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(worker), *BF16_NAMES], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert all(f"OK {name}" in run.stdout for name in BF16_NAMES), run.stdout
