@@ -1,6 +1,6 @@
 """Run by test_adamw_bf16_on_cpu.py under torchrun (2 processes, gloo): bf16 AdamW on FSDP2 shards of
-uneven size, a full DCP state dict gathered from both and scattered back, and replicas that must
-stay identical. Exits non-zero on the first failed check."""
+uneven size, a full DCP state dict gathered from both and scattered back, replicas that must stay
+identical and shards that must round independently. Exits non-zero on the first failed check."""
 
 import sys
 
@@ -35,6 +35,12 @@ def train(model, opt, steps: int, first: int = 0) -> None:
         opt.zero_grad()
 
 
+def gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
 def main(name: str) -> None:
     straight = mlp()
     opt = make_optimizer(straight.parameters(), name, 1e-2, (0.9, 0.99), 0.1, world_size=2)
@@ -57,9 +63,21 @@ def main(name: str) -> None:
     for i in range(20):
         w.grad = torch.randn(257, generator=torch.Generator().manual_seed(i)).bfloat16()
         rep.step()
-    other = [torch.empty_like(w.detach()) for _ in range(2)]
-    dist.all_gather(other, w.detach())
-    assert torch.equal(other[0], other[1])
+    assert torch.equal(*gather(w.detach()))
+
+    # the two shards of a weight whose halves are equal get equal gradients, yet must round with
+    # independent bits (the same bits on every shard would correlate their rounding errors)
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(8, 48, bias=False).bfloat16()
+    with torch.no_grad():
+        lin.weight[24:] = lin.weight[:24]
+    fully_shard(lin, mesh=init_device_mesh("cpu", (2,)))
+    halves = make_optimizer(lin.parameters(), name, 1e-3, (0.9, 0.99), 0.0, world_size=2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank())).bfloat16()
+    lin(x).float().square().sum().backward()
+    assert torch.equal(*gather(lin.weight.grad.to_local()))
+    halves.step()
+    assert not torch.equal(*gather(halves.state[lin.weight]["exp_avg"].to_local()))
     if dist.get_rank() == 0:
         print(f"OK {name}", flush=True)
 
