@@ -134,11 +134,11 @@ def test_bf16_adamw_tracks_fp32_adamw_where_plain_bf16_adamw_stalls():
     for kind in ("adamw-bf16", "adamw-bf16-sr", "plain-bf16"):
         _, w, loss, _ = fine_tune(kind)
         result[kind] = (loss / loss_ref, float((w - ref).norm() / moved))
-    # observed (loss / fp32 loss, distance to the fp32 weights / distance fp32 moved):
-    # Kahan 1.008, 0.024; stochastic rounding 1.097, 0.073; plain bf16 18.4, 0.99 (it barely moves)
+    # observed (loss / fp32 loss, distance to the fp32 weights / distance fp32 moved), torch 2.13 CPU:
+    # Kahan 1.002, 0.022; stochastic rounding 0.935, 0.069; plain bf16 18.4, 0.99 (it barely moves)
     kahan, sr, plain = result["adamw-bf16"], result["adamw-bf16-sr"], result["plain-bf16"]
-    assert kahan[0] < 1.05 and kahan[1] < 0.05, result
-    assert sr[0] < 1.25 and sr[1] < 0.15, result
+    assert 0.95 < kahan[0] < 1.05 and kahan[1] < 0.05, result
+    assert 0.8 < sr[0] < 1.25 and sr[1] < 0.15, result
     assert plain[0] > 10 and plain[1] > 0.9, result
 
 
@@ -159,7 +159,7 @@ def test_bf16_second_moment_decays_only_with_stochastic_rounding():
     assert torch.equal(opts[1].state[plain]["exp_avg_sq"], torch.full((n,), first, dtype=torch.bfloat16))
     expected = first * 0.999 ** steps  # 5.0e-5
     mean = opts[0].state[ours]["exp_avg_sq"].double().mean().item()
-    assert mean == pytest.approx(expected, rel=0.02)  # observed within 0.5%
+    assert mean == pytest.approx(expected, rel=0.02)  # observed 0.2% off; torch's AdamW kept 20x this
 
 
 def test_chunked_step_equals_the_whole_tensor_step(monkeypatch):
