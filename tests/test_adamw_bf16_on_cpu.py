@@ -252,8 +252,8 @@ def test_fsdp2_shards_step_like_plain_tensors(name):
 
 @pytest.mark.parametrize("name", BF16_NAMES)
 def test_resume_through_dcp_state_dict_and_offload_equals_a_straight_run(name):
-    """8 steps straight == 4 steps, full state dict (through torch.save), a new optimizer whose state
-    waits in host memory between steps, 4 steps."""
+    """8 steps straight == 4 steps with the state waiting in host memory between steps, a full state
+    dict (through torch.save), a new optimizer with its state parked the same way, 4 steps."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
     full_sd = StateDictOptions(full_state_dict=True)
@@ -263,8 +263,10 @@ def test_resume_through_dcp_state_dict_and_offload_equals_a_straight_run(name):
 
     resumed = mlp(True)
     first = make_optimizer(resumed.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=7)
-    train(resumed, first, 4)
-    sd = StateOffload(first, False, False).state_dict(lambda: get_optimizer_state_dict(resumed, first, options=full_sd))
+    parked = StateOffload(first, True, False)
+    train(resumed, first, 4, parked)
+    sd = parked.state_dict(lambda: get_optimizer_state_dict(resumed, first, options=full_sd))
+    assert parked.offloaded and parked.device_bytes() == 0  # the saved tensors are copies, not the parked state
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
