@@ -1,6 +1,7 @@
 """bf16 AdamW (edgerl/adamw_bf16.py) against slow references: the rounding bit by bit, one step
-against the formula in float64, hundreds of steps against fp32 AdamW (where torch's AdamW on bf16
-parameters stalls), and FSDP2 shards, DCP state dicts and offloaded state in one gloo process."""
+against the formula in float64, 2000 steps against fp32 AdamW (where torch's AdamW on bf16
+parameters stalls), FSDP2 shards, DCP state dicts and offloaded state in one gloo process, and
+uneven shards in two (torchrun)."""
 
 from __future__ import annotations
 
