@@ -69,7 +69,7 @@ def _bnb():
 def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, betas: tuple[float, float],
                    weight_decay: float, world_size: int = 1, seed: int = 0) -> torch.optim.Optimizer:
     """An optimizer of OPTIMIZERS for the trainable ones of `params`; `seed` feeds the stochastic
-    rounding of the bf16 variants (bits depend on seed, parameter, rank and step, so resuming draws
+    rounding of the bf16 variants (bits depend on seed, parameter, shard and step, so resuming draws
     the same bits).
 
     | name          | optimizer                                      | params | bytes/param (w + g + state) |
