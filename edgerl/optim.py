@@ -1,10 +1,16 @@
-"""Optimizers as the plan says: fp32 AdamW or 8-bit AdamW, and optimizer state that waits in host memory.
+"""Optimizers as the plan says: fp32 AdamW, 8-bit AdamW or bf16 AdamW, and optimizer state that
+waits in host memory.
 
 8-bit AdamW (bitsandbytes) keeps both moments as uint8 with one fp32 scale per 256 values: about
 2 bytes of state per parameter instead of 8. It runs from CC 6.0, Pascal included (hardware.md
 section 8). bitsandbytes' kernels take plain tensors, not FSDP2's DTensors, so the step runs on
 each parameter's local shard; its state is then per shard, which is why edgerl allows it in one
 process only (a checkpoint would have to re-quantize the shards of N processes).
+
+bf16 AdamW (edgerl/adamw_bf16.py) trains bf16 parameters with no fp32 master copy, keeping small
+updates through Kahan compensation ("adamw-bf16") or stochastic rounding ("adamw-bf16-sr"). Its
+state is DTensor like torch's, so it checkpoints on any number of processes. It needs native bf16
+(CC >= 8.0) to be worth choosing; the code itself runs on any device torch runs on.
 
 Optimizer offload (plan.optimizer_offload without param_offload): the state is copied to (pinned)
 host memory after every step and its device storage freed, then brought back just before the next
@@ -15,17 +21,40 @@ their storage is resized), so the optimizer, DCP's state dict and FSDP2 never no
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
+from .adamw_bf16 import WORKSPACE_BYTES, AdamWBF16, local_tensor as _local
 from .errors import OptimizerError
 
 
+@dataclass(frozen=True)
+class TrainingBytes:
+    """What one trainable parameter costs through training under an optimizer, in bytes, and the
+    dtype the trainable parameters must be stored in. `step_workspace` is per optimizer step, not
+    per parameter: transient bytes the step allocates (after the backward has freed activations)."""
+    weights: int
+    grads: int
+    state: int
+    param_dtype: str
+    step_workspace: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.state
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds the data: a DTensor's local shard, or `t` itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+# name -> bytes per trainable parameter (the table is in make_optimizer's docstring). adamw8bit's
+# scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096 values in fp32
+# (8 bytes): both left out, as the plan always has. TRL's bf16 model with torch's AdamW is also
+# 2 + 2 + 4 = 8 bytes, but drops updates below half a bf16 spacing (adamw_bf16.py).
+OPTIMIZERS: dict[str, TrainingBytes] = {
+    "adamw": TrainingBytes(4, 4, 8, "fp32"),
+    "adamw8bit": TrainingBytes(4, 4, 2, "fp32"),
+    "adamw-bf16": TrainingBytes(2, 2, 6, "bf16", WORKSPACE_BYTES),
+    "adamw-bf16-sr": TrainingBytes(2, 2, 4, "bf16", WORKSPACE_BYTES),
+}
 
 
 def _bnb():
@@ -38,8 +67,18 @@ def _bnb():
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, betas: tuple[float, float],
-                   weight_decay: float, world_size: int = 1) -> torch.optim.Optimizer:
-    """'adamw' (torch, fp32 moments) or 'adamw8bit' (bitsandbytes). `params`: the trainable ones."""
+                   weight_decay: float, world_size: int = 1, seed: int = 0) -> torch.optim.Optimizer:
+    """An optimizer of OPTIMIZERS for the trainable ones of `params`; `seed` feeds the stochastic
+    rounding of the bf16 variants (bits depend on seed, parameter, shard and step, so resuming draws
+    the same bits).
+
+    | name          | optimizer                                      | params | bytes/param (w + g + state) |
+    |---------------|------------------------------------------------|--------|-----------------------------|
+    | adamw         | torch AdamW, fused, fp32 moments               | fp32   | 4 + 4 + 8 = 16              |
+    | adamw8bit     | bitsandbytes AdamW8bit on local shards         | fp32   | 4 + 4 + 2 = 10 (1 process)  |
+    | adamw-bf16    | AdamWBF16, Kahan compensation, bf16 moments    | bf16   | 2 + 2 + 6 = 10              |
+    | adamw-bf16-sr | AdamWBF16, stochastic rounding, bf16 moments   | bf16   | 2 + 2 + 4 = 8               |
+    """
     params = [p for p in params if p.requires_grad]
     if not params:
         raise OptimizerError("no trainable parameters: every weight is frozen")
@@ -47,8 +86,11 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, b
         # fused: one kernel per step and no temporaries the size of the parameters (foreach AdamW
         # allocates whole-model lists of intermediates, which the memory model cannot afford)
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+    if name in ("adamw-bf16", "adamw-bf16-sr"):
+        return AdamWBF16(params, lr=lr, betas=betas, weight_decay=weight_decay, kahan=name == "adamw-bf16",
+                         seed=seed)
     if name != "adamw8bit":
-        raise OptimizerError(f"plan.optimizer={name!r}: choose adamw or adamw8bit")
+        raise OptimizerError(f"plan.optimizer={name!r}: choose one of {', '.join(OPTIMIZERS)}")
     if world_size > 1:
         raise OptimizerError("8-bit AdamW keeps quantized state per shard, which edgerl cannot checkpoint "
                              f"across {world_size} processes; use --set plan.optimizer=adamw on several GPUs")

@@ -1,10 +1,14 @@
-"""The optimizer edgerl builds: fused AdamW on FSDP2-sharded parameters equals the plain loop."""
+"""The optimizers edgerl builds: fused AdamW on FSDP2-sharded parameters equals the plain loop; the
+table of bytes per parameter that the memory model reads is what the optimizers really allocate."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from edgerl.dtypes import torch_dtype
+from edgerl.errors import OptimizerError
 from edgerl.models import init_distributed
-from edgerl.optim import make_optimizer
+from edgerl.optim import OPTIMIZERS, make_optimizer
 
 
 def test_fused_adamw_on_sharded_params_equals_the_reference_loop():
@@ -30,3 +34,22 @@ def test_fused_adamw_on_sharded_params_equals_the_reference_loop():
             o.step()
     for a, b in zip(sharded.parameters(), ref.parameters()):
         torch.testing.assert_close(a.full_tensor(), b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "adamw8bit"])  # 8-bit: test_lora_cuda.py
+def test_bytes_per_parameter_table_matches_what_the_optimizer_allocates(name):
+    spec = OPTIMIZERS[name]
+    p = torch.nn.Parameter(torch.randn(64, 96, dtype=torch_dtype(spec.param_dtype)))
+    opt = make_optimizer([p], name, 1e-3, (0.9, 0.999), 0.0)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = sum(t.nbytes for t in opt.state[p].values() if t.numel() > 1)  # not the step counter
+    assert (p.element_size(), p.grad.element_size(), state / p.numel()) == (spec.weights, spec.grads, spec.state)
+    assert spec.total == {"adamw": 16, "adamw-bf16": 10, "adamw-bf16-sr": 8}[name]
+
+
+def test_bf16_optimizers_refuse_fp32_parameters_and_unknown_names_list_the_choices():
+    with pytest.raises(OptimizerError, match="float32.*load the model in bf16"):
+        make_optimizer([torch.nn.Parameter(torch.zeros(3))], "adamw-bf16", 1e-3, (0.9, 0.999), 0.0)
+    with pytest.raises(OptimizerError, match="adamw, adamw8bit, adamw-bf16, adamw-bf16-sr"):
+        make_optimizer([torch.nn.Parameter(torch.zeros(3))], "adam", 1e-3, (0.9, 0.999), 0.0)

@@ -1,0 +1,182 @@
+"""AdamW for bf16 parameters with no fp32 master copy, which still takes small steps.
+
+A bf16 weight has 8 significant bits: an update smaller than half the spacing of bf16 values
+around the weight (between |w| * 2^-9 and |w| * 2^-8) is rounded away. RL fine-tuning lives
+there: lr 1e-6 on weights of about 0.02 moves a weight by about 5e-5 of itself per step, so plain
+bf16 AdamW (torch's AdamW on bf16 parameters) leaves most weights where they were. Both variants
+here compute the step in fp32 from bf16 storage and keep what rounding would lose:
+
+- Kahan compensation (kahan=True, "adamw-bf16"): a second bf16 tensor per parameter holds the part
+  of the new weight that rounding to bf16 dropped; the next step adds it back before rounding
+  again. Weight plus compensation carry about 16 significant bits, so no update is lost and the
+  result is deterministic. 2 more bytes of state per parameter.
+- Stochastic rounding (kahan=False, "adamw-bf16-sr"): the new weight is rounded up or down at
+  random with the probabilities that make the expected stored value equal the fp32 one, so small
+  updates survive on average (Zamirai et al. 2020, "Revisiting BFloat16 Training"). No extra
+  state; each weight carries rounding noise of about one bf16 spacing.
+
+Both keep the moments in bf16 with stochastic rounding. Rounded to nearest, the second moment
+sticks: with beta2 = 0.999 its per-step change (v * 1e-3 when the gradient vanishes) is below half
+a bf16 spacing, so after one large gradient it never decays and that weight's step stays damped.
+
+The random bits come from a generator seeded by (seed, parameter index, shard, step count, chunk):
+runs are reproducible, and a resumed run (the step count is in the state dict) draws the bits of
+one that never stopped, with no generator state to save. The shard is the process's place along
+the mesh dimensions that shard the parameter, not its rank: copies of one shard on several
+processes (a replicated mesh dimension, or plain tensors under data parallelism) draw the same
+bits and so stay identical.
+
+FSDP2: parameters, gradients and state are DTensors; the update is elementwise, so it runs on each
+local shard, and the state stays DTensor so DCP's full state dict gathers it as for torch's AdamW.
+Every state tensor is bf16, the parameter's dtype, which is also what Optimizer.load_state_dict
+casts floating-point state to (fp32 moments would come back from a checkpoint as bf16).
+
+The step is eager torch (no torch.compile, no Triton, no C++ build), so it runs wherever torch
+does. It walks each local shard in chunks of CHUNK elements so its fp32 temporaries stay under
+WORKSPACE_BYTES however large the largest parameter is (a 150k x 1.5k embedding would otherwise
+need about 1 GiB per fp32 temporary).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from .errors import OptimizerError
+
+CHUNK = 1 << 21
+# Peak temporaries of `_update`, in bytes per element of a chunk, counted by hand: the int32 random
+# bits (12 with stochastically rounded weights) while the first moment is rounded, beside the fp32
+# moments (8) and the rounding's int32 and bf16 results (6): 26. 28 leaves room for the allocator.
+WORKSPACE_BYTES = 28 * CHUNK
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds the data: a DTensor's local shard, or `t` itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def round_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` to bf16, rounded away from zero with probability (dropped part) / (bf16 spacing).
+
+    bits: int32 uniform in [0, 2^16), same shape as x. bf16 is the upper half of an fp32's bits;
+    adding uniform bits to the lower half carries into the upper half with exactly that
+    probability, then the lower half is cleared. Adding to the bit pattern grows the magnitude
+    for either sign, so the rounding is unbiased for negative values too."""
+    return (x.view(torch.int32) + bits).bitwise_and_(-65536).view(torch.float32).bfloat16()
+
+
+def _shard(p: torch.Tensor) -> tuple[int, ...]:
+    """Which shard of `p` this process holds: its coordinates along the mesh dimensions that split
+    `p` (FSDP2 shards dim 0 over a 1-D mesh: the rank). () for a plain tensor, a replicated one, or
+    one 'sharded' over a single process, which holds all of it and so steps as a plain tensor would."""
+    if not hasattr(p, "placements"):
+        return ()
+    mesh, coord = p.device_mesh, p.device_mesh.get_coordinate()
+    return tuple(c for d, (c, placement) in enumerate(zip(coord, p.placements))
+                 if placement.is_shard() and mesh.size(d) > 1)
+
+
+def _seed(*key) -> int:
+    """A 63-bit generator seed that depends on every part of `key` (blake2b, not Python's hash)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _chunks(w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """[w, g, *state] as matching pieces of at most CHUNK elements (whole tensors when a layout
+    cannot be flattened in place: the update writes through these views)."""
+    if not (w.is_contiguous() and all(s.is_contiguous() for s in state)):
+        yield [w, g, *state]
+        return
+    flat = [w.view(-1), g.reshape(-1), *(s.view(-1) for s in state)]  # g is only read: a copy would do
+    for start in range(0, w.numel(), CHUNK):
+        yield [t[start:start + CHUNK] for t in flat]
+
+
+def _update(w, g, m, v, comp: Optional[torch.Tensor], bits: torch.Tensor, lr: float, beta1: float,
+            beta2: float, eps: float, weight_decay: float, step: int) -> None:
+    """One AdamW step in place on bf16 pieces of equal shape, computed in fp32 as torch's AdamW does:
+    w <- w * (1 - lr * wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps). bits: (2 or 3, *w.shape)."""
+    g32 = g.float()
+    m32 = m.float().lerp_(g32, 1 - beta1)
+    v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+    del g32
+    m.copy_(round_stochastic(m32, bits[0]))
+    v.copy_(round_stochastic(v32, bits[1]))
+    # the step uses this step's exact moments; only what is stored for the next step is rounded
+    denom = v32.sqrt_().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+    w32 = w.float()
+    if comp is not None:
+        w32.add_(comp.float())  # the weight as it would be without bf16 rounding (to ~16 bits)
+    w32.mul_(1 - lr * weight_decay).addcdiv_(m32, denom, value=-lr / (1 - beta1 ** step))
+    del m32, denom
+    if comp is None:
+        w.copy_(round_stochastic(w32, bits[2]))
+    else:
+        w.copy_(w32)  # round to nearest; the remainder is exact in fp32 and kept to 8 bits
+        comp.copy_(w32.sub_(w.float()))
+
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW on bf16 parameters: bf16 moments (stochastically rounded) and either a Kahan
+    compensation buffer (kahan=True, 6 bytes of state per parameter) or stochastic rounding of the
+    weights (kahan=False, 4 bytes). Steps FSDP2 DTensor parameters on their local shards."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 *, kahan: bool = True, seed: int = 0) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.kahan, self.seed = kahan, seed
+        wrong = {str(p.dtype) for g in self.param_groups for p in g["params"] if p.dtype != torch.bfloat16}
+        if wrong:
+            raise OptimizerError(f"bf16 AdamW steps bf16 parameters in place, but some are {', '.join(sorted(wrong))}; "
+                                 "load the model in bf16 (no fp32 master copy), or use plan.optimizer=adamw")
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _bits(self, device: torch.device, shape: torch.Size, key: tuple) -> torch.Tensor:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        gen.manual_seed(_seed(self.seed, *key))
+        k = 2 if self.kahan else 3  # moments, and the weight unless it is compensated
+        return torch.randint(0, 1 << 16, (k, *shape), generator=gen, device=device, dtype=torch.int32)
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["step"] = torch.tensor(0.0)  # a CPU scalar, as torch's (non-fused) AdamW keeps it
+        # zeros_like of a DTensor is a DTensor with the parameter's placements: DCP gathers it
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if self.kahan:
+            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = -1  # the parameter's position in the groups: the same after a rebuild from a checkpoint
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state)
+                state["step"] += 1
+                step = int(state["step"])
+                names = ["exp_avg", "exp_avg_sq"] + (["compensation"] if self.kahan else [])
+                tensors = [local_tensor(state[n]) for n in names]
+                w = local_tensor(p)
+                shard = _shard(p)
+                for c, (wc, gc, *st) in enumerate(_chunks(w, local_tensor(p.grad), tensors)):
+                    bits = self._bits(w.device, wc.shape, (index, shard, step, c))
+                    _update(wc, gc, st[0], st[1], st[2] if self.kahan else None, bits, lr, beta1, beta2, eps,
+                            wd, step)
+        return loss
