@@ -12,9 +12,11 @@ grad should stay finite there. A row with no valid token never produces NaN. Imp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+
+Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]   # sums a tensor over processes
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
@@ -54,10 +56,19 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-                  eps: float = 1e-8) -> torch.Tensor:
+                  eps: float = 1e-8, reduce: Reduce = None) -> torch.Tensor:
     """x, mask: same shape. (x - mean) / sqrt(var + eps) with mean and unbiased var over the valid
-    elements; shift_mean=False adds the mean back (scale only). 0 at masked positions."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=True)
+    elements; shift_mean=False adds the mean back (scale only). 0 at masked positions.
+    reduce: a function summing a tensor over the processes that share the batch (None: this one),
+    so the statistics are those of the whole batch."""
+    if reduce is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=True)
+    else:
+        m = mask.bool()
+        n = reduce(m.sum().to(torch.float64))
+        mean = (reduce(masked_sum(x, m).to(torch.float64)) / n.clamp(min=1)).to(x.dtype)
+        sq = reduce(masked_sum((x - mean) ** 2, m).to(torch.float64))
+        var = torch.where(n > 1, sq / (n - 1).clamp(min=1), torch.zeros_like(sq)).to(x.dtype)
     w = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         w = w + mean
@@ -181,7 +192,7 @@ def _need_keys(state: dict, keys: tuple[str, ...], who: str) -> None:
 
 @torch.no_grad()
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float, whiten: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        lam: float, whiten: bool = False, reduce: Reduce = None) -> tuple[torch.Tensor, torch.Tensor]:
     """token_rewards, values, mask: (B, T). Returns advantages, returns: (B, T), no gradient.
     delta_t = r_t + gamma * V_next - V_t; A_t = delta_t + gamma * lam * A_next, where "next" is
     the next *valid* token (masked tokens in between are skipped, as verl does for multi-turn
@@ -200,7 +211,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
         next_v = torch.where(valid, values[:, t], next_v)
         adv[:, t] = torch.where(valid, a, torch.zeros_like(a))
     returns = torch.where(m, adv + values, torch.zeros_like(adv))
-    return (masked_whiten(adv, m) if whiten else adv), returns
+    return (masked_whiten(adv, m, reduce=reduce) if whiten else adv), returns
 
 
 def _groups(scores: torch.Tensor, mask: torch.Tensor, n_samples: int) -> torch.Tensor:
@@ -248,7 +259,7 @@ def rloo_advantages(scores: torch.Tensor, mask: torch.Tensor, n_samples: int) ->
 
 @torch.no_grad()
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
-                            gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                            gamma: float = 1.0, reduce: Reduce = None) -> tuple[torch.Tensor, torch.Tensor]:
     """token_rewards, mask: (B, T). REINFORCE++ (Hu 2025): G_t = sum over later valid tokens
     k >= t of gamma^(number of valid tokens between) * r_k, then advantages = G whitened over all
     valid tokens of the batch (unbiased var, eps 1e-8). Returns advantages, returns (= G): (B, T),
@@ -261,7 +272,7 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
         g = token_rewards[:, t] + gamma * running
         running = torch.where(m[:, t], g, running)
         ret[:, t] = torch.where(m[:, t], g, torch.zeros_like(g))
-    return masked_whiten(ret, m), ret
+    return masked_whiten(ret, m, reduce=reduce), ret
 
 
 @dataclass(frozen=True)
@@ -278,6 +289,7 @@ class AdvantageInputs:
     lam: float = 1.0
     norm_by_std: bool = True
     whiten: bool = True
+    reduce: Reduce = None       # sums over the processes sharing the batch, for batch-wide statistics
 
 
 @dataclass(frozen=True)
@@ -311,7 +323,7 @@ def _need(name: str, **kw) -> None:
 @estimator("gae", critic=True)
 def _gae(x: AdvantageInputs):
     _need("gae", values=x.values)
-    return gae(x.token_rewards, x.values, x.mask, x.gamma, x.lam, whiten=x.whiten)
+    return gae(x.token_rewards, x.values, x.mask, x.gamma, x.lam, whiten=x.whiten, reduce=x.reduce)
 
 
 @estimator("grpo", groups=True)
@@ -326,7 +338,7 @@ def _rloo(x: AdvantageInputs):
 
 @estimator("reinforce++", verl_name="reinforce_plus_plus")
 def _reinforce_pp(x: AdvantageInputs):
-    return reinforce_pp_advantages(x.token_rewards, x.mask, x.gamma)
+    return reinforce_pp_advantages(x.token_rewards, x.mask, x.gamma, reduce=x.reduce)
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

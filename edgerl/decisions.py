@@ -210,11 +210,15 @@ def static_engine_support(model: ModelSpec, max_len: int) -> tuple[bool, str]:
 
 
 def pick_rollout(dev: Device, dtype: DtypePolicy, model: ModelSpec, max_len: int, forced: Optional[str],
-                 graphs: Optional[bool]) -> tuple[str, bool, str, str]:
+                 graphs: Optional[bool], world: int = 1) -> tuple[str, bool, str, str]:
     """(engine, CUDA graphs, reasons). Engines: "hf" (edgerl's static KV cache decoder, its decode step
     captured in a CUDA graph on GPUs), "hf-generate" (transformers' generate, for models the static
     decoder does not implement), "vllm"."""
     ok, why = vllm_support(dev, dtype)
+    if ok and world > 1:
+        # each rank would need its own engine over the trainer's process group (vLLM's external_launcher);
+        # that path is not built, so it is refused here rather than failing at run time
+        ok, why = False, f"the colocated vllm engine runs in single-process training only, not on {world} GPUs"
     if forced == "vllm" and not ok and not (not dev.is_cuda and dev.software.has("vllm")):
         raise PlanError(f"plan.rollout_engine=vllm is not possible: {why}; use hf")
     static_ok, static_why = static_engine_support(model, max_len)

@@ -24,6 +24,7 @@ class Experience:
     response_mask: torch.Tensor      # (B, R) float, 1 on real response tokens
     start: int                       # P - 1
     scores: torch.Tensor             # (B,)
+    sampled_logp: Optional[torch.Tensor] = None   # (B, R) the engine's own log-probs, when it reports them
     old_logp: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
@@ -58,9 +59,14 @@ def pad_batch(batch: RolloutBatch, pad_id: int, scores: list[float]) -> Experien
         if r:
             ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
             mask[i, P:P + len(r)] = 1
+    sampled = None
+    if batch.logprobs is not None:
+        sampled = torch.zeros((B, R), dtype=torch.float32)
+        for i, lp in enumerate(batch.logprobs):
+            sampled[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
     return Experience(input_ids=ids, attention_mask=mask, response_ids=ids[:, P:].clone(),
                       response_mask=mask[:, P:].float(), start=P - 1,
-                      scores=torch.tensor(scores, dtype=torch.float32))
+                      scores=torch.tensor(scores, dtype=torch.float32), sampled_logp=sampled)
 
 
 def micro_batches(n: int, size: int) -> list[slice]:
@@ -92,9 +98,9 @@ def critic_values(critic: Callable, exp: Experience, micro: int, device: torch.d
     return torch.cat(vals)
 
 
-def advantages(exp: Experience, algo_cfg, n_samples: int, kl_coef: float) -> Experience:
+def advantages(exp: Experience, algo_cfg, n_samples: int, kl_coef: float, reduce=None) -> Experience:
     """Fill advantages/returns with the configured estimator; the KL enters the token rewards when
-    `kl_in == 'reward'`."""
+    `kl_in == 'reward'`. `reduce` sums over the processes sharing the step (batch-wide statistics)."""
     mask = exp.response_mask
     kl = None
     if kl_coef > 0 and algo_cfg.kl_in == "reward" and exp.ref_logp is not None:
@@ -103,6 +109,6 @@ def advantages(exp: Experience, algo_cfg, n_samples: int, kl_coef: float) -> Exp
     inputs = algos.AdvantageInputs(
         mask=mask, scores=token_rewards.sum(-1) if kl is not None else exp.scores, token_rewards=token_rewards,
         values=exp.values, n_samples=n_samples, gamma=algo_cfg.gamma, lam=algo_cfg.lam,
-        norm_by_std=algo_cfg.norm_adv_by_std, whiten=True)
+        norm_by_std=algo_cfg.norm_adv_by_std, whiten=True, reduce=reduce)
     adv, ret = algos.compute_advantages(algo_cfg.advantage, inputs)
     return replace(exp, advantages=adv, returns=ret)

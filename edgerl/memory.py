@@ -72,6 +72,7 @@ class Setting:
     reference: bool = False         # a separate reference model (never with LoRA: adapter disabled)
     reward_model_params: int = 0
     cuda: bool = True
+    shards: int = 1                 # FSDP2 ranks: parameters, gradients and optimizer state split over them
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,11 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     layer_c = m.layer_params() * b_c
     embed_c = m.embedding_params() * b_c * (1 if m.tie_embeddings else 2)
 
-    # state that can stay on the GPU across phases
-    master = 0 if s.param_offload else P * s.base_bytes + (T * 4 if lora else 0)
-    grads = 0 if s.param_offload else T * 4
-    optim = 0 if (s.param_offload or s.optimizer_offload) else T * s.optimizer_bytes_per_param
+    # state that can stay on the GPU across phases; FSDP2 keeps 1/shards of each on every rank
+    n = s.shards
+    master = 0 if s.param_offload else (P * s.base_bytes + (T * 4 if lora else 0)) // n
+    grads = 0 if s.param_offload else T * 4 // n
+    optim = 0 if (s.param_offload or s.optimizer_offload) else T * s.optimizer_bytes_per_param // n
     ref = P * b_c if s.reference else 0
     critic_state = 0
     if s.critic:  # same backbone, full fine-tuning of its own (or its own LoRA adapter)
@@ -172,12 +174,12 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
 
     tokens = s.micro_batch * L
     update = {"master weights": master, "gradients": grads,
-              "optimizer state": T * s.optimizer_bytes_per_param if not s.param_offload else 0,
+              "optimizer state": T * s.optimizer_bytes_per_param // n if not s.param_offload else 0,
               "layer copies": stream, "other models": resident_off,
               "activations": act(tokens, train=True), "log-prob logits": logits}
     if s.optimizer_offload and not s.param_offload:
         # state comes back for the step only; the step runs after the backward has freed activations
-        update["optimizer state"] = max(0, T * s.optimizer_bytes_per_param - update["activations"]
+        update["optimizer state"] = max(0, T * s.optimizer_bytes_per_param // n - update["activations"]
                                         - update["log-prob logits"])
 
     phases = {"rollout": rollout, "score": score, "update": update}
@@ -188,11 +190,11 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         comps["CUDA context"] = ctx
         phases[name] = {k: int(v) for k, v in comps.items() if v}
 
-    host = 0
+    host = 0  # per process; N processes on one machine need N times this
     if s.param_offload:
-        host += P * s.base_bytes + T * 4 + T * s.optimizer_bytes_per_param
+        host += (P * s.base_bytes + T * 4 + T * s.optimizer_bytes_per_param) // n
     elif s.optimizer_offload:
-        host += T * s.optimizer_bytes_per_param
+        host += T * s.optimizer_bytes_per_param // n
     if s.swap_models:
         host += ref
     return MemoryEstimate(phases=phases, budget=budget, host_needed=host)

@@ -135,6 +135,8 @@ def init_distributed(device: torch.device) -> None:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     device_id = device if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and object collectives use the current device
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, device_id=device_id)
     else:

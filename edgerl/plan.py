@@ -38,6 +38,7 @@ class Task:
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_targets: Optional[tuple[str, ...]] = None
+    world_size: int = 1                    # GPUs (processes) sharing the step; the plan is for one of them
 
     @property
     def sequences(self) -> int:
@@ -47,10 +48,21 @@ class Task:
     def mini(self) -> int:
         return self.mini_batch or self.sequences
 
+    @property
+    def local_sequences(self) -> int:
+        """Sequences one GPU generates, scores and trains on per step."""
+        return self.sequences // self.world_size
+
+    @property
+    def local_mini(self) -> int:
+        return self.mini // self.world_size
+
     def effective_batch(self) -> str:
         updates = self.sequences // self.mini
+        per_gpu = (f" over {self.world_size} GPUs: {self.local_sequences} sequences and a mini-batch of "
+                   f"{self.local_mini} per GPU" if self.world_size > 1 else "")
         return (f"{self.prompts_per_step} prompts x {self.samples_per_prompt} samples = {self.sequences} "
-                f"sequences per step; mini-batch {self.mini} -> {updates} update(s) per epoch")
+                f"sequences per step; mini-batch {self.mini} -> {updates} update(s) per epoch{per_gpu}")
 
 
 @dataclass(frozen=True)
@@ -131,7 +143,7 @@ class _Search:
 def _search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
             cal: Calibration, host_memory: int, stages: list[Stage]) -> tuple[Optional[_Search], list[str]]:
     tried: list[str] = []
-    mini = task.mini
+    mini = task.local_mini
     small = min(mini, 4)  # below 4 sequences a micro-batch leaves the GPU idle: checkpoint first
     for i, stage in enumerate(stages):
         name, eight, values = stage.name, stage.eight_bit, stage.knobs()
@@ -157,7 +169,7 @@ def _search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: di
 def _fit_rollout_and_score(model: ModelSpec, task: Task, s: Setting, budget: int, forced: dict[str, Any],
                            cal: Calibration) -> Setting:
     """Largest rollout batch and scoring micro-batch (divisors of the step's sequences) that fit."""
-    seqs = task.sequences
+    seqs = task.local_sequences
     for key in ("rollout_batch", "score_micro_batch"):
         options = [forced[key]] if forced.get(key) else _divisors_desc(seqs)
         for v in options:
@@ -180,11 +192,13 @@ def plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[
 def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]],
           calibration: Calibration, explain: bool) -> Plan:
     o = {k: v for k, v in (overrides or {}).items() if v is not None}
+    _check_world(task, o)
     reasons: dict[str, str] = {}
     dtype, reasons["dtype"] = pick_dtype(device, o.get("dtype"))
     attention, reasons["attention"] = pick_attention(device, dtype, o.get("attention"))
     engine, graphs, reasons["rollout_engine"], reasons["cuda_graphs"] = pick_rollout(
-        device, dtype, model, task.prompt_len + task.response_len, o.get("rollout_engine"), o.get("cuda_graphs"))
+        device, dtype, model, task.prompt_len + task.response_len, o.get("rollout_engine"), o.get("cuda_graphs"),
+        task.world_size)
     backend, tiles, reasons["kernel_backend"] = pick_kernels(device, dtype, model, o.get("kernel_backend"))
     reasons["kernel_tiles"] = reasons["kernel_backend"] if tiles else "no Triton kernel on this device"
 
@@ -197,6 +211,10 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
                                 f"of logits at a time instead of tokens x {model.vocab_size} for the whole batch")
 
     bnb_ok, bnb_why = bnb_support(device)
+    if bnb_ok and task.world_size > 1:
+        # its quantized state is per shard, which a checkpoint of N processes cannot gather and re-split
+        bnb_ok, bnb_why = False, f"8-bit AdamW keeps its state per shard, which edgerl cannot checkpoint across " \
+                                 f"{task.world_size} processes"
     if o.get("optimizer") == "adamw8bit" and not bnb_ok:
         raise PlanError(f"plan.optimizer=adamw8bit is not possible on {device.describe()}: {bnb_why}; "
                         "use adamw")
@@ -214,7 +232,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             eager_attention=attention == "eager",
             lora_params=lora_params,
             critic=task.critic, reference=task.kl and not lora_params,
-            reward_model_params=task.reward_model_params, cuda=device.is_cuda)
+            reward_model_params=task.reward_model_params, cuda=device.is_cuda, shards=task.world_size)
 
     forced = {k: o.get(k) for k in ("grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
                                     "rollout_batch", "score_micro_batch", "micro_batch")}
@@ -270,6 +288,25 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
                 memory=mem, headroom=headroom, reasons=reasons | {"headroom": hreason})
 
 
+def _check_world(task: Task, o: dict[str, Any]) -> None:
+    """The global batch must split evenly over the GPUs: whole prompts (a GRPO group stays on one GPU)
+    and whole mini-batches per GPU."""
+    w = task.world_size
+    if w < 1:
+        raise PlanError(f"world size {w}: at least one GPU")
+    if w == 1:
+        return
+    if task.prompts_per_step % w:
+        raise PlanError(f"train.prompts_per_step={task.prompts_per_step} does not split over {w} GPUs (each GPU "
+                        f"generates whole groups of prompts); use a multiple of {w}")
+    if task.mini % w or (task.local_sequences % task.local_mini):
+        raise PlanError(f"train.mini_batch={task.mini} does not split over {w} GPUs; use a multiple of {w} that "
+                        f"divides the {task.sequences} sequences per step")
+    if o.get("micro_batch") and task.local_mini % o["micro_batch"]:
+        raise PlanError(f"train.micro_batch={o['micro_batch']} must divide the mini-batch of {task.local_mini} per "
+                        f"GPU ({task.mini} over {w} GPUs)")
+
+
 def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device: Device,
                     attempts: list, model: ModelSpec, lora_params: int, use_lora: bool,
                     targets: tuple[str, ...], mem: MemoryEstimate, cal: Calibration) -> None:
@@ -291,9 +328,9 @@ def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device:
                                 f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
                                 "layers stream over PCIe (slow, but it fits)" + transfer_note(device, mem.host_needed))
     reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
-                              f"mini-batch ({task.mini}) that fits" + ("" if first else f" after {found.stage}"))
+                              f"mini-batch ({task.local_mini}{' per GPU' if task.world_size > 1 else ''}) that fits" + ("" if first else f" after {found.stage}"))
     reasons["score_micro_batch"] = f"{s.score_micro_batch} sequences per no-grad log-prob pass"
-    reasons["rollout_batch"] = (f"{s.rollout_batch} of {task.sequences} sequences generated at once "
+    reasons["rollout_batch"] = (f"{s.rollout_batch} of {task.local_sequences} sequences generated at once "
                                 f"(KV cache {fmt_bytes(mem.phases['rollout'].get('KV cache', 0))})")
     if use_lora:
         full_tried = attempts[0][2][-1] if attempts[0][2] and not attempts[0][0] else ""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import checkpoint, runfolder
+from . import checkpoint, ranks, runfolder
 from .config import Config, ConfigError, load_config, to_toml
 from .data import DataReport, Prompt, load_prompts
 from .errors import RunDirError
@@ -38,6 +38,7 @@ class Session:
     prompts: list[Prompt]
     data_report: DataReport
     resume: Optional[runfolder.ResumePoint] = None
+    rank: ranks.Rank = field(default_factory=ranks.Rank)
     emulation: str = ""                  # how a profile is emulated on this GPU; "" when not
     finished: bool = False               # resumed a run that already reached train.steps and exported
     log: Callable[[str], None] = print
@@ -69,7 +70,7 @@ def load(config: Optional[Path] = None, sets: tuple[str, ...] | list[str] = (), 
 def _device_for(target: Target, cfg: Config) -> tuple[Any, str]:
     """The torch device to train on, and how a profile is emulated on it."""
     import torch
-    real = target.probe.primary
+    real = target.real
     if not target.simulated:
         return (torch.device("cuda", real.index) if real.is_cuda else torch.device("cpu")), ""
     dev = target.device
@@ -111,20 +112,22 @@ def apply_env(plan: Plan, device: Any) -> None:
 def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log: Callable[[str], None] = print,
             probe_fn: Optional[Callable[[], Any]] = None) -> Session:
     """A session ready for `Trainer(session)`. Raises a user error (edgerl.errors) for anything the
-    user typed or pointed at, before any file is written."""
-    from .models import load_tokenizer
-    target = resolve_target(cfg.run.profile, probe_fn=probe_fn)
+    user typed or pointed at, before any file is written. Under torchrun every rank calls it; rank 0
+    alone checks and writes the run folder and logs, and its verdict reaches every rank."""
+    from .models import init_distributed, load_tokenizer
+    rank = ranks.from_env()
+    if not rank.main:
+        log = _quiet
+    target = resolve_target(cfg.run.profile, probe_fn=probe_fn, index=rank.local)
     device, emulation = _device_for(target, cfg)
-    plan = plan_for(cfg, target, model_spec(cfg))
+    init_distributed(device)
+    plan = plan_for(cfg, target, model_spec(cfg), world_size=rank.world)
     apply_env(plan, device)
 
     out = Path(cfg.run.out_dir).expanduser() if cfg.run.out_dir else \
         Path("runs") / f"{Path(cfg.model.path).name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if resume is None:
-        runfolder.check_new(out)
-        run_dir = out
-    else:
-        run_dir = runfolder.check_resume(resume, out)
+    run_dir = ranks.agree(lambda: runfolder.check_new(out) or out if resume is None else
+                          runfolder.check_resume(resume, out), rank.main)
     cfg.run.out_dir = str(run_dir)
 
     m = cfg.model
@@ -133,6 +136,20 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log)
     finished = (resume is not None and run_dir == resume.run_dir and resume.step >= cfg.train.steps
                 and (run_dir / "final").exists())
+    held: list[runfolder.RunLock] = []   # the lock stays in this process; only the verdict is shared
+    ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log)), rank.main)
+    return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
+                   prompts=prompts, data_report=report, resume=resume, rank=rank, emulation=emulation,
+                   finished=finished, log=log, lock=held[0] if held else None)
+
+
+def _quiet(_: str) -> None:
+    """The log of ranks other than 0: rank 0 alone talks to the user."""
+
+
+def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.ResumePoint],
+          log: Callable[[str], None]) -> runfolder.RunLock:
+    """Lock the run folder and write its config and plan (rank 0)."""
     lock = runfolder.open_run(run_dir, log)
     try:
         if resume is None or run_dir != resume.run_dir:
@@ -143,9 +160,7 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     except OSError as e:
         lock.release()
         raise RunDirError(f"cannot write to the run folder {run_dir}: {e}") from None
-    return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
-                   prompts=prompts, data_report=report, resume=resume, emulation=emulation, finished=finished,
-                   log=log, lock=lock)
+    return lock
 
 
 def _copy_history(point: runfolder.ResumePoint, run_dir: Path) -> None:

@@ -21,29 +21,41 @@ class Target:
     probe: ProbeResult
     simulated: bool              # planned for a GPU that is not (necessarily) this machine's
     profile: Optional[Profile]
+    index: int = 0               # which of the probed devices this process runs on (torchrun's LOCAL_RANK)
+
+    @property
+    def real(self) -> Device:
+        """This process's own device on this machine (the one a profile is emulated on)."""
+        devs = self.probe.devices
+        return devs[self.index] if self.index < len(devs) else devs[0]
 
 
 def resolve_target(gpu: Optional[str] = None, gpu_spec: Optional[str] = None,
-                   probe_fn: Optional[Callable[[], ProbeResult]] = None) -> Target:
-    """The probed device, or the one named by --gpu/--profile or described by --gpu-spec."""
+                   probe_fn: Optional[Callable[[], ProbeResult]] = None, index: int = 0) -> Target:
+    """The probed device (the `index`-th GPU torch sees), or the one named by --gpu/--profile or
+    described by --gpu-spec."""
     if gpu and gpu_spec:
         raise SpecError("give either --gpu NAME or --gpu-spec ..., not both")
     result = (probe_fn or probe)()
+    if index and (not result.cuda_available or index >= len(result.devices)):
+        raise SpecError(f"this process should use GPU {index} (LOCAL_RANK), but torch sees "
+                        f"{len(result.devices) if result.cuda_available else 0} GPU(s); start fewer processes "
+                        "(torchrun --nproc_per_node) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
     host = result.primary.host_memory
     if gpu:
         prof = get_profile(gpu)
         dev = device_from_profile(prof, result.software, host)
-        return Target(dev, result, True, prof)
+        return Target(dev, result, True, prof, index)
     if gpu_spec:
-        return Target(device_from_spec(gpu_spec, result.software, host), result, True, None)
-    dev = result.primary
+        return Target(device_from_spec(gpu_spec, result.software, host), result, True, None, index)
+    dev = result.devices[index]
     prof = match_profile(dev)
     if prof is not None:
         dev = replace(dev, profile=prof.name)
-    return Target(dev, result, False, prof)
+    return Target(dev, result, False, prof, index)
 
 
-def task_from_config(cfg: Config, prompt_len: Optional[int] = None) -> Task:
+def task_from_config(cfg: Config, prompt_len: Optional[int] = None, world_size: int = 1) -> Task:
     from .algos import ESTIMATORS
     from .modelspec import classifier_params
     return Task(prompt_len=prompt_len or cfg.data.max_prompt_len, response_len=cfg.rollout.max_new_tokens,
@@ -52,7 +64,8 @@ def task_from_config(cfg: Config, prompt_len: Optional[int] = None) -> Task:
                 critic=ESTIMATORS[cfg.algo.advantage].critic, kl=cfg.algo.kl_coef > 0,
                 reward_model_params=classifier_params(cfg.reward.model) if cfg.reward.model else 0,
                 lora=cfg.lora.enabled, lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
-                lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.target_modules else None)
+                lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.target_modules else None,
+                world_size=world_size)
 
 
 def overrides_from_config(cfg: Config, profile: Optional[Profile] = None) -> dict[str, Any]:
@@ -72,6 +85,6 @@ def model_spec(cfg: Config) -> ModelSpec:
 
 
 def plan_for(cfg: Config, target: Target, spec: Optional[ModelSpec] = None,
-             prompt_len: Optional[int] = None) -> Plan:
-    return plan(target.device, spec or model_spec(cfg), task_from_config(cfg, prompt_len),
+             prompt_len: Optional[int] = None, world_size: int = 1) -> Plan:
+    return plan(target.device, spec or model_spec(cfg), task_from_config(cfg, prompt_len, world_size),
                 overrides_from_config(cfg, target.profile))

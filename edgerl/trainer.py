@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import algos, state
+from . import algos, ranks, state
 from . import lora as lora_io
 from .config import Config, to_dict
 from .data import Prompt, PromptSampler
@@ -69,9 +69,9 @@ class Trainer:
     def _build(self, s: Session) -> None:
         cfg, plan, device = self.cfg, self.plan, self.device = s.cfg, s.plan, s.device
         self.run_dir, self.log, self.tokenizer, self.prompts = s.run_dir, s.log, s.tokenizer, s.prompts
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)  # the same on every rank: every rank builds the same models
         init_distributed(device)
-        self.rank = dist.get_rank()
+        self.rank, self.world = s.rank.rank, s.rank.world
         m, t = cfg.model, cfg.train
         if cfg.reward.function:
             self.reward_fn = load_reward_function(cfg.reward.function)
@@ -99,7 +99,7 @@ class Trainer:
         loop = state.LoopState(
             step=0, sampler=PromptSampler(len(self.prompts), t.prompts_per_step, t.seed, cfg.data.shuffle,
                                            log=self.log),
-            gen=torch.Generator().manual_seed(t.seed),
+            gen=torch.Generator().manual_seed(t.seed + self.rank),  # each rank samples its own responses
             kl_ctl=(algos.AdaptiveKL(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
                     if cfg.algo.kl_target else algos.FixedKL(cfg.algo.kl_coef)),
             # fp16 needs loss scaling (CC 7.x); bf16 and fp32 do not
@@ -209,22 +209,25 @@ class Trainer:
             loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask, a.value_clip, a.loss_agg)
             return loss, {"vf_loss": loss.detach(), "vf_clip_frac": st["vf_clip_frac"]}
 
-        common = dict(mini=cfg.train.mini_batch or len(exp), epochs=cfg.train.ppo_epochs, micro=self.plan.micro_batch,
+        common = dict(mini=(cfg.train.mini_batch or cfg.sequences_per_step) // self.world, epochs=cfg.train.ppo_epochs,
+                      micro=self.plan.micro_batch,
                       agg=a.loss_agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
                       scaler=lp.scaler)
         res = run_update(self.state.actor, exp, actor_loss, **common)
         out = {**res.stats, "actor/skipped_updates": float(res.skipped)}
         if epoch0["logp"]:
             logp, ent, mask = (torch.cat(epoch0[k]) for k in ("logp", "ent", "mask"))
-            out["actor/entropy"] = algos.masked_mean(ent, mask).item()
+            out["actor/entropy"] = self._mean(ent, mask)
             if epoch0["ref"]:
-                ref = torch.cat(epoch0["ref"])
-                out["actor/kl"] = algos.masked_mean(algos.kl_estimate(logp, ref, a.kl_estimator), mask).item()
+                out["actor/kl"] = self._mean(algos.kl_estimate(logp, torch.cat(epoch0["ref"]), a.kl_estimator), mask)
+            if exp.sampled_logp is not None and common["mini"] == len(exp):  # rows in rollout order
+                # the engine's log-probs against the trainer's own: a rollout/training mismatch shows here
+                out["rollout/logprob_diff"] = self._mean((logp - exp.sampled_logp).abs(), mask)
         if self.critic is not None:
             cres = run_update(self.state.critic, exp, critic_loss, **common)
             out |= cres.stats
-            out["critic/values_mean"] = algos.masked_mean(exp.values, exp.response_mask).item()
-            out["critic/explained_var"] = algos.explained_variance(exp.values, exp.returns, exp.response_mask).item()
+            out["critic/values_mean"] = self._mean(exp.values, exp.response_mask)
+            out["critic/explained_var"] = self._explained_variance(exp)
         lp.skipped_total += res.skipped
         lp.bad_in_a_row = lp.bad_in_a_row + 1 if res.skipped else 0
         if res.skipped:
@@ -251,7 +254,9 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
             times[f"time/{name}_s"] = time.perf_counter() - start
 
-        prompts = [self.prompts[i] for i in lp.sampler.next_batch()]
+        mine = lp.sampler.next_batch()  # the global batch, the same on every rank; this rank takes its share
+        k = len(mine) // self.world
+        prompts = [self.prompts[i] for i in mine[self.rank * k:(self.rank + 1) * k]]
         with phase("rollout"):
             batch = self.rollout(prompts)
         with phase("reward"):
@@ -261,7 +266,7 @@ class Trainer:
         kl_coef = lp.kl_ctl.value
         with phase("score"):
             exp = self.score(exp, kl_coef)
-        exp = advantages(exp, self.cfg.algo, self.cfg.rollout.n_samples, kl_coef)
+        exp = advantages(exp, self.cfg.algo, self.cfg.rollout.n_samples, kl_coef, ranks.tensor_sum(self.device))
         with phase("update"):
             stats = self.update(exp, kl_coef)
         for ln in (self.state.actor, self.state.critic):
@@ -273,19 +278,44 @@ class Trainer:
             lp.kl_ctl.update(stats["actor/kl"], len(exp))
         return self._metrics(batch, scores, components, stats, kl_coef, times, time.perf_counter() - t0)
 
+    def _mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        """Masked mean over the global batch (every rank's share)."""
+        total, count = ranks.sum_floats([float(algos.masked_sum(x.float(), mask)), float(mask.bool().sum())],
+                                        self.device)
+        return total / max(count, 1.0)
+
+    def _explained_variance(self, exp: Experience) -> float:
+        """1 - var(returns - values) / var(returns) over the global batch's valid tokens (biased)."""
+        m = exp.response_mask.bool()
+        y, r = exp.returns.double(), (exp.returns - exp.values).double()
+        n, sy, syy, sr, srr = ranks.sum_floats([float(m.sum()), *(float(algos.masked_sum(t, m)) for t in
+                                                                  (y, y * y, r, r * r))], self.device)
+        if n == 0:
+            return float("nan")
+        var_y, var_r = syy / n - (sy / n) ** 2, srr / n - (sr / n) ** 2
+        return 1 - var_r / var_y if var_y > 0 else float("nan")
+
     def _metrics(self, batch: RolloutBatch, scores: list[float], components: dict[str, list[float]],
                  stats: dict[str, float], kl_coef: float, times: dict[str, float], step_s: float) -> dict[str, Any]:
-        lengths = [len(r) for r in batch.response_ids]
+        # every rank's share of the step, so the numbers describe the global batch (all ranks call this)
+        shares = ranks.gather({"scores": scores, "lengths": [len(r) for r in batch.response_ids],
+                               "truncated": list(batch.truncated), "components": components})
+        scores = [x for sh in shares for x in sh["scores"]]
+        lengths = [x for sh in shares for x in sh["lengths"]]
+        truncated = [x for sh in shares for x in sh["truncated"]]
+        components = {k: [x for sh in shares for x in sh["components"].get(k, [])] for k in components}
+        tokens = sum(lengths)
         sc = torch.tensor(scores)
         out = {"reward/mean": sc.mean().item(), "reward/std": sc.std().item() if len(sc) > 1 else 0.0,
                **{f"reward/{k}_mean": _nanmean(v) for k, v in components.items()},
                "response/length_mean": sum(lengths) / len(lengths), "response/length_min": min(lengths),
                "response/length_max": max(lengths),
-               "response/clip_ratio": sum(batch.truncated) / len(batch.truncated),
+               "response/clip_ratio": sum(truncated) / len(truncated),
                **stats, "actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
-               "perf/step_s": step_s, "perf/tokens_per_s": batch.response_tokens / step_s,
-               "perf/rollout_tokens_per_s": batch.response_tokens / max(times["time/rollout_s"], 1e-9),
-               **times, "train/bad_steps_in_a_row": self.state.loop.bad_in_a_row}
+               "perf/step_s": step_s, "perf/tokens_per_s": tokens / step_s,
+               "perf/rollout_tokens_per_s": tokens / max(times["time/rollout_s"], 1e-9),
+               **times, "train/bad_steps_in_a_row": self.state.loop.bad_in_a_row,
+               "dist/world_size": self.world, "batch/sequences": len(scores)}
         if self.device.type == "cuda":
             out["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             out["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30

@@ -6,6 +6,9 @@
         clip gradients -> optimizer step (the offloaded state comes back for it) -> free gradients
 
 The micro-batch weights make the accumulated gradient equal the mini-batch's (algos.accumulation_weight).
+Under torchrun each rank holds its share of every mini-batch: the weights count the whole mini-batch
+over all ranks, and FSDP2's gradient reduction (a mean over ranks) is undone by scaling with the
+world size, so N processes take the step one process would take on the same rollouts.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from . import algos
+from . import algos, ranks
 from .experience import Experience, micro_batches
 from .optim import StateOffload
 
@@ -88,10 +91,11 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
     out = UpdateResult()
     sums: dict[str, float] = {}
     stepped = 0
+    world = ranks.world()
     learner.model.train()  # HF checkpoints activations (and applies LoRA dropout) only in training mode
     for epoch, mexp in mini_batches(exp, mini, epochs, gen):
         learner.optim.zero_grad(set_to_none=True)
-        whole = algos.batch_counts(mexp.response_mask)
+        whole = tuple(ranks.sum_floats(list(algos.batch_counts(mexp.response_mask)), device))
         acc: dict[str, float] = {}
         finite = True
         for sl in micro_batches(len(mexp), micro):
@@ -101,7 +105,8 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
                 finite = False
                 break
             w = algos.accumulation_weight(part.response_mask, whole, agg)
-            (scaler.scale(loss * w) if scaler is not None else loss * w).backward()
+            scaled = loss * (w * world)
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + float(v) * w
         if not finite:
@@ -113,7 +118,9 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
         for k, v in acc.items():
             sums[k] = sums.get(k, 0.0) + v
     learner.model.eval()
-    out.stats = {f"{learner.name}/{k}": v / stepped for k, v in sums.items()} if stepped else {}
+    keys = sorted(sums)  # the same on every rank: each runs the same loss on its share
+    totals = dict(zip(keys, ranks.sum_floats([sums[k] for k in keys], device)))
+    out.stats = {f"{learner.name}/{k}": v / stepped for k, v in totals.items()} if stepped else {}
     if out.grad_norms:
         out.stats[f"{learner.name}/grad_norm"] = sum(out.grad_norms) / len(out.grad_norms)
     return out
