@@ -17,7 +17,10 @@ float parameters), t_max the largest checkpoint tensor in its own dtype and q_ma
 
     device  Q + t_max + q_max (+ the nested absmax of that tensor): one tensor is full-size at a time
     host    one tensor's cast copy at most (t_max); reads are memory-mapped, so the file's pages are
-            clean page cache (reclaimable), never anonymous memory. On the CPU, device = host.
+            clean page cache (reclaimable), never anonymous memory.
+On the CPU device = host, and bitsandbytes' CPU quantizers (torch ops, not fused kernels) hold about
+two more fp32-sized temporaries of the tensor being quantized: Q + ~3 t_max (fp32), measured in
+tests/test_quant_on_cpu.py.
 
 Compute dtype. bitsandbytes dequantizes each weight to the compute dtype and multiplies in it:
 fp32 on Pascal (Linear4bit(compute_dtype=torch.float32) is exact dequantize + F.linear in fp32),
@@ -66,7 +69,9 @@ class _DropKernelsNotice(logging.Filter):
 
 def require_bitsandbytes():
     """The bitsandbytes module, or a ModelError that says how to install it."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropKernelsNotice())
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _DropKernelsNotice) for f in log.filters):
+        log.addFilter(_DropKernelsNotice())
     try:
         import bitsandbytes
     except ImportError as e:
