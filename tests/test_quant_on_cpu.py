@@ -502,33 +502,38 @@ def test_lora_layer_is_base_plus_scaled_adapter():
 # ---------------------------------------------------------------------------- FSDP2
 
 
-def shard_like_edgerl(lm, ignored: bool) -> None:
+def shard_like_edgerl(lm, ignored: str | None) -> None:
     """What edgerl.models.shard does (per decoder layer, then the root; fp32 compute over an fp16
-    base), with the quantized weights ignored by FSDP2 when `ignored`."""
+    base), with FSDP2 ignoring the quantized weights ("quantized") or every frozen parameter ("frozen")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from edgerl.models import init_distributed
     init_distributed(torch.device("cpu"))
     kwargs = {"mesh": init_device_mesh("cpu", (1,)),
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
-    if ignored:
+    if ignored == "quantized":
         kwargs["ignored_params"] = quantized_params(lm)
+    elif ignored == "frozen":
+        kwargs["ignored_params"] = {p for p in lm.parameters() if not p.requires_grad}
     for layer in lm.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(lm, **kwargs)
 
 
+@pytest.mark.parametrize("ignored", ["quantized", "frozen"])
 @pytest.mark.parametrize("quant", QUANTS)
-def test_fsdp2_trains_the_adapter_and_leaves_the_quantized_base_alone(quant, qwen):
+def test_fsdp2_trains_the_adapter_and_leaves_the_quantized_base_alone(quant, ignored, qwen):
     """FSDP2 (one-process gloo group) with ignored_params: the quantized weights stay whole, in place and
-    unchanged; forward, backward with checkpointing and AdamW steps equal the unwrapped model's."""
+    unchanged; forward, backward with checkpointing and AdamW steps equal the unwrapped model's. With
+    every frozen parameter ignored, FSDP2 manages the adapter alone (the float base then has to be
+    stored in the compute dtype: mixed precision does not cast what FSDP2 ignores)."""
     from torch.distributed.tensor import DTensor
     from edgerl.models import enable_checkpointing
-    lm, _ = lora_model(qwen, quant, storage=torch.float16)
+    lm, _ = lora_model(qwen, quant, storage=torch.float16 if ignored == "quantized" else torch.float32)
     ref, _ = lora_model(qwen, quant, storage=torch.float32)  # the fp16 checkpoint's values, in fp32
     enable_checkpointing(lm)
     frozen = {n: (p, p.data_ptr(), p.data.clone()) for n, p in lm.named_parameters() if n.endswith("base_layer.weight")}
-    shard_like_edgerl(lm, ignored=True)
+    shard_like_edgerl(lm, ignored=ignored)
     lm.train()
     ref.train()
     batch = ids(seed=5)
@@ -538,13 +543,35 @@ def test_fsdp2_trains_the_adapter_and_leaves_the_quantized_base_alone(quant, qwe
     for n, (p, ptr, value) in frozen.items():
         assert params[n] is p and not isinstance(p, DTensor) and p.data_ptr() == ptr, n
         assert torch.equal(p.data, value), n
-    assert all(isinstance(p, DTensor) for n, p in params.items() if ".lora_" in n or "norm" in n)
+    assert all(isinstance(p, DTensor) for n, p in params.items() if ".lora_" in n)
+    assert all(isinstance(p, DTensor) == (ignored == "quantized") for n, p in params.items() if "norm" in n)
     for n, p in ref.named_parameters():
         if ".lora_" in n:
             torch.testing.assert_close(params[n].full_tensor(), p.detach(), rtol=1e-4, atol=1e-6)
     exported = dequantized_state_dict(lm, torch.float32)  # gathers the sharded float weights
     for n, t in dequantized_state_dict(ref, torch.float32).items():
         assert torch.equal(exported[n], t), n
+
+
+def test_fsdp2_held_unsharded_for_rollout(qwen):
+    """For a decode loop (CUDA graphs need fixed addresses): with every FSDP2 module unsharded and kept
+    so, repeated forwards neither move nor re-gather a parameter and compute what the sharded model does."""
+    from torch.distributed.fsdp import FSDPModule
+    lm, _ = lora_model(qwen, "nf4", storage=torch.float16)
+    shard_like_edgerl(lm, ignored="quantized")
+    want = logits(lm.eval(), ids())
+    fsdp = [m for m in lm.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    first = logits(lm, ids())
+    where = {n: p.data_ptr() for n, p in lm.named_parameters()}
+    second = logits(lm, ids())
+    assert where == {n: p.data_ptr() for n, p in lm.named_parameters()}
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert lm.lm_head.weight.dtype == torch.float32  # unsharded in the compute dtype: a second copy
+    for m in fsdp:
+        m.reshard()
 
 
 def test_without_ignored_params_fsdp2_takes_the_quantized_weights(qwen):
@@ -554,11 +581,11 @@ def test_without_ignored_params_fsdp2_takes_the_quantized_weights(qwen):
     per layer and forward, and no longer one resident tensor the rollout engine can read."""
     from torch.distributed.tensor import DTensor
     lm, _ = lora_model(qwen, "int8")
-    shard_like_edgerl(lm, ignored=False)
+    shard_like_edgerl(lm, ignored=None)
     with pytest.raises(AttributeError, match="CB"):
         lm(input_ids=ids())
     lm, _ = lora_model(qwen, "nf4")
-    shard_like_edgerl(lm, ignored=False)
+    shard_like_edgerl(lm, ignored=None)
     assert isinstance(lm.model.layers[0].self_attn.q_proj.base_layer.weight, DTensor)
 
 
