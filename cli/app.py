@@ -9,11 +9,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import USER_ERRORS
+from ..errors import USER_ERRORS, TrainingError
+from ..ranks import from_env
 
 app = typer.Typer(name="edgerl", no_args_is_help=True, add_completion=False,
                   help="Hardware-adaptive RL fine-tuning (PPO, GRPO) of LLMs on the GPUs people actually have.")
-console = Console()
+RANK = from_env()
+console = Console(quiet=not RANK.main)  # under torchrun, rank 0 alone talks to the user
 err = Console(stderr=True)
 
 
@@ -25,7 +27,10 @@ def friendly(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except USER_ERRORS as e:
-            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            # every rank meets the same bad input; a training failure can be one rank's own
+            if RANK.main or isinstance(e, TrainingError):
+                who = f"rank {RANK.rank}: " if RANK.world > 1 else ""
+                err.print(f"[bold red]{who}error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
     return wrapper
 

@@ -84,6 +84,8 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
               algo: Optional[str] = typer.Option(None, help="gae (PPO with a critic) | grpo | rloo | reinforce++"),
               lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="force LoRA on or off "
                                                   "(default: the config's lora.enabled)"),
+              gpus: int = typer.Option(1, "--gpus", min=1, help="plan for N such GPUs under torchrun (FSDP2 shards "
+                                       "the training state over them); the plan is for one of them"),
               config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
               fmt: str = typer.Option("text", "--format", "-f", help="text | toml | json | verl"),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="write to this file instead of stdout")) -> None:
@@ -103,7 +105,7 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
             extra.append(f"{key}={value}")
     cfg = load_config(config, extra)
     target = resolve_target(gpu, gpu_spec)
-    p = plan_for(cfg, target)
+    p = plan_for(cfg, target, world_size=gpus)
     if fmt == "text":
         print_plan(console, p)
         return

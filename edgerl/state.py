@@ -14,7 +14,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import checkpoint
+import torch.distributed as dist
+
+from . import checkpoint, ranks
 from . import lora as lora_io
 from .errors import CheckpointError
 from .update import Learner
@@ -83,8 +85,9 @@ def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Ca
         c = _learner_state(st.critic)
         state["critic_optim"], state["critic_sched"] = c["optim"], c["sched"]
     lp = st.loop
-    state["train"] = {"step": lp.step, "sampler": lp.sampler.state_dict(), "rng": checkpoint.rng_state(lp.gen),
-                      "kl_ctl": lp.kl_ctl.state_dict(), "bad_in_a_row": lp.bad_in_a_row,
+    rngs = ranks.gather(checkpoint.rng_state(lp.gen))   # every rank samples with its own generator
+    state["train"] = {"step": lp.step, "sampler": lp.sampler.state_dict(), "rng": rngs[0], "rng_by_rank": rngs,
+                      "world_size": len(rngs), "kl_ctl": lp.kl_ctl.state_dict(), "bad_in_a_row": lp.bad_in_a_row,
                       "scaler": lp.scaler.state_dict() if lp.scaler is not None else None}
     if not is_writer:
         return None
@@ -107,6 +110,12 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None]) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
     tensors, state, _ = checkpoint.load(folder)
+    saved_world, world = state["train"].get("world_size", 1), ranks.world()
+    if saved_world != world:
+        raise CheckpointError(f"{folder} was written by {saved_world} process(es) and this run has {world}: each "
+                              "GPU's sampling state is in the checkpoint, so resume with the same number "
+                              f"(torchrun --nproc_per_node {saved_world})" if saved_world > 1 else
+                              f"{folder} was written by one process; resume it without torchrun")
     _check_finite(tensors, folder)
     full = StateDictOptions(full_state_dict=True)
     kind = "adapter_model" if st.lora else "actor"
@@ -140,7 +149,8 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None]) -> None:
     tr, lp = state["train"], st.loop
     lp.step = tr["step"]
     lp.sampler.load_state_dict(tr["sampler"])
-    checkpoint.set_rng_state(tr["rng"], lp.gen)
+    checkpoint.set_rng_state(tr.get("rng_by_rank", [tr["rng"]])[dist.get_rank() if ranks.world() > 1 else 0],
+                             lp.gen)
     lp.kl_ctl.load_state_dict(tr["kl_ctl"])
     lp.bad_in_a_row = tr["bad_in_a_row"]
     if lp.scaler is not None and tr.get("scaler"):

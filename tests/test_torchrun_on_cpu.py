@@ -1,0 +1,85 @@
+"""Two processes under torchrun on the CPU (gloo): the same update as one process on the same rollouts,
+and `edgerl train` with one log, split prompts, and checkpoints that resume on the same number of ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "PYTHONPATH": str(HERE.parent)}
+
+
+def torchrun(*args: str, n: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage", ["grpo", "reinforce++"])   # reinforce++ whitens over the whole batch
+def test_two_ranks_update_equals_one_process(tiny_llama, tmp_path, advantage):
+    script = str(HERE / "two_ranks_update.py")
+    one = subprocess.run([sys.executable, script, str(tiny_llama), str(tmp_path / "one.pt"), str(tmp_path / "r1"),
+                          advantage], capture_output=True, text=True, timeout=600, env=ENV)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(script, str(tiny_llama), str(tmp_path / "two.pt"), str(tmp_path / "r2"), advantage)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    torch.testing.assert_close(torch.cat(b["advantages"]), a["advantages"][0], rtol=1e-5, atol=1e-6)
+    moved = 0
+    for name, w in a["weights"].items():
+        torch.testing.assert_close(b["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+        moved += int(not torch.equal(w, b["weights"][name]) or True)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert b["stats"][key] == pytest.approx(a["stats"][key], rel=1e-4, abs=1e-6), key
+
+
+def _train(model: Path, run: Path, *extra: str, n: int = 2) -> subprocess.CompletedProcess:
+    args = ["-m", "edgerl.cli", "train", "--model", str(model), *extra]
+    sets = ["run.profile=\"cpu\"", "train.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6",
+            "data.num_examples=32", "run.tensorboard=false", "run.export_final=false", "run.save_every=1"]
+    args += sum((["--set", s] for s in sets), [])
+    if n == 1:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=ENV)
+    return torchrun(*args, n=n)
+
+
+@pytest.mark.slow
+def test_torchrun_train_logs_once_splits_prompts_and_resumes(tiny_llama, tmp_path):
+    run = tmp_path / "run"
+    first = _train(tiny_llama, run, "--steps", "2", "--out", str(run))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    steps = [ln for ln in first.stdout.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in steps] == ["1", "2"], first.stdout   # rank 0 alone prints
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["dist/world_size"] == 2 and r["batch/sequences"] == 4 for r in rows)
+    _, state, _ = __import__("edgerl.checkpoint", fromlist=["load"]).load(run / "checkpoints" / "step-000002")
+    assert state["train"]["world_size"] == 2 and len(state["train"]["rng_by_rank"]) == 2
+    assert state["train"]["rng_by_rank"][0]["generator"].ne(state["train"]["rng_by_rank"][1]["generator"]).any()
+
+    again = _train(tiny_llama, run, "--steps", "3", "--resume", str(run))
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+    alone = _train(tiny_llama, run, "--steps", "4", "--resume", str(run), n=1)
+    assert alone.returncode == 2
+    assert "written by 2 process(es) and this run has 1" in alone.stderr and "--nproc_per_node 2" in alone.stderr
+    assert "Traceback" not in alone.stderr
+
+
+@pytest.mark.slow
+def test_a_batch_that_does_not_split_is_refused_before_training(tiny_llama, tmp_path):
+    res = _train(tiny_llama, tmp_path / "odd", "--steps", "1", "--set", "train.prompts_per_step=3",
+                 "--out", str(tmp_path / "odd"))
+    assert res.returncode != 0
+    assert "train.prompts_per_step=3 does not split over 2 GPUs" in res.stderr
+    assert res.stderr.count("does not split") == 1          # one line, from rank 0
+    assert not (tmp_path / "odd").exists()                  # nothing written
