@@ -282,6 +282,11 @@ def test_fused_weights_are_the_parameters_storage():
     assert at.v_proj.bias.data_ptr() == p0.qkv_b[-at.v_proj.out_features:].data_ptr()
     assert sum(p.numel() for p in model.parameters()) == total            # nothing copied or added
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # A second engine on the same model reuses the fused storage, so the first one stays valid.
+    other = StaticCacheEngine(model, 4, 32, cuda_graphs=False)
+    assert other.dec.proj[1].qkv_w.data_ptr() == p0.qkv_w.data_ptr()
+    assert other.dec.proj[1].gu_w.data_ptr() == p0.gu_w.data_ptr()
+    assert all(p.intact() for p in eng.dec.proj)
 
 
 def test_lora_modules_path_equals_peft_generate_and_merged_fused_path():

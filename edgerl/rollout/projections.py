@@ -51,10 +51,28 @@ def fusable(layer: nn.Module) -> str:
     return ""
 
 
+def _adjacent(params: list[nn.Parameter]) -> bool:
+    """Whether `params` already are consecutive row blocks of one storage (fused by an earlier engine)."""
+    first = params[0]
+    at = first.storage_offset()
+    for p in params:
+        if (not p.is_contiguous() or p.storage_offset() != at or p.shape[1:] != first.shape[1:]
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return False
+        at += p.numel()
+    return True
+
+
 def _fuse(params: list[nn.Parameter]) -> torch.Tensor:
     """One tensor holding `params` stacked along dim 0; each parameter becomes a view of its rows.
-    Copies one group at a time, so the extra memory at the peak is one layer's q/k/v (or gate/up)."""
+    Copies one group at a time, so the extra memory at the peak is one layer's q/k/v (or gate/up).
+    Parameters that already are such views (a second engine on the same model) are reused as they
+    are: a new copy would leave the first engine's fused weight stale."""
     rows = sum(p.shape[0] for p in params)
+    if _adjacent(params):
+        first = params[0]
+        return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+            first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride())
     fused = torch.empty((rows, *params[0].shape[1:]), dtype=params[0].dtype, device=params[0].device)
     at = 0
     for p in params:
