@@ -228,7 +228,7 @@ def run_static(args, model, ids, kw, rec, cuda) -> list[list[int]]:
         engine.release()
 
 
-def run_config(args, shape, dt, names, device, bw, sheet, budget_end, results, outputs):
+def run_config(args, shape, dt, names, device, bw, sheet, budget_end, results, outputs, save):
     cuda = device.type == "cuda"
     model = build(shape, args.vocab, DTYPES[dt], device)
     g = torch.Generator().manual_seed(0)
@@ -242,6 +242,7 @@ def run_config(args, shape, dt, names, device, bw, sheet, budget_end, results, o
         if time.perf_counter() > budget_end:
             rec["error"] = "skipped: --budget-s reached"
             print(json.dumps(rec), flush=True)
+            save()
             continue
         kw = VARIANTS[name]
         if kw is not None and not cuda:   # no CUDA: the same engine without a graph
@@ -277,6 +278,7 @@ def run_config(args, shape, dt, names, device, bw, sheet, budget_end, results, o
             rec["traceback"] = traceback.format_exc()[-2000:]
         rec["variant_s"] = round(time.perf_counter() - t_variant, 1)
         print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+        save()   # after every variant: a run cut short by a time limit still leaves its results
     del model
     if cuda:
         torch.cuda.empty_cache()
@@ -362,6 +364,15 @@ def main(argv=None) -> int:
         note = (f"{name}: measured device copy {measured / 1e12:.2f} TB/s, datasheet "
                 f"{f'{sheet / 1e12:.2f} TB/s' if sheet else 'unknown'}; 'of bound' uses {bw / 1e12:.2f} TB/s")
     results, outputs = [], {}
+    out = args.out or (os.path.join(os.environ["OUT"], "bench_rollout.json") if os.environ.get("OUT") else None)
+
+    def save() -> None:
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps({"device": name, "bandwidth_note": note, "torch": torch.__version__,
+                                             "args": vars(args), "table": table(results, note),
+                                             "records": results}, indent=1))
+
     # Compiled variants last: their compilation takes the longest, and the budget should cut them first.
     first = [n for n in names if "compile" not in n]
     later = [n for n in names if "compile" in n]
@@ -371,17 +382,14 @@ def main(argv=None) -> int:
                 print(f"{shape} {dt}: compiled variants not run (fp32 is Pascal's dtype, where Inductor cannot run; "
                       "--compile-fp32 runs them)")
             elif group:
-                run_config(args, shape, dt, group, device, bw, sheet, t_start + args.budget_s, results, outputs)
+                run_config(args, shape, dt, group, device, bw, sheet, t_start + args.budget_s, results, outputs, save)
     report = table(results, note)
     print("\n" + report)
     bad = [r["variant"] + " " + r["model"] + " " + r["dtype"] for r in results if not r.get("ok")]
     print(f"\n{len(results) - len(bad)}/{len(results)} variants ran and passed their checks"
           + (f"; not: {', '.join(bad)}" if bad else "") + f"; {time.perf_counter() - t_start:.0f} s")
-    out = args.out or (os.path.join(os.environ["OUT"], "bench_rollout.json") if os.environ.get("OUT") else None)
+    save()
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"device": name, "bandwidth_note": note, "torch": torch.__version__,
-                                         "args": vars(args), "records": results}, indent=1))
         print(f"wrote {out}")
     return 1 if bad and args.smoke else 0
 
