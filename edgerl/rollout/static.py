@@ -16,6 +16,7 @@ draw differently (same distribution), and so do the CPU and CUDA.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -67,13 +68,17 @@ def _addresses(dec: StaticDecoder) -> tuple[int, ...]:
 
 def _enable_compile(dec: StaticDecoder, device: torch.device) -> None:
     """Swap in a torch.compile'd decoder layer. Each layer call has the same signature and shapes, so
-    one compilation serves every layer (a whole-step graph would take minutes to compile). Inductor
+    one compilation serves every layer (a whole-step graph unrolls every layer and compiles for far
+    longer). Inductor
     fuses the elementwise work between the matmuls (residual add + norm, rotary + cache write,
     softmax, activation x up) into a few generated kernels."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
         raise ValueError(f"compile_step needs CUDA compute capability >= 7.0: Inductor generates Triton "
                          f"kernels and Triton does not support sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} "
                          "(Pascal); use compile_step=False (CUDA graphs alone run there)")
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError("compile_step needs triton (Inductor's GPU code generator), which is not installed; "
+                         "use compile_step=False")
     if dec.proj[0].kind != "fused":
         raise ValueError(f"compile_step is implemented for fused projections only ({dec.proj_note}); "
                          "use compile_step=False")
