@@ -308,8 +308,8 @@ def check(args, rec, model, ids, toks, outputs, key, dt) -> None:
 
 
 def table(results, note: str) -> str:
-    lines = [note, "", "| model | dtype | variant | ms/step | decode tok/s | of bound | of datasheet bound | kernels/step "
-             "| capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync | checks |",
+    lines = [note, "", "| model | dtype | variant | ms/step | decode tok/s | of bound | of datasheet bound "
+             "| kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync | checks |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         if "error" in r:
@@ -317,13 +317,14 @@ def table(results, note: str) -> str:
             continue
         pct = lambda k: f"{100 * r[k]:.1f}%" if k in r else "-"   # noqa: E731
         c = r["check_hf_forward"]
-        checks = (f"{'ok' if r['ok'] else 'FAIL'}: argmax {100 * c['argmax_match']:.1f}%, max gap {c['gap_max_std']:.3f} std"
-                  + (f", = hf prefix {r['check_hf_prefix']['rows_equal']}/{r['check_hf_prefix']['rows']}"
-                     if "check_hf_prefix" in r else "")
-                  + (f", = graph_fused {r['check_vs_graph_fused']['rows_equal']}/{r['check_vs_graph_fused']['rows']}"
-                     if "check_vs_graph_fused" in r else ""))
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['variant']} | {r['ms_per_step']:.3f} | {r['decode_tok_s']:.0f} | "
-                     f"{pct('share_of_bound')} | {pct('share_of_datasheet_bound')} | {r.get('kernels_per_step', '-')} | "
+        eq = lambda k: f"{r[k]['rows_equal']}/{r[k]['rows']}"   # noqa: E731
+        checks = (f"{'ok' if r['ok'] else 'FAIL'}: argmax {100 * c['argmax_match']:.1f}%, "
+                  f"max gap {c['gap_max_std']:.3f} std"
+                  + (f", = hf prefix {eq('check_hf_prefix')}" if "check_hf_prefix" in r else "")
+                  + (f", = graph_fused {eq('check_vs_graph_fused')}" if "check_vs_graph_fused" in r else ""))
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['variant']} | {r['ms_per_step']:.3f} | "
+                     f"{r['decode_tok_s']:.0f} | {pct('share_of_bound')} | {pct('share_of_datasheet_bound')} | "
+                     f"{r.get('kernels_per_step', '-')} | "
                      f"{r.get('capture_s', '-')} | {r.get('first_call_s', '-')} | "
                      f"{r.get('graph_pool_mib', '-')}, {r.get('graph_pool_mib_greedy_and_top_p', '-')} | "
                      f"{r.get('graph_kept_across_sync', '-')} | {checks} |")

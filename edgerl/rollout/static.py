@@ -72,10 +72,11 @@ def _enable_compile(dec: StaticDecoder, device: torch.device) -> None:
     longer). Inductor
     fuses the elementwise work between the matmuls (residual add + norm, rotary + cache write,
     softmax, activation x up) into a few generated kernels."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
-        raise ValueError(f"compile_step needs CUDA compute capability >= 7.0: Inductor generates Triton "
-                         f"kernels and Triton does not support sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} "
-                         "(Pascal); use compile_step=False (CUDA graphs alone run there)")
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if cc is not None and cc < (7, 0):
+        raise ValueError(f"compile_step needs CUDA compute capability >= 7.0: Inductor generates Triton kernels "
+                         f"and Triton does not support sm_{cc[0]}{cc[1]} (Pascal); use compile_step=False "
+                         "(CUDA graphs alone run there)")
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         raise ValueError("compile_step needs triton (Inductor's GPU code generator), which is not installed; "
                          "use compile_step=False")
