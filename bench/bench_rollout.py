@@ -309,7 +309,8 @@ def check(args, rec, model, ids, toks, outputs, key, dt) -> None:
 
 def table(results, note: str) -> str:
     lines = [note, "", "| model | dtype | variant | ms/step | decode tok/s | of bound | of datasheet bound "
-             "| kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync | checks |",
+             "| kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync "
+             "| checks |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         if "error" in r:
