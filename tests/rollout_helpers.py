@@ -31,12 +31,12 @@ def tiny_llama(seed: int = 0, *, tied: bool = True, dtype=torch.float32, device=
     return _shake(LlamaForCausalLM(cfg), seed).to(device=device, dtype=dtype)
 
 
-def with_lora(model, seed: int = 0):
+def with_lora(model, seed: int = 0, dropout: float = 0.0):
     """A peft LoRA wrapper on every projection of `model`, with nonzero B (peft starts B at 0, which
     would hide a path that skips the adapter)."""
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     return get_peft_model(model, cfg).eval()
 

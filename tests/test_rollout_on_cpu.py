@@ -300,6 +300,10 @@ def test_lora_modules_path_equals_peft_generate_and_merged_fused_path():
     assert eng.generate(PROMPTS, 1, greedy(20)).response_ids == ref
     with pytest.raises(ValueError, match="projections='modules'"):
         StaticCacheEngine(lora, 8, 64, cuda_graphs=False, projections="fused")
+    # The training model itself, in train mode with adapter dropout: the engine generates in eval mode.
+    training = with_lora(copy.deepcopy(base), dropout=0.5).train()
+    assert any(isinstance(m, torch.nn.Dropout) for m in training.modules())
+    assert static(training).generate(PROMPTS, 1, greedy(20)).response_ids == ref and training.training
     merged = copy.deepcopy(lora).merge_and_unload()
     fused = static(merged)
     assert fused.dec.proj[0].kind == "fused"

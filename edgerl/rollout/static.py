@@ -282,10 +282,17 @@ class StaticCacheEngine:
                             logprobs=logprobs, info=info)
 
     def _generate_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
-        if self.device.type == "cuda":   # streams, events and capture follow the current device
-            with torch.cuda.device(self.device):
-                return self._run_chunk(chunk, mode, max_new, info)
-        return self._run_chunk(chunk, mode, max_new, info)
+        # Module projections may be the training model's own LoRA layers: their dropout must not act
+        # while generating (nor be baked into a captured graph).
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if self.device.type == "cuda":   # streams, events and capture follow the current device
+                with torch.cuda.device(self.device):
+                    return self._run_chunk(chunk, mode, max_new, info)
+            return self._run_chunk(chunk, mode, max_new, info)
+        finally:
+            self.model.train(was_training)
 
     def _run_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
         s, B, cuda = self._state, mode.rows, self.device.type == "cuda"
