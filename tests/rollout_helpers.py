@@ -22,12 +22,33 @@ def _shake(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def tiny_llama(seed: int = 0, *, tied: bool = True, dtype=torch.float32, device="cpu", **extra) -> LlamaForCausalLM:
+    """3 layers, 4 query heads over 2 KV heads (GQA) unless `extra` says otherwise."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0, **extra)
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(**{**fields, **extra})
     return _shake(LlamaForCausalLM(cfg), seed).to(device=device, dtype=dtype)
+
+
+def with_lora(model, seed: int = 0, dropout: float = 0.0):
+    """A peft LoRA wrapper on every projection of `model`, with nonzero B (peft starts B at 0, which
+    would hide a path that skips the adapter)."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return get_peft_model(model, cfg).eval()
+
+
+def perturbed(model_fn, scale: float = 0.05, seed: int = 9):
+    """A fresh model from `model_fn` with every weight moved a little: what a training update sends."""
+    model = model_fn()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
+    return model
 
 
 def tiny_qwen2(seed: int = 1, *, tied: bool = False, dtype=torch.float32, device="cpu") -> Qwen2ForCausalLM:

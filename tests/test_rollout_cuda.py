@@ -1,5 +1,7 @@
 """The static engine with the decode step captured in a CUDA graph, against its eager path, HF generate
-and a full-forward recomputation. Tiny models: the whole file runs in well under a minute."""
+and a full-forward recomputation: fused and module projections, graphs kept across weight syncs,
+release/restore of the weights under kept graphs, LoRA adapters, and the compiled layer (CC >= 7.0).
+Tiny models: seconds per test, except the compile tests (tens of seconds each with a cold compile cache)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine
-from rollout_helpers import PROMPTS, next_token_logits, recompute_logprobs, tiny_llama, tiny_qwen2
+from rollout_helpers import (PROMPTS, next_token_logits, perturbed, recompute_logprobs, tiny_llama, tiny_qwen2,
+                             with_lora)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 
@@ -19,15 +22,31 @@ def greedy(n, eos=()):
     return SamplingParams(max_new_tokens=n, greedy=True, eos_token_ids=tuple(eos))
 
 
-def engines(model, max_batch=8, max_seq_len=128):
-    return (StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=True),
-            StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=False))
+def engines(model, max_batch=8, max_seq_len=128, **kw):
+    return (StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=True, **kw),
+            StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=False, **kw))
 
 
+def compile_reason():
+    if torch.cuda.get_device_capability() < (7, 0):
+        return "compile_step needs CC >= 7.0 (Triton)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "compile_step needs triton installed"
+    return ""
+
+
+needs_compile = pytest.mark.skipif(torch.cuda.is_available() and bool(compile_reason()),
+                                   reason=compile_reason() if torch.cuda.is_available() else "requires CUDA")
+
+
+@pytest.mark.parametrize("projections,attention", [("fused", "bmm"), ("modules", "bmm"), ("fused", "sdpa")])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_graph_greedy_equals_eager_and_hf_fp32(name):
+def test_graph_greedy_equals_eager_and_hf_fp32(name, projections, attention):
     model = BUILD[name](device="cuda")
-    graph, eager = engines(model)
+    graph, eager = engines(model, projections=projections, decode_attention=attention)
+    assert graph.dec.proj[0].kind == projections
     ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(40))
     got = graph.generate(PROMPTS, 2, greedy(40))
     assert got.response_ids == eager.generate(PROMPTS, 2, greedy(40)).response_ids
@@ -125,3 +144,94 @@ def test_graph_sees_synced_weights_and_survives_release():
     assert graph.generate(PROMPTS, 1, greedy(16)).response_ids == after
 
 
+def test_graph_kept_across_sync_and_rollouts():
+    model = tiny_qwen2(device="cuda")
+    graph, _ = engines(model)
+    first = graph.generate(PROMPTS, 2, greedy(24))
+    assert first.info["captures"] == 1
+    captured = dict(graph._graphs)
+    pool = graph.memory_bytes()["graph_pool"]
+    assert pool > 0
+    source = perturbed(lambda: tiny_qwen2())
+    graph.sync_weights(source.state_dict().items())      # CPU tensors, copied in place into the fused views
+    second = graph.generate(PROMPTS, 2, greedy(24))
+    assert second.info["captures"] == 0 and not second.info["graphs_dropped"]
+    assert all(graph._graphs[m] is g for m, g in captured.items())   # the same graph objects, replayed
+    assert second.response_ids != first.response_ids
+    assert second.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(24)).response_ids
+    assert graph.memory_bytes()["graph_pool"] == pool
+    graph.release()
+    assert graph.memory_bytes() == {"kv_cache": 0, "state": 0, "graph_pool": 0}
+
+
+def test_kept_graph_after_release_and_restore_of_the_weights():
+    """models.release_weights/restore_weights may put the weights elsewhere; the engine must notice and
+    capture again rather than replay a graph that reads freed memory."""
+    from edgerl.models import release_weights, restore_weights
+    model = tiny_llama(device="cuda")
+    graph, _ = engines(model)
+    graph.generate(PROMPTS, 1, greedy(16))
+    before = [p.data_ptr() for p in model.parameters()]
+    release_weights(model)
+    blocker = torch.empty(sum(p.numel() for p in model.parameters()), device="cuda")   # takes the freed memory
+    restore_weights(model)
+    source = perturbed(tiny_llama)
+    graph.sync_weights(source.named_parameters())
+    out = graph.generate(PROMPTS, 1, greedy(16))
+    moved = [p.data_ptr() for p in model.parameters()] != before
+    assert out.info["graphs_dropped"] == moved and out.info["captures"] == int(moved)
+    assert out.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 1, greedy(16)).response_ids
+    del blocker
+
+
+def test_lora_modules_in_a_graph_equal_peft_generate():
+    model = with_lora(tiny_llama(7)).to("cuda")
+    graph, _ = engines(model)
+    assert graph.dec.proj[0].kind == "modules"
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(24)).response_ids
+    assert graph.generate(PROMPTS, 2, greedy(24)).response_ids == ref
+
+
+def test_step_times_with_cuda_events():
+    eng = StaticCacheEngine(tiny_llama(device="cuda"), 8, 64, cuda_graphs=True, time_steps=True)
+    out = eng.generate(PROMPTS, 1, greedy(12))
+    assert len(out.info["step_ms"]) == out.info["decode_steps"] == 11 and min(out.info["step_ms"]) > 0
+
+
+@needs_compile
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_compiled_graph_equals_eager_and_hf_fp32(name):
+    torch._dynamo.reset()
+    model = BUILD[name](device="cuda")
+    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True)
+    eager = StaticCacheEngine(model, 8, 128, cuda_graphs=False)
+    got = graph.generate(PROMPTS, 2, greedy(40))
+    assert got.info["captures"] == 1
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(40)).response_ids
+    assert got.response_ids == eager.generate(PROMPTS, 2, greedy(40)).response_ids == ref
+    source = perturbed(lambda: BUILD[name]())
+    graph.sync_weights(source.state_dict().items())
+    again = graph.generate(PROMPTS, 2, greedy(40))
+    assert again.info["captures"] == 0
+    assert again.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(40)).response_ids
+
+
+@needs_compile
+def test_compiled_graph_sampled_logprobs_bf16():
+    torch._dynamo.reset()
+    model = tiny_llama(dtype=torch.bfloat16, device="cuda")
+    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True)
+    params = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, eos_token_ids=(7,))
+    out = graph.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
+    ref = recompute_logprobs(model, out.prompt_ids, out.response_ids, 0.8)
+    got = torch.tensor([x for row in out.logprobs for x in row])
+    want = torch.tensor([x for row in ref for x in row])
+    diff = (got - want).abs()
+    assert got.shape == want.shape and diff.max() <= 0.15 and diff.mean() <= 0.03, (diff.max(), diff.mean())
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 0),
+                    reason="checks the refusal on a CC < 7.0 (Pascal) GPU")
+def test_compile_refused_below_cc_7():
+    with pytest.raises(ValueError, match="compute capability >= 7.0"):
+        StaticCacheEngine(tiny_llama(device="cuda"), 8, 64, cuda_graphs=True, compile_step=True)

@@ -1,8 +1,11 @@
-"""The static-cache engine (eager decode) against HF generate and a full-forward recomputation, fp32 on the CPU."""
+"""The static-cache engine (eager decode) against HF generate and a full-forward recomputation, fp32 on the CPU:
+fused and module-call projections, LoRA adapters, weight sync into fused views, release/restore of fused
+storage, state kept across generates, and the compiled layer (Inductor's CPU backend)."""
 
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -11,7 +14,8 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine, UnsupportedModel, load_weights
 from edgerl.rollout.sampling import filter_logits, sample
-from rollout_helpers import PROMPTS, next_token_logits, recompute_logprobs, tiny_llama, tiny_qwen2
+from rollout_helpers import (PROMPTS, next_token_logits, perturbed, recompute_logprobs, tiny_llama, tiny_qwen2,
+                             with_lora)
 
 MODELS = {"llama-tied": lambda: tiny_llama(tied=True), "qwen2-untied": lambda: tiny_qwen2(tied=False),
           "llama-untied": lambda: tiny_llama(3, tied=False), "qwen2-tied": lambda: tiny_qwen2(4, tied=True)}
@@ -228,3 +232,184 @@ def test_unsupported_architecture_and_rope_are_refused_by_the_decoder():
     dyn = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(NotImplementedError, match="dynamic"):
         static(dyn)
+
+
+# ---- projections: fused views, module calls, LoRA ---------------------------------------------------
+
+PROJECTION_MODELS = {**MODELS, "llama-mha": lambda: tiny_llama(6, num_key_value_heads=4),
+                     "llama-mlp-bias": lambda: tiny_llama(8, mlp_bias=True, attention_bias=True)}
+
+
+@pytest.mark.parametrize("attention", ["bmm", "sdpa"])
+@pytest.mark.parametrize("name", sorted(PROJECTION_MODELS))
+def test_fused_and_module_projections_equal_hf_generate(name, attention):
+    model = PROJECTION_MODELS[name]()
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(20)).response_ids
+    fused = static(model, max_batch=8) if attention == "bmm" else StaticCacheEngine(
+        model, 8, 64, cuda_graphs=False, decode_attention="sdpa")
+    assert fused.dec.proj[0].kind == "fused"
+    assert fused.generate(PROMPTS, 2, greedy(20)).response_ids == ref
+    # HF's own forward reads the same fused storage through the parameter views: its output is unchanged.
+    assert HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(20)).response_ids == ref
+    mods = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections="modules", decode_attention=attention)
+    assert mods.dec.proj[0].kind == "modules"
+    assert mods.generate(PROMPTS, 2, greedy(20)).response_ids == ref
+
+
+def test_fused_weights_are_the_parameters_storage():
+    model = tiny_qwen2()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    total = sum(p.numel() for p in model.parameters())
+    eng = static(model)
+    at, p0 = model.model.layers[1].self_attn, eng.dec.proj[1]
+    assert p0.qkv_w.data_ptr() == at.q_proj.weight.data_ptr()
+    assert at.k_proj.weight.data_ptr() == p0.qkv_w[at.q_proj.out_features:].data_ptr()
+    assert at.v_proj.bias.data_ptr() == p0.qkv_b[-at.v_proj.out_features:].data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == total            # nothing copied or added
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # A second engine on the same model reuses the fused storage, so the first one stays valid.
+    other = StaticCacheEngine(model, 4, 32, cuda_graphs=False)
+    assert other.dec.proj[1].qkv_w.data_ptr() == p0.qkv_w.data_ptr()
+    assert other.dec.proj[1].gu_w.data_ptr() == p0.gu_w.data_ptr()
+    assert all(p.intact() for p in eng.dec.proj)
+
+
+def test_lora_modules_path_equals_peft_generate_and_merged_fused_path():
+    base = tiny_llama(7)
+    plain = HFGenerateEngine(base, 8).generate(PROMPTS, 1, greedy(20)).response_ids
+    lora = with_lora(copy.deepcopy(base))
+    ref = HFGenerateEngine(lora, 8).generate(PROMPTS, 1, greedy(20)).response_ids
+    assert ref != plain                                      # the adapter changes the output
+    eng = static(lora)                                       # auto: LoRA layers are called as modules
+    assert eng.dec.proj[0].kind == "modules" and "lora" in eng.describe().lower()
+    assert eng.generate(PROMPTS, 1, greedy(20)).response_ids == ref
+    with pytest.raises(ValueError, match="projections='modules'"):
+        StaticCacheEngine(lora, 8, 64, cuda_graphs=False, projections="fused")
+    # The training model itself, in train mode with adapter dropout: the engine generates in eval mode.
+    training = with_lora(copy.deepcopy(base), dropout=0.5).train()
+    assert any(isinstance(m, torch.nn.Dropout) for m in training.modules())
+    assert static(training).generate(PROMPTS, 1, greedy(20)).response_ids == ref and training.training
+    merged = copy.deepcopy(lora).merge_and_unload()
+    fused = static(merged)
+    assert fused.dec.proj[0].kind == "fused"
+    assert fused.generate(PROMPTS, 1, greedy(20)).response_ids == ref
+
+
+# ---- weights: sync, release/restore, state kept across generates ------------------------------------
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-untied"])
+def test_sync_fills_the_fused_weights(name):
+    model = MODELS[name]()
+    eng = static(model)
+    source = perturbed(MODELS[name])
+    eng.sync_weights(source.state_dict().items())
+    for layer, src, proj in zip(model.model.layers, source.model.layers, eng.dec.proj):
+        s_at, s_mlp = src.self_attn, src.mlp
+        assert torch.equal(proj.qkv_w, torch.cat([s_at.q_proj.weight, s_at.k_proj.weight, s_at.v_proj.weight]))
+        assert torch.equal(proj.gu_w, torch.cat([s_mlp.gate_proj.weight, s_mlp.up_proj.weight]))
+        if proj.qkv_b is not None:
+            assert torch.equal(proj.qkv_b, torch.cat([s_at.q_proj.bias, s_at.k_proj.bias, s_at.v_proj.bias]))
+    assert eng.generate(PROMPTS, 1, greedy(16)).response_ids == \
+        HFGenerateEngine(source, 8).generate(PROMPTS, 1, greedy(16)).response_ids
+
+
+def test_release_and_restore_free_and_refill_the_fused_storage():
+    from edgerl.models import release_weights, restore_weights
+    model = tiny_qwen2()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    eng = static(model)
+    eng.generate(PROMPTS, 1, greedy(4))
+    assert release_weights(model) == weight_bytes          # the fused storages counted once each
+    for proj in eng.dec.proj:
+        assert all(t.untyped_storage().nbytes() == 0 for t in (proj.qkv_w, proj.qkv_b, proj.gu_w))
+    with pytest.raises(RuntimeError, match="released"):
+        eng.generate(PROMPTS, 1, greedy(4))
+    restore_weights(model)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert all(proj.intact() for proj in eng.dec.proj)     # still one storage per fused weight
+    source = perturbed(lambda: tiny_qwen2())
+    eng.sync_weights(source.state_dict().items())
+    assert eng.generate(PROMPTS, 1, greedy(16)).response_ids == \
+        HFGenerateEngine(source, 8).generate(PROMPTS, 1, greedy(16)).response_ids
+
+
+def test_cache_and_buffers_kept_across_generates_with_a_sync_between():
+    model = tiny_llama()
+    eng = static(model)
+    first = eng.generate(PROMPTS, 1, greedy(16))
+    cache, state = eng.dec.cache.data_ptr(), eng._state
+    source = perturbed(tiny_llama)
+    eng.sync_weights(source.named_parameters())
+    second = eng.generate(PROMPTS, 1, greedy(16))
+    assert eng.dec.cache.data_ptr() == cache and eng._state is state   # nothing re-allocated
+    assert not second.info["graphs_dropped"]
+    assert second.response_ids != first.response_ids
+    assert second.response_ids == HFGenerateEngine(source, 8).generate(PROMPTS, 1, greedy(16)).response_ids
+    mem = eng.memory_bytes()
+    assert mem["kv_cache"] == eng.dec.cache_bytes() > 0 and mem["state"] > 0
+    eng.release()
+    assert eng.memory_bytes() == {"kv_cache": 0, "state": 0, "graph_pool": 0}
+
+
+def test_graphs_are_dropped_when_weights_move_and_kept_when_they_stay():
+    """The address check that guards kept CUDA graphs, driven on the CPU with stand-in graphs."""
+    from edgerl.rollout.static import _addresses
+    model = tiny_llama()
+    eng = static(model)
+    eng.generate(PROMPTS, 1, greedy(4))
+
+    def fake_capture():
+        eng._graphs["stand-in"] = object()
+        eng._stamp = _addresses(eng.dec)
+
+    fake_capture()
+    eng.sync_weights(perturbed(tiny_llama).named_parameters())         # in place: addresses stay
+    out = eng.generate(PROMPTS, 1, greedy(4))
+    assert not out.info["graphs_dropped"] and "stand-in" in eng._graphs
+    norm = model.model.layers[0].input_layernorm.weight
+    norm.data = norm.data.clone()                                      # a parameter moved
+    out = eng.generate(PROMPTS, 1, greedy(4))
+    assert out.info["graphs_dropped"] and not eng._graphs
+    fake_capture()
+    q = model.model.layers[2].self_attn.q_proj.weight
+    q.data = q.data.clone()                                            # left its fused storage
+    assert not eng.dec.proj[2].intact()
+    out = eng.generate(PROMPTS, 1, greedy(16))
+    assert out.info["graphs_dropped"] and eng.dec.proj[2].intact()    # fused again, from its values
+    assert out.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 1, greedy(16)).response_ids
+    source = perturbed(tiny_llama)
+    eng.sync_weights(source.named_parameters())                        # reaches the new fused storage
+    assert eng.generate(PROMPTS, 1, greedy(16)).response_ids == \
+        HFGenerateEngine(source, 8).generate(PROMPTS, 1, greedy(16)).response_ids
+
+
+def test_step_times_are_recorded_when_asked():
+    eng = StaticCacheEngine(tiny_llama(), 8, 64, cuda_graphs=False, time_steps=True)
+    out = eng.generate(PROMPTS, 1, greedy(10))
+    assert len(out.info["step_ms"]) == out.info["decode_steps"] == 9 and min(out.info["step_ms"]) > 0
+    assert "step_ms" not in static(tiny_llama()).generate(PROMPTS, 1, greedy(3)).info
+
+
+# ---- the compiled layer ---------------------------------------------------------------------------
+
+def test_compile_step_refuses_module_projections():
+    with pytest.raises(ValueError, match="fused projections"):
+        StaticCacheEngine(with_lora(tiny_llama()), 8, 64, cuda_graphs=False, compile_step=True)
+
+
+def test_compiled_layer_equals_hf_and_compiles_once_for_all_layers():
+    """Inductor's CPU backend (C++); the same Dynamo graph the GPU compiles, with Triton there."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_qwen2()                   # qkv biases: the fused bias goes through the compiled matmul
+    eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, compile_step=True)
+    assert "compiled layers" in eng.describe()
+    got = eng.generate(PROMPTS, 2, greedy(16))
+    assert got.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(16)).response_ids
+    assert counters["stats"]["unique_graphs"] == 1          # one compilation served both layers
+    source = perturbed(lambda: tiny_qwen2())
+    eng.sync_weights(source.state_dict().items())
+    assert eng.generate(PROMPTS, 2, greedy(16)).response_ids == \
+        HFGenerateEngine(source, 8).generate(PROMPTS, 2, greedy(16)).response_ids
+    assert counters["stats"]["unique_graphs"] == 1          # new weights, same compiled code

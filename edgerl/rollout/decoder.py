@@ -1,10 +1,17 @@
 """A llama-family decoder written against a static KV cache, reading an HF model's own weights.
 
 HF's forward builds masks and cache objects in Python and synchronises with the host on the way;
-this one does neither in the decode step, so `torch.cuda.CUDAGraph` can capture it (no
-torch.compile: Pascal, CC 6.x, has no Triton). The math follows `modeling_llama.py` /
+this one does neither in the decode step, so `torch.cuda.CUDAGraph` can capture it (plain graphs,
+no torch.compile needed: Pascal, CC 6.x, has no Triton). The math follows `modeling_llama.py` /
 `modeling_qwen2.py` op for op (RMSNorm in fp32, rotary tables computed as HF computes them,
 grouped-query attention, the module's own activation), so greedy output equals HF `generate`.
+A layer's projections go through a small object (`projections.py`): fused q/k/v and gate/up
+matmuls over plain weights, or the modules themselves (LoRA adapters, quantized layers).
+
+A decode step for a few rows is bound by the number of kernels, not by the weight reads, so the
+step avoids kernels that do no arithmetic HF would not do: rotary on q and k in one pass with the
+sign folded into the sin table, k and v written to the cache by one copy, no casts around the norm
+and softmax where the kernel computes in fp32 anyway.
 
 Left padding as HF does it: every prompt of a batch ends at column W-1; row b's first real token
 sits at column `start[b]`, and its position ids count from there (`column - start[b]`).
@@ -16,6 +23,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from .projections import make_projections
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at init
@@ -90,101 +99,176 @@ def inv_freq_for(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF: normalise in fp32, cast back, then scale. F.rms_norm is one fused kernel on CUDA instead of
-    # five (pow, mean, add, rsqrt, mul), which counts when a decode step is ~1200 tiny kernels.
-    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    # HF: normalise in fp32, cast back, then scale. F.rms_norm computes in fp32 internally for 16-bit
+    # inputs and rounds once, the same values as HF's upcast/normalise/downcast, in one kernel (CUDA)
+    # instead of five plus two casts; the scale stays a separate multiply so it rounds where HF's does.
+    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a peft wrapper (its LoRA layers stay in place inside it)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
 
 
 class StaticDecoder:
     """The model's weights (by reference: an in-place weight copy is seen here and by captured graphs)
-    and a KV cache of `max_batch` x `max_seq_len`. Shapes: B rows, W prompt columns, S = max_seq_len,
-    KVH key/value heads, G = heads / KVH query heads per KV head, D head dim."""
+    and a KV cache of `max_batch` x `cache_len`. Shapes: B rows, W prompt columns, S = cache_len
+    (max_seq_len rounded up to 16), KVH key/value heads, G = heads / KVH query heads per KV head,
+    D head dim, N = (heads + 2 KVH) D the width of the q/k/v projection.
 
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int) -> None:
+    projections: 'auto' (fused where every projection is a plain nn.Linear), 'fused' or 'modules'
+    (see `projections.py`). attention: how a decode step attends, 'bmm' (baddbmm, softmax, bmm: plain
+    kernels every GPU has) or 'sdpa' (one scaled_dot_product_attention call, its fused kernel where the
+    device has one)."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
+                 projections: str = "auto", attention: str = "bmm") -> None:
+        model = _unwrap(model)
         check_supported(model, max_seq_len)
+        if attention not in ("bmm", "sdpa"):
+            raise ValueError(f"attention must be 'bmm' or 'sdpa', got {attention!r}")
         cfg = model.config
-        self.model = model
+        self.model, self.attention = model, attention
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        first = model.model.layers[0].self_attn
+        # Whole 16-element rows keep the cache and the additive mask aligned for fused attention kernels
+        # (they pad a misaligned mask per call); the extra columns are never written and always masked.
+        self.cache_len = -(-max_seq_len // 16) * 16
+        layers = model.model.layers
+        first = layers[0].self_attn
+        self.n_layers = len(layers)
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = first.q_proj.weight.shape[0] // self.n_heads
+        self.head_dim = getattr(first, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.group = self.n_heads // self.n_kv
         self.scaling = getattr(first, "scaling", self.head_dim ** -0.5)
-        emb = model.model.embed_tokens.weight
+        self.q_width = self.n_heads * self.head_dim
+        self.kv_width = self.n_kv * self.head_dim
+        acts = {type(layer.mlp.act_fn) for layer in layers}
+        if len(acts) != 1:
+            raise UnsupportedModel(f"layers use different activations ({acts}); the static engine needs one")
+        self.act = layers[0].mlp.act_fn   # one object for every layer, so a compiled layer is compiled once
+        self.embed, self.final_norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
+        self.norms = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                       layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+                      for layer in layers]
+        self.proj, self.proj_note = make_projections(layers, projections)
+        emb = self.embed.weight
         self.device, self.dtype = emb.device, emb.dtype
         inv, scale = inv_freq_for(cfg, self.head_dim)
         # Same elementwise fp32 ops as the HF rotary forward, for every position at once, then cast.
         freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv[None, :]
         emb_f = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb_f.cos() * scale).to(self.device, self.dtype)   # (S, D)
-        self.sin = (emb_f.sin() * scale).to(self.device, self.dtype)
-        self.cols = torch.arange(max_seq_len, device=self.device)       # (S,)
+        self.cos = (emb_f.cos() * scale).to(self.device, self.dtype)   # (max_seq_len, D)
+        sin = (emb_f.sin() * scale).to(self.device, self.dtype)
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2) exactly (negation is exact): the sign
+        # lives in the table, which saves a negation kernel per layer and step.
+        half = self.head_dim // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.cols = torch.arange(self.cache_len, device=self.device)       # (S,)
         self.cache: torch.Tensor | None = None
+        self.layer_step = self._decode_layer     # the engine swaps in a compiled one under compile_step
+        self.compiled = False
+
+    # ---- memory and weights ---------------------------------------------------------------------
 
     def allocate(self) -> None:
         """(layers, 2, max_batch, KVH, S, D). Zeroed: masked columns get weight 0, and 0 * NaN from
         uninitialised memory would still poison the weighted sum over V."""
         if self.cache is None:
-            n = len(self.model.model.layers)
-            self.cache = torch.zeros((n, 2, self.max_batch, self.n_kv, self.max_seq_len, self.head_dim),
+            self.cache = torch.zeros((self.n_layers, 2, self.max_batch, self.n_kv, self.cache_len, self.head_dim),
                                      device=self.device, dtype=self.dtype)
 
     def free(self) -> None:
         self.cache = None
 
     def cache_bytes(self) -> int:
-        n = len(self.model.model.layers)
-        return n * 2 * self.max_batch * self.n_kv * self.max_seq_len * self.head_dim * self.dtype.itemsize
+        return (self.n_layers * 2 * self.max_batch * self.n_kv * self.cache_len * self.head_dim
+                * self.dtype.itemsize)
 
-    def _layers(self, x: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
-        """x: (B, L, hidden); pos: (B, L) position ids. `attend(i, q, k, v)` stores k, v in layer i's
-        cache and returns the attention output (B, L, heads * D) from q (B, H, L, D), k, v (B, KVH, L, D)."""
-        B, L, _ = x.shape
-        cos = F.embedding(pos, self.cos).unsqueeze(1)                       # (B, 1, L, D)
-        sin = F.embedding(pos, self.sin).unsqueeze(1)
-        for i, layer in enumerate(self.model.model.layers):
-            at, mlp = layer.self_attn, layer.mlp
-            h = _rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            q = F.linear(h, at.q_proj.weight, at.q_proj.bias).view(B, L, -1, self.head_dim).transpose(1, 2)
-            k = F.linear(h, at.k_proj.weight, at.k_proj.bias).view(B, L, -1, self.head_dim).transpose(1, 2)
-            v = F.linear(h, at.v_proj.weight, at.v_proj.bias).view(B, L, -1, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            o = attend(i, q, k, v)
-            x = x + F.linear(o, at.o_proj.weight, at.o_proj.bias)
-            h = _rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-            h = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * \
-                F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            x = x + F.linear(h, mlp.down_proj.weight, mlp.down_proj.bias)
-        return x
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step reads from the model (parameters, buffers, fused weights)."""
+        out = list(self.model.parameters()) + list(self.model.buffers())
+        for p in self.proj:
+            out += p.tensors()
+        return out
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        norm = self.model.model.norm
-        x = _rms_norm(x, norm.weight, norm.variance_epsilon)
-        head = self.model.lm_head   # tied models share the embedding Parameter itself
-        return F.linear(x, head.weight, head.bias).float()
+    def check_weights(self) -> bool:
+        """Raise if the weights are released; re-fuse where a parameter left its fused storage (returns
+        True then: the addresses changed)."""
+        for name, p in self.model.named_parameters():
+            if p.untyped_storage().nbytes() == 0 and p.numel() > 0:
+                raise RuntimeError(f"the rollout model's weights are released ({name} has no storage); "
+                                   "call models.restore_weights and sync the weights before generating")
+        stale = [p for p in self.proj if not p.intact()]
+        for p in stale:
+            p.refuse()
+        return bool(stale)
+
+    # ---- one layer --------------------------------------------------------------------------------
+
+    def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotary embedding of q and k together, in place in the q/k columns of qkv (..., N).
+        HF: q * cos + rotate_half(q) * sin, the products and the sum each rounded in the compute dtype."""
+        qk = qkv[..., :self.q_width + self.kv_width].unflatten(-1, (-1, self.head_dim))
+        half = self.head_dim // 2
+        r = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        r.mul_(sin)
+        qk.mul_(cos).add_(r)
+
+    def _mlp_in(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
+        gate, up = proj.gate_up(_rms_norm(x, ln2, eps2))
+        return proj.down(self.act(gate) * up)
+
+    def _decode_layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, bias, col):
+        """x: (B, hidden) residual stream; d: the previous layer's MLP output, not yet added (None for the
+        first layer), so a compiled layer fuses that add with this layer's norm. kv: this layer's cache
+        (2, B, KVH, S, D); cos, sin: (B, 1, D); bias: additive mask; col: (1,). Returns (x, d)."""
+        if d is not None:
+            x = x + d
+        B = x.shape[0]
+        qkv = proj.qkv(_rms_norm(x, ln1, eps1))                                     # (B, N)
+        self._rotate(qkv, cos, sin)
+        # k and v sit side by side after q: one copy puts both in the cache column.
+        kv.index_copy_(3, col, qkv[:, self.q_width:].view(B, 2, self.n_kv, 1, self.head_dim).transpose(0, 1))
+        if self.attention == "sdpa":   # q (B, KVH, G, D): each KV head attends for its G query heads
+            q = qkv[:, :self.q_width].view(B, self.n_kv, self.group, self.head_dim)
+            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bias, scale=self.scaling)
+        else:   # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G)
+            BK, S, D = B * self.n_kv, self.cache_len, self.head_dim
+            q = qkv[:, :self.q_width].reshape(BK, self.group, D)                        # (B*KVH, G, D)
+            s = torch.baddbmm(bias, q, kv[0].reshape(BK, S, D).transpose(1, 2), alpha=self.scaling)
+            # HF: softmax in fp32, then cast. A 16-bit softmax computes in fp32 and rounds once: the same
+            # values, one kernel fewer.
+            p = torch.softmax(s, -1, dtype=torch.float32 if s.dtype == torch.float32 else None)
+            o = torch.bmm(p, kv[1].reshape(BK, S, D))                                   # (B*KVH, G, D)
+        x = x + proj.o(o.reshape(B, self.q_width))
+        return x, self._mlp_in(x, proj, ln2, eps2)
+
+    # ---- prefill and decode -----------------------------------------------------------------------
 
     def prefill(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """ids: (B, W) left-padded prompts; start: (B,) first real column. Writes cache columns [0, W)
         of rows [0, B) and returns the fp32 logits of the last column, (B, vocab). Runs eagerly."""
         B, W = ids.shape
         assert self.cache is not None and B <= self.max_batch and W <= self.max_seq_len
+        H, KVH, D = self.n_heads, self.n_kv, self.head_dim
         cols = self.cols[:W]
         pos = (cols[None, :] - start[:, None]).clamp(min=0)                     # (B, W)
+        cos, sin = F.embedding(pos, self.cos)[:, :, None], F.embedding(pos, self.sin)[:, :, None]   # (B, W, 1, D)
         # Causal, and pad keys hidden; a pad query sees itself so its (unused) row stays finite.
         allowed = (cols[None, :] <= cols[:, None])[None] & (
             (cols[None, None, :] >= start[:, None, None]) | torch.eye(W, dtype=torch.bool, device=ids.device)[None])
         allowed = allowed[:, None]                                               # (B, 1, W, W)
-
-        def attend(i, q, k, v):
-            self.cache[i, 0, :B, :, :W] = k
-            self.cache[i, 1, :B, :, :W] = v
+        x = self.embed(ids)
+        for i, proj in enumerate(self.proj):
+            ln1, eps1, ln2, eps2 = self.norms[i]
+            qkv = proj.qkv(_rms_norm(x, ln1, eps1))                              # (B, W, N)
+            self._rotate(qkv, cos, sin)
+            q = qkv[..., :self.q_width].view(B, W, H, D).transpose(1, 2)         # (B, H, W, D)
+            kvn = qkv[..., self.q_width:].view(B, W, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, W, D)
+            self.cache[i, :, :B, :, :W] = kvn
+            k, v = kvn[0], kvn[1]
             if _SDPA_GQA:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling,
                                                    enable_gqa=self.group > 1)
@@ -192,32 +276,30 @@ class StaticDecoder:
                 o = F.scaled_dot_product_attention(q, k.repeat_interleave(self.group, 1),
                                                    v.repeat_interleave(self.group, 1),
                                                    attn_mask=allowed, scale=self.scaling)
-            return o.transpose(1, 2).reshape(B, W, -1)
-
-        x = self._layers(F.embedding(ids, self.model.model.embed_tokens.weight), pos, attend)
+            x = x + proj.o(o.transpose(1, 2).reshape(B, W, -1))
+            x = x + self._mlp_in(x, proj, ln2, eps2)
         return self._logits(x[:, -1])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = _rms_norm(x, self.final_norm.weight, self.final_norm.variance_epsilon)
+        return self.lm_head(x).float()   # tied models share the embedding Parameter itself
 
     def decode(self, tok: torch.Tensor, col: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """One token per row. tok: (B,) inputs; col: (1,) cache column they go to (all rows share it);
         start: (B,). Returns fp32 logits (B, vocab). No host synchronisation, fixed shapes and
         addresses: safe to capture in a CUDA graph and replay with tok/col/start updated in place."""
-        B, S, BK = tok.shape[0], self.max_seq_len, tok.shape[0] * self.n_kv
-        pos = (col - start)[:, None]                                                    # (B, 1)
+        B, S = tok.shape[0], self.cache_len
+        pos = col - start                                                               # (B,)
+        cos, sin = F.embedding(pos, self.cos)[:, None], F.embedding(pos, self.sin)[:, None]   # (B, 1, D)
         hidden = (self.cols[None, :] < start[:, None]) | (self.cols[None, :] > col)     # (B, S)
         # One additive mask for all layers, so each layer's scores are a single baddbmm.
         zero = torch.zeros((), device=tok.device, dtype=self.dtype)
-        bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]
-        bias = bias.expand(B, self.n_kv, 1, S).reshape(BK, 1, S)                       # (B*KVH, 1, S)
-
-        def attend(i, q, k, v):
-            kc, vc = self.cache[i, 0, :B], self.cache[i, 1, :B]          # (B, KVH, S, D)
-            kc.index_copy_(2, col, k)
-            vc.index_copy_(2, col, v)
-            # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G).
-            qg = q.reshape(BK, self.group, self.head_dim)                # (B*KVH, G, D)
-            s = torch.baddbmm(bias, qg, kc.reshape(BK, S, self.head_dim).transpose(1, 2), alpha=self.scaling)
-            p = torch.softmax(s, -1, dtype=torch.float32).to(self.dtype)  # (B*KVH, G, S)
-            return torch.bmm(p, vc.reshape(BK, S, self.head_dim)).reshape(B, 1, -1)   # (B, 1, H * D)
-
-        x = self._layers(F.embedding(tok[:, None], self.model.model.embed_tokens.weight), pos, attend)
-        return self._logits(x[:, 0])
+        bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                  # (B, 1, 1, S)
+        if self.attention == "bmm":
+            bias = bias.expand(B, self.n_kv, 1, S).reshape(B * self.n_kv, 1, S)         # (B*KVH, 1, S)
+        x, d = self.embed(tok), None
+        if self.compiled:   # every layer call then has the same signature, so it is compiled once
+            x, d = torch.zeros_like(x), x
+        for i, proj in enumerate(self.proj):
+            x, d = self.layer_step(x, d, proj, *self.norms[i], self.cache[i, :, :B], cos, sin, bias, col)
+        return self._logits(x + d)

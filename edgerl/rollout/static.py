@@ -2,8 +2,9 @@
 
 HF `generate` spends most of a small model's step in per-token Python and kernel launches. Here one
 decode step (model, sampling, EOS bookkeeping) works only on fixed tensors updated in place, so it is
-captured once per batch size and replayed per token: one launch instead of ~25 per layer. Plain
-`torch.cuda.CUDAGraph`, not torch.compile, so it runs on Pascal (CC 6.x) too. Without CUDA (or with
+captured once per batch size and replayed per token: one launch instead of ~20 per layer. Plain
+`torch.cuda.CUDAGraph`, no torch.compile needed, so it runs on Pascal (CC 6.x) too; on CC >= 7.0
+`compile_step` can put Inductor's fused layer kernels inside the graph. Without CUDA (or with
 `cuda_graphs=False`) the same step runs eagerly.
 
 Seeding: each `generate` draws one seed from the caller's generator (or the global torch RNG when
@@ -15,6 +16,7 @@ draw differently (same distribution), and so do the CPU and CUDA.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -56,25 +58,67 @@ class _State:
         self.temp = torch.ones(1, device=device, dtype=torch.float32)
         self.top_p = torch.ones(1, device=device, dtype=torch.float32)
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
+def _addresses(dec: StaticDecoder) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in dec.weight_tensors())
+
+
+def _enable_compile(dec: StaticDecoder, device: torch.device) -> None:
+    """Swap in a torch.compile'd decoder layer. Each layer call has the same signature and shapes, so
+    one compilation serves every layer (a whole-step graph unrolls every layer and compiles for far
+    longer). Inductor
+    fuses the elementwise work between the matmuls (residual add + norm, rotary + cache write,
+    softmax, activation x up) into a few generated kernels."""
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if cc is not None and cc < (7, 0):
+        raise ValueError(f"compile_step needs CUDA compute capability >= 7.0: Inductor generates Triton kernels "
+                         f"and Triton does not support sm_{cc[0]}{cc[1]} (Pascal); use compile_step=False "
+                         "(CUDA graphs alone run there)")
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError("compile_step needs triton (Inductor's GPU code generator), which is not installed; "
+                         "use compile_step=False")
+    if dec.proj[0].kind != "fused":
+        raise ValueError(f"compile_step is implemented for fused projections only ({dec.proj_note}); "
+                         "use compile_step=False")
+    # fullgraph: a graph break would silently fall back to slower eager pieces; fail loudly instead.
+    dec.layer_step = torch.compile(dec._decode_layer, dynamic=False, fullgraph=True)
+    dec.compiled = True
+
 
 class StaticCacheEngine:
-    """`RolloutEngine` over a llama-family HF model (see `decoder.SUPPORTED`).
+    """`RolloutEngine` over a llama-family HF model (see `decoder.SUPPORTED`), plain or peft-wrapped.
 
     model: the engine's inference copy (compute dtype, on its device; weights are read in place, so
     never replace its parameters, only copy into them: `sync_weights` does). max_batch: rows
     generated at once (the plan's rollout batch); max_seq_len: prompt + response tokens a row may
-    reach. The KV cache (layers x 2 x max_batch x KV heads x max_seq_len x head dim) is allocated on
-    the first `generate` and kept until `release()`. cuda_graphs: capture the decode step (CUDA only).
+    reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
+    (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
+    each). decode_attention: 'bmm' | 'sdpa' (`StaticDecoder`). compile_step: torch.compile each
+    decoder layer of the decode step (elementwise fusion; CUDA CC >= 7.0, fused projections; the
+    compiled step is what a CUDA graph captures); off by default, never chosen on the CPU.
+    time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
+
+    Lifetime: the KV cache and static buffers are allocated by the first `generate`, a graph is
+    captured the first time a mode (rows, greedy, top-k, ...) is generated, and all of it is kept
+    across `generate` calls and `sync_weights` (in-place copies keep the weights' addresses) until
+    `release()` frees it. Before each generate the engine checks that the weights still sit where the
+    graphs read them (`models.release_weights`/`restore_weights` may move them); if not, it drops
+    the graphs and captures again, so keeping an engine is always safe, and fast when the weights stay.
     Raises decoder.UnsupportedModel / NotImplementedError for models or rope types it cannot run."""
 
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
-                 cuda_graphs: bool, note: str = "") -> None:
+                 cuda_graphs: bool, projections: str = "auto", decode_attention: str = "bmm",
+                 compile_step: bool = False, time_steps: bool = False, note: str = "") -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
                              f"got max_batch={max_batch}, max_seq_len={max_seq_len}")
-        self.dec = StaticDecoder(model, max_batch, max_seq_len)
+        self.dec = StaticDecoder(model, max_batch, max_seq_len, projections=projections,
+                                 attention=decode_attention)
         self.device = self.dec.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}; "
@@ -82,33 +126,64 @@ class StaticCacheEngine:
         if cuda_graphs and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
             raise RuntimeError(f"torch {torch.__version__} has no graph-safe generator registration "
                                "(CUDAGraph.register_generator_state); use torch >= 2.6 or cuda_graphs=False")
+        if compile_step:
+            _enable_compile(self.dec, self.device)
         self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.compile_step, self.time_steps = cuda_graphs, compile_step, time_steps
         self.note = note
         self._gen = torch.Generator(device=self.device)
         self._state: Optional[_State] = None
         self._graphs: dict[_Mode, torch.cuda.CUDAGraph] = {}
         self._eos: dict[tuple[int, ...], torch.Tensor] = {}
         self._pool = None
+        self._stamp: tuple[int, ...] = ()   # weight addresses the captured graphs read
 
     def describe(self) -> str:
         mode = "static KV cache + CUDA graph decode" if self.cuda_graphs else "static KV cache, eager decode"
+        if self.compile_step:
+            mode += ", compiled layers"
         size = f"{self.max_batch} sequences x {self.max_seq_len} tokens, cache {self.dec.cache_bytes() / 2**20:.0f} MiB"
-        return f"hf engine: {mode} ({size})" + (f" ({self.note})" if self.note else "")
+        return (f"hf engine: {mode} ({size}; {self.dec.proj_note}; {self.dec.attention} attention)"
+                + (f" ({self.note})" if self.note else ""))
 
     @torch.no_grad()
     def sync_weights(self, weights) -> None:
-        # In-place copies: the decoder and the captured graphs keep pointing at the same storage.
+        # In-place copies (into the fused weights too, through their views): the decoder and the
+        # captured graphs keep pointing at the same storage, so the graphs stay valid.
         load_weights(self.model, weights)
 
     def release(self) -> None:
         """Drop graphs, their memory pool, the cache and the static buffers; `generate` rebuilds them."""
         self._graphs.clear()
         self._pool = None
+        self._stamp = ()
         self._state = None
         self._eos.clear()
         self.dec.free()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What the engine holds now besides the model's weights: KV cache, static buffers, and the
+        captured graphs' private memory pool (CUDA: read from the allocator's segments)."""
+        out = {"kv_cache": self.dec.cache_bytes() if self.dec.cache is not None else 0,
+               "state": self._state.nbytes() if self._state is not None else 0, "graph_pool": 0}
+        if self._pool is not None and self.device.type == "cuda":
+            pool = tuple(self._pool)
+            out["graph_pool"] = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                                    if tuple(seg.get("segment_pool_id", ())) == pool)
+        return out
+
+    def _weights_moved(self) -> bool:
+        """Check the weights before a generate; drop the graphs if what they read has moved."""
+        refused = self.dec.check_weights()
+        if not self._graphs:
+            return False
+        if refused or _addresses(self.dec) != self._stamp:
+            self._graphs.clear()
+            self._pool = None
+            self._stamp = ()
+            return True
+        return False
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -157,6 +232,8 @@ class StaticCacheEngine:
         with torch.cuda.graph(g, pool=self._pool):
             self._step(mode)
         self._gen.set_state(rng)
+        if not self._graphs:
+            self._stamp = _addresses(self.dec)
         self._graphs[mode] = g
         return g
 
@@ -167,6 +244,7 @@ class StaticCacheEngine:
                  generator: Optional[torch.Generator] = None) -> RolloutBatch:
         _check(prompts, n_samples, params, self.max_seq_len)
         rows = [list(p) for p in prompts for _ in range(n_samples)]
+        moved = self._weights_moved()
         if self._state is None:
             self.dec.allocate()
             self._state = _State(self.max_batch, self.max_seq_len, self.device)
@@ -183,8 +261,11 @@ class StaticCacheEngine:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         self._gen.manual_seed(seed)
 
-        info = {"engine": "static", "cuda_graphs": self.cuda_graphs, "capture_s": 0.0, "prefill_s": 0.0,
-                "decode_s": 0.0, "decode_steps": 0, "chunks": 0, "seed": seed}
+        info = {"engine": "static", "cuda_graphs": self.cuda_graphs, "compile_step": self.compile_step,
+                "capture_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "chunks": 0, "seed": seed,
+                "graphs_dropped": moved, "captures": 0}
+        if self.time_steps:
+            info["step_ms"] = []
         responses, logprobs, truncated = [], [], []
         for first in range(0, len(rows), self.max_batch):
             chunk = rows[first:first + self.max_batch]
@@ -201,10 +282,17 @@ class StaticCacheEngine:
                             logprobs=logprobs, info=info)
 
     def _generate_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
-        if self.device.type == "cuda":   # streams, events and capture follow the current device
-            with torch.cuda.device(self.device):
-                return self._run_chunk(chunk, mode, max_new, info)
-        return self._run_chunk(chunk, mode, max_new, info)
+        # Module projections may be the training model's own LoRA layers: their dropout must not act
+        # while generating (nor be baked into a captured graph).
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if self.device.type == "cuda":   # streams, events and capture follow the current device
+                with torch.cuda.device(self.device):
+                    return self._run_chunk(chunk, mode, max_new, info)
+            return self._run_chunk(chunk, mode, max_new, info)
+        finally:
+            self.model.train(was_training)
 
     def _run_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
         s, B, cuda = self._state, mode.rows, self.device.type == "cuda"
@@ -216,6 +304,7 @@ class StaticCacheEngine:
             if fresh:
                 torch.cuda.synchronize(self.device)
                 info["capture_s"] += time.perf_counter() - t0
+                info["captures"] += 1
 
         t0 = time.perf_counter()
         width = max(len(p) for p in chunk)
@@ -235,11 +324,16 @@ class StaticCacheEngine:
         t0 = time.perf_counter()
         steps = 1
         pending: deque = deque()   # (pinned flag, event): read one check late so the GPU queue never drains
+        clock = _StepClock(cuda) if self.time_steps else None
+        if clock:
+            clock.mark()
         for t in range(1, max_new):
             if graph is not None:
                 graph.replay()
             else:
                 self._step(mode)
+            if clock:
+                clock.mark()
             steps = t + 1
             if mode.eos and not cuda:      # on the CPU the look costs nothing: every step
                 if bool(s.done[:B].all()):
@@ -255,11 +349,35 @@ class StaticCacheEngine:
                     old_ev.synchronize()
                     if bool(old_flag[0]):
                         break
+        if clock:
+            info["step_ms"] += clock.ms()
         toks = s.out_tok[:B, :steps].tolist()
         lps = s.out_logp[:B, :steps].tolist()
         info["decode_s"] += time.perf_counter() - t0
         info["decode_steps"] += steps - 1
         return toks, lps
+
+
+class _StepClock:
+    """Decode-step times: CUDA events on the GPU (device time between steps, recorded without a host
+    sync, so the queue keeps running ahead), wall time on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.marks = cuda, []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def ms(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _check(prompts: list[list[int]], n_samples: int, params: SamplingParams, max_seq_len: int) -> None:
