@@ -47,11 +47,13 @@ import torch
 
 from .errors import OptimizerError
 
-CHUNK = 1 << 21
+from .memory import BF16_STEP_CHUNK as CHUNK
+from .memory import BF16_STEP_WORKSPACE as WORKSPACE_BYTES
+
 # Peak temporaries of `_update`, in bytes per element of a chunk, counted by hand: the int32 random
 # bits (12 with stochastically rounded weights) while the first moment is rounded, beside the fp32
-# moments (8) and the rounding's int32 and bf16 results (6): 26. 28 leaves room for the allocator.
-WORKSPACE_BYTES = 28 * CHUNK
+# moments (8) and the rounding's int32 and bf16 results (6): 26; the memory model counts 28 per
+# element (memory.BF16_STEP_WORKSPACE), which leaves room for the allocator.
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

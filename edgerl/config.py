@@ -156,12 +156,17 @@ class PlanOverrides:
     grad_checkpointing: Optional[bool] = F(None, "recompute activations in the backward pass")
     param_offload: Optional[bool] = F(None, "keep parameters in host memory (FSDP2 CPU offload)")
     optimizer_offload: Optional[bool] = F(None, "keep optimizer state in host memory")
-    optimizer: Optional[Literal["adamw", "adamw8bit"]] = F(None, "optimizer state format: fp32 AdamW, or "
-                                                           "8-bit AdamW (bitsandbytes, CUDA CC >= 6.0)")
-    base_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = F(
-        None, "storage dtype of the frozen LoRA base; None = the compute dtype. fp16 with fp32 compute "
-        "(Pascal) halves the base's memory; FSDP2 upcasts one layer at a time for compute")
+    optimizer: Optional[Literal["adamw", "adamw8bit", "adamw-bf16", "adamw-bf16-sr"]] = F(
+        None, "optimizer and training-state format: fp32 AdamW with fp32 masters (16 bytes per parameter), 8-bit "
+        "AdamW (bitsandbytes, CC >= 6.0, 10 bytes), or bf16 weights and AdamW state with Kahan compensation "
+        "(adamw-bf16, 10 bytes) or stochastic rounding (adamw-bf16-sr, 8 bytes; native bf16, CC >= 8.0)")
+    base_dtype: Optional[Literal["fp32", "fp16", "bf16", "int8", "nf4"]] = F(
+        None, "storage of the frozen LoRA base; None = the plan decides (the compute dtype, fp16 under fp32 "
+        "compute, then int8 and nf4 when a float base does not fit). nf4/int8 quantize it with bitsandbytes "
+        "(QLoRA): the reference and the rollout use the same quantized weights")
     rollout_batch: Optional[int] = F(None, "sequences generated at once")
+    rollout_resident: Optional[bool] = F(None, "keep the rollout engine's weights, KV cache and CUDA graphs on the "
+                                         "GPU between steps (faster; the plan turns it on when memory allows)")
     score_micro_batch: Optional[int] = F(None, "sequences per no-grad log-prob pass")
     headroom_gib: Optional[float] = F(None, "memory kept free beyond the estimate")
     memory_gib: Optional[float] = F(None, "memory budget in GiB instead of the device's")

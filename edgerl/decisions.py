@@ -37,6 +37,7 @@ class DtypePolicy:
 FP32 = DtypePolicy("fp32", "fp32", "fp32", "fp32", False)
 FP16_MIXED = DtypePolicy("fp16-mixed", "fp32", "fp16", "fp32", True)
 BF16_MIXED = DtypePolicy("bf16-mixed", "fp32", "bf16", "fp32", False)
+BF16_PARAMS = DtypePolicy("bf16", "bf16", "bf16", "bf16", False)   # with the bf16 optimizers: no fp32 masters
 POLICIES = {"fp32": FP32, "fp16": FP16_MIXED, "bf16": BF16_MIXED}
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -122,12 +123,50 @@ def pick_base_dtype(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> t
                                "updated, so it needs no fp32 master copy")
     if forced == "bf16" and dev.is_cuda and not dev.bf16:
         raise PlanError(f"plan.base_dtype=bf16 on {dev.sm}: bf16 is only emulated before CC 8.0; use fp16 or fp32")
+    if forced in QUANT_BASES:
+        ok, why = quant_support(dev, forced)
+        if not ok:
+            raise PlanError(f"plan.base_dtype={forced} is not possible on {dev.describe()}: {why}")
+        return forced, f"asked for with plan.base_dtype={forced}: {why}"
     if nbytes(forced) >= dtype.compute_bytes:
         return forced, f"asked for with plan.base_dtype={forced} (compute {dtype.compute})"
     why = (f" ({dev.sm}: half arithmetic is slow here, so only storage is half)" if dev.is_cuda and
            not dev.fp16_fast else "")
     return forced, (f"asked for with plan.base_dtype={forced}: the frozen base is stored in {forced} and FSDP2 "
                     f"upcasts one layer at a time to {dtype.compute} for compute{why}")
+
+
+QUANT_BASES = ("int8", "nf4")   # in the order the plan tries them: 8-bit keeps more precision
+
+
+def quant_support(dev: Device, quant: str) -> tuple[bool, str]:
+    """Can a frozen LoRA base be stored quantized this way here? (bitsandbytes, hardware.md sections 8
+    and 12: NF4 from CC 6.0 with a CUDA <= 12.6 build, Pascal included; LLM.int8's matmul from 7.5.)"""
+    if not dev.software.has("bitsandbytes"):
+        return False, "bitsandbytes is not installed (pip install bitsandbytes)"
+    if not dev.is_cuda:
+        return True, f"{quant} through bitsandbytes' CPU backend (slow: for checking logic)"
+    if dev.cc < (6, 0):
+        return False, f"{dev.sm}: bitsandbytes dropped Maxwell in 0.49"
+    if quant == "int8" and dev.cc < (7, 5):
+        return False, f"{dev.sm}: LLM.int8's matmul needs CC >= 7.5"
+    tcuda = tuple(int(x) for x in (dev.software.torch_cuda or "0").split(".")[:2])
+    if dev.cc < (7, 0) and tcuda >= (12, 8):
+        return False, (f"{dev.sm}: bitsandbytes' builds for CUDA {dev.software.torch_cuda} start at sm_70; Pascal "
+                       "needs the cu126 torch and bitsandbytes' CUDA 12.6 build")
+    what = ("NF4 codes in blocks of 64 with double quantization (0.52 bytes per weight), dequantized to "
+            f"{'fp32' if dev.cc < (7, 0) else 'the compute dtype'} one layer at a time" if quant == "nf4" else
+            "LLM.int8 (1 byte per weight; activations are rounded to int8 too)")
+    return True, what
+
+
+def bf16_state_support(dev: Device, lora: bool) -> tuple[bool, str]:
+    """Can the bf16 optimizers (bf16 weights, Kahan or stochastic rounding) replace fp32 masters?"""
+    if lora:
+        return False, "LoRA adapters train in fp32 (they are small)"
+    if not (dev.is_cuda and dev.bf16):
+        return False, f"{dev.sm if dev.is_cuda else 'the CPU'} has no native bf16"
+    return True, f"{dev.sm}: native bf16"
 
 
 def sdpa_backends(dev: Device, dtype: str) -> list[str]:

@@ -100,6 +100,7 @@ def _lora_layers(lm: nn.Module) -> dict[str, nn.Module]:
 def merged_weights(lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(plain HF name, full tensor) for every parameter of a LoRA-injected `lm`; each adapted linear
     layer yields W + scale * B @ A computed in fp32. Tied weights appear once, as in the plain model."""
+    from .quant import dequantized_weight, is_quantized_linear
     layers = _lora_layers(lm)
     names = {id(p): n for n, p in lm.named_parameters()}
     for name, p in lm.named_parameters():
@@ -114,6 +115,9 @@ def merged_weights(lm: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             layer = layers[owner]
             if getattr(layer, "fan_in_fan_out", False):
                 raise NotImplementedError(f"{owner}: fan_in_fan_out (Conv1D) layers are not merged by edgerl")
+            base = layer.get_base_layer()
+            if is_quantized_linear(base):  # packed codes: the merge needs the weight they stand for
+                t = dequantized_weight(base, torch.float32)
             t = t.float()
             for a in layer.active_adapters:
                 A, B = _full(layer.lora_A[a].weight).float(), _full(layer.lora_B[a].weight).float()

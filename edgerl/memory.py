@@ -9,14 +9,18 @@ A step has three phases and the models move between them, so the peak is the lar
 Formulas, with P parameters, T trainable parameters, h hidden size, I MLP size, q/kv the query
 and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dtype bytes:
 
-    master weights        P x 4 (fp32), or P x b_base + A x 4 for a frozen LoRA base and its fp32
-                          adapter (A = r x (in + out) per adapted linear layer)
+    master weights        P x w (w = 4 for fp32 masters, 2 for the bf16 optimizers), or for a frozen
+                          LoRA base P x b_base + A x 4 (A = r x (in + out) per adapted linear layer);
+                          a quantized base counts its projections with `quantized_bytes` (packed
+                          codes and constants) and the rest in the compute dtype
     generation copy       P x b_c: the rollout engine's own weights (merged W + scale B A under
-                          LoRA). Rollout phase only: the trainer frees its storage after generating
-                          and the next weight sync refills it
+                          LoRA); none when it runs the actor's own modules (quantized base). Rollout
+                          phase only, unless the plan keeps it resident with its KV cache and graphs
     layer copies          2 layers + embeddings in b_c while FSDP2 unshards layers for a forward
-    gradients             T x 4 (T = P, or A under LoRA)
-    optimizer state       T x 8 (AdamW: two fp32 moments) or T x 2 (8-bit AdamW)
+    gradients             T x g (T = P, or A under LoRA; g = 4, or 2 for the bf16 optimizers)
+    optimizer state       T x `OPTIMIZERS[name].state` (8 AdamW, 2 8-bit, 6 or 4 bf16), plus the bf16
+                          step's fixed workspace
+    dequantization        one layer's weight dequantized to the compute dtype (quantized base)
     reference             P x b_c, a separate frozen copy; none under LoRA (adapter disabled)
     activations, no ckpt  tokens x layers x b_c x (5h + 3q + 3kv + 4I)   (+ the eager score matrix:
                           tokens x heads x L x 2 b_c per layer)
@@ -34,11 +38,90 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .device import GiB, MiB
 from .modelspec import ModelSpec
+
+
+@dataclass(frozen=True)
+class TrainingBytes:
+    """What one trainable parameter costs through training under an optimizer, in bytes, and the
+    dtype the trainable parameters must be stored in. `step_workspace` is per optimizer step, not
+    per parameter: transient bytes the step allocates (after the backward has freed activations)."""
+    weights: int
+    grads: int
+    state: int
+    param_dtype: str
+    step_workspace: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.state
+
+
+# The bf16 optimizers' step walks each shard in chunks of 2^21 elements with 28 bytes of temporaries
+# per element (counted in adamw_bf16.py, which takes its chunk size from here).
+BF16_STEP_CHUNK = 1 << 21
+BF16_STEP_WORKSPACE = 28 * BF16_STEP_CHUNK
+
+# name -> bytes per trainable parameter (the table is in optim.make_optimizer's docstring). adamw8bit's
+# scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096 values in fp32
+# (8 bytes): both left out. TRL's bf16 model with torch's AdamW is also 2 + 2 + 4 = 8 bytes, but
+# drops updates below half a bf16 spacing (adamw_bf16.py).
+OPTIMIZERS: dict[str, TrainingBytes] = {
+    "adamw": TrainingBytes(4, 4, 8, "fp32"),
+    "adamw8bit": TrainingBytes(4, 4, 2, "fp32"),
+    "adamw-bf16": TrainingBytes(2, 2, 6, "bf16", BF16_STEP_WORKSPACE),
+    "adamw-bf16-sr": TrainingBytes(2, 2, 4, "bf16", BF16_STEP_WORKSPACE),
+}
+
+QUANTS = ("nf4", "int8")
+NF4_BLOCK = 64        # weights per absmax: QLoRA's choice and bitsandbytes' default
+NESTED_BLOCK = 256    # absmax codes per fp32 scale in the second level (double quantization)
+
+
+def quantized_bytes(in_features: int, out_features: int, quant: str) -> int:
+    """Bytes one quantized weight (out_features, in_features) occupies, as bitsandbytes stores it
+    (the bias is a separate float parameter and not counted).
+
+    nf4: n = in x out packed two per byte, one uint8 absmax code per 64 weights, one fp32 scale per
+    256 codes, the 256-entry fp32 code table of the second level and the 16-entry NF4 table (each
+    layer holds its own copies) and the fp32 offset.  int8: one byte per weight, one fp32 scale per row."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant={quant!r}: choose one of {', '.join(QUANTS)}")
+    n = in_features * out_features
+    if quant == "int8":
+        return n + 4 * out_features
+    blocks = math.ceil(n / NF4_BLOCK)
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 * 256 + 4 * 16 + 4
+
+
+def transient_bytes(in_features: int, out_features: int, quant: str, compute_bytes: int) -> int:
+    """Bytes a forward or backward of one quantized layer allocates beyond its input and output: the
+    weight dequantized in the compute dtype (nf4: plus its absmax dequantized to fp32, held twice
+    while the offset is added). Layers run one after another, so the largest layer's figure is the
+    memory model's term. bitsandbytes' fused kernel for a few tokens (M <= 4) dequantizes nothing;
+    LLM.int8's forward holds int8 activations (tokens x in) and an int32 product (tokens x out) instead."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant={quant!r}: choose one of {', '.join(QUANTS)}")
+    n = in_features * out_features
+    if quant == "int8":
+        return n * compute_bytes
+    return n * compute_bytes + 2 * 4 * math.ceil(n / NF4_BLOCK)
+
+
+def frozen_base_bytes(m: ModelSpec, quant: Optional[str], float_bytes: float) -> int:
+    """A frozen base's weights: the projections quantized (`quant`) or in `float_bytes`, the rest
+    (embeddings, head, norms, biases) in `float_bytes`."""
+    if quant is None:
+        return int(m.n_params() * float_bytes)
+    shapes = m.module_shapes().values()
+    packed = m.num_layers * sum(quantized_bytes(i, o, quant) for i, o in shapes)
+    rest = m.n_params() - m.num_layers * sum(i * o for i, o in shapes)
+    return packed + int(rest * float_bytes)
 
 
 @dataclass(frozen=True)
@@ -66,13 +149,16 @@ class Setting:
     logprob_chunk: int
     logit_bytes: int                # bytes per logit the kernel holds for a chunk (torch 8, Triton the dtype's)
     eager_attention: bool
-    optimizer_bytes_per_param: int = 8
+    optimizer: str = "adamw"        # a name of OPTIMIZERS: the trainable parameters' bytes
     lora_params: int = 0            # 0: full fine-tuning
     critic: bool = False
     reference: bool = False         # a separate reference model (never with LoRA: adapter disabled)
     reward_model_params: int = 0
     cuda: bool = True
     shards: int = 1                 # FSDP2 ranks: parameters, gradients and optimizer state split over them
+    base_quant: Optional[str] = None        # "nf4" / "int8": a quantized frozen LoRA base
+    rollout_resident: bool = False  # the engine keeps its weights, KV cache and CUDA graphs between steps
+    rollout_from_actor: bool = False        # the engine runs the actor's own modules: no generation copy
 
 
 @dataclass(frozen=True)
@@ -126,14 +212,20 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
 
     # state that can stay on the GPU across phases; FSDP2 keeps 1/shards of each on every rank
     n = s.shards
-    master = 0 if s.param_offload else (P * s.base_bytes + (T * 4 if lora else 0)) // n
-    grads = 0 if s.param_offload else T * 4 // n
-    optim = 0 if (s.param_offload or s.optimizer_offload) else T * s.optimizer_bytes_per_param // n
+    tb = OPTIMIZERS[s.optimizer]
+    weights = frozen_base_bytes(m, s.base_quant, s.base_bytes) + T * 4 if lora else P * tb.weights
+    master = 0 if s.param_offload else weights // n
+    grads = 0 if s.param_offload else T * tb.grads // n
+    state = T * tb.state // n
+    optim = 0 if (s.param_offload or s.optimizer_offload) else state
     ref = P * b_c if s.reference else 0
     critic_state = 0
     if s.critic:  # same backbone, full fine-tuning of its own (or its own LoRA adapter)
         critic_state = master + grads + optim
     rm = s.reward_model_params * b_c
+    # a quantized layer's weight is dequantized to the compute dtype for each forward and backward
+    dequant = max(transient_bytes(i, o, s.base_quant, b_c) for i, o in m.module_shapes().values()) \
+        if s.base_quant else 0
 
     def act(tokens: int, train: bool) -> int:
         per = activation_bytes_per_token(m, b_c, L, s.eager_attention)
@@ -149,8 +241,9 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     ctx = cal.cuda_context if s.cuda else 0
     frag = cal.fragmentation
 
-    # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating only
-    gen_copy = P * b_c
+    # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating
+    # unless resident; none when the engine runs the actor's own (quantized) modules
+    gen_copy = 0 if s.rollout_from_actor else P * b_c
     kv = s.rollout_batch * L * m.kv_bytes_per_token(b_c)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
     prefill = s.rollout_batch * prompt_len * (4 * m.hidden_size + 3 * m.intermediate_size) * b_c
@@ -159,7 +252,11 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     resident_off = (0 if s.swap_models else ref) + critic_state + rm
     rollout = {"master weights": master, "optimizer state": optim, "generation weights": gen_copy,
                "other models": resident_off, "KV cache": kv, "sampling logits": sample,
-               "prefill activations": prefill}
+               "prefill activations": prefill, "dequantization": dequant}
+    # a resident engine keeps its weights, KV cache and the graphs' pool (about one sampling step's
+    # temporaries) through scoring and the update
+    kept = {"generation weights": gen_copy, "KV cache": kv, "graph pool": s.rollout_batch * m.vocab_size * 4} \
+        if s.rollout_resident else {}
 
     score_tokens = s.score_micro_batch * L
     stream = 2 * layer_c + embed_c  # FSDP2 unshards one layer ahead in compute dtype
@@ -169,18 +266,25 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     else:
         scorers = {"compute weights": stream, "reference weights": ref,
                    "critic weights": critic_state, "reward model": rm}
+    if s.base_quant:  # FSDP2 manages the adapters only: the quantized base is used where it lies
+        stream = 0
+        scorers["compute weights"] = 0
     score = {"master weights": master, "optimizer state": optim, **scorers,
-             "activations": act(score_tokens, train=False), "log-prob logits": logits}
+             "activations": act(score_tokens, train=False), "log-prob logits": logits, "dequantization": dequant,
+             **kept}
 
     tokens = s.micro_batch * L
     update = {"master weights": master, "gradients": grads,
-              "optimizer state": T * s.optimizer_bytes_per_param // n if not s.param_offload else 0,
+              "optimizer state": state if not s.param_offload else 0,
               "layer copies": stream, "other models": resident_off,
-              "activations": act(tokens, train=True), "log-prob logits": logits}
+              "activations": act(tokens, train=True), "log-prob logits": logits, "dequantization": dequant,
+              **kept}
+    # the step runs after the backward has freed activations: offloaded state comes back, and the bf16
+    # step's workspace is allocated, into room the activations left
+    step_extra = tb.step_workspace + (state if s.optimizer_offload and not s.param_offload else 0)
     if s.optimizer_offload and not s.param_offload:
-        # state comes back for the step only; the step runs after the backward has freed activations
-        update["optimizer state"] = max(0, T * s.optimizer_bytes_per_param // n - update["activations"]
-                                        - update["log-prob logits"])
+        update["optimizer state"] = 0
+    update["optimizer step"] = max(0, step_extra - update["activations"] - update["log-prob logits"])
 
     phases = {"rollout": rollout, "score": score, "update": update}
     for name, comps in phases.items():
@@ -192,9 +296,9 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
 
     host = 0  # per process; N processes on one machine need N times this
     if s.param_offload:
-        host += (P * s.base_bytes + T * 4 + T * s.optimizer_bytes_per_param) // n
+        host += (weights + T * tb.grads + T * tb.state) // n
     elif s.optimizer_offload:
-        host += T * s.optimizer_bytes_per_param // n
+        host += state
     if s.swap_models:
         host += ref
     return MemoryEstimate(phases=phases, budget=budget, host_needed=host)

@@ -148,12 +148,21 @@ def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.de
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs = {"mesh": mesh}
+    kwargs: dict = {"mesh": mesh}
     compute = torch_dtype(plan.dtype.compute)
+    ignored: set = set()
+    if quantized_base(plan):
+        # FSDP2 manages the adapters only: the quantized weights (and the frozen float ones, stored in the
+        # compute dtype) are used where they lie, never sharded, gathered or cast (edgerl/quant.py)
+        ignored = {p for p in module.parameters() if not p.requires_grad}
+        kwargs["ignored_params"] = ignored
     # Any weight stored in another dtype than the compute one (the master weights under mixed
     # precision, or a half-precision LoRA base under fp32 compute) is cast per layer at unshard.
-    if any(p.dtype != compute for p in module.parameters()):
+    if any(p.dtype != compute for p in module.parameters() if p not in ignored):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    elif plan.dtype.param == "bf16" and dist.get_world_size() > 1:
+        # bf16 weights without masters: gradients are still summed over ranks in fp32, then stored in bf16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     if plan.param_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in layers:
@@ -174,9 +183,26 @@ def _base_dtype(plan: Plan) -> torch.dtype:
     return torch_dtype(plan.base_dtype if plan.lora and plan.base_dtype else plan.dtype.param)
 
 
+def quantized_base(plan: Plan) -> Optional[str]:
+    """'nf4' / 'int8' when the plan stores the frozen LoRA base quantized, else None."""
+    return plan.base_dtype if plan.lora and plan.base_dtype in ("nf4", "int8") else None
+
+
+def _load_base(path: str, plan: Plan, device: torch.device, trust_remote_code: bool) -> nn.Module:
+    """The HF model in the plan's storage: fp32 or bf16 weights to train, a float frozen base, or a base
+    quantized tensor by tensor straight onto the device (never whole in full precision)."""
+    quant = quantized_base(plan)
+    if quant is None:
+        return load_causal_lm(path, _base_dtype(plan), plan.attention, trust_remote_code)
+    from .quant import load_quantized_lm
+    compute = torch_dtype(plan.dtype.compute)
+    return load_quantized_lm(model_source(path), quant, compute, device, plan.attention, storage_dtype=compute,
+                             trust_remote_code=trust_remote_code)
+
+
 def build_actor(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False,
                 lora_dropout: float = 0.0) -> PolicyHead:
-    lm = load_causal_lm(path, _base_dtype(plan), plan.attention, trust_remote_code)
+    lm = _load_base(path, plan, device, trust_remote_code)
     peft_model = None
     if plan.lora:
         from .lora import apply_lora
@@ -194,9 +220,12 @@ def build_actor(path: str, plan: Plan, device: torch.device, trust_remote_code: 
 
 def build_critic(path: str, plan: Plan, device: torch.device, trust_remote_code: bool = False,
                  lora_dropout: float = 0.0, lora_targets: Optional[list[str]] = None) -> ValueModel:
-    """The critic: its own backbone; under LoRA a frozen base with its own adapter, and the value head."""
-    lm = load_causal_lm(path, _base_dtype(plan), plan.attention, trust_remote_code)
+    """The critic: its own backbone; under LoRA a frozen base (quantized too, under QLoRA: a second copy)
+    with its own adapter, and the value head."""
+    lm = _load_base(path, plan, device, trust_remote_code)
     critic = ValueModel(lm)  # the value head is created in fp32 and stays trainable
+    if plan.dtype.param == "bf16" and not plan.lora:  # FSDP2 wants one dtype for the weights it manages
+        critic.value_head.to(torch.bfloat16)
     if plan.lora:
         from .lora import apply_lora
         apply_lora(lm, plan.lora["rank"], plan.lora["alpha"], lora_dropout, _lora_targets(lm, plan, lora_targets),

@@ -12,6 +12,18 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 
+# Rough slowdown of a step, as a share of its time, for each move: the search tries (stage,
+# micro-batch) pairs in order of their summed cost, so a bigger budget never ends slower than a
+# smaller one and a smaller one always gains memory. Checkpointing recomputes the update's forward
+# (a third of the update, about a sixth of a step); offloads pay PCIe transfers; each halving of the
+# micro-batch below the mini-batch costs launches and smaller matmuls. Relative, not measured per
+# GPU: docs/benchmarks.md holds the frontier they produce on an H200.
+MICRO_HALVING_COST = 0.08
+STAGE_COST = {"rollout_resident": -0.05, "grad_checkpointing": 0.17, "swap_models": 0.12,
+              "optimizer_offload": 0.15, "param_offload": 1.0,
+              "adamw": 0.0, "adamw-bf16": 0.01, "adamw-bf16-sr": 0.02, "adamw8bit": 0.04}
+
+
 @dataclass(frozen=True)
 class Stage:
     """A combination of the plan's memory knobs (each stage also searches the micro-batch)."""
@@ -20,24 +32,41 @@ class Stage:
     swap_models: bool
     optimizer_offload: bool
     param_offload: bool
-    eight_bit: bool
+    optimizer: str = "adamw"           # a name of memory.OPTIMIZERS
+    rollout_resident: bool = False     # the rollout engine keeps weights, KV cache and graphs between steps
 
     def knobs(self) -> dict[str, bool]:
         return {"grad_checkpointing": self.grad_checkpointing, "swap_models": self.swap_models,
-                "optimizer_offload": self.optimizer_offload, "param_offload": self.param_offload}
+                "optimizer_offload": self.optimizer_offload, "param_offload": self.param_offload,
+                "rollout_resident": self.rollout_resident}
+
+    def cost(self) -> float:
+        return sum(STAGE_COST[k] for k, on in self.knobs().items() if on) + STAGE_COST[self.optimizer]
 
 
 STAGES = (
-    Stage("none", False, False, False, False, False),
-    Stage("gradient checkpointing", True, False, False, False, False),
-    Stage("+ the reference waits in host memory outside scoring", True, True, False, False, False),
+    Stage("the rollout engine stays resident between steps", False, False, False, False, rollout_resident=True),
+    Stage("the rollout copy is freed between rollouts", False, False, False, False),
+    Stage("gradient checkpointing", True, False, False, False),
+    Stage("+ the reference waits in host memory outside scoring", True, True, False, False),
     # exact fp32 state over PCIe before approximate 8-bit state: offload costs ~2 x 8 bytes per parameter
     # of transfer per step, small next to a rollout on the cards that need it
-    Stage("+ optimizer state in host memory between updates", True, True, True, False, False),
-    Stage("+ 8-bit AdamW state (bitsandbytes) on the GPU", True, True, False, False, True),
-    Stage("+ 8-bit AdamW state in host memory between updates", True, True, True, False, True),
-    Stage("+ FSDP2 CPU offload of parameters, gradients and optimizer", True, True, True, True, False),
+    Stage("+ optimizer state in host memory between updates", True, True, True, False),
+    Stage("+ 8-bit AdamW state (bitsandbytes) on the GPU", True, True, False, False, "adamw8bit"),
+    Stage("+ 8-bit AdamW state in host memory between updates", True, True, True, False, "adamw8bit"),
+    Stage("+ FSDP2 CPU offload of parameters, gradients and optimizer", True, True, True, True),
 )
+
+# Where bf16 weights and AdamW state can replace fp32 masters (native bf16, full fine-tuning), they
+# come right after freeing the rollout copy: they cost no speed (no PCIe traffic, no recomputation),
+# only precision, which Kahan compensation or stochastic rounding keeps near fp32 AdamW
+# (tests/test_adamw_bf16_on_cpu.py); from then on every stage keeps the 8-byte variant, and 8-bit
+# AdamW (10 bytes with its fp32 masters) is never better.
+BF16_STAGES = (
+    Stage("bf16 weights and AdamW state, Kahan-compensated", False, False, False, False, "adamw-bf16"),
+    Stage("bf16 weights and AdamW state, stochastically rounded", False, False, False, False, "adamw-bf16-sr"),
+)
+
 
 # Moves on the task itself, which the plan never makes on its own: (label, config key, new value).
 TASK_MOVES = (
@@ -47,23 +76,35 @@ TASK_MOVES = (
 )
 
 
-def stages_for(optimizer: Optional[str], bnb_ok: bool, param_offload: bool) -> list[Stage]:
-    """STAGES for this run: 8-bit ones only where bitsandbytes runs and plan.optimizer is not adamw;
-    with plan.optimizer=adamw8bit every stage uses it (duplicates dropped); `param_offload` False drops
-    the last stage (LoRA=auto tries adapters before streaming every weight over PCIe)."""
+def stages_for(optimizer: Optional[str], bnb_ok: bool, bf16_ok: bool, param_offload: bool,
+               resident: Optional[bool] = None) -> list[Stage]:
+    """STAGES for this run, fastest first. bf16_ok: the bf16 optimizers are allowed (native bf16, full
+    fine-tuning): BF16_STAGES follow the first two and later stages use adamw-bf16-sr. 8-bit stages only
+    where bitsandbytes runs and no optimizer is forced; a forced `optimizer` is used by every stage
+    (duplicates dropped). `param_offload` False drops the last stage (LoRA=auto tries adapters before
+    streaming every weight over PCIe). `resident` forces the rollout engine's residency either way."""
+    base = list(STAGES[:2]) + (list(BF16_STAGES) if bf16_ok and optimizer is None else []) + list(STAGES[2:])
     out, seen = [], set()
-    for st in STAGES:
+    for i, st in enumerate(base):
         if st.param_offload and not param_offload:
             continue
-        if optimizer == "adamw" and st.eight_bit or optimizer is None and st.eight_bit and not bnb_ok:
-            continue
-        key = tuple(st.knobs().values())
-        if optimizer == "adamw8bit":
-            if key in seen:
+        name = st.optimizer
+        if optimizer is not None:
+            name = optimizer
+        elif bf16_ok and i >= 2 + len(BF16_STAGES):
+            if name == "adamw8bit":
                 continue
-            st = Stage(st.name, *key, True)
+            name = "adamw-bf16-sr"
+        elif name == "adamw8bit" and not bnb_ok:
+            continue
+        knobs = st.knobs()
+        if resident is not None:
+            knobs["rollout_resident"] = resident
+        key = (tuple(knobs.values()), name)
+        if key in seen:
+            continue
         seen.add(key)
-        out.append(st)
+        out.append(Stage(st.name, **{k: v for k, v in knobs.items()}, optimizer=name))
     return out
 
 
@@ -79,17 +120,19 @@ def next_moves(plan: Any, response_len: int) -> list[str]:
     if plan.micro_batch > 1:
         out.append(f"--set train.micro_batch={max(1, plan.micro_batch // 2)}")
     mine = {"grad_checkpointing": plan.grad_checkpointing, "swap_models": plan.swap_models,
-            "optimizer_offload": plan.optimizer_offload, "param_offload": plan.param_offload}
-    eight = plan.optimizer == "adamw8bit"
+            "optimizer_offload": plan.optimizer_offload, "param_offload": plan.param_offload,
+            "rollout_resident": plan.rollout_resident}
+    bf16 = plan.optimizer.startswith("adamw-bf16")
+    stages = stages_for(None, True, bf16, True)
     later = False
-    for st in STAGES:
-        if st.knobs() == mine and st.eight_bit == eight:
+    for st in stages:
+        if st.knobs() == mine and st.optimizer == plan.optimizer:
             later = True
             continue
-        if later and all(st.knobs()[k] >= v for k, v in mine.items()) and (st.eight_bit or not eight):
+        if later and all(st.knobs()[k] >= v for k, v in mine.items() if k != "rollout_resident"):
             changes = [f"--set plan.{k}={_value(v)}" for k, v in st.knobs().items() if v != mine[k]]
-            if st.eight_bit and not eight:
-                changes.append("--set plan.optimizer=adamw8bit")
+            if st.optimizer != plan.optimizer:
+                changes.append(f"--set plan.optimizer={st.optimizer}")
             out.append(" ".join(changes))
             break
     if plan.rollout_batch > 1:

@@ -21,40 +21,12 @@ their storage is resized), so the optimizer, DCP's state dict and FSDP2 never no
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
-from .adamw_bf16 import WORKSPACE_BYTES, AdamWBF16, local_tensor as _local
+from .adamw_bf16 import AdamWBF16, local_tensor as _local
 from .errors import OptimizerError
-
-
-@dataclass(frozen=True)
-class TrainingBytes:
-    """What one trainable parameter costs through training under an optimizer, in bytes, and the
-    dtype the trainable parameters must be stored in. `step_workspace` is per optimizer step, not
-    per parameter: transient bytes the step allocates (after the backward has freed activations)."""
-    weights: int
-    grads: int
-    state: int
-    param_dtype: str
-    step_workspace: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.state
-
-
-# name -> bytes per trainable parameter (the table is in make_optimizer's docstring). adamw8bit's
-# scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096 values in fp32
-# (8 bytes): both left out, as the plan always has. TRL's bf16 model with torch's AdamW is also
-# 2 + 2 + 4 = 8 bytes, but drops updates below half a bf16 spacing (adamw_bf16.py).
-OPTIMIZERS: dict[str, TrainingBytes] = {
-    "adamw": TrainingBytes(4, 4, 8, "fp32"),
-    "adamw8bit": TrainingBytes(4, 4, 2, "fp32"),
-    "adamw-bf16": TrainingBytes(2, 2, 6, "bf16", WORKSPACE_BYTES),
-    "adamw-bf16-sr": TrainingBytes(2, 2, 4, "bf16", WORKSPACE_BYTES),
-}
+from .memory import OPTIMIZERS, TrainingBytes  # noqa: F401  (the bytes table lives with the memory model)
 
 
 def _bnb():

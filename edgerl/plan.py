@@ -8,18 +8,20 @@ the memory model fits the budget. `doctor`, `recommend`, `train` and the README 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from .decisions import (DtypePolicy, bnb_support, choose_logprob_chunk, logit_bytes, lora_targets, optimizer_reason,
+from .decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_support, bnb_support, choose_logprob_chunk,
+                        quant_support, logit_bytes, lora_targets, optimizer_reason,
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
                         pick_reward_model_dtype, pick_rollout, rollout_share_reason, transfer_note)
 from .device import GiB, Device
 from .dtypes import nbytes
 from .errors import ModelSpecError, PlanError
-from .memory import DEFAULT_CALIBRATION, Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
+from .memory import DEFAULT_CALIBRATION, OPTIMIZERS, Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
 from .modelspec import ModelSpec
-from .moves import STAGES, TASK_MOVES, Stage, stages_for
+from .moves import MICRO_HALVING_COST, STAGES, TASK_MOVES, Stage, stages_for
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,12 @@ class Plan:
     param_offload: bool
     optimizer: str
     lora: Optional[dict[str, Any]]
-    base_dtype: Optional[str]            # storage of the frozen LoRA base; None with full fine-tuning
+    base_dtype: Optional[str]            # storage of the frozen LoRA base (a float dtype, int8 or nf4); None
     reward_model_dtype: Optional[str]    # None without a reward model
     micro_batch: int
     score_micro_batch: int
     rollout_batch: int
+    rollout_resident: bool               # the engine keeps weights, KV cache and CUDA graphs between steps
     rollout_memory_share: float
     env: tuple[tuple[str, str], ...]
     memory: MemoryEstimate
@@ -96,8 +99,8 @@ class Plan:
 
     DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "kernel_backend", "kernel_tiles",
                  "logprob_chunk", "grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
-                 "optimizer", "lora", "base_dtype", "reward_model_dtype", "micro_batch", "score_micro_batch", "rollout_batch",
-                 "rollout_memory_share", "env")
+                 "optimizer", "lora", "base_dtype", "reward_model_dtype", "micro_batch", "score_micro_batch",
+                 "rollout_batch", "rollout_resident", "rollout_memory_share", "env")
 
     def value(self, key: str) -> Any:
         v = getattr(self, key)
@@ -140,29 +143,37 @@ class _Search:
     stage: str
 
 
+def _candidates(stages: list[Stage], mini: int, forced_mb: Optional[int]) -> list[tuple[Stage, int, bool]]:
+    """(stage, micro-batch, last resort) in order of their estimated slowdown (moves.STAGE_COST): the
+    first that fits is the fastest setting that fits. Micro-batches below 4 sequences leave the GPU
+    idle, so they are tried only in the most frugal stage."""
+    small = min(mini, 4)
+    out = []
+    for i, st in enumerate(stages):
+        last = i == len(stages) - 1
+        for mb in ([forced_mb] if forced_mb else _divisors_desc(mini)):
+            if mb < small and not last and not forced_mb:
+                break
+            halvings = math.log2(mini / mb)
+            out.append((st.cost() + MICRO_HALVING_COST * halvings + (1.0 if mb < small else 0.0), i, mb, st))
+    return [(st, mb, i == len(stages) - 1) for _, i, mb, st in sorted(out, key=lambda c: c[:3])]
+
+
 def _search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
             cal: Calibration, host_memory: int, stages: list[Stage]) -> tuple[Optional[_Search], list[str]]:
     tried: list[str] = []
-    mini = task.local_mini
-    small = min(mini, 4)  # below 4 sequences a micro-batch leaves the GPU idle: checkpoint first
-    for i, stage in enumerate(stages):
-        name, eight, values = stage.name, stage.eight_bit, stage.knobs()
+    for stage, mb, _ in _candidates(stages, task.local_mini, forced.get("micro_batch")):
+        values = stage.knobs()
         if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
             continue
-        last = i == len(stages) - 1 or all(
-            forced.get(k) is not None for k in values)
-        mbs = [forced["micro_batch"]] if forced.get("micro_batch") else _divisors_desc(mini)
-        for mb in mbs:
-            if mb < small and not last and not forced.get("micro_batch"):
-                break
-            s = replace(base, micro_batch=mb, optimizer_bytes_per_param=2 if eight else 8, **values)
-            s = _fit_rollout_and_score(model, task, s, budget, forced, cal)
-            mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
-            if mem.fits and mem.host_needed <= host_memory * 0.8:
-                return _Search(s, mem, name), tried
-            tried.append(f"{name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
-                         + ("" if mem.fits else "") + (f", host {fmt_bytes(mem.host_needed)}"
-                                                       if mem.host_needed > host_memory * 0.8 else ""))
+        s = replace(base, micro_batch=mb, optimizer=stage.optimizer, **values)
+        s = _fit_rollout_and_score(model, task, s, budget, forced, cal)
+        mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
+        host_ok = mem.host_needed <= host_memory * 0.8
+        if mem.fits and host_ok:
+            return _Search(s, mem, stage.name), tried
+        tried.append(f"{stage.name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
+                     + ("" if host_ok else f", host {fmt_bytes(mem.host_needed)}"))
     return None, tried
 
 
@@ -218,55 +229,77 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     if o.get("optimizer") == "adamw8bit" and not bnb_ok:
         raise PlanError(f"plan.optimizer=adamw8bit is not possible on {device.describe()}: {bnb_why}; "
                         "use adamw")
+    forced_opt = o.get("optimizer")
+    if forced_opt in ("adamw-bf16", "adamw-bf16-sr"):
+        ok, why = bf16_state_support(device, bool(task.lora))
+        if not ok and device.is_cuda:
+            raise PlanError(f"plan.optimizer={forced_opt} is not possible: {why}; use adamw")
     base_dtype, base_reason = pick_base_dtype(device, dtype, o.get("base_dtype"))
+    if base_dtype in QUANT_BASES and task.lora is False:
+        raise PlanError(f"plan.base_dtype={base_dtype} quantizes a frozen base, which only LoRA has; set "
+                        "lora.enabled=true (or leave it unset to let the plan decide)")
     rm_dtype, reasons["reward_model_dtype"] = (pick_reward_model_dtype(dtype) if task.reward_model_params
                                                else (None, "no reward model"))
     host = device.host_memory if not device.integrated else 0
 
-    def base_setting(lora_params: int) -> Setting:
-        return Setting(
-            compute_bytes=dtype.compute_bytes,
-            base_bytes=int(nbytes(base_dtype)) if lora_params else dtype.param_bytes,
-            grad_checkpointing=False, swap_models=False, optimizer_offload=False, param_offload=False,
-            micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk, logit_bytes=per_logit,
-            eager_attention=attention == "eager",
-            lora_params=lora_params,
-            critic=task.critic, reference=task.kl and not lora_params,
-            reward_model_params=task.reward_model_params, cuda=device.is_cuda, shards=task.world_size)
-
     forced = {k: o.get(k) for k in ("grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
-                                    "rollout_batch", "score_micro_batch", "micro_batch")}
+                                    "rollout_batch", "score_micro_batch", "micro_batch", "rollout_resident")}
     if device.integrated:  # host memory is the same memory: moving anything there frees nothing
         for k in ("param_offload", "optimizer_offload", "swap_models"):
             forced[k] = forced[k] or False
-    targets: tuple[str, ...] = ()
-    lora_params = 0
-    attempts: list[tuple[bool, Optional[_Search], list[str]]] = []
-    for use_lora in ([False, True] if task.lora is None else [bool(task.lora)]):
-        if use_lora:
-            targets = lora_targets(model.model_type, task.lora_targets)
-            try:
-                lora_params = model.lora_params(task.lora_rank, targets)
-            except ModelSpecError as e:
-                raise PlanError(f"lora.target_modules: {e}") from None
-        stages = stages_for(o.get("optimizer"), bnb_ok, param_offload=use_lora or task.lora is not None)
-        found, tried = _search(model, task, base_setting(lora_params if use_lora else 0), budget, forced,
-                               calibration, host, stages)
-        attempts.append((use_lora, found, tried))
+    lora_targets_, lora_params = (), 0
+    if task.lora is not False:
+        lora_targets_ = lora_targets(model.model_type, task.lora_targets)
+        try:
+            lora_params = model.lora_params(task.lora_rank, lora_targets_)
+        except ModelSpecError as e:
+            raise PlanError(f"lora.target_modules: {e}") from None
+
+    def setting(config: _Config) -> Setting:
+        quant = config.base if config.base in QUANT_BASES else None
+        return Setting(
+            compute_bytes=dtype.compute_bytes,
+            base_bytes=(dtype.compute_bytes if quant else int(nbytes(config.base))) if config.lora
+            else dtype.param_bytes,
+            grad_checkpointing=False, swap_models=False, optimizer_offload=False, param_offload=False,
+            micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk, logit_bytes=per_logit,
+            eager_attention=attention == "eager", lora_params=lora_params if config.lora else 0,
+            critic=task.critic, reference=task.kl and not config.lora,
+            reward_model_params=task.reward_model_params, cuda=device.is_cuda, shards=task.world_size,
+            base_quant=quant, rollout_from_actor=quant is not None)
+
+    attempts: list[tuple[_Config, Optional[_Search], list[str]]] = []
+    for config in _configs(device, task, base_dtype, bool(o.get("base_dtype"))):
+        bf16_ok = bf16_state_support(device, config.lora)[0]
+        stages = stages_for(forced_opt, bnb_ok, bf16_ok, config.param_offload, forced["rollout_resident"])
+        found, tried = _search(model, task, setting(config), budget, forced, calibration, host, stages)
+        attempts.append((config, found, tried))
         if found:
             break
-    use_lora, found, tried = attempts[-1]
+    config, found, tried = attempts[-1]
+    use_lora = config.lora
     if found is None:
         if not explain:
             raise PlanError("does not fit")
         raise PlanError(_no_fit_message(device, model, task, budget, attempts, o, calibration))
 
     s, mem = found.setting, found.memory
-    _memory_reasons(reasons, found, task, device, attempts, model, lora_params, use_lora, targets, mem, calibration)
-    optimizer = "adamw8bit" if s.optimizer_bytes_per_param == 2 else "adamw"
-    reasons["optimizer"] = optimizer_reason(optimizer, o.get("optimizer"))
-    reasons["base_dtype"] = base_reason if use_lora else \
-        f"not used: full fine-tuning keeps {dtype.param} master weights"
+    _memory_reasons(reasons, found, task, device, attempts, model, lora_params, use_lora, lora_targets_, mem,
+                    calibration)
+    optimizer = s.optimizer
+    reasons["optimizer"] = optimizer_reason(optimizer, forced_opt)
+    if OPTIMIZERS[optimizer].param_dtype == "bf16":  # no fp32 master copy: the weights themselves are bf16
+        dtype = BF16_PARAMS
+        reasons["dtype"] = f"{reasons['dtype']}; {optimizer}: bf16 weights and AdamW state (no fp32 master copy)"
+    base = config.base if use_lora else None
+    if use_lora:
+        reasons["base_dtype"] = base_reason if base == base_dtype else _quant_reason(device, base, attempts)
+    else:
+        reasons["base_dtype"] = f"not used: full fine-tuning keeps {dtype.param} master weights"
+    if s.rollout_from_actor and engine != "hf":
+        engine, graphs = "hf", device.is_cuda
+        reasons["rollout_engine"] = ("hf: generates from the quantized base and the unmerged adapters themselves "
+                                     "(merging adapters into 4-bit weights would be lossy and a second model)")
     share = mem.phase_totals()["rollout"] / total if total else 0.0
     if "rollout_memory_share" in o:
         share = float(o["rollout_memory_share"])
@@ -276,16 +309,50 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     env, reasons["env"] = pick_env(device)
     lora_info = None
     if use_lora:
-        lora_info = {"rank": task.lora_rank, "alpha": task.lora_alpha, "targets": list(targets),
+        lora_info = {"rank": task.lora_rank, "alpha": task.lora_alpha, "targets": list(lora_targets_),
                      "params": lora_params}
     return Plan(device=device, model=model, task=task, dtype=dtype, attention=attention, rollout_engine=engine,
                 cuda_graphs=graphs, kernel_backend=backend, kernel_tiles=tiles, logprob_chunk=chunk,
                 grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
                 optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,
-                lora=lora_info, base_dtype=base_dtype if use_lora else None, reward_model_dtype=rm_dtype,
+                lora=lora_info, base_dtype=base, reward_model_dtype=rm_dtype,
                 micro_batch=s.micro_batch, score_micro_batch=s.score_micro_batch,
-                rollout_batch=s.rollout_batch, rollout_memory_share=round(share, 4), env=env,
+                rollout_batch=s.rollout_batch, rollout_resident=s.rollout_resident,
+                rollout_memory_share=round(share, 4), env=env,
                 memory=mem, headroom=headroom, reasons=reasons | {"headroom": hreason})
+
+
+@dataclass(frozen=True)
+class _Config:
+    """What is trained and how the frozen base is stored: the outer loop of the search."""
+    lora: bool
+    base: str                    # LoRA base storage (fp32/fp16/bf16/int8/nf4); the master dtype otherwise
+    param_offload: bool          # the search may end with FSDP2 CPU offload
+
+
+def _configs(device: Device, task: Task, base_dtype: str, base_forced: bool) -> list[_Config]:
+    """Full fine-tuning, then LoRA on a base in its float storage, then on an NF4 base, then LoRA with
+    every weight streamed over PCIe: fastest first."""
+    out: list[_Config] = []
+    if not task.lora:
+        out.append(_Config(False, "fp32", task.lora is False))
+        if task.lora is False:
+            return out
+    if base_forced:
+        return out + [_Config(True, base_dtype, base_dtype not in QUANT_BASES)]
+    out.append(_Config(True, base_dtype, False))
+    # NF4 only: LLM.int8 rounds the activations too (the rollout's and the trainer's math would differ
+    # from the float model's) and its outlier split has data-dependent shapes no CUDA graph can hold;
+    # plan.base_dtype=int8 asks for it
+    if quant_support(device, "nf4")[0] and device.is_cuda:
+        out.append(_Config(True, "nf4", False))
+    return out + [_Config(True, base_dtype, True)]
+
+
+def _quant_reason(device: Device, base: str, attempts: list) -> str:
+    wider = attempts[-2][0].base if len(attempts) > 1 else "a float base"
+    return (f"{base}: {quant_support(device, base)[1]}; LoRA on a {wider} base did not fit. The reference is the "
+            "same base with the adapter disabled and the rollout runs on it too: one copy of the weights")
 
 
 def _check_world(task: Task, o: dict[str, Any]) -> None:
@@ -313,11 +380,11 @@ def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device:
     s = found.setting
     budget = fmt_bytes(mem.budget)
     fits = f"estimate {fmt_bytes(mem.total)} (peak in {mem.peak_phase}) of a {budget} budget"
-    first = found.stage == STAGES[0].name
+    first = found.stage in (STAGES[0].name, STAGES[1].name)
     reasons["grad_checkpointing"] = (f"not needed: {fits}" if not s.grad_checkpointing else
                                      f"on: without it the update does not fit with a useful micro-batch; {fits}")
     ref_bytes = model.n_params() * s.compute_bytes if s.reference else 0
-    state_bytes = (lora_params or model.n_params()) * s.optimizer_bytes_per_param
+    state_bytes = (lora_params or model.n_params()) * OPTIMIZERS[s.optimizer].state
     reasons["swap_models"] = ("the reference model stays on the GPU" if not s.swap_models else
                               "the reference model moves to host memory outside the scoring phase"
                               + transfer_note(device, ref_bytes))
@@ -327,18 +394,26 @@ def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device:
     reasons["param_offload"] = ("weights stay on the GPU" if not s.param_offload else
                                 f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
                                 "layers stream over PCIe (slow, but it fits)" + transfer_note(device, mem.host_needed))
+    per_gpu = " per GPU" if task.world_size > 1 else ""
     reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
-                              f"mini-batch ({task.local_mini}{' per GPU' if task.world_size > 1 else ''}) that fits" + ("" if first else f" after {found.stage}"))
+                              f"mini-batch ({task.local_mini}{per_gpu}) that fits" + ("" if first else f" after {found.stage}"))
+    kept = sum(mem.phases["update"].get(k, 0) for k in ("generation weights", "KV cache", "graph pool"))
+    reasons["rollout_resident"] = (
+        f"on: the engine keeps its weights, KV cache and CUDA graphs between steps ({fmt_bytes(kept)} through scoring "
+        "and the update), so no step re-captures or refills them" if s.rollout_resident else
+        "off: the rollout copy and KV cache are freed after generating so that scoring and the update have the "
+        "memory; each rollout captures its CUDA graphs again" if not s.rollout_from_actor else
+        "off: the engine runs the actor's own weights; its KV cache is freed after generating")
     reasons["score_micro_batch"] = f"{s.score_micro_batch} sequences per no-grad log-prob pass"
     reasons["rollout_batch"] = (f"{s.rollout_batch} of {task.local_sequences} sequences generated at once "
                                 f"(KV cache {fmt_bytes(mem.phases['rollout'].get('KV cache', 0))})")
     if use_lora:
-        full_tried = attempts[0][2][-1] if attempts[0][2] and not attempts[0][0] else ""
+        full_tried = attempts[0][2][-1] if attempts[0][2] and not attempts[0][0].lora else ""
         why = ("asked for" if task.lora else f"full fine-tuning does not fit without streaming every weight "
                f"over PCIe (most frugal on-GPU setting: {full_tried})")
         # the same setting with every weight trained, an fp32 master copy and a separate reference
-        full = estimate(model, replace(s, lora_params=0, base_bytes=4, reference=task.kl), task.prompt_len,
-                        task.response_len, mem.budget, cal)
+        full = estimate(model, replace(s, lora_params=0, base_bytes=4, reference=task.kl, base_quant=None,
+                                       rollout_from_actor=False), task.prompt_len, task.response_len, mem.budget, cal)
         reasons["lora"] = (f"LoRA r={task.lora_rank} on {', '.join(targets)}: {fmt_count(lora_params)} trainable "
                            f"parameters ({lora_params / model.n_params():.2%} of {fmt_count(model.n_params())}); "
                            f"saves {fmt_bytes(full.total - mem.total)} at this setting ({fmt_bytes(full.total)} "
@@ -354,7 +429,7 @@ def fmt_count(n: int) -> str:
 
 def _no_fit_message(device: Device, model: ModelSpec, task: Task, budget: int, attempts: list,
                     o: dict[str, Any], cal: Calibration) -> str:
-    use_lora, _, tried = attempts[-1]
+    _, _, tried = attempts[-1]
     lines = [f"{model.name} does not fit on {device.describe()} for this task "
              f"({task.effective_batch()}; prompt {task.prompt_len} + response {task.response_len} tokens); "
              f"budget {fmt_bytes(budget)}. Most frugal setting tried: {tried[-1] if tried else 'none'}.",
@@ -374,6 +449,14 @@ def _no_fit_message(device: Device, model: ModelSpec, task: Task, budget: int, a
     if not task.lora and task.lora is not None and fits(lora=True):
         lines.append(f"  - LoRA adapters (r={task.lora_rank}): --set lora.enabled=true")
         found_any = True
+    if task.lora is not False and not device.software.has("bitsandbytes") and device.is_cuda and not o.get("base_dtype"):
+        libs = device.software.libs + (("bitsandbytes", "0.50"),)
+        with_bnb = replace(device, software=replace(device.software, libs=libs))
+        if quant_support(with_bnb, "nf4")[0] and fits_on(with_bnb, model, replace(task, lora=True), o, cal):
+            lines.append("  - a 4-bit (NF4) frozen base with LoRA, once bitsandbytes is installed: pip install "
+                         "bitsandbytes, then --set lora.enabled=true (the plan picks NF4 when a float base does "
+                         "not fit)")
+            found_any = True
     if device.is_cuda:
         from .profiles import device_from_profile, list_profiles
         bigger = sorted((p for p in list_profiles() if p.kind == "cuda" and p.memory_bytes > device.total_memory

@@ -45,6 +45,7 @@ import copy
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
 
@@ -52,10 +53,9 @@ import torch
 from torch import nn
 
 from .errors import ModelError
+# the byte counts are pure arithmetic the planner uses without torch: they live with the memory model
+from .memory import NESTED_BLOCK, NF4_BLOCK, QUANTS, quantized_bytes, transient_bytes  # noqa: F401
 
-QUANTS = ("nf4", "int8")
-NF4_BLOCK = 64        # weights per absmax: QLoRA's choice and bitsandbytes' default
-NESTED_BLOCK = 256    # absmax codes per fp32 scale in the second level (double quantization)
 INT8_THRESHOLD = 6.0  # LLM.int8's outlier threshold on activations (the paper's and HF's default)
 
 
@@ -89,41 +89,15 @@ def _check_quant(quant: str) -> None:
 # ---------------------------------------------------------------------------- bytes
 
 
-def quantized_bytes(in_features: int, out_features: int, quant: str) -> int:
-    """Bytes one quantized weight (out_features, in_features) occupies, as bitsandbytes stores it
-    (the bias is a separate float parameter and not counted).
-
-    nf4: n = in x out packed two per byte, one uint8 absmax code per 64 weights, one fp32 scale per
-    256 codes, the 256-entry fp32 code table of the second level and the 16-entry NF4 table (each
-    layer holds its own copies) and the fp32 offset.  int8: one byte per weight, one fp32 scale per row."""
-    _check_quant(quant)
-    n = in_features * out_features
-    if quant == "int8":
-        return n + 4 * out_features
-    blocks = math.ceil(n / NF4_BLOCK)
-    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 * 256 + 4 * 16 + 4
-
-
-def transient_bytes(in_features: int, out_features: int, quant: str, compute_bytes: int) -> int:
-    """Bytes a forward or backward of one quantized layer allocates beyond its input and output: the
-    weight dequantized in the compute dtype (nf4: plus its absmax dequantized to fp32, held twice
-    while the offset is added). Layers run one after another, so the largest layer's figure is the
-    memory model's term. bitsandbytes' fused kernel for a few tokens (M <= 4) dequantizes nothing;
-    LLM.int8's forward holds int8 activations (tokens x in) and an int32 product (tokens x out) instead."""
-    _check_quant(quant)
-    n = in_features * out_features
-    if quant == "int8":
-        return n * compute_bytes
-    return n * compute_bytes + 2 * 4 * math.ceil(n / NF4_BLOCK)
-
-
 # ---------------------------------------------------------------------------- layers
 
 
 def is_quantized_linear(module: nn.Module) -> bool:
     if not isinstance(module, nn.Linear):
         return False
-    import bitsandbytes as bnb
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:  # never imported, so no bitsandbytes layer exists (and none is imported to ask)
+        return False
     return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
 

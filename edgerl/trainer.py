@@ -112,7 +112,7 @@ class Trainer:
         self.engine = build_engine(plan, EngineContext(
             model_path=m.path, trust_remote_code=m.trust_remote_code, device=device, max_seq_len=max_len,
             seed=t.seed, work_dir=self.run_dir,
-            save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor)))))
+            save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor))), actor=self.actor))
         self.stop_signal: Optional[str] = None
         if s.resume is not None:
             state.restore(s.resume.checkpoint, self.state, self.log)
@@ -121,7 +121,7 @@ class Trainer:
             moved = self.metrics.archive_after(self.state.loop.step)
             if moved is not None:
                 self.log(f"metrics of the steps after {self.state.loop.step} (they are redone now) moved to {moved}")
-        self.engine.sync_weights(lm_weights(self.actor))
+        self._sync()
         eos = self.tokenizer.eos_token_id
         r = cfg.rollout
         self.sampling = SamplingParams(
@@ -132,7 +132,7 @@ class Trainer:
     def _learner(self, name: str, model: torch.nn.Module, lr: float) -> Learner:
         p, t = self.plan, self.cfg.train
         optim = make_optimizer(model.parameters(), p.optimizer, lr, tuple(t.betas), t.weight_decay,
-                               dist.get_world_size())
+                               dist.get_world_size(), seed=t.seed)
         # the state waits in host memory between updates unless FSDP2 already keeps it there
         offload = StateOffload(optim, p.optimizer_offload and not p.param_offload, self.device.type == "cuda")
         return Learner(name, model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(self.cfg)), offload)
@@ -140,6 +140,11 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.state.loop.step
+
+    def _sync(self) -> None:
+        """The engine's weights := the actor's (every rank joins the gather of sharded weights)."""
+        if self.engine.needs_weights:
+            self.engine.sync_weights(lm_weights(self.actor))
 
     # --- the phases of one step --------------------------------------------------------------------
 
@@ -273,7 +278,7 @@ class Trainer:
             if ln is not None:
                 ln.sched.step()
         with phase("sync"):
-            self.engine.sync_weights(lm_weights(self.actor))
+            self._sync()
         if "actor/kl" in stats:
             lp.kl_ctl.update(stats["actor/kl"], len(exp))
         return self._metrics(batch, scores, components, stats, kl_coef, times, time.perf_counter() - t0)
@@ -352,9 +357,13 @@ class Trainer:
                 self.log(f"final adapter: {target}")
             if not self.cfg.lora.export_merged:
                 return target
-        # one tensor at a time to the host: a second full copy on the GPU could run out of memory;
-        # merged LoRA weights are fp32 (W + scale B A), so the whole merged folder is fp32
-        weights = {k: (v.float() if self.lora else v).cpu() for k, v in lm_weights(self.actor)}
+        # one tensor at a time to the host: a second full copy on the GPU could run out of memory.
+        # Merged LoRA weights are fp32 (W + scale B A), so the merged folder is fp32; over a quantized base
+        # it is written in 16 bits (bf16, or fp16 where the plan computes in fp16), never in 4 bits
+        from .models import quantized_base
+        out_dtype = (torch.float16 if self.plan.dtype.compute == "fp16" else torch.bfloat16) \
+            if quantized_base(self.plan) else torch.float32
+        weights = {k: (v.to(out_dtype) if self.lora else v).cpu() for k, v in lm_weights(self.actor)}
         if self.rank == 0:
             with checkpoint.atomic_folder(out, aside_name(out, _export_step(out))) as tmp:
                 self._write_hf(tmp, weights)

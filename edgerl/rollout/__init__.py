@@ -32,21 +32,28 @@ class EngineContext:
     seed: int
     work_dir: Path                  # a folder the engine may write to (vLLM loads from a folder)
     save_initial: Callable[[Path], None]   # writes the actor's current weights as an HF folder there
+    actor: Optional[torch.nn.Module] = None   # the trained PolicyHead (FSDP2): for an engine without a copy
 
 
 class OwnWeights:
-    """An hf engine over its own compute-dtype copy of the weights. Between rollouts the copy's storage
-    is freed (the memory serves scoring and the update; the plan counts it in the rollout phase only)
-    and re-allocated by the next weight sync, which refills every parameter."""
+    """An hf engine over its own compute-dtype copy of the weights, synced after every update. Unless the
+    plan keeps it resident, the copy's storage, the KV cache and the graphs are freed between rollouts
+    (the memory serves scoring and the update; the plan counts them in the rollout phase only) and the
+    next weight sync re-allocates and refills every parameter. Resident, the sync copies in place and
+    the captured graphs are replayed again."""
 
-    def __init__(self, engine, model: torch.nn.Module) -> None:
-        self.engine, self.model = engine, model
+    needs_weights = True
+
+    def __init__(self, engine, model: torch.nn.Module, resident: bool) -> None:
+        self.engine, self.model, self.resident = engine, model, resident
         self.name = engine.name
 
     def generate(self, prompts, n_samples, params, generator=None) -> RolloutBatch:
         return self.engine.generate(prompts, n_samples, params, generator)
 
     def release(self) -> None:
+        if self.resident:
+            return
         from ..models import release_weights
         self.engine.release()
         release_weights(self.model)
@@ -57,7 +64,41 @@ class OwnWeights:
         self.engine.sync_weights(weights)
 
     def describe(self) -> str:
-        return self.engine.describe()
+        return self.engine.describe() + ("; resident between steps" if self.resident else "")
+
+
+class ActorWeights:
+    """An hf engine that runs the trained actor's own modules: a quantized base with its unmerged LoRA
+    adapters, so rollout, reference and training share one copy of the weights and the rollout's
+    log-probs come from the weights the trainer scores. FSDP2 shards the adapters; they are gathered
+    for the rollout and re-sharded after (a CUDA graph is captured again when their addresses move)."""
+
+    needs_weights = False
+
+    def __init__(self, engine, actor: torch.nn.Module, resident: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        self.engine, self.resident = engine, resident
+        self.fsdp = [m for m in actor.modules() if isinstance(m, FSDPModule)]
+        self.name = engine.name
+
+    def generate(self, prompts, n_samples, params, generator=None) -> RolloutBatch:
+        for m in self.fsdp:
+            m.unshard()
+        try:
+            return self.engine.generate(prompts, n_samples, params, generator)
+        finally:
+            for m in self.fsdp:
+                m.reshard()
+
+    def release(self) -> None:
+        if not self.resident:
+            self.engine.release()
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to copy: the engine reads the actor's weights themselves."""
+
+    def describe(self) -> str:
+        return self.engine.describe() + "; runs the actor's own quantized base and adapters (no copy)"
 
 
 def _inference_copy(plan, ctx: EngineContext) -> torch.nn.Module:
@@ -66,17 +107,23 @@ def _inference_copy(plan, ctx: EngineContext) -> torch.nn.Module:
 
 
 def _static(plan, ctx: EngineContext) -> RolloutEngine:
-    copy = _inference_copy(plan, ctx)
+    from ..models import quantized_base
     why = plan.reasons.get("cuda_graphs", "")
     # The plan chose this engine for this model (decisions.static_engine_support); the decoder checks
     # the loaded model again and raises UnsupportedModel if the two disagree.
+    if quantized_base(plan):
+        engine = StaticCacheEngine(ctx.actor.lm, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs,
+                                   projections="modules", note=why)
+        return ActorWeights(engine, ctx.actor, plan.rollout_resident)
+    copy = _inference_copy(plan, ctx)
     engine = StaticCacheEngine(copy, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs, note=why)
-    return OwnWeights(engine, copy)
+    return OwnWeights(engine, copy, plan.rollout_resident)
 
 
 def _generate(plan, ctx: EngineContext) -> RolloutEngine:
     copy = _inference_copy(plan, ctx)
-    return OwnWeights(HFGenerateEngine(copy, plan.rollout_batch, note=plan.reasons.get("rollout_engine", "")), copy)
+    engine = HFGenerateEngine(copy, plan.rollout_batch, note=plan.reasons.get("rollout_engine", ""))
+    return OwnWeights(engine, copy, plan.rollout_resident)
 
 
 def _vllm(plan, ctx: EngineContext) -> RolloutEngine:
@@ -100,4 +147,4 @@ def build_engine(plan, ctx: EngineContext) -> RolloutEngine:
 
 __all__ = ["RolloutBatch", "RolloutEngine", "SamplingParams", "cut_at_eos", "HFGenerateEngine", "load_weights",
            "StaticCacheEngine", "UnsupportedModel", "SUPPORTED", "ENGINES", "EngineContext", "build_engine",
-           "OwnWeights"]
+           "OwnWeights", "ActorWeights"]

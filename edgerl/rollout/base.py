@@ -38,6 +38,7 @@ class RolloutBatch:
 
 class RolloutEngine(Protocol):
     name: str
+    needs_weights: bool   # False when the engine runs the trainer's own modules (nothing to sync)
 
     def generate(self, prompts: list[list[int]], n_samples: int, params: SamplingParams,
                  generator: Optional[torch.Generator] = None) -> RolloutBatch:

@@ -56,6 +56,7 @@ class VLLMEngine:
     """
 
     name = "vllm"
+    needs_weights = True   # a separate copy, pushed after every update
 
     def __init__(self, model_path: str | os.PathLike, *, dtype: str, gpu_memory_utilization: float,
                  max_model_len: int, max_num_seqs: int, seed: int, enable_sleep: bool,
