@@ -37,10 +37,12 @@ def resolve_target(gpu: Optional[str] = None, gpu_spec: Optional[str] = None,
     if gpu and gpu_spec:
         raise SpecError("give either --gpu NAME or --gpu-spec ..., not both")
     result = (probe_fn or probe)()
-    if index and (not result.cuda_available or index >= len(result.devices)):
-        raise SpecError(f"this process should use GPU {index} (LOCAL_RANK), but torch sees "
-                        f"{len(result.devices) if result.cuda_available else 0} GPU(s); start fewer processes "
-                        "(torchrun --nproc_per_node) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    if not result.cuda_available:
+        index = 0  # every process trains on the CPU
+    elif index >= len(result.devices):
+        raise SpecError(f"this process should use GPU {index} (LOCAL_RANK), but torch sees {len(result.devices)} "
+                        "GPU(s); start fewer processes (torchrun --nproc_per_node) or make more GPUs visible "
+                        "(CUDA_VISIBLE_DEVICES)")
     host = result.primary.host_memory
     if gpu:
         prof = get_profile(gpu)

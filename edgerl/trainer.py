@@ -116,7 +116,8 @@ class Trainer:
         self.stop_signal: Optional[str] = None
         if s.resume is not None:
             state.restore(s.resume.checkpoint, self.state, self.log)
-        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None, log=self.log)
+        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None, log=self.log) \
+            if self.rank == 0 else _NoMetrics()   # rank 0 alone writes files
         if s.resume is not None:
             moved = self.metrics.archive_after(self.state.loop.step)
             if moved is not None:
@@ -438,6 +439,20 @@ class Trainer:
             self.metrics.close()
             self.session.close()
         return self.run_dir
+
+
+class _NoMetrics:
+    """The metrics writer of ranks other than 0."""
+    tb_note = "metrics written by rank 0"
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def archive_after(self, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 def _export_step(folder: Path) -> Optional[int]:

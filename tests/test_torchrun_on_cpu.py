@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +42,9 @@ def test_two_ranks_update_equals_one_process(tiny_llama, tmp_path, advantage):
 
 
 def _train(model: Path, run: Path, *extra: str, n: int = 2) -> subprocess.CompletedProcess:
-    args = ["-m", "edgerl.cli", "train", "--model", str(model), *extra]
     sets = ["run.profile=\"cpu\"", "train.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6",
             "data.num_examples=32", "run.tensorboard=false", "run.export_final=false", "run.save_every=1"]
-    args += sum((["--set", s] for s in sets), [])
+    args = ["-m", "edgerl.cli", "train", "--model", str(model), *sum((["--set", s] for s in sets), []), *extra]
     if n == 1:
         return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=ENV)
     return torchrun(*args, n=n)
@@ -55,8 +55,8 @@ def test_torchrun_train_logs_once_splits_prompts_and_resumes(tiny_llama, tmp_pat
     run = tmp_path / "run"
     first = _train(tiny_llama, run, "--steps", "2", "--out", str(run))
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    steps = [ln for ln in first.stdout.splitlines() if ln.startswith("step ")]
-    assert [ln.split()[1] for ln in steps] == ["1", "2"], first.stdout   # rank 0 alone prints
+    steps = [m.group(1) for m in map(re.compile(r"step\s+(\d+)\s+reward").match, first.stdout.splitlines()) if m]
+    assert steps == ["1", "2"], first.stdout   # rank 0 alone prints
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["dist/world_size"] == 2 and r["batch/sequences"] == 4 for r in rows)
