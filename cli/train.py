@@ -68,6 +68,10 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"[yellow]stopped by {trainer.stop_signal} after step {trainer.step}; resume with "
                       f"edgerl train --resume {escape(str(s.run_dir))}[/]")
         raise typer.Exit(130)
+    from ..ranks import shutdown
+    shutdown()
+    if not s.rank.main:
+        return
     rewards = [r["reward/mean"] for r in read_metrics(s.run_dir) if isinstance(r.get("reward/mean"), float)]
     if len(rewards) >= 10:
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

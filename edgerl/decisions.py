@@ -307,7 +307,7 @@ def pick_kernels(dev: Device, dtype: DtypePolicy, model: ModelSpec,
             raise PlanError(f"plan.kernel_backend=triton is not possible on {dev.describe()}: {why}; use torch")
     backend = forced or ("triton" if dev.is_cuda and dev.cc >= (8, 0) and has else "torch")
     if backend == "torch":
-        why = (f"asked for with plan.kernel_backend=torch" if forced else
+        why = ("asked for with plan.kernel_backend=torch" if forced else
                "CPU" if not dev.is_cuda else
                f"{dev.sm}: Triton and torch.compile need CC >= 7.0" if dev.cc < (7, 0) else
                f"{dev.sm}: below CC 8.0 Triton's matmuls fall back to FMA (no tensor cores), while cuBLAS "

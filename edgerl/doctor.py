@@ -18,21 +18,9 @@ from .device import GiB, Device, arch_covers
 from .memory import fmt_bytes
 from .plan import Plan
 from .probe import NvmlReport, ProbeResult
+from .checks import STATUSES, Check, _c  # noqa: F401  (Check is part of doctor's API)
+from .doctor_plan import plan_checks
 from .wheels import wheel_advice
-
-STATUSES = ("ok", "warn", "fail", "skip")
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
-    def to_dict(self) -> dict[str, str]:
-        return {"name": self.name, "status": self.status, "detail": self.detail, "fix": self.fix}
-
 
 @dataclass
 class Environment:
@@ -55,11 +43,6 @@ class Environment:
             return True, free, "" if probe_dir == path else f"(does not exist yet; {probe_dir} is writable)"
         except OSError as e:
             return False, free, f"({probe_dir}: {e.strerror})"
-
-
-def _c(name: str, status: str, detail: str, fix: str = "") -> Check:
-    assert status in STATUSES
-    return Check(name, status, detail, fix)
 
 
 def check_driver(nvml: NvmlReport, simulated: bool) -> Check:
@@ -210,7 +193,6 @@ def check_gpus(probe: ProbeResult, simulated: bool) -> Optional[Check]:
 
 def run_checks(dev: Device, probe: ProbeResult, plan: Optional[Plan], env: Optional[Environment] = None,
                simulated: bool = False) -> list[Check]:
-    from .doctor_plan import plan_checks
     env = env or Environment()
     checks: list[Optional[Check]] = [
         check_driver(probe.nvml, simulated),

@@ -12,7 +12,7 @@ from typing import Optional
 from .decisions import (bnb_support, pick_attention, pick_dtype, pick_kernels, sdpa_backends, vllm_install_advice,
                         vllm_support)
 from .device import Device
-from .doctor import Check, _c
+from .checks import Check, _c
 from .memory import fmt_bytes
 from .modelspec import CATALOGUE
 from .plan import Plan
@@ -79,7 +79,7 @@ def check_bnb(dev: Device) -> Check:
         return _c("bitsandbytes", "ok", f"{why}: 8-bit AdamW available")
     if dev.cc < (6, 0):
         return _c("bitsandbytes", "ok", f"{why}; bitsandbytes 0.49 and later have no Maxwell build")
-    return _c("bitsandbytes", "ok", f"not installed: 8-bit AdamW unavailable (optional)", "pip install bitsandbytes")
+    return _c("bitsandbytes", "ok", "not installed: 8-bit AdamW unavailable (optional)", "pip install bitsandbytes")
 
 
 def check_host_ram(dev: Device, plan: Optional[Plan]) -> Check:

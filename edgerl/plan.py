@@ -8,7 +8,6 @@ the memory model fits the budget. `doctor`, `recommend`, `train` and the README 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -21,50 +20,9 @@ from .dtypes import nbytes
 from .errors import ModelSpecError, PlanError
 from .memory import DEFAULT_CALIBRATION, OPTIMIZERS, Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
 from .modelspec import ModelSpec
-from .moves import MICRO_HALVING_COST, STAGES, TASK_MOVES, Stage, stages_for
-
-
-@dataclass(frozen=True)
-class Task:
-    """The shape of the work: what the memory model and batch decisions depend on."""
-    prompt_len: int = 256
-    response_len: int = 256
-    prompts_per_step: int = 4
-    samples_per_prompt: int = 4
-    mini_batch: Optional[int] = None       # sequences per PPO update; None = all of the step
-    algo: str = "grpo"
-    critic: bool = False                   # the estimator learns values (gae): a critic model trains too
-    kl: bool = True                        # a reference model is needed (kl_coef > 0)
-    reward_model_params: int = 0
-    lora: Optional[bool] = False           # None: the plan turns LoRA on when full fine-tuning cannot fit
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: Optional[tuple[str, ...]] = None
-    world_size: int = 1                    # GPUs (processes) sharing the step; the plan is for one of them
-
-    @property
-    def sequences(self) -> int:
-        return self.prompts_per_step * self.samples_per_prompt
-
-    @property
-    def mini(self) -> int:
-        return self.mini_batch or self.sequences
-
-    @property
-    def local_sequences(self) -> int:
-        """Sequences one GPU generates, scores and trains on per step."""
-        return self.sequences // self.world_size
-
-    @property
-    def local_mini(self) -> int:
-        return self.mini // self.world_size
-
-    def effective_batch(self) -> str:
-        updates = self.sequences // self.mini
-        per_gpu = (f" over {self.world_size} GPUs: {self.local_sequences} sequences and a mini-batch of "
-                   f"{self.local_mini} per GPU" if self.world_size > 1 else "")
-        return (f"{self.prompts_per_step} prompts x {self.samples_per_prompt} samples = {self.sequences} "
-                f"sequences per step; mini-batch {self.mini} -> {updates} update(s) per epoch{per_gpu}")
+from .moves import STAGES, TASK_MOVES, stages_for
+from .search import Config, Found, configs, search
+from .task import Task
 
 
 @dataclass(frozen=True)
@@ -130,69 +88,6 @@ def _device_dict(d: Device) -> dict[str, Any]:
     return out
 
 
-# --- the search --------------------------------------------------------------------------------------
-
-def _divisors_desc(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
-
-
-@dataclass(frozen=True)
-class _Search:
-    setting: Setting
-    memory: MemoryEstimate
-    stage: str
-
-
-def _candidates(stages: list[Stage], mini: int, forced_mb: Optional[int]) -> list[tuple[Stage, int, bool]]:
-    """(stage, micro-batch, last resort) in order of their estimated slowdown (moves.STAGE_COST): the
-    first that fits is the fastest setting that fits. Micro-batches below 4 sequences leave the GPU
-    idle, so they are tried only in the most frugal stage."""
-    small = min(mini, 4)
-    out = []
-    for i, st in enumerate(stages):
-        last = i == len(stages) - 1
-        for mb in ([forced_mb] if forced_mb else _divisors_desc(mini)):
-            if mb < small and not last and not forced_mb:
-                break
-            halvings = math.log2(mini / mb)
-            out.append((st.cost() + MICRO_HALVING_COST * halvings + (1.0 if mb < small else 0.0), i, mb, st))
-    return [(st, mb, i == len(stages) - 1) for _, i, mb, st in sorted(out, key=lambda c: c[:3])]
-
-
-def _search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
-            cal: Calibration, host_memory: int, stages: list[Stage]) -> tuple[Optional[_Search], list[str]]:
-    tried: list[str] = []
-    for stage, mb, _ in _candidates(stages, task.local_mini, forced.get("micro_batch")):
-        values = stage.knobs()
-        if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
-            continue
-        s = replace(base, micro_batch=mb, optimizer=stage.optimizer, **values)
-        s = _fit_rollout_and_score(model, task, s, budget, forced, cal)
-        mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
-        host_ok = mem.host_needed <= host_memory * 0.8
-        if mem.fits and host_ok:
-            return _Search(s, mem, stage.name), tried
-        tried.append(f"{stage.name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
-                     + ("" if host_ok else f", host {fmt_bytes(mem.host_needed)}"))
-    return None, tried
-
-
-def _fit_rollout_and_score(model: ModelSpec, task: Task, s: Setting, budget: int, forced: dict[str, Any],
-                           cal: Calibration) -> Setting:
-    """Largest rollout batch and scoring micro-batch (divisors of the step's sequences) that fit."""
-    seqs = task.local_sequences
-    for key in ("rollout_batch", "score_micro_batch"):
-        options = [forced[key]] if forced.get(key) else _divisors_desc(seqs)
-        for v in options:
-            cand = replace(s, **{key: v})
-            mem = estimate(model, cand, task.prompt_len, task.response_len, budget, cal)
-            phase = "rollout" if key == "rollout_batch" else "score"
-            if mem.phase_totals()[phase] <= budget or v == options[-1]:
-                s = cand
-                break
-    return s
-
-
 def plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]] = None,
          calibration: Calibration = DEFAULT_CALIBRATION) -> Plan:
     """The plan for `task` on `device`. `overrides` holds PlanOverrides fields (None = decide) plus
@@ -255,7 +150,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         except ModelSpecError as e:
             raise PlanError(f"lora.target_modules: {e}") from None
 
-    def setting(config: _Config) -> Setting:
+    def setting(config: Config) -> Setting:
         quant = config.base if config.base in QUANT_BASES else None
         return Setting(
             compute_bytes=dtype.compute_bytes,
@@ -268,11 +163,11 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             reward_model_params=task.reward_model_params, cuda=device.is_cuda, shards=task.world_size,
             base_quant=quant, rollout_from_actor=quant is not None)
 
-    attempts: list[tuple[_Config, Optional[_Search], list[str]]] = []
-    for config in _configs(device, task, base_dtype, bool(o.get("base_dtype"))):
+    attempts: list[tuple[Config, Optional[Found], list[str]]] = []
+    for config in configs(device, task, base_dtype, bool(o.get("base_dtype"))):
         bf16_ok = bf16_state_support(device, config.lora)[0]
         stages = stages_for(forced_opt, bnb_ok, bf16_ok, config.param_offload, forced["rollout_resident"])
-        found, tried = _search(model, task, setting(config), budget, forced, calibration, host, stages)
+        found, tried = search(model, task, setting(config), budget, forced, calibration, host, stages)
         attempts.append((config, found, tried))
         if found:
             break
@@ -322,33 +217,6 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
                 memory=mem, headroom=headroom, reasons=reasons | {"headroom": hreason})
 
 
-@dataclass(frozen=True)
-class _Config:
-    """What is trained and how the frozen base is stored: the outer loop of the search."""
-    lora: bool
-    base: str                    # LoRA base storage (fp32/fp16/bf16/int8/nf4); the master dtype otherwise
-    param_offload: bool          # the search may end with FSDP2 CPU offload
-
-
-def _configs(device: Device, task: Task, base_dtype: str, base_forced: bool) -> list[_Config]:
-    """Full fine-tuning, then LoRA on a base in its float storage, then on an NF4 base, then LoRA with
-    every weight streamed over PCIe: fastest first."""
-    out: list[_Config] = []
-    if not task.lora:
-        out.append(_Config(False, "fp32", task.lora is False))
-        if task.lora is False:
-            return out
-    if base_forced:
-        return out + [_Config(True, base_dtype, base_dtype not in QUANT_BASES)]
-    out.append(_Config(True, base_dtype, False))
-    # NF4 only: LLM.int8 rounds the activations too (the rollout's and the trainer's math would differ
-    # from the float model's) and its outlier split has data-dependent shapes no CUDA graph can hold;
-    # plan.base_dtype=int8 asks for it
-    if quant_support(device, "nf4")[0] and device.is_cuda:
-        out.append(_Config(True, "nf4", False))
-    return out + [_Config(True, base_dtype, True)]
-
-
 def _quant_reason(device: Device, base: str, attempts: list) -> str:
     wider = attempts[-2][0].base if len(attempts) > 1 else "a float base"
     return (f"{base}: {quant_support(device, base)[1]}; LoRA on a {wider} base did not fit. The reference is the "
@@ -374,7 +242,7 @@ def _check_world(task: Task, o: dict[str, Any]) -> None:
                         f"GPU ({task.mini} over {w} GPUs)")
 
 
-def _memory_reasons(reasons: dict[str, str], found: _Search, task: Task, device: Device,
+def _memory_reasons(reasons: dict[str, str], found: Found, task: Task, device: Device,
                     attempts: list, model: ModelSpec, lora_params: int, use_lora: bool,
                     targets: tuple[str, ...], mem: MemoryEstimate, cal: Calibration) -> None:
     s = found.setting

@@ -44,7 +44,6 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union

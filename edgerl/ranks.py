@@ -91,3 +91,11 @@ def agree(fn: Callable[[], Any], main: bool) -> Any:
 def barrier() -> None:
     if world() > 1:
         dist.barrier()
+
+
+def shutdown() -> None:
+    """End a torchrun process group cleanly: every rank waits for the others, then tears it down
+    (a rank that exits while a peer still talks to it can abort the peer)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        dist.destroy_process_group()

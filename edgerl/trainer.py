@@ -35,6 +35,7 @@ from .rollout import EngineContext, build_engine
 from .rollout.base import RolloutBatch, SamplingParams
 from .runfolder import aside_name
 from .session import Session
+from .step_metrics import global_explained_variance, global_mean, step_metrics
 from .update import Learner, run_update
 
 __all__ = ["Trainer", "TrainingError", "lr_lambda"]
@@ -223,17 +224,18 @@ class Trainer:
         out = {**res.stats, "actor/skipped_updates": float(res.skipped)}
         if epoch0["logp"]:
             logp, ent, mask = (torch.cat(epoch0[k]) for k in ("logp", "ent", "mask"))
-            out["actor/entropy"] = self._mean(ent, mask)
+            out["actor/entropy"] = global_mean(ent, mask, self.device)
             if epoch0["ref"]:
-                out["actor/kl"] = self._mean(algos.kl_estimate(logp, torch.cat(epoch0["ref"]), a.kl_estimator), mask)
+                kl = algos.kl_estimate(logp, torch.cat(epoch0["ref"]), a.kl_estimator)
+                out["actor/kl"] = global_mean(kl, mask, self.device)
             if exp.sampled_logp is not None and common["mini"] == len(exp):  # rows in rollout order
                 # the engine's log-probs against the trainer's own: a rollout/training mismatch shows here
-                out["rollout/logprob_diff"] = self._mean((logp - exp.sampled_logp).abs(), mask)
+                out["rollout/logprob_diff"] = global_mean((logp - exp.sampled_logp).abs(), mask, self.device)
         if self.critic is not None:
             cres = run_update(self.state.critic, exp, critic_loss, **common)
             out |= cres.stats
-            out["critic/values_mean"] = self._mean(exp.values, exp.response_mask)
-            out["critic/explained_var"] = self._explained_variance(exp)
+            out["critic/values_mean"] = global_mean(exp.values, exp.response_mask, self.device)
+            out["critic/explained_var"] = global_explained_variance(exp, self.device)
         lp.skipped_total += res.skipped
         lp.bad_in_a_row = lp.bad_in_a_row + 1 if res.skipped else 0
         if res.skipped:
@@ -282,55 +284,10 @@ class Trainer:
             self._sync()
         if "actor/kl" in stats:
             lp.kl_ctl.update(stats["actor/kl"], len(exp))
-        return self._metrics(batch, scores, components, stats, kl_coef, times, time.perf_counter() - t0)
-
-    def _mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
-        """Masked mean over the global batch (every rank's share)."""
-        total, count = ranks.sum_floats([float(algos.masked_sum(x.float(), mask)), float(mask.bool().sum())],
-                                        self.device)
-        return total / max(count, 1.0)
-
-    def _explained_variance(self, exp: Experience) -> float:
-        """1 - var(returns - values) / var(returns) over the global batch's valid tokens (biased)."""
-        m = exp.response_mask.bool()
-        y, r = exp.returns.double(), (exp.returns - exp.values).double()
-        n, sy, syy, sr, srr = ranks.sum_floats([float(m.sum()), *(float(algos.masked_sum(t, m)) for t in
-                                                                  (y, y * y, r, r * r))], self.device)
-        if n == 0:
-            return float("nan")
-        var_y, var_r = syy / n - (sy / n) ** 2, srr / n - (sr / n) ** 2
-        return 1 - var_r / var_y if var_y > 0 else float("nan")
-
-    def _metrics(self, batch: RolloutBatch, scores: list[float], components: dict[str, list[float]],
-                 stats: dict[str, float], kl_coef: float, times: dict[str, float], step_s: float) -> dict[str, Any]:
-        # every rank's share of the step, so the numbers describe the global batch (all ranks call this)
-        shares = ranks.gather({"scores": scores, "lengths": [len(r) for r in batch.response_ids],
-                               "truncated": list(batch.truncated), "components": components})
-        scores = [x for sh in shares for x in sh["scores"]]
-        lengths = [x for sh in shares for x in sh["lengths"]]
-        truncated = [x for sh in shares for x in sh["truncated"]]
-        components = {k: [x for sh in shares for x in sh["components"].get(k, [])] for k in components}
-        tokens = sum(lengths)
-        sc = torch.tensor(scores)
-        out = {"reward/mean": sc.mean().item(), "reward/std": sc.std().item() if len(sc) > 1 else 0.0,
-               **{f"reward/{k}_mean": _nanmean(v) for k, v in components.items()},
-               "response/length_mean": sum(lengths) / len(lengths), "response/length_min": min(lengths),
-               "response/length_max": max(lengths),
-               "response/clip_ratio": sum(truncated) / len(truncated),
-               **stats, "actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
-               "perf/step_s": step_s, "perf/tokens_per_s": tokens / step_s,
-               "perf/rollout_tokens_per_s": tokens / max(times["time/rollout_s"], 1e-9),
-               **times, "train/bad_steps_in_a_row": self.state.loop.bad_in_a_row,
-               "dist/world_size": self.world, "batch/sequences": len(scores)}
-        if self.device.type == "cuda":
-            out["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            out["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
-        try:
-            import psutil
-            out["memory/host_rss_gib"] = psutil.Process().memory_info().rss / 2**30
-        except ImportError:  # pragma: no cover
-            pass
-        return out
+        extra = {"actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
+                 "train/bad_steps_in_a_row": lp.bad_in_a_row}
+        return step_metrics(batch, scores, components, {**stats, **extra}, times, time.perf_counter() - t0,
+                            self.device)
 
     # --- checkpoints, export, failures -------------------------------------------------------------
 
@@ -462,8 +419,3 @@ def _export_step(folder: Path) -> Optional[int]:
         return int(json.loads((folder / "edgerl-export.json").read_text())["step"])
     except (OSError, ValueError, KeyError):
         return None
-
-
-def _nanmean(xs: list[float]) -> float:
-    vals = [x for x in xs if not math.isnan(x)]
-    return sum(vals) / len(vals) if vals else float("nan")

@@ -14,7 +14,7 @@ from edgerl.metrics import read_metrics
 from edgerl.modelspec import CATALOGUE
 from edgerl.plan import Task, plan
 from edgerl.profiles import device_from_profile, get_profile
-from test_trainer_on_cpu import FAST, REWARDS, make_trainer
+from test_trainer_on_cpu import REWARDS, make_trainer
 
 pytest.importorskip("bitsandbytes", reason="the quantized base needs bitsandbytes (pip install bitsandbytes)")
 pytest.importorskip("peft", reason="LoRA needs peft")

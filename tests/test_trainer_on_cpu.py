@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from edgerl import checkpoint
-from edgerl.config import load_config
 from edgerl.metrics import read_metrics
 from edgerl.trainer import Trainer, TrainingError
 from conftest import prepare_trainer

@@ -86,4 +86,5 @@ if __name__ == "__main__":
     init_distributed(torch.device("cpu"))
     for name in sys.argv[1:]:
         main(name)
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()

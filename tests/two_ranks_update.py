@@ -48,6 +48,7 @@ def main() -> None:
     else:
         ranks.gather(mine.advantages)
     t.session.close()
+    ranks.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""`Task`: the shape of the work the plan fits to the device (lengths, batch, algorithm, LoRA, GPUs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Task:
+    """The shape of the work: what the memory model and batch decisions depend on."""
+    prompt_len: int = 256
+    response_len: int = 256
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 4
+    mini_batch: Optional[int] = None       # sequences per PPO update; None = all of the step
+    algo: str = "grpo"
+    critic: bool = False                   # the estimator learns values (gae): a critic model trains too
+    kl: bool = True                        # a reference model is needed (kl_coef > 0)
+    reward_model_params: int = 0
+    lora: Optional[bool] = False           # None: the plan turns LoRA on when full fine-tuning cannot fit
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: Optional[tuple[str, ...]] = None
+    world_size: int = 1                    # GPUs (processes) sharing the step; the plan is for one of them
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def mini(self) -> int:
+        return self.mini_batch or self.sequences
+
+    @property
+    def local_sequences(self) -> int:
+        """Sequences one GPU generates, scores and trains on per step."""
+        return self.sequences // self.world_size
+
+    @property
+    def local_mini(self) -> int:
+        return self.mini // self.world_size
+
+    def effective_batch(self) -> str:
+        updates = self.sequences // self.mini
+        per_gpu = (f" over {self.world_size} GPUs: {self.local_sequences} sequences and a mini-batch of "
+                   f"{self.local_mini} per GPU" if self.world_size > 1 else "")
+        return (f"{self.prompts_per_step} prompts x {self.samples_per_prompt} samples = {self.sequences} "
+                f"sequences per step; mini-batch {self.mini} -> {updates} update(s) per epoch{per_gpu}")
