@@ -61,6 +61,15 @@ def tensor_sum(device: torch.device) -> Optional[Callable[[torch.Tensor], torch.
     return reduce
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True when `flag` is true on any rank (all ranks call it): e.g. a signal that reached one process."""
+    if world() == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def gather(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank (all ranks call it)."""
     if world() == 1:

@@ -50,6 +50,9 @@ def step_metrics(batch: RolloutBatch, scores: list[float], components: dict[str,
            **stats, "perf/step_s": step_s, "perf/tokens_per_s": tokens / step_s,
            "perf/rollout_tokens_per_s": tokens / max(times["time/rollout_s"], 1e-9), **times,
            "dist/world_size": ranks.world(), "batch/sequences": len(scores)}
+    for key in ("captures", "capture_s", "prefill_s", "decode_s"):   # what the engine reports about itself
+        if isinstance(batch.info.get(key), (int, float)):
+            out[f"rollout/{key}"] = float(batch.info[key])
     if device.type == "cuda":
         out["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["memory/peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30

@@ -383,6 +383,9 @@ class Trainer:
                 if on_step:
                     on_step(lp.step, stats)
                 every = self.cfg.run.save_every
+                # a signal may reach one process only: every rank stops after the same step
+                if ranks.any_rank(self.stop_signal is not None, self.device) and self.stop_signal is None:
+                    self.stop_signal = "a signal to another rank"
                 if self.stop_signal or (every and lp.step % every == 0):
                     self.save()
             if self.stop_signal is None:
