@@ -16,10 +16,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from . import checkpoint, ranks, runfolder
 from .config import Config, ConfigError, load_config, to_toml
+from .config_load import SetItem
 from .data import DataReport, Prompt, load_prompts
 from .errors import RunDirError
 from .memory import DEFAULT_CALIBRATION
@@ -49,10 +50,11 @@ class Session:
             self.lock.release()
 
 
-def load(config: Optional[Path] = None, sets: tuple[str, ...] | list[str] = (), resume: Optional[Path] = None,
+def load(config: Optional[Path] = None, sets: Sequence[SetItem] = (), resume: Optional[Path] = None,
          out: Optional[Path] = None) -> tuple[Config, Optional[runfolder.ResumePoint]]:
-    """The run config: the file (or, when resuming, the run's own config.toml) with `--set` overrides,
-    and the resume point. `out` (--out) names the run folder; with `resume` it branches."""
+    """The run config: the file (or, when resuming, the run's own config.toml) with `--set` overrides
+    (each 'key=value', or that with the option it came from), and the resume point. `out` (--out)
+    names the run folder; with `resume` it branches."""
     extra = list(sets)
     point = None
     if resume is not None:
