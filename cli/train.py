@@ -28,13 +28,13 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     from ..metrics import read_metrics, summary_line
     from ..trainer import Trainer
     from .render import print_plan
-    extra = []
-    for key, value in (("model.path", model), ("data.path", data), ("reward.function", reward),
-                       ("run.profile", profile)):
+    extra: list = []  # (key=value, the option as typed): an error names the option, not a --set
+    for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
+                            ("reward.function", reward, "--reward"), ("run.profile", profile, "--profile")):
         if value is not None:
-            extra.append(f"{key}={json.dumps(value)}")
+            extra.append((f"{key}={json.dumps(value)}", f"{opt} {value}"))
     if steps is not None:
-        extra.append(f"train.steps={steps}")
+        extra.append((f"train.steps={steps}", f"--steps {steps}"))
     cfg, point = session.load(config, extra + list(sets or []), resume, out)
 
     def log(s: str) -> None:
