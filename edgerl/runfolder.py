@@ -37,12 +37,13 @@ LOCK = ".edgerl.lock"
 @dataclass(frozen=True)
 class ResumePoint:
     checkpoint: Path          # the checkpoint folder
-    run_dir: Path             # the run it belongs to
+    run_dir: Path             # the run it belongs to (RUN of RUN/checkpoints/step-N)
     step: int
+    in_run: bool = True       # False: a checkpoint copied out of its run; it can only start a new one (--out)
 
 
 def resume_point(path: Path) -> ResumePoint:
-    """A run folder (its latest checkpoint) or one checkpoint folder."""
+    """A run folder (its latest checkpoint), its checkpoints/ folder, or one checkpoint folder."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"--resume {path}: no such folder")
@@ -51,12 +52,24 @@ def resume_point(path: Path) -> ResumePoint:
     if (path / "meta.json").exists():
         ckpt = path
     else:
-        ckpt = checkpoint.latest(path)
+        ckpt = checkpoint.latest(path.parent if path.name == "checkpoints" else path)
+        if ckpt is None and (path / "config.json").exists():
+            raise CheckpointError(f"--resume {path} is a model folder (an export, or an HF model), not a run: "
+                                  f"train from it with --model {path}")
         if ckpt is None:
             raise CheckpointError(f"--resume {path}: no checkpoint in {path / 'checkpoints'} (a run writes one every "
                                   "run.save_every steps and when it stops)")
     step = _ckpt_step(ckpt)
-    return ResumePoint(ckpt, ckpt.parent.parent, step)
+    return ResumePoint(ckpt, ckpt.parent.parent, step, in_run=ckpt.parent.name == "checkpoints")
+
+
+def checkpoint_config(point: ResumePoint) -> Optional[dict]:
+    """The config a checkpoint was written with (its meta.json), for a run whose config.toml is gone."""
+    try:
+        config = json.loads((point.checkpoint / "meta.json").read_text()).get("config")
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _ckpt_step(ckpt: Path) -> int:
@@ -93,7 +106,7 @@ def _metric_steps(run: Path) -> list[int]:
 
 def branch_history(point: ResumePoint) -> Optional[str]:
     """The metrics a branch from `point` starts with: its run's rows up to the checkpoint's step."""
-    if not (point.run_dir / "metrics.jsonl").exists():
+    if not point.in_run or not (point.run_dir / "metrics.jsonl").exists():
         return None
     from .metrics import read_metrics
     rows = [r for r in read_metrics(point.run_dir, log=None) if r.get("step", 0) <= point.step]
@@ -140,7 +153,11 @@ def check_new(out: Path, history: Optional[str] = None) -> None:
 
 def check_resume(point: ResumePoint, out: Optional[Path]) -> Path:
     """The folder a resumed run writes to: its own, or `out` for a branch. Refuses to replace history."""
-    if out is not None and out.resolve() != point.run_dir.resolve():
+    branch = out is not None and out.resolve() != point.run_dir.resolve()
+    if not point.in_run and not branch:  # its grandparent folder is no run: it must not be written as one
+        raise RunDirError(f"--resume {point.checkpoint} is a checkpoint outside a run folder (runs keep them in "
+                          f"RUN/checkpoints/); start a run from it with --resume {point.checkpoint} --out NEW_FOLDER")
+    if branch:
         check_new(out, branch_history(point))
         _check_weights(point)
         return out
@@ -161,7 +178,8 @@ def _check_weights(point: ResumePoint) -> None:
     bad = checkpoint.non_finite(point.checkpoint)
     if not bad:
         return
-    earlier = [c for c in checkpoint.checkpoints(point.run_dir) if int(c.name.split("-")[1]) < point.step]
+    earlier = [c for c in checkpoint.checkpoints(point.run_dir) if int(c.name.split("-")[1]) < point.step
+               and point.in_run]
     fix = (f"branch from an earlier one: edgerl train --resume {earlier[-1]} --out NEW_FOLDER" if earlier else
            "no earlier checkpoint is left: start a new run (a lower train.lr, or plan.dtype=fp32 if fp16 overflowed)")
     raise CheckpointError(f"{point.checkpoint} holds NaN or infinite weights ({', '.join(bad[:3])}"

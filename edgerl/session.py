@@ -56,12 +56,14 @@ def load(config: Optional[Path] = None, sets: Sequence[SetItem] = (), resume: Op
     (each 'key=value', or that with the option it came from), and the resume point. `out` (--out)
     names the run folder; with `resume` it branches."""
     extra = list(sets)
-    point = None
+    point, base = None, None
     if resume is not None:
         point = runfolder.resume_point(resume)
-        if config is None and (point.run_dir / "config.toml").exists():
+        if config is None and point.in_run and (point.run_dir / "config.toml").exists():
             config = point.run_dir / "config.toml"  # resume with the run's own config; --set still applies
-    cfg = load_config(config, extra)
+        elif config is None:  # config.toml gone, or a checkpoint copied out of its run: the one it was saved with
+            base = runfolder.checkpoint_config(point)
+    cfg = load_config(config, extra, base=base)
     if out is not None:
         cfg.run.out_dir = str(out)
     elif point is not None:

@@ -326,3 +326,29 @@ def test_checkpoints_replace_and_prune_through_temporary_names(tmp_path):
     assert (root / "step-000003").stat().st_mode & 0o777 == 0o777 & ~umask
     checkpoint.atomic_write_text(tmp_path / "config.toml", "x = 1\n")
     assert (tmp_path / "config.toml").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_checkpoint_copied_out_of_its_run_starts_a_new_run_only(run_copy, tmp_path):
+    """Its grandparent folder is no run (here it holds the user's notes): resuming 'in place' would
+    write plan.json, metrics and checkpoints there. With --out it starts a run, with the config the
+    checkpoint was saved with (no --model needed)."""
+    elsewhere = tmp_path / "elsewhere"
+    lone = Path(shutil.copytree(run_copy / "checkpoints" / "step-000004", elsewhere / "kept" / "step-000004"))
+    (elsewhere / "notes.txt").write_text("mine")
+    before = files(elsewhere)
+    refused(train("--resume", lone, "--steps", 5), f"--resume {lone} is a checkpoint outside a run folder",
+            f"--resume {lone} --out NEW_FOLDER")
+    assert files(elsewhere) == before
+    new = tmp_path / "new"
+    r = train("--resume", lone, "--out", new, "--steps", 5, sets=[])
+    assert r.exit_code == 0, r.output
+    assert files(elsewhere) == before
+    assert [row["step"] for row in read_metrics(new)] == [5]   # no history: the checkpoint came without its run
+    assert checkpoint.latest(new).name == "step-000005"
+
+
+def test_resume_names_what_was_given_when_it_is_not_a_run(run_copy):
+    r = train("--resume", run_copy / "checkpoints", "--steps", 4)   # the checkpoints folder means its run
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+    refused(train("--resume", run_copy / "final"), f"--resume {run_copy / 'final'} is a model folder",
+            f"train from it with --model {run_copy / 'final'}")
