@@ -10,6 +10,7 @@ import typer
 
 from ..config import ConfigError, load_config
 from ..modelspec import ModelSpecError
+from ..outfiles import output_file, write_atomically
 from ..plan import PlanError
 from ..profiles import list_profiles
 from . import data as data_cmd
@@ -33,7 +34,8 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
     from ..doctor import Environment, exit_code, run_checks
     from ..target import plan_for, resolve_target
     from .render import checks_table, print_plan
-    cfg = load_config(config, list(sets or []) + ([f"model.path={json.dumps(model)}"] if model else []))
+    cfg = load_config(config, list(sets or []) + ([(f"model.path={json.dumps(model)}", f"--model {model}")]
+                                                  if model else []))
     target = resolve_target(gpu, gpu_spec)
     where = ""
     if bench or refresh:
@@ -88,21 +90,33 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
                                        "the training state over them); the plan is for one of them"),
               config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
               fmt: str = typer.Option("text", "--format", "-f", help="text | toml | json | verl"),
-              out: Optional[Path] = typer.Option(None, "--out", "-o", help="write to this file instead of stdout")) -> None:
+              out: Optional[Path] = typer.Option(None, "--out", "-o", help="write to this file instead of stdout "
+                                                 "(toml, json, verl); a folder gets run.toml, plan.json or verl.sh"),
+              force: bool = typer.Option(False, "--force", help="replace an existing --out file")) -> None:
     """The plan for a GPU (yours or one you may not have): each decision with its reason, and the memory."""
     from ..export import plan_toml, verl_overrides
     from ..target import plan_for, resolve_target
     from .render import print_plan
     if fmt not in ("text", "toml", "json", "verl"):
         raise ConfigError(f"--format {fmt!r}: choose text, toml, json or verl")
-    extra = list(sets or [])
-    for key, value in (("model.path", json.dumps(model) if model else None),
-                       ("data.max_prompt_len", prompt_len), ("rollout.max_new_tokens", response_len),
-                       ("rollout.n_samples", samples), ("train.prompts_per_step", prompts),
-                       ("algo.advantage", json.dumps(algo) if algo else None),
-                       ("lora.enabled", str(lora).lower() if lora is not None else None)):
+    path = None
+    if out is not None:  # checked before planning: a bad path fails at once, and nothing is half-written
+        if fmt == "text":
+            raise ConfigError("--out writes --format toml, json or verl; the text format is only printed")
+        suffix, name = {"toml": (".toml", "run.toml"), "json": (".json", "plan.json"), "verl": (".sh", "verl.sh")}[fmt]
+        path = output_file(out, (suffix,), option="--out", default_name=name, overwrite=force)
+    extra: list = list(sets or [])
+    # (key=value, the option as typed): an error names the option the user gave, not a --set
+    for key, value, opt in (("model.path", json.dumps(model) if model else None, f"--model {model}"),
+                            ("data.max_prompt_len", prompt_len, f"--prompt-len {prompt_len}"),
+                            ("rollout.max_new_tokens", response_len, f"--response-len {response_len}"),
+                            ("rollout.n_samples", samples, f"--samples {samples}"),
+                            ("train.prompts_per_step", prompts, f"--prompts {prompts}"),
+                            ("algo.advantage", json.dumps(algo) if algo else None, f"--algo {algo}"),
+                            ("lora.enabled", str(lora).lower() if lora is not None else None,
+                             "--lora" if lora else "--no-lora")):
         if value is not None:
-            extra.append(f"{key}={value}")
+            extra.append((f"{key}={value}", opt))
     cfg = load_config(config, extra)
     target = resolve_target(gpu, gpu_spec)
     p = plan_for(cfg, target, world_size=gpus)
@@ -117,9 +131,9 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         lines, caveats = verl_overrides(cfg, p)
         text = "\n".join([f"# {c}" for c in caveats] + ["python -m verl.trainer.main_ppo \\"]
                          + [f"    {line} \\" for line in lines[:-1]] + [f"    {lines[-1]}"])
-    if out:
-        out.write_text(text + "\n")
-        err.print(f"wrote {out}")
+    if path is not None:
+        write_atomically(path, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))
+        err.print(f"wrote {escape(str(path))}", highlight=False, soft_wrap=True)
     else:
         typer.echo(text)
 

@@ -28,30 +28,34 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     from ..metrics import read_metrics, summary_line
     from ..trainer import Trainer
     from .render import print_plan
-    extra = []
-    for key, value in (("model.path", model), ("data.path", data), ("reward.function", reward),
-                       ("run.profile", profile)):
+    extra: list = []  # (key=value, the option as typed): an error names the option, not a --set
+    for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
+                            ("reward.function", reward, "--reward"), ("run.profile", profile, "--profile")):
         if value is not None:
-            extra.append(f"{key}={json.dumps(value)}")
+            extra.append((f"{key}={json.dumps(value)}", f"{opt} {value}"))
     if steps is not None:
-        extra.append(f"train.steps={steps}")
+        extra.append((f"train.steps={steps}", f"--steps {steps}"))
     cfg, point = session.load(config, extra + list(sets or []), resume, out)
 
     def log(s: str) -> None:
-        console.print(f"[dim]{escape(s)}[/]", highlight=False)
+        console.print(f"[dim]{escape(s)}[/]", highlight=False, soft_wrap=True)  # paths stay whole for copying
     s = session.prepare(cfg, point, log=log)
     try:
         if s.finished:
-            console.print(f"nothing to do: {s.run_dir} finished at step {point.step} (train.steps={cfg.train.steps}) "
-                          f"and has its final model; to train further, --resume {s.run_dir} --steps N with N > "
-                          f"{point.step}", highlight=False)
+            run = escape(str(s.run_dir))
+            exported = any((s.run_dir / f).exists() for f in ("final", "final-adapter"))
+            has = " and has its final model" if exported else ""
+            console.print(f"nothing to do: {run} finished at step {point.step} (train.steps={cfg.train.steps}){has}; "
+                          f"to train further, --resume {run} --steps N with N > {point.step}", highlight=False,
+                          soft_wrap=True)
             return
         if s.emulation:
             console.print(f"[bold yellow]{escape(s.emulation)}[/]")
         log(s.data_report.lines()[0])
         print_plan(console, s.plan)
         console.print(f"[bold]Effective batch[/]: {cfg.effective_batch(s.plan.micro_batch)}")
-        console.print(f"[bold]Run folder[/]: {s.run_dir}  (config.toml, plan.json, metrics.jsonl, checkpoints/)")
+        console.print(f"[bold]Run folder[/]: {escape(str(s.run_dir))}  (config.toml, plan.json, metrics.jsonl, "
+                      "checkpoints/)", soft_wrap=True)
         trainer = Trainer(s)
         log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.tb_note}")
         with Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
@@ -66,7 +70,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         s.close()
     if trainer.stop_signal:
         console.print(f"[yellow]stopped by {trainer.stop_signal} after step {trainer.step}; resume with "
-                      f"edgerl train --resume {escape(str(s.run_dir))}[/]")
+                      f"edgerl train --resume {escape(str(s.run_dir))}[/]", soft_wrap=True)
         raise typer.Exit(130)
     from ..ranks import shutdown
     shutdown()
@@ -80,7 +84,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"[yellow]{trainer.state.loop.skipped_total} update(s) were skipped for a NaN or infinite "
                       "loss (metrics: actor/skipped_updates)[/]")
     console.print(f"[bold green]done[/]: {trainer.step} steps; run folder {escape(str(s.run_dir))}; plot with "
-                  f"edgerl plot {escape(str(s.run_dir))}")
+                  f"edgerl plot {escape(str(s.run_dir))}", soft_wrap=True)
 
 
 @friendly

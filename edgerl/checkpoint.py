@@ -9,22 +9,31 @@ killed while saving resumes from the previous one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
-import contextlib
 from typing import Any, Iterator, Optional
 
 import torch
+
 from .errors import CheckpointError
 
 _STEP = re.compile(r"^step-(\d{6,})$")
 
+# mkstemp and mkdtemp make private files (0600) and folders (0700); what edgerl writes for the user
+# gets the permissions any file they save would get (the umask), read once while single-threaded.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
+
+def _public(path: Path, folder: bool) -> None:
+    os.chmod(path, (0o777 if folder else 0o666) & ~_UMASK)
 
 
 def rng_state(generator: Optional[torch.Generator] = None) -> dict[str, Any]:
@@ -85,6 +94,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
+        _public(Path(tmp), folder=False)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -104,6 +114,7 @@ def atomic_folder(target: Path, aside: Optional[Path] = None) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-tmp-", dir=target.parent))
     try:
+        _public(tmp, folder=True)
         yield tmp
         for f in tmp.rglob("*"):
             if f.is_file():
@@ -126,7 +137,16 @@ def stale_temporaries(run_dir: Path) -> list[Path]:
     run_dir = Path(run_dir)
     found = [p for p in run_dir.glob(".*-tmp-*")] + [p for p in (run_dir / "checkpoints").glob(".step-*")]
     found += [p for p in run_dir.glob(".config.toml-*")] + [p for p in run_dir.glob(".plan.json-*")]
+    found += list(run_dir.glob(".metrics*.tmp.jsonl"))   # metrics.jsonl rewritten on resume (outfiles)
     return sorted(found)
+
+
+def _remove(folder: Path) -> None:
+    """Delete a checkpoint folder by first renaming it to a temporary name: a kill during the
+    deletion leaves a temporary folder (removed by the next run) and never half a checkpoint."""
+    doomed = folder.with_name(f".{folder.name}-old-{secrets.token_hex(4)}")
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
@@ -139,6 +159,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
     final = root / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=root))
     try:
+        _public(tmp, folder=True)
         for name, sd in tensors.items():
             cpu = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
             save_file(_untie(cpu), str(tmp / f"{name}.safetensors"))
@@ -150,15 +171,19 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if final.exists():
-            shutil.rmtree(final)
+        aside = None
+        if final.exists():  # the same step saved again: the old copy stays whole until the new one is in
+            aside = final.with_name(f".{final.name}-old-{secrets.token_hex(4)}")
+            os.replace(final, aside)
         os.replace(tmp, final)
         _fsync_dir(root)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     for old in checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
 
 
@@ -186,3 +211,36 @@ def load(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, An
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint {folder}: {e}") from e
     return tensors, state, meta
+
+
+def non_finite(folder: Path) -> list[str]:
+    """The weights of checkpoint `folder` that hold NaN or infinity, as 'file/tensor' names; read
+    one tensor at a time, so checking a large checkpoint does not hold it in memory."""
+    from safetensors import SafetensorError, safe_open
+    bad = []
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    if t.is_floating_point() and not torch.isfinite(t).all():
+                        bad.append(f"{path.stem}/{key}")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read checkpoint {folder}: {path.name} is damaged ({e}); resume from "
+                                  "another checkpoint") from None
+    return bad
+
+
+def unreadable_weights(folder: Path) -> Optional[str]:
+    """Why the first safetensors file in the model folder `folder` cannot be opened (a download cut
+    short, a copy that failed), as a line naming the file and the fix; None when all open."""
+    from safetensors import SafetensorError, safe_open
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            return (f"{path} is damaged or cut short ({e}); download the model again, or re-save it with "
+                    "save_pretrained")
+    return None
+

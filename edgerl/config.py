@@ -1,29 +1,23 @@
 """The run config: typed, validated, read from TOML and `--set key=value` overrides.
 
-One dataclass per section; every field carries its documentation in `doc=`. Loading checks
-types (an int is accepted where a float is wanted, `0.03` stays a float, a bool is never an
-int), choices, and cross-field rules, and an unknown key is an error that names the closest
-valid key. `to_toml()` writes a file that `load_config()` reads back unchanged.
+One dataclass per section; every field carries its documentation in `doc=`, every number its
+range in `RANGES`. Loading (edgerl/config_load.py) checks types (an int is accepted where a float
+is wanted, `0.03` stays a float, a bool is never an int) and choices, names the closest valid key
+for an unknown one, and names where a bad value came from (the file or the --set); `validate`
+checks ranges and cross-field rules. `to_toml()` writes a file that `load_config()` reads back
+unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import sys
-import types
-import typing
+import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Optional
+
+from .config_load import load_config, parse_set  # noqa: F401  (callers import them from here)
 from .errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on 3.10
-    import tomli as tomllib
-
-
 
 
 def F(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
@@ -212,9 +206,11 @@ class Config:
                 f"{seqs} sequences per step; mini-batch {mini} -> {updates} update(s) per step; {micro_s}")
 
     def validate(self) -> "Config":
-        """Cross-field rules; raises ConfigError naming the keys and the fix."""
+        """Every number in its range (`RANGES`), then the cross-field rules; raises ConfigError
+        naming the keys and the fix."""
         from .algos import ESTIMATORS  # the registry says which estimators exist and what they need
         a, r, t = self.algo, self.rollout, self.train
+        _check_ranges(self)
         if a.advantage not in ESTIMATORS:
             names = list(ESTIMATORS)
             close = difflib.get_close_matches(a.advantage, names, n=1)
@@ -223,28 +219,8 @@ class Config:
         if ESTIMATORS[a.advantage].groups and r.n_samples < 2:
             raise ConfigError(f"{a.advantage} needs rollout.n_samples >= 2 to form a group baseline; "
                               "set rollout.n_samples=4 or use algo.advantage=gae")
-        positive = {"rollout.n_samples": r.n_samples, "rollout.max_new_tokens": r.max_new_tokens,
-                    "train.prompts_per_step": t.prompts_per_step, "train.ppo_epochs": t.ppo_epochs,
-                    "data.max_prompt_len": self.data.max_prompt_len, "lora.rank": self.lora.rank,
-                    "run.keep_last": self.run.keep_last, "train.max_bad_steps": t.max_bad_steps}
-        for key, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"{key} must be at least 1, got {value}")
-        if t.steps < 0 or self.run.save_every < 0:
-            raise ConfigError("train.steps and run.save_every must not be negative")
-        if r.temperature <= 0:
-            raise ConfigError(f"rollout.temperature must be > 0, got {r.temperature}; "
-                              "for near-greedy sampling use a small value such as 0.1")
-        if not 0 < r.top_p <= 1:
-            raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
-        if not 0 <= t.warmup_ratio < 1:
-            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
-        if a.dual_clip is not None and a.dual_clip <= 1:
-            raise ConfigError(f"algo.dual_clip must be > 1 (e.g. 3.0), got {a.dual_clip}")
-        if a.kl_coef < 0:
-            raise ConfigError(f"algo.kl_coef must be >= 0, got {a.kl_coef}")
-        if len(t.betas) != 2:
-            raise ConfigError(f"train.betas needs two values, e.g. [0.9, 0.999]; got {t.betas}")
+        if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+            raise ConfigError(f"train.betas needs two values in [0, 1), e.g. [0.9, 0.999]; got {t.betas}")
         seqs = self.sequences_per_step
         if t.mini_batch is not None and (t.mini_batch < 1 or seqs % t.mini_batch):
             raise ConfigError(f"train.mini_batch={t.mini_batch} must divide the {seqs} sequences per "
@@ -254,162 +230,95 @@ class Config:
         if t.micro_batch is not None and (t.micro_batch < 1 or mini % t.micro_batch):
             raise ConfigError(f"train.micro_batch={t.micro_batch} must divide the mini-batch of {mini}; "
                               f"try one of {_divisors(mini)}")
-        if self.lora.alpha <= 0:
-            raise ConfigError(f"lora.alpha must be > 0 (the adapter's scale is alpha / rank), got {self.lora.alpha}")
-        if not 0 <= self.lora.dropout < 1:
-            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.lora.dropout}")
         if self.lora.target_modules is not None and not self.lora.target_modules:
             raise ConfigError("lora.target_modules is an empty list; name modules such as "
                               "[\"q_proj\", \"v_proj\"], or leave it unset for the architecture's defaults")
-        if not 1 <= self.data.difficulty <= 4:
-            raise ConfigError(f"data.difficulty must be 1 to 4, got {self.data.difficulty}")
         return self
+
+
+# The range of every number that has one, as an interval ("(" excludes the bound, "[" includes it),
+# with what the bound means. A value outside would fail later, mid-run, or train nothing.
+RANGES: dict[str, tuple[str, str]] = {
+    "rollout.n_samples": ("[1, inf)", ""),
+    "rollout.max_new_tokens": ("[1, inf)", ""),
+    "rollout.temperature": ("(0, inf)", "for near-greedy sampling use a small value such as 0.1"),
+    "rollout.top_p": ("(0, 1]", "1.0 samples from the full distribution"),
+    "rollout.top_k": ("[0, inf)", "0 samples from every token"),
+    "train.steps": ("[0, inf)", ""),
+    "train.prompts_per_step": ("[1, inf)", ""),
+    "train.ppo_epochs": ("[1, inf)", ""),
+    "train.lr": ("(0, inf)", "a negative rate climbs the loss instead of descending it; typical: 1e-6 for full "
+                 "fine-tuning, 1e-5 to 1e-4 with LoRA"),
+    "train.critic_lr": ("(0, inf)", "typical: 1e-5"),
+    "train.weight_decay": ("[0, inf)", "0 turns it off"),
+    "train.warmup_ratio": ("[0, 1)", "a share of train.steps"),
+    "train.min_lr_ratio": ("[0, 1]", "the cosine schedule's floor, as a share of train.lr"),
+    "train.max_grad_norm": ("(0, inf)", "gradients are scaled down to this norm, so 0 would erase them; a large "
+                            "value such as 1e9 clips nothing"),
+    "train.max_bad_steps": ("[1, inf)", ""),
+    "algo.gamma": ("[0, 1]", "a discount per token: 1.0 does not discount"),
+    "algo.lam": ("[0, 1]", "GAE's lambda: 1.0 is Monte Carlo, 0 is one-step TD"),
+    "algo.kl_coef": ("[0, inf)", "0 turns the KL term off"),
+    "algo.kl_target": ("(0, inf)", "a KL per token such as 0.01; leave it unset for a fixed algo.kl_coef"),
+    "algo.kl_horizon": ("[1, inf)", ""),
+    "algo.clip_low": ("[0, 1)", "the ratio is clipped below at 1 - clip_low, which must stay above 0; typical: 0.2"),
+    "algo.clip_high": ("[0, inf)", "typical: 0.2 (0.28 for DAPO's clip-higher)"),
+    "algo.dual_clip": ("(1, inf)", "e.g. 3.0; leave it unset to turn it off"),
+    "algo.value_clip": ("(0, inf)", "typical: 0.2"),
+    "data.max_prompt_len": ("[1, inf)", ""),
+    "data.difficulty": ("[1, 4]", ""),
+    "data.num_examples": ("[1, inf)", ""),
+    "lora.rank": ("[1, inf)", ""),
+    "lora.alpha": ("(0, inf)", "the adapter's scale is alpha / rank"),
+    "lora.dropout": ("[0, 1)", ""),
+    "plan.rollout_batch": ("[1, inf)", "leave it unset to let the plan choose"),
+    "plan.score_micro_batch": ("[1, inf)", "leave it unset to let the plan choose"),
+    "plan.headroom_gib": ("[0, inf)", ""),
+    "plan.memory_gib": ("(0, inf)", "leave it unset to use the device's memory"),
+    "plan.rollout_memory_share": ("(0, 1]", "a share of the GPU's memory"),
+    "run.save_every": ("[0, inf)", "0 writes no periodic checkpoint"),
+    "run.keep_last": ("[1, inf)", ""),
+}
+
+
+def _interval(spec: str) -> tuple[float, float, bool, bool]:
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
+    return lo, hi, spec[0] == "[", spec[-1] == "]"
+
+
+def _in_words(spec: str, integer: bool) -> str:
+    lo, hi, lo_in, hi_in = _interval(spec)
+    if math.isinf(hi):
+        return f"at least {lo:g}" if integer and lo_in else f"{'>=' if lo_in else '>'} {lo:g}"
+    return f"in {spec}" if not integer else f"{lo:g} to {hi:g}"
+
+
+def _check_ranges(cfg: "Config") -> None:
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
+            if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+                raise ConfigError(f"{section.name}.{f.name} must hold finite numbers, got {value}")
+    for key, (spec, why) in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is None:
+            continue
+        lo, hi, lo_in, hi_in = _interval(spec)
+        if (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi):
+            continue
+        if key == "train.lr" and value == 0:
+            raise ConfigError("train.lr = 0 would run every step (rollouts, rewards, backward passes) without "
+                              "changing a weight; set a learning rate such as 1e-6 (full fine-tuning) or 1e-5 "
+                              "(LoRA)")
+        raise ConfigError(f"{key} must be {_in_words(spec, isinstance(value, int))}, got {value}"
+                          + (f"; {why}" if why else ""))
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# --- loading -----------------------------------------------------------------------------------
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(v) for v in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    return "none" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`; return it (int -> float where a float is wanted)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value in choices:
-            return value
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(repr(c) for c in choices)}{hint}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        (inner,) = typing.get_args(tp)
-        return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _unknown_key(key: str, valid: list[str], prefix: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    # also try a case-insensitive / dotted-suffix match (e.g. 'lr' under the wrong section)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-    return ConfigError(f"unknown config key '{prefix}{key}'{hint} (valid keys under "
-                       f"'{prefix.rstrip('.') or 'the top level'}': {', '.join(valid)})")
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in names:
-            raise _unknown_key(key, names, prefix)
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(f"'{prefix}{key}' is a section; write it as [{prefix}{key}] with keys "
-                                  f"{', '.join(f.name for f in dataclasses.fields(tp))}")
-            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
-    return cls(**kwargs)
-
-
-def parse_set(item: str) -> tuple[list[str], Any]:
-    """Parse one `--set section.key=value`; the value is read as TOML, else taken as a string."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.lr=1e-6")
-    key, raw = item.split("=", 1)
-    key, raw = key.strip(), raw.strip()
-    if not key:
-        raise ConfigError(f"--set {item!r}: the key is empty")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word such as grpo or a path
-    if raw.lower() in ("none", "null"):
-        value = None
-    return key.split("."), value
-
-
-def _merge(base: dict[str, Any], path: list[str], value: Any) -> None:
-    node = base
-    for part in path[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {'.'.join(path)}: '{part}' is a value, not a section")
-    node[path[-1]] = value
-
-
-def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = (),
-                base: dict[str, Any] | None = None) -> Config:
-    """Read a TOML file (optional), apply `--set` overrides in order, validate."""
-    data: dict[str, Any] = dict(base or {})
-    if path is not None:
-        p = Path(path)
-        try:
-            data = _deep_update(data, tomllib.loads(p.read_text()))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-    for item in sets:
-        keys, value = parse_set(item)
-        _merge(data, keys, value)
-    try:
-        cfg = _build(Config, data)
-    except ConfigError as e:
-        where = f" (in {path})" if path is not None else ""
-        raise ConfigError(f"{e}{where}") from None
-    return cfg.validate()
-
-
-def _deep_update(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 # --- writing -----------------------------------------------------------------------------------

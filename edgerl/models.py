@@ -52,16 +52,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, attention: str, trust_remote_code: bool = False) -> nn.Module:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
+    src = model_source(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(model_source(path), dtype=dtype, attn_implementation=attention,
-                                                    trust_remote_code=trust_remote_code)
-    except TypeError:  # transformers < 4.56 names it torch_dtype
-        return AutoModelForCausalLM.from_pretrained(model_source(path), torch_dtype=dtype,
-                                                    attn_implementation=attention,
-                                                    trust_remote_code=trust_remote_code)
-    except OSError as e:
-        raise ModelError(f"cannot load model {path!r}: {e}. Offline, pass a local HF folder") from None
+        try:
+            return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attention,
+                                                        trust_remote_code=trust_remote_code)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            return AutoModelForCausalLM.from_pretrained(src, torch_dtype=dtype, attn_implementation=attention,
+                                                        trust_remote_code=trust_remote_code)
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, RuntimeError, SafetensorError) as e:  # missing, damaged or cut-short weight files
+        from .checkpoint import unreadable_weights
+        why = unreadable_weights(Path(src)) if Path(src).is_dir() else None
+        first = (str(e).splitlines() or [""])[0][:300]
+        raise ModelError(f"cannot load model {path!r}: " + (why or (
+            f"{e}. Offline, pass a local HF folder" if isinstance(e, OSError) else
+            f"{type(e).__name__}: {first}; download the model again, or re-save it with save_pretrained"))) from None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -253,13 +253,14 @@ def _memory_reasons(reasons: dict[str, str], found: Found, task: Task, device: D
                                      f"on: without it the update does not fit with a useful micro-batch; {fits}")
     ref_bytes = model.n_params() * s.compute_bytes if s.reference else 0
     state_bytes = (lora_params or model.n_params()) * OPTIMIZERS[s.optimizer].state
-    reasons["swap_models"] = ("the reference model stays on the GPU" if not s.swap_models else
+    where = "on the GPU" if device.is_cuda else "in memory"   # the CPU has no device memory apart from the host's
+    reasons["swap_models"] = (f"the reference model stays {where}" if not s.swap_models else
                               "the reference model moves to host memory outside the scoring phase"
                               + transfer_note(device, ref_bytes))
-    reasons["optimizer_offload"] = ("optimizer state stays on the GPU" if not s.optimizer_offload else
+    reasons["optimizer_offload"] = (f"optimizer state stays {where}" if not s.optimizer_offload else
                                     "optimizer state waits in host memory between updates and comes back "
                                     "for the optimizer step only" + transfer_note(device, state_bytes))
-    reasons["param_offload"] = ("weights stay on the GPU" if not s.param_offload else
+    reasons["param_offload"] = (f"weights stay {where}" if not s.param_offload else
                                 f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
                                 "layers stream over PCIe (slow, but it fits)" + transfer_note(device, mem.host_needed))
     per_gpu = " per GPU" if task.world_size > 1 else ""

@@ -16,12 +16,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from . import checkpoint, ranks, runfolder
 from .config import Config, ConfigError, load_config, to_toml
+from .config_load import SetItem
 from .data import DataReport, Prompt, load_prompts
-from .errors import RunDirError
+from .errors import ModelError, RunDirError
 from .memory import DEFAULT_CALIBRATION
 from .plan import Plan
 from .target import Target, model_spec, plan_for, resolve_target
@@ -49,17 +50,20 @@ class Session:
             self.lock.release()
 
 
-def load(config: Optional[Path] = None, sets: tuple[str, ...] | list[str] = (), resume: Optional[Path] = None,
+def load(config: Optional[Path] = None, sets: Sequence[SetItem] = (), resume: Optional[Path] = None,
          out: Optional[Path] = None) -> tuple[Config, Optional[runfolder.ResumePoint]]:
-    """The run config: the file (or, when resuming, the run's own config.toml) with `--set` overrides,
-    and the resume point. `out` (--out) names the run folder; with `resume` it branches."""
+    """The run config: the file (or, when resuming, the run's own config.toml) with `--set` overrides
+    (each 'key=value', or that with the option it came from), and the resume point. `out` (--out)
+    names the run folder; with `resume` it branches."""
     extra = list(sets)
-    point = None
+    point, base = None, None
     if resume is not None:
         point = runfolder.resume_point(resume)
-        if config is None and (point.run_dir / "config.toml").exists():
+        if config is None and point.in_run and (point.run_dir / "config.toml").exists():
             config = point.run_dir / "config.toml"  # resume with the run's own config; --set still applies
-    cfg = load_config(config, extra)
+        elif config is None:  # config.toml gone, or a checkpoint copied out of its run: the one it was saved with
+            base = runfolder.checkpoint_config(point)
+    cfg = load_config(config, extra, base=base)
     if out is not None:
         cfg.run.out_dir = str(out)
     elif point is not None:
@@ -131,13 +135,15 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     cfg.run.out_dir = str(run_dir)
 
     m = cfg.model
+    for folder in {m.path, m.critic_path or m.path}:   # a damaged download fails here, before any write
+        if Path(folder).is_dir() and (why := checkpoint.unreadable_weights(Path(folder))):
+            raise ModelError(f"cannot load model {folder!r}: {why}")
     tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
     # the generated task is seeded apart from train.seed: every run trains on the same problems
     prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log)
-    finished = (resume is not None and run_dir == resume.run_dir and resume.step >= cfg.train.steps
-                and (run_dir / "final").exists())
+    finished = runfolder.finished(resume, run_dir, cfg.train.steps, _exports(cfg, plan))
     held: list[runfolder.RunLock] = []   # the lock stays in this process; only the verdict is shared
-    ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log)), rank.main)
+    ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log, write=not finished)), rank.main)
     return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
                    prompts=prompts, data_report=report, resume=resume, rank=rank, emulation=emulation,
                    finished=finished, log=log, lock=held[0] if held else None)
@@ -147,15 +153,29 @@ def _quiet(_: str) -> None:
     """The log of ranks other than 0: rank 0 alone talks to the user."""
 
 
+def _exports(cfg: Config, plan: Plan) -> list[str]:
+    """The folders the run's export writes (edgerl/trainer.py's export): a finished run has them all."""
+    if not cfg.run.export_final:
+        return []
+    if plan.lora is None:
+        return ["final"]
+    return ["final-adapter"] + (["final"] if cfg.lora.export_merged else [])
+
+
 def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.ResumePoint],
-          log: Callable[[str], None]) -> runfolder.RunLock:
-    """Lock the run folder and write its config and plan (rank 0)."""
+          log: Callable[[str], None], write: bool = True) -> runfolder.RunLock:
+    """Lock the run folder and write its config and plan (rank 0). `write=False` (a finished run
+    resumed: nothing to do) only locks it, so nothing in it changes."""
     lock = runfolder.open_run(run_dir, log)
+    if not write:
+        return lock
+    branch = resume is not None and run_dir != resume.run_dir
     try:
-        if resume is None or run_dir != resume.run_dir:
-            checkpoint.atomic_write_text(run_dir / "config.toml", to_toml(cfg))
-        if resume is not None and run_dir != resume.run_dir:  # a branch starts with its trunk's history
-            _copy_history(resume, run_dir)
+        _write_config(cfg, run_dir, resume is None or branch, log)
+        if branch:  # a branch starts with its trunk's history
+            history = runfolder.branch_history(resume)
+            if history is not None:
+                checkpoint.atomic_write_text(run_dir / "metrics.jsonl", history)
         checkpoint.atomic_write_text(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
     except OSError as e:
         lock.release()
@@ -163,10 +183,31 @@ def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.Res
     return lock
 
 
-def _copy_history(point: runfolder.ResumePoint, run_dir: Path) -> None:
-    src = point.run_dir / "metrics.jsonl"
-    if not src.exists():
+def _write_config(cfg: Config, run_dir: Path, new: bool, log: Callable[[str], None]) -> None:
+    """config.toml of a new run (or branch); of a run resumed in place, rewritten when this run
+    changes it (--steps 30, say), so that a later plain --resume goes on with the same settings."""
+    path, text = run_dir / "config.toml", to_toml(cfg)
+    old = path.read_text(encoding="utf-8", errors="replace") if path.exists() else None
+    if new and old is not None:  # check_new let it through: no step was ever taken there
+        log(f"{run_dir} held a run that stopped before its first step; starting this one there")
+    elif not new and (old is None or old == text):
         return
-    from .metrics import read_metrics
-    rows = [r for r in read_metrics(point.run_dir, log=lambda s: None) if r.get("step", 0) <= point.step]
-    checkpoint.atomic_write_text(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    checkpoint.atomic_write_text(path, text)
+    if not new:
+        log(f"config.toml updated with this run's settings ({', '.join(_changed_keys(old, text)[:6]) or 'notes'})")
+
+
+def _changed_keys(old: str, new: str) -> list[str]:
+    """The 'section.key' names whose lines differ between two to_toml texts."""
+    def keyed(text: str) -> dict[str, str]:
+        out, section = {}, ""
+        for line in text.splitlines():
+            if line.startswith("[") and line.endswith("]"):
+                section = line[1:-1]
+            elif "=" in line:
+                setting = line.lstrip("# ").split("  #", 1)[0]   # the value without its documentation
+                out[f"{section}.{setting.split('=', 1)[0].strip()}"] = setting
+        return out
+    a, b = keyed(old), keyed(new)
+    return [k for k in b if a.get(k) != b[k]] + [k for k in a if k not in b]
+
