@@ -40,8 +40,9 @@ def output_file(out: Union[str, Path], suffixes: tuple[str, ...], *, option: str
                           f"{p.with_suffix(suffixes[0]).name} ({' or '.join(suffixes)})")
     folder = p.parent
     if not folder.is_dir():
-        what = "is a file, not a folder" if folder.exists() else "does not exist"
-        raise ConfigError(f"{option} {out}: the folder {folder} {what}; create it (mkdir -p {folder}) "
+        if folder.exists():
+            raise ConfigError(f"{option} {out}: {folder} is a file, not a folder; choose another {option}")
+        raise ConfigError(f"{option} {out}: the folder {folder} does not exist; create it (mkdir -p {folder}) "
                           f"or choose another {option}")
     if p.is_dir():
         raise ConfigError(f"{option} {out}: {p} is a folder; give a file path")

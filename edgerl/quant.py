@@ -317,6 +317,33 @@ def _build_skeleton(config, dtype: torch.dtype, attention: str, trust_remote_cod
                                                     trust_remote_code=trust_remote_code)
 
 
+def _load_file(file: Path, safe_open, model: nn.Module, owners: dict, tied: set, device: torch.device,
+               compute_dtype: torch.dtype, storage: torch.dtype) -> None:
+    """Read one safetensors file tensor by tensor into `model`'s meta skeleton, quantizing projections."""
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            name = key if key in owners or key in tied else f"model.{key}"  # saved without the prefix
+            if name in tied or key.endswith("rotary_emb.inv_freq"):
+                continue  # the same tensor as its tied partner; rotary frequencies come from the config
+            if name not in owners:
+                raise ModelError(f"{file}: tensor {key!r} has no place in {type(model).__name__}; load the "
+                                 "checkpoint with transformers once and save_pretrained it")
+            module, leaf = owners[name]
+            t = f.get_tensor(key)  # a view of the memory-mapped file: no host copy yet
+            expected = module.weight.shape if is_quantized_linear(module) and leaf == "weight" \
+                else module._parameters[leaf].shape
+            if tuple(t.shape) != tuple(expected):
+                raise ModelError(f"{file}: {key} has shape {tuple(t.shape)}, the config says {tuple(expected)}")
+            if is_quantized_linear(module) and leaf == "weight":
+                _set_quantized_weight(module, t, device, compute_dtype)
+            else:
+                dtype = compute_dtype if is_quantized_linear(module) else storage
+                # copy=True: a CPU parameter must own its memory, not the file's map
+                module._parameters[leaf] = nn.Parameter(t.to(device=device, dtype=dtype, copy=True),
+                                                        requires_grad=False)
+            del t
+
+
 def load_quantized_lm(path: Union[str, Path], quant: str, compute_dtype: torch.dtype,
                       device: Union[str, torch.device], attention: str = "sdpa",
                       storage_dtype: Optional[torch.dtype] = None, trust_remote_code: bool = False,
@@ -343,28 +370,14 @@ def load_quantized_lm(path: Union[str, Path], quant: str, compute_dtype: torch.d
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - \
         {n for n, _ in model.named_parameters()}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                name = key if key in owners or key in tied else f"model.{key}"  # saved without the prefix
-                if name in tied or key.endswith("rotary_emb.inv_freq"):
-                    continue  # the same tensor as its tied partner; rotary frequencies come from the config
-                if name not in owners:
-                    raise ModelError(f"{file}: tensor {key!r} has no place in {type(model).__name__}; load the "
-                                     "checkpoint with transformers once and save_pretrained it")
-                module, leaf = owners[name]
-                t = f.get_tensor(key)  # a view of the memory-mapped file: no host copy yet
-                expected = module.weight.shape if is_quantized_linear(module) and leaf == "weight" \
-                    else module._parameters[leaf].shape
-                if tuple(t.shape) != tuple(expected):
-                    raise ModelError(f"{file}: {key} has shape {tuple(t.shape)}, the config says {tuple(expected)}")
-                if is_quantized_linear(module) and leaf == "weight":
-                    _set_quantized_weight(module, t, device, compute_dtype)
-                else:
-                    dtype = compute_dtype if is_quantized_linear(module) else storage
-                    # copy=True: a CPU parameter must own its memory, not the file's map
-                    module._parameters[leaf] = nn.Parameter(t.to(device=device, dtype=dtype, copy=True),
-                                                            requires_grad=False)
-                del t
+        try:
+            _load_file(file, safe_open, model, owners, tied, device, compute_dtype, storage)
+        except (OSError, RuntimeError, ValueError) as e:   # safetensors' own error is a RuntimeError subclass
+            if isinstance(e, ModelError) or "out of memory" in str(e).lower():
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelError(f"{file} cannot be read ({first}); it may be damaged or cut short: download the "
+                             "model again, or re-save it with save_pretrained") from None
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]

@@ -80,7 +80,8 @@ class PromptSampler:
             if state.get(key) != getattr(self, key):
                 raise DataError(f"cannot resume the prompt order: the checkpoint has {key}={state.get(key)!r} "
                                 f"but this run has {getattr(self, key)!r}; the data or seed changed since "
-                                "the checkpoint")
+                                "the checkpoint. Resume with the run's own data and train.seed (its config.toml), "
+                                "or start a new run (--out NEW_FOLDER) on the new data")
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         carry = state.get("carry")  # absent in checkpoints from before epochs were reordered
         self._carry = None if carry is None else ([int(i) for i in carry[0]], int(carry[1]))

@@ -96,17 +96,9 @@ def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Ca
     return folder
 
 
-def _check_finite(tensors: dict[str, dict[str, torch.Tensor]], folder: Path) -> None:
-    bad = [f"{group}/{name}" for group, sd in tensors.items() for name, t in sd.items()
-           if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:
-        raise CheckpointError(f"{folder} holds NaN or infinite weights in {len(bad)} tensor(s), e.g. {bad[:3]}: "
-                              "training from it would skip every update. Resume from an earlier checkpoint "
-                              f"(edgerl train --resume {folder.parent}/step-...)")
-
-
 def restore(folder: Path, st: TrainState, log: Callable[[str], None]) -> None:
-    """Load a checkpoint written by `save` into `st` (weights, optimizers, schedules, loop state)."""
+    """Load a checkpoint written by `save` into `st` (weights, optimizers, schedules, loop state). Its
+    weights were checked for NaN before the run folder was touched (runfolder.check_resume)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
     tensors, state, _ = checkpoint.load(folder)
@@ -116,7 +108,6 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None]) -> None:
                               "GPU's sampling state is in the checkpoint, so resume with the same number "
                               f"(torchrun --nproc_per_node {saved_world})" if saved_world > 1 else
                               f"{folder} was written by one process; resume it without torchrun")
-    _check_finite(tensors, folder)
     full = StateDictOptions(full_state_dict=True)
     kind = "adapter_model" if st.lora else "actor"
     if kind not in tensors:
@@ -142,7 +133,9 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None]) -> None:
     except (ValueError, KeyError, RuntimeError) as e:
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"{folder} does not match this run's model or optimizer: {e}") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{folder} does not match this run's model or optimizer ({first}); resume with the "
+                              "model, LoRA settings and optimizer the run was started with") from None
     for ln in (st.actor, st.critic):
         if ln is not None:
             ln.offload.to_host()

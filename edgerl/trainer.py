@@ -24,7 +24,7 @@ from . import lora as lora_io
 from .config import Config, to_dict
 from .data import Prompt, PromptSampler
 from .dtypes import torch_dtype
-from .errors import USER_ERRORS, TrainingError
+from .errors import USER_ERRORS, RunDirError, TrainingError
 from .experience import Experience, advantages, critic_values, pad_batch, policy_logprobs
 from .metrics import MetricsWriter
 from .models import (build_actor, build_critic, build_frozen, init_distributed, lm_weights, on_device, save_hf)
@@ -329,6 +329,16 @@ class Trainer:
             self.log(f"final model: {out}" + (" (merged: plain transformers, no peft needed)" if self.lora else ""))
         return out
 
+    def _write(self, fn: Callable[[], Any]) -> Any:
+        """A checkpoint or export: a full disk or a folder that went read-only is one clear error (the
+        writes are atomic, so what was there before is intact)."""
+        try:
+            return fn()
+        except OSError as e:
+            raise RunDirError(f"cannot write to {self.run_dir} ({e.strerror or e}); the last complete checkpoint "
+                              f"and export are intact: free disk space, then resume with --resume {self.run_dir}") \
+                from None
+
     def _failed(self, e: BaseException, before_steps: int, snap: dict[str, Any]) -> BaseException:
         """The step raised: save the last good state (when the weights are still those of the last
         completed step), then return the error to raise: out of memory becomes advice; a user error
@@ -366,6 +376,7 @@ class Trainer:
                 handlers[sig] = signal.signal(sig, request_stop)
             except ValueError:  # not in the main thread
                 pass
+        start = lp.step
         try:
             while lp.step < self.cfg.train.steps and self.stop_signal is None:
                 snap, before = lp.snapshot(), self.state.actor.optimizer_steps()
@@ -387,12 +398,12 @@ class Trainer:
                 if ranks.any_rank(self.stop_signal is not None, self.device) and self.stop_signal is None:
                     self.stop_signal = "a signal to another rank"
                 if self.stop_signal or (every and lp.step % every == 0):
-                    self.save()
+                    self._write(self.save)
             if self.stop_signal is None:
-                if self.cfg.run.save_every and lp.step % self.cfg.run.save_every:
-                    self.save()
+                if lp.step > start and self.cfg.run.save_every and lp.step % self.cfg.run.save_every:
+                    self._write(self.save)
                 if self.cfg.run.export_final:
-                    self.export(self.run_dir / "final")
+                    self._write(lambda: self.export(self.run_dir / "final"))
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)

@@ -120,3 +120,15 @@ def test_bf16_training_state_through_the_trainer(tiny_llama, tmp_path, name):
     for ra, rb in zip(a, b):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+
+
+def test_a_damaged_checkpoint_is_one_error_naming_the_file(tiny_llama, tmp_path):
+    import shutil
+    from edgerl.errors import ModelError
+    from edgerl.quant import load_quantized_lm
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    f = broken / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ModelError, match=r"model.safetensors cannot be read .*download the model again"):
+        load_quantized_lm(broken, "nf4", torch.float32, torch.device("cpu"))
