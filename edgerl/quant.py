@@ -369,10 +369,11 @@ def load_quantized_lm(path: Union[str, Path], quant: str, compute_dtype: torch.d
               for name in [f"{module_name}.{leaf}" if module_name else leaf]}
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - \
         {n for n, _ in model.named_parameters()}
+    from safetensors import SafetensorError
     for file in files:
         try:
             _load_file(file, safe_open, model, owners, tied, device, compute_dtype, storage)
-        except (OSError, RuntimeError, ValueError) as e:   # safetensors' own error is a RuntimeError subclass
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
             if isinstance(e, ModelError) or "out of memory" in str(e).lower():
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
