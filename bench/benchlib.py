@@ -577,6 +577,7 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]]) -
         out["estimate_peak_phase"] = mem["peak_phase"]
         out["estimate_phases_gib"] = {k: v / GiB for k, v in mem["phases"].items()}
         out["estimate_components_gib"] = {k: v / GiB for k, v in mem["components"].items()}
+        out["estimate_context_gib"] = mem["components"].get("CUDA context", 0) / GiB   # 0 on the CPU
         out["budget_gib"] = mem["budget_bytes"] / GiB
         out["model_params"] = plan_json["model"]["n_params"]
         out["plan"] = {k: plan_json["plan"].get(k) for k in PLAN_KEYS}
