@@ -39,6 +39,9 @@ SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
     "tiny": (64, 2, 4, 2, 128, True),
     "tiny-q": (128, 2, 4, 2, 256, False),         # widths multiples of 64: bitsandbytes' CPU NF4 kernel needs it
 }
+# deeper SmolLM2-1.7B shapes: bench_multi looks among them for one that fits two P40s and not one
+SHAPES.update({f"1.7b-l{n}": (2048, n, 32, 32, 8192, True) for n in (28, 32, 36, 40, 44, 48)})
+SHAPES.update({f"small-l{n}": (256, n, 4, 2, 1024, True) for n in (4, 8, 16)})   # its --smoke stand-ins
 STD = 0.02   # HF's initializer_range; norms are ones
 FORMAT = 2   # bumped when build_model writes something else: older folders are rebuilt
 DTYPES = {"bf16": ("BF16", "bfloat16"), "fp16": ("F16", "float16"), "fp32": ("F32", "float32")}
@@ -452,10 +455,15 @@ class _PhasePeaks:
 
 def edgerl_child(spec_path: str) -> None:
     """One edgerl run as `edgerl train` makes it, from a JSON spec; writes the result JSON (rank r > 0
-    writes OUT.rank{r}.json). Metrics rows also land in the run folder as the run goes."""
+    writes OUT.rank{r}.json) and exits 1 when the run failed, so that torchrun stops the other ranks
+    instead of leaving them waiting in a collective. Metrics rows land in the run folder as it goes."""
     spec = json.loads(Path(spec_path).read_text())
     mem = DeviceMemory()   # before CUDA is touched
     rank = int(os.environ.get("RANK", "0"))
+    if spec.get("cpu_ranks_on_device_0") and "LOCAL_RANK" in os.environ:
+        # edgerl (at 69b8d10) refuses LOCAL_RANK > 0 when torch sees no GPU, even with --profile cpu;
+        # on the CPU every rank runs on "device 0" anyway (the gloo smoke runs only)
+        os.environ["LOCAL_RANK"] = "0"
     out = Path(spec["out"]) if rank == 0 else Path(f"{spec['out']}.rank{rank}.json")
     res: dict[str, Any] = {"rank": rank}
     start = time.time()
@@ -491,6 +499,8 @@ def edgerl_child(spec_path: str) -> None:
         res.update(status=failure_status(text, "error"), error=text[:1500], trace=traceback.format_exc()[-3000:])
     res["wall_s"] = time.time() - start
     out.write_text(json.dumps(res, default=str))
+    if res["status"] != "ok":
+        sys.exit(1)
 
 
 def read_run_folder(run_dir: Path) -> dict[str, Any]:
