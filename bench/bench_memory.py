@@ -57,13 +57,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
     ap.add_argument("--budget-s", type=float, default=400, help="start no run after this many seconds")
-    ap.add_argument("--min-run-s", type=float, default=40)
+    ap.add_argument("--min-run-s", type=float, default=None, help="do not start a run with less time than this "
+                    "left (default 40; smoke 5)")
     ap.add_argument("--tokenizer", default=bl.default_tokenizer())
     ap.add_argument("--work", default=None)
     ap.add_argument("--skip-done", action="store_true", help="skip runs already ok in --out")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, 8 tokens; on the CPU, no memory figures")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.min_run_s = args.min_run_s if args.min_run_s is not None else (5 if args.smoke else 40)
     out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_memory" + ("_smoke" if args.smoke else "")
                                         + ".json"))
     work = Path(args.work or ("/tmp/edgerl-bench-smoke" if args.smoke else "/tmp/edgerl-bench"))
@@ -75,7 +77,8 @@ def main() -> None:
     clock = bl.Clock(args.budget_s)
     steps, new_tokens = (2, 8) if args.smoke else (args.steps, args.new_tokens)
     results = bl.Results(out, {"script": "bench_memory", "smoke": args.smoke, "argv": sys.argv[1:],
-                               "steps": steps, "new_tokens": new_tokens})
+                               "steps": steps, "new_tokens": new_tokens, "device": bl.device_name(),
+                               "versions": bl.versions()})
 
     def log(s: str) -> None:
         print(f"[{clock.elapsed():5.0f} s] {s}", flush=True)

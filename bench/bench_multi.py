@@ -11,9 +11,10 @@ an exact resume.
   fit2    P40 emulation on each rank (--profile p40: each process's allocator capped at the P40's memory
           less its context), full fine-tuning with fp32 AdamW on both (8-bit AdamW is refused on several
           GPUs) and the weights on the card (plan.param_offload=false: with FSDP2 parameter offload they
-          live in host memory, and a host's RAM, not the card, decides what fits): the planner (what `edgerl recommend --gpu p40 --gpus N` prints) looks for the smallest
-          deeper SmolLM2-1.7B shape that does not fit one P40 and fits two at the same per-GPU batch
-          (2 prompts x 8 samples); both plans are captured from `edgerl recommend` before the run
+          live in host memory, and a host's RAM, not the card, decides what fits): the planner (what
+          `edgerl recommend --gpu p40 --gpus N` prints) looks for the smallest SmolLM2-1.7B-wide shape
+          (24 to 48 layers) that does not fit one P40 and fits two at the same per-GPU batch (2 prompts
+          x 8 samples); both plans are captured from `edgerl recommend` before the run
           (JSON for 2 GPUs, the refusal for 1); then 3 steps on two emulated P40s
   resume  the 362M shape on two GPUs: 4 steps straight; 2 steps with a checkpoint, then --resume to 4
           in a new torchrun; the metrics of steps 1-4 compared (timing and memory metrics aside). If
@@ -201,9 +202,9 @@ def part_fit2(ctx: dict, results: bl.Results, log) -> None:
     res = run("fit2-run", model, sets, work, ctx["timeout"](2), 2)
     res["shape"] = shape
     results.put("fit2-run", res)
+    rank1 = (res["ranks"] or [{}])[0]
     log(f"fit2-run: {res['status']}; step {bl.fmt(res.get('median_step_s'))} s; peak reserved rank 0 "
-        f"{bl.fmt(res.get('peak_reserved_gib'))} GiB, rank 1 {bl.fmt((res['ranks'] or [{}])[0].get('peak_reserved_gib'))} GiB"
-        + _err(res))
+        f"{bl.fmt(res.get('peak_reserved_gib'))} GiB, rank 1 {bl.fmt(rank1.get('peak_reserved_gib'))} GiB" + _err(res))
 
 
 def part_resume(ctx: dict, results: bl.Results, log) -> None:
@@ -314,13 +315,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=180, help="seconds per run (fit2: twice)")
     ap.add_argument("--budget-s", type=float, default=480, help="start no run after this many seconds")
-    ap.add_argument("--min-run-s", type=float, default=45)
+    ap.add_argument("--min-run-s", type=float, default=None, help="do not start a run with less time than this "
+                    "left (default 45; smoke 5)")
     ap.add_argument("--deterministic", action="store_true", help="resume part: deterministic torch kernels")
     ap.add_argument("--tokenizer", default=bl.default_tokenizer())
     ap.add_argument("--work", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 8 tokens, 2 steps; CPU/gloo unless 2 GPUs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.min_run_s = args.min_run_s if args.min_run_s is not None else (5 if args.smoke else 45)
     out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_multi" + ("_smoke" if args.smoke else "")
                                         + ".json"))
     work = Path(args.work or ("/tmp/edgerl-bench-smoke" if args.smoke else "/tmp/edgerl-bench"))
@@ -343,6 +346,7 @@ def main() -> None:
         "timeout": lambda k=1: max(10.0, min(args.timeout * k, clock.left() - 5)),
     }
     results = bl.Results(out, {"script": "bench_multi", "smoke": args.smoke, "argv": sys.argv[1:], "gpus": gpus,
+                               "device": bl.device_name(), "versions": bl.versions(),
                                "backend": "nccl" if gpus >= 2 else "gloo (CPU)"})
 
     def log(s: str) -> None:

@@ -301,7 +301,8 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
         res = {**base, **res}
         results.put(name, res)
         log(f"{name}: {res['status']} in {res.get('wall_s', 0):.0f} s; step {bl.fmt(res.get('median_step_s'))} s; "
-            f"{bl.fmt(res.get('tokens_per_s'), '{:.0f}')} tok/s; peak reserved {bl.fmt(res.get('peak_reserved_gib'))} GiB"
+            f"{bl.fmt(res.get('tokens_per_s'), '{:.0f}')} tok/s; peak reserved "
+            f"{bl.fmt(res.get('peak_reserved_gib'))} GiB"
             + (f"; {res.get('error', '')[:300]}" if res["status"] != "ok" else ""))
 
 
@@ -368,7 +369,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per run (twice this for the 7-14B shapes)")
     ap.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
-    ap.add_argument("--min-run-s", type=float, default=45, help="do not start a run with less time than this left")
+    ap.add_argument("--min-run-s", type=float, default=None,
+                    help="do not start a run with less time than this left (default 45; smoke 5)")
     ap.add_argument("--frontier", default=None, help="362m-bf16 edgerl budgets, comma-separated: GiB, trl, trl/2, "
                     "with :OPTIMIZER (default 12,8,6,4,3,2,trl/2,trl/2:adamw-bf16)")
     ap.add_argument("--frontier-17b", default=None, help="1.7b-bf16 edgerl budgets (default trl)")
@@ -378,6 +380,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 steps of 8 tokens (CPU: profile cpu, no cap)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.min_run_s = args.min_run_s if args.min_run_s is not None else (5 if args.smoke else 45)
     out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_vs_trl" + ("_smoke" if args.smoke else "")
                                         + ".json"))
     work = Path(args.work or ("/tmp/edgerl-bench-smoke" if args.smoke else "/tmp/edgerl-bench"))
@@ -387,10 +390,10 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown group(s) {unknown}; choose from {', '.join(GROUPS)}")
     bl.catalogue_check()
-    args.device = _device_name()
+    args.device = bl.device_name()
     clock = bl.Clock(args.budget_s)
     results = bl.Results(out, {"script": "bench_vs_trl", "smoke": args.smoke, "argv": sys.argv[1:],
-                               "device": args.device, "versions": _versions()})
+                               "device": args.device, "versions": bl.versions()})
 
     def log(s: str) -> None:
         print(f"[{clock.elapsed():5.0f} s] {s}", flush=True)
@@ -407,27 +410,6 @@ def main() -> None:
     print(text)
     print("\nchecks: " + ("all passed" if not bad else f"{len(bad)} FAILED\n  " + "\n  ".join(bad)))
     print(f"wrote {out} ({clock.elapsed():.0f} s)")
-
-
-def _device_name() -> str:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-        return (name.decode() if isinstance(name, bytes) else name).removeprefix("NVIDIA ")
-    except Exception:
-        return "CPU"
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-    out = {}
-    for pkg in ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "edgerl"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
 
 
 if __name__ == "__main__":

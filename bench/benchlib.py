@@ -170,8 +170,8 @@ def build_model(shape: str, tokenizer: str, out: Path, dtype: str = "bf16", seed
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     check_model_folder(tmp, shape, vocab)
-    (tmp / "bench-model.json").write_text(json.dumps({"format": FORMAT, "shape": shape, "shapes": SHAPES[shape], "dtype": dtype,
-                                                      "seed": seed, "vocab": vocab, "bytes": total}))
+    (tmp / "bench-model.json").write_text(json.dumps({"format": FORMAT, "shape": shape, "shapes": SHAPES[shape],
+                                                      "dtype": dtype, "seed": seed, "vocab": vocab, "bytes": total}))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -599,6 +599,27 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]]) -
         extra = ctx if ctx is not None else DEFAULT_CALIBRATION.cuda_context / GiB
         out["measured_gib"] = out["peak_reserved_gib"] + extra
         out["estimate_error"] = out["estimate_gib"] / out["measured_gib"] - 1
+    return out
+
+
+def device_name() -> str:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return (name.decode() if isinstance(name, bytes) else name).removeprefix("NVIDIA ")
+    except Exception:
+        return "CPU"
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for pkg in ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "edgerl"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
     return out
 
 
