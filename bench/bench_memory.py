@@ -111,16 +111,26 @@ def main() -> None:
     runs = {k: results.runs[k] for k in only if k in results.runs}
     text = report(runs)
     errs = [abs(r["estimate_error"]) for r in runs.values() if r.get("estimate_error") is not None]
-    summary = (f"{len(errs)} runs measured; |error| median {bl.med(errs):.1%}, max {max(errs):.1%}" if errs
+    under = [f"{k} ({r['estimate_error']:+.1%})" for k, r in runs.items() if (r.get("estimate_error") or 0) < 0]
+    summary = (f"{len(errs)} runs measured; |error| median {bl.med(errs):.1%}, max {max(errs):.1%}; under-estimates "
+               f"(an out-of-memory risk on a full card): {', '.join(under) or 'none'}" if errs
                else "no run measured (no CUDA device, or every run failed)")
-    results.data["table"], results.data["summary"] = text, summary
+    bad = [f"{k}: {r.get('steps_done')} of {steps} steps" for k, r in runs.items()
+           if r.get("status") == "ok" and r.get("steps_done") != steps]
+    bad += [f"{k}: no estimate (plan.json missing)" for k, r in runs.items()
+            if r.get("status") == "ok" and r.get("estimate_gib") is None]
+    bad += [f"{k}: the outside-allocator memory came from mem_get_info without a baseline" for k, r in runs.items()
+            if "no baseline" in str((r.get("memory_end") or {}).get("method", ""))]
+    results.data["table"], results.data["summary"], results.data["check_failures"] = text, summary, bad
     results.save()
     from edgerl.memory import DEFAULT_CALIBRATION
     print(f"\nplan estimate vs measured device memory (peak reserved + outside the allocator), uncapped, "
           f"{steps} steps of 2 prompts x 8 samples x {new_tokens} tokens; the plan's CUDA context constant is "
           f"{DEFAULT_CALIBRATION.cuda_context / bl.GiB:.2f} GiB\n")
     print(text)
-    print(f"\n{summary}\nwrote {out} ({clock.elapsed():.0f} s)")
+    print(f"\n{summary}")
+    print("checks: " + ("all passed" if not bad else f"{len(bad)} FAILED\n  " + "\n  ".join(bad)))
+    print(f"wrote {out} ({clock.elapsed():.0f} s)")
 
 
 def phase_table(r: dict) -> dict:

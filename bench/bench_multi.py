@@ -304,7 +304,33 @@ def report(results: bl.Results) -> str:
     rs = results.data.get("resume")
     if rs:
         lines.append(f"resume: {rs['verdict']}")
+    bad = checks(results)
+    results.data["check_failures"] = bad
+    lines.append("checks: " + ("all passed" if not bad else f"{len(bad)} FAILED: " + "; ".join(bad)))
     return "\n".join(lines)
+
+
+def checks(results: bl.Results) -> list[str]:
+    """What must hold for the parts to say what they claim."""
+    runs, bad = results.runs, []
+    one, two = runs.get("scale-1gpu", {}), runs.get("scale-2gpu", {})
+    if one.get("status") == "ok" and two.get("status") == "ok":
+        if (one.get("world_size"), two.get("world_size")) != (1, 2):
+            bad.append(f"scale: world sizes {one.get('world_size')}, {two.get('world_size')}, not 1 and 2")
+        if two.get("sequences_per_step") != 2 * (one.get("sequences_per_step") or 0):
+            bad.append(f"scale: {two.get('sequences_per_step')} sequences on two GPUs, {one.get('sequences_per_step')} "
+                       "on one: not the same per-GPU batch")
+    fp = runs.get("fit2-plan", {})
+    if fp.get("status") == "ok" and not fp.get("plan_said_2_not_1"):
+        bad.append("fit2: edgerl recommend did not say 'fits on 2, not on 1' for the chosen shape")
+    fr = runs.get("fit2-run", {})
+    if fr.get("status") == "ok" and fr.get("world_size") != 2:
+        bad.append(f"fit2: trained with world size {fr.get('world_size')}")
+    for name in ("scale-1gpu", "scale-2gpu", "fit2-run", "resume-straight", "resume-first", "resume-second"):
+        r = runs.get(name, {})
+        if r and not str(r.get("status", "")).startswith(("ok", "skipped")):
+            bad.append(f"{name}: {str(r.get('status'))[:60]}")
+    return bad
 
 
 def main() -> None:

@@ -7,7 +7,9 @@ The task: random-weight llama shapes with the SmolLM2 tokenizer's vocabulary (49
 samples = 16 completions of 256 new tokens per step, GRPO with the reference KL term (beta 0.04, k3).
 edgerl ignores EOS (every row is full length); TRL stops a row at EOS, which random weights rarely
 emit: both report the tokens they generated, and tokens/s counts those. Step time is the median of
-steps 2..N (step 1 holds compilation and graph capture); peaks are the largest of any step.
+steps 2..N (step 1 holds compilation and graph capture; N is 4, or 3 for the frontier points, 1.7b-p40
+and the QLoRA groups); peaks are the largest of any step. TRL loads its models with attn_implementation
+"sdpa" (transformers' default; the fp32 figures of docs/benchmarks.md section 2 used "eager").
 
 Groups (TRL first, so that its measured memory can set edgerl's budgets; then edgerl):
   362m-bf16    SmolLM2-360M shape, whole H200. TRL: bf16, its defaults (gradient checkpointing on).
@@ -21,7 +23,8 @@ Groups (TRL first, so that its measured memory can set edgerl's budgets; then ed
   qwen7b-p40   QLoRA at Qwen2.5-7B widths (hidden 3584, 28 layers, 28/4 heads, MLP 18944): edgerl
                --profile p40 --set lora.enabled=true --set plan.base_dtype=nf4; TRL GRPO + peft LoRA
                r16 on all linear layers + bitsandbytes NF4 double quant, gradient checkpointing,
-               fp32 compute, the P40 cap
+               fp32 compute, the P40 cap. Both sides: r 16, alpha 32, no dropout; TRL keeps the
+               adapter in bf16 under a quantized base (its own choice), edgerl in fp32
   llama8b-t4   QLoRA at Llama-3.1-8B widths (4096, 32 layers, 32/8, MLP 14336) under T4 emulation;
                TRL in bf16 compute (what runs; peers.md), then TRL with fp16=True as a T4 user sets it
   qwen14b-p40  QLoRA at Qwen2.5-14B widths (5120, 48 layers, 40/8, MLP 13824), edgerl only
@@ -38,7 +41,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,10 +66,9 @@ class Group:
     sets: tuple[str, ...] = ()
     trl: Optional[Trl] = None
     extra_trl: tuple[Trl, ...] = ()
-    steps: int = 5
+    steps: int = 4
     frontier: tuple[str, ...] = ()
     smoke_shape: str = "tiny-q"     # one tiny folder serves every group of a smoke run
-    notes: list[str] = field(default_factory=list)
 
 
 GROUPS: dict[str, Group] = {
@@ -230,6 +232,7 @@ def budget_for(item: str, trl: Optional[dict]) -> tuple[Optional[float], Optiona
 def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock: bl.Clock, log) -> None:
     shape = g.smoke_shape if args.smoke else g.shape
     steps = 2 if args.smoke else (args.steps or g.steps)
+    frontier_steps = 2 if args.smoke else (args.steps or args.frontier_steps)
     new_tokens = 8 if args.smoke else args.new_tokens
     import torch  # noqa: F401 - only to ask whether CUDA exists; CUDA is not initialised here
     cuda = torch.cuda.is_available()
@@ -271,7 +274,8 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
             log(f"{name}: skipped (budget)")
             continue
         timeout = min(args.timeout * (2 if g.shape in ("qwen7b", "llama8b", "qwen14b") else 1), left - 10)
-        base = {"group": gname, "shape": shape, "model": info, "steps": steps, "new_tokens": new_tokens,
+        run_steps = steps if what is None or isinstance(what, Trl) else frontier_steps
+        base = {"group": gname, "shape": shape, "model": info, "steps": run_steps, "new_tokens": new_tokens,
                 "speed_on": args.device + (f": a {profile}'s memory, not its speed" if cuda and g.profile else "")}
         if isinstance(what, Trl):
             res = run_trl(name, model, what, steps, new_tokens, work, timeout)
@@ -287,7 +291,7 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
                     results.put(name, {**base, "side": "edgerl", "status": skip})
                     log(f"{name}: {skip}")
                     continue
-                extra.append(f"plan.memory_gib={budget}")
+                extra += [f"plan.memory_gib={budget}", f"train.steps={run_steps}"]
                 if optimizer:
                     extra.append(f'plan.optimizer="{optimizer}"')
             run_dir = work / "runs" / name.replace("/", "_").replace("@", "-at-").replace(":", "-")
@@ -365,7 +369,9 @@ def report(runs: dict[str, dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=None, help=f"groups, in order (default: all; smoke: {SMOKE_DEFAULT})")
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: 5, 3 for 1.7b-p40 and QLoRA)")
+    ap.add_argument("--steps", type=int, default=None, help="steps of every run (default: 4; 3 for 1.7b-p40, the "
+                    "QLoRA groups and the frontier runs)")
+    ap.add_argument("--frontier-steps", type=int, default=3, help="steps of each edgerl run at a memory budget")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per run (twice this for the 7-14B shapes)")
     ap.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")

@@ -429,21 +429,21 @@ class _PhasePeaks:
         row[f"{name}_reserved"] = max(row.get(f"{name}_reserved", 0.0), res)
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def rollout(self, prompts):
+    def rollout(self, *args, **kwargs):
         self._mark("other")
-        out = super().rollout(prompts)
+        out = super().rollout(*args, **kwargs)
         self._mark("rollout")
         return out
 
-    def score(self, exp, kl_coef):
+    def score(self, *args, **kwargs):
         self._mark("other")
-        out = super().score(exp, kl_coef)
+        out = super().score(*args, **kwargs)
         self._mark("score")
         return out
 
-    def update(self, exp, kl_coef):
+    def update(self, *args, **kwargs):
         self._mark("other")
-        out = super().update(exp, kl_coef)
+        out = super().update(*args, **kwargs)
         self._mark("update")
         return out
 

@@ -15,16 +15,16 @@
 # bitsandbytes 0.50.2; liger-kernel for the kernels stages), and the SmolLM2 tokenizer in
 # $EDGERL_SHARED/data/smollm2-tokenizer (default .cache/shared).
 #
-# Stages (limit in seconds; what each takes on an H200 is in the report of the commit that added it):
-#   quick 240       environment check, the smoke runs of bench_vs_trl and bench_memory on this GPU (tiny
-#                   shapes, P40/T4 caps, TRL QLoRA, edgerl NF4), bench_multi's too when 2 GPUs are visible
+# Stages (limit in seconds):
+#   quick 200       environment check (env_check.py), bench_vs_trl --smoke on this GPU (tiny shapes: TRL bf16,
+#                   edgerl at a TRL-derived budget, TRL QLoRA and edgerl NF4 under the P40 cap), and
+#                   bench_multi --smoke with NCCL when two GPUs are visible
 #   measure 90      python -m edgerl.measure --json --pageable
-#   trl-362m 420    bench_vs_trl: 362m-bf16 (the memory-speed frontier) and 362m-p40
-#   trl-17b 400     bench_vs_trl: 1.7b-bf16 and 1.7b-p40
-#   trl-core 560    both of the above
-#   trl-qwen7b 330, trl-llama8b 330, trl-qwen14b 240, trl-qlora 560 (all three): the QLoRA groups
-#   trl 560         every bench_vs_trl group (does not fit one call: the budget stops it)
-#   memory 400      bench_memory;  multi 480: bench_multi (two GPUs)
+#   trl-frontier 480  bench_vs_trl 362m-bf16 (TRL, edgerl on the whole GPU and at each --frontier budget)
+#   trl-17b 300     bench_vs_trl 1.7b-bf16;   trl-p40 360: 362m-p40 and 1.7b-p40
+#   trl-qwen7b 330, trl-llama8b 360, trl-qwen14b 240: the QLoRA groups; trl-qlora 560: all three
+#   trl-core 560, trl 560: several groups at once (more than one call holds; the budget stops them)
+#   memory 400      bench_memory;   multi 480: bench_multi (two GPUs)
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,12 +50,12 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
     case $1 in
         info) echo "nvidia-smi; python3 -c 'import torch, triton, transformers, pyarrow; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, pyarrow.__version__, torch.cuda.get_arch_list())'; edgerl doctor --json | head -c 4000" ;;
         quick) echo "python3 bench/env_check.py --tokenizer $TOK;
-              python3 bench/bench_vs_trl.py --smoke --only 362m-bf16 qwen7b-p40 --frontier 0.5,trl/2 --tokenizer $TOK --work $w-smoke --budget-s $(( b * 2 / 3 )) --out $OUT/quick$x.json;
-              python3 bench/bench_memory.py --smoke --only 362m-bf16-grpo --tokenizer $TOK --work $w-smoke --budget-s 40 --out $OUT/quick_memory$x.json;
-              if [ \$(nvidia-smi -L | wc -l) -ge 2 ]; then python3 bench/bench_multi.py --smoke --tokenizer $TOK --work $w-smoke --budget-s 60 --out $OUT/quick_multi$x.json; fi" ;;
+              python3 bench/bench_vs_trl.py --smoke --only 362m-bf16 qwen7b-p40 --frontier trl/2 --tokenizer $TOK --work $w-smoke --budget-s $(( b * 3 / 5 )) --out $OUT/quick$x.json;
+              if [ \$(nvidia-smi -L | wc -l) -ge 2 ]; then python3 bench/bench_multi.py --smoke --tokenizer $TOK --work $w-smoke --budget-s $(( b * 2 / 5 - 10 )) --out $OUT/quick_multi$x.json; fi" ;;
         measure) echo "python3 -m edgerl.measure --json --pageable --budget 45 > $OUT/measure$x.json" ;;
-        trl-362m) echo "$vs --only 362m-bf16 362m-p40 --out $OUT/bench_vs_trl$x.json" ;;
-        trl-17b) echo "$vs --only 1.7b-bf16 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-frontier) echo "$vs --only 362m-bf16 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-17b) echo "$vs --only 1.7b-bf16 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-p40) echo "$vs --only 362m-p40 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-core) echo "$vs --only 362m-bf16 362m-p40 1.7b-bf16 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-qwen7b) echo "$vs --only qwen7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-llama8b) echo "$vs --only llama8b-t4 --out $OUT/bench_vs_trl$x.json" ;;
@@ -78,8 +78,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
 
 limit_of() {
     case $1 in
-        info) echo 60 ;; quick) echo 240 ;; measure) echo 90 ;; trl-362m) echo 420 ;; trl-17b) echo 400 ;;
-        trl-qwen7b|trl-llama8b) echo 330 ;; trl-qwen14b) echo 240 ;; trl-1.7b) echo 150 ;; memory) echo 400 ;;
+        info) echo 60 ;; quick) echo 200 ;; measure) echo 90 ;; trl-frontier) echo 480 ;; trl-17b) echo 300 ;;
+        trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-qwen14b) echo 240 ;;
+        trl-1.7b) echo 150 ;; memory) echo 400 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests) echo 150 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         fit) echo 300 ;; *) echo 560 ;;
     esac

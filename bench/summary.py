@@ -16,6 +16,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
 
+def errors(d: dict, limit: int = 220) -> list[str]:
+    """One line per run that failed: its status and the end of its error."""
+    out = []
+    for name, r in d.get("runs", {}).items():
+        status = str(r.get("status", ""))
+        if status.startswith(("ok", "skipped")) or not (r.get("error") or status):
+            continue
+        err = " ".join(str(r.get("error", "")).split())
+        out.append(f"  {name}: {status[:40]}: {err[-limit:]}")
+    return (["failed runs:"] + out) if out else []
+
+
 def vs_trl(d: dict) -> list[str]:
     rows = []
     for name, r in d["runs"].items():
@@ -75,7 +87,8 @@ def main() -> None:
             continue
         script = (d.get("meta") or {}).get("script", "")
         fn = {"bench_vs_trl": vs_trl, "bench_memory": memory, "bench_multi": multi}.get(script, generic)
-        parts.append(f"## {f.name} ({script}, {(d.get('meta') or {}).get('device', '')})\n" + "\n".join(fn(d)))
+        parts.append(f"## {f.name} ({script}, {(d.get('meta') or {}).get('device', '')})\n"
+                     + "\n".join(fn(d) + errors(d)))
     text = "\n\n".join(parts)
     if len(text) > args.max_chars:
         text = text[:args.max_chars] + "\n... (cut; the JSON files hold everything)"
