@@ -241,7 +241,7 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
     if g.frontier:
         frontier = tuple(args.frontier.split(",")) if gname == "362m-bf16" and args.frontier else frontier
         frontier = tuple(args.frontier_17b.split(",")) if gname == "1.7b-bf16" and args.frontier_17b else frontier
-        if args.smoke and not args.frontier:
+        if args.smoke and not args.frontier and gname == "362m-bf16":
             frontier = SMOKE_FRONTIER
     plan_runs: list[tuple[str, Any]] = []
     if g.trl:

@@ -92,7 +92,8 @@ def tensor_shapes(shape: str, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 def _write_safetensors(path: Path, items: list[tuple[str, tuple[int, ...]]], st_dtype: str, elt: int,
                        make: Callable[[str, tuple[int, ...]], Any]) -> None:
     """A safetensors file written tensor by tensor: header first (offsets known from the shapes), then
-    each tensor's bytes as `make` produces it. Only one tensor is in memory at a time."""
+    each tensor's bytes as `make` produces them (a buffer: numpy array, bytes). Only one tensor is in
+    memory at a time."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shp in items:
@@ -107,9 +108,9 @@ def _write_safetensors(path: Path, items: list[tuple[str, tuple[int, ...]]], st_
         fh.write(len(text).to_bytes(8, "little"))
         fh.write(text)
         for name, shp in items:
-            data = make(name, shp)
-            if len(data) != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
-                raise RuntimeError(f"{name}: {len(data)} bytes, expected {header[name]['data_offsets']}")
+            data = memoryview(make(name, shp)).cast("B")
+            if data.nbytes != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                raise RuntimeError(f"{name}: {data.nbytes} bytes, expected {header[name]['data_offsets']}")
             fh.write(data)
 
 
@@ -139,14 +140,14 @@ def build_model(shape: str, tokenizer: str, out: Path, dtype: str = "bf16", seed
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def make(name: str, shp: tuple[int, ...]) -> bytes:
+    def make(name: str, shp: tuple[int, ...]) -> Any:
         if len(shp) == 1:
             t = torch.ones(shp, dtype=tdtype)
         else:
             t = torch.empty(shp, device=device, dtype=torch.float32).normal_(0.0, STD, generator=gen)
             t = t.to(tdtype).cpu()
         view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elt]
-        return t.contiguous().view(view).numpy().tobytes()
+        return t.contiguous().view(view).numpy()
 
     items = tensor_shapes(shape, vocab)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
