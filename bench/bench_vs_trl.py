@@ -337,6 +337,14 @@ def checks(runs: dict[str, dict], args) -> list[str]:
         models = {json.dumps(r.get("model"), sort_keys=True) for r in rs if r.get("model")}
         if len(models) > 1:
             bad.append(f"{g}: the runs used different model folders: {models}")
+        trl = runs.get(f"{g}/trl") or {}
+        edge = runs.get(f"{g}/edgerl") or {}
+        if trl.get("trainable_params") and edge.get("plan"):
+            lora = (edge["plan"] or {}).get("lora")
+            mine = lora["params"] if lora else edge.get("model_params")
+            if mine != trl["trainable_params"]:
+                bad.append(f"{g}: edgerl trains {mine:,} parameters, TRL {trl['trainable_params']:,}: not the same "
+                           f"{'adapter' if lora else 'model'}")
     return bad
 
 
