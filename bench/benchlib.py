@@ -233,29 +233,43 @@ def ensure_model(work: Path, shape: str, tokenizer: str, dtype: str = "bf16", ti
 
 # ------------------------------------------------------------------------------------- processes
 
+def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM to the child's process group, then SIGKILL if it has not ended after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dict[str, str]] = None
                ) -> tuple[str, Optional[int], str]:
     """Run `cmd` in its own process group, output to `log_path`; on timeout the whole group is
-    stopped (SIGTERM, then SIGKILL). Returns (status, exit code or None, last 3000 characters)."""
+    stopped (SIGTERM, then SIGKILL). A SIGTERM to this process (a stage's time limit) stops the group
+    too before this process ends, so no run outlives the benchmark that started it. Returns (status,
+    exit code or None, the last 3000 characters of the log)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})})
+
+        def on_term(signum, _frame):
+            _stop_group(proc, grace=3.0)
+            raise SystemExit(128 + signum)
+        previous = signal.signal(signal.SIGTERM, on_term)
         try:
             rc: Optional[int] = proc.wait(timeout=max(1.0, timeout))
             status = "ok" if rc == 0 else f"exit {rc}"
         except subprocess.TimeoutExpired:
-            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            _stop_group(proc)
             rc, status = None, f"timeout after {timeout:.0f} s"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     text = log_path.read_text(errors="replace")
     return status, rc, text[-3000:]
 
