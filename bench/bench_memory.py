@@ -58,7 +58,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
-    ap.add_argument("--budget-s", type=float, default=400, help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
+    ap.add_argument("--budget-s", type=float, default=400,
+                    help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
     ap.add_argument("--min-run-s", type=float, default=None, help="do not start a run with less time than this "
                     "left (default 40; smoke 5)")
     ap.add_argument("--tokenizer", default=bl.default_tokenizer())

@@ -340,7 +340,8 @@ def main() -> None:
     ap.add_argument("--steps-fit", type=int, default=3, help="steps of the fit2 run")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=180, help="seconds per run (fit2: twice)")
-    ap.add_argument("--budget-s", type=float, default=480, help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
+    ap.add_argument("--budget-s", type=float, default=480,
+                    help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
     ap.add_argument("--min-run-s", type=float, default=None, help="do not start a run with less time than this "
                     "left (default 45; smoke 5)")
     ap.add_argument("--deterministic", action="store_true", help="resume part: deterministic torch kernels")

@@ -382,7 +382,8 @@ def main() -> None:
     ap.add_argument("--frontier-steps", type=int, default=3, help="steps of each edgerl run at a memory budget")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per run (twice this for the 7-14B shapes)")
-    ap.add_argument("--budget-s", type=float, default=540, help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
+    ap.add_argument("--budget-s", type=float, default=540,
+                    help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
     ap.add_argument("--min-run-s", type=float, default=None,
                     help="do not start a run with less time than this left (default 45; smoke 5)")
     ap.add_argument("--frontier", default=None, help="362m-bf16 edgerl budgets, comma-separated: GiB, trl, trl/2, "
