@@ -1,16 +1,37 @@
-"""edgerl vs TRL's GRPOTrainer on the same RL step, in one command (issue 5's side-by-side).
+"""edgerl vs TRL 1.16's GRPOTrainer on the same GRPO step, each edgerl run beside TRL in one invocation.
 
-    python bench/bench_vs_trl.py --tokenizer PATH --out $OUT/bench_vs_trl.json [--only NAME ...]
+    python bench/bench_vs_trl.py [--only GROUP ...] [--steps N] [--timeout S] [--budget-s S] [--out FILE]
+    python bench/bench_vs_trl.py --smoke          # tiny shapes, 8 tokens, both sides, on the CPU (~1 min)
 
-Workloads (random-weight llama shapes with the SmolLM2 tokenizer's vocabulary, 2 prompts x 8
-samples = 16 completions of 256 tokens per step, GRPO with reference KL):
-  362m-bf16   SmolLM2-360M shape (hidden 960, 32 layers, 15 heads, 5 KV heads), bf16, no cap
-  362m-p40    the same in fp32 under a 24 GiB cap: edgerl --profile p40; TRL fp32 + eager attention
-  1.7b-p40    SmolLM2-1.7B shape (hidden 2048, 24 layers, 32 heads), P40 emulation as above
-  362m-ppo    PPO with a critic (GAE), edgerl only: TRL's PPO trainer needs a separate reward model
-Random weights rarely emit EOS, so both sides generate the full 256 tokens on nearly every row.
-Each run is a subprocess (an out-of-memory error ends that run only); the median step time skips
-the first step (warm-up, CUDA-graph capture). `--smoke` runs a tiny shape on the CPU.
+The task: random-weight llama shapes with the SmolLM2 tokenizer's vocabulary (49,152), 2 prompts x 8
+samples = 16 completions of 256 new tokens per step, GRPO with the reference KL term (beta 0.04, k3).
+edgerl ignores EOS (every row is full length); TRL stops a row at EOS, which random weights rarely
+emit: both report the tokens they generated, and tokens/s counts those. Step time is the median of
+steps 2..N (step 1 holds compilation and graph capture; N is 4, or 3 for the frontier points, 1.7b-p40
+and the QLoRA groups); peaks are the largest of any step. TRL loads its models with attn_implementation
+"sdpa" (transformers' default; the fp32 figures of docs/benchmarks.md section 2 used "eager").
+
+Groups (TRL first, so that its measured memory can set edgerl's budgets; then edgerl):
+  362m-bf16    SmolLM2-360M shape, whole H200. TRL: bf16, its defaults (gradient checkpointing on).
+               edgerl: the plan for the whole GPU, then --set plan.memory_gib=G for each G of
+               --frontier (GiB, or trl = the device memory TRL's process used, trl/2 its half;
+               ":adamw-bf16" adds --set plan.optimizer=...): the memory-speed frontier in one table
+  1.7b-bf16    SmolLM2-1.7B shape, whole GPU; edgerl also at --frontier-1.7b (default: TRL's memory)
+  362m-p40     P40 emulation: edgerl --profile p40 (fp32 plan, 24 GiB P40 less its context: the
+               allocator is capped); TRL fp32 under the same cap (edgerl.session.cap_memory)
+  1.7b-p40     the same at the 1.7B shape
+  qwen7b-p40   QLoRA at Qwen2.5-7B widths (hidden 3584, 28 layers, 28/4 heads, MLP 18944): edgerl
+               --profile p40 --set lora.enabled=true --set plan.base_dtype=nf4; TRL GRPO + peft LoRA
+               r16 on all linear layers + bitsandbytes NF4 double quant, gradient checkpointing,
+               fp32 compute, the P40 cap. Both sides: r 16, alpha 32, no dropout; TRL keeps the
+               adapter in bf16 under a quantized base (its own choice), edgerl in fp32
+  llama8b-t4   QLoRA at Llama-3.1-8B widths (4096, 32 layers, 32/8, MLP 14336) under T4 emulation;
+               TRL in bf16 compute (what runs; peers.md), then TRL with fp16=True as a T4 user sets it
+  qwen14b-p40  QLoRA at Qwen2.5-14B widths (5120, 48 layers, 40/8, MLP 13824), edgerl only
+Model folders are written tensor by tensor (bench/benchlib.py) and shared by both sides. Each run is
+its own process with a time limit: an out-of-memory error or a hang ends that run only. Results go to
+the JSON after every run; a later invocation with the same --out adds to it. Speeds are the H200's:
+an emulated P40 or T4 has the emulated card's memory, not its speed.
 """
 
 from __future__ import annotations
@@ -18,218 +39,396 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
-from edgerl.modelspec import CATALOGUE
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
 
-SHAPES = {  # edgerl's catalogue shapes (the 362M one is SmolLM2-360M), and a tiny one for --smoke
-    "362m": CATALOGUE["smollm2-360m"].llama_config_fields(),
-    "1.7b": CATALOGUE["smollm2-1.7b"].llama_config_fields(),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128),
+QLORA = ["lora.enabled=true", "lora.rank=16", "lora.alpha=32", 'plan.base_dtype="nf4"']
+
+
+@dataclass(frozen=True)
+class Trl:
+    precision: str                  # compute dtype: fp32, bf16, fp16
+    cap: Optional[str] = None       # profile whose memory caps the allocator
+    qlora: bool = False
+    tag: str = "trl"
+
+
+@dataclass(frozen=True)
+class Group:
+    shape: str
+    profile: Optional[str]          # edgerl --profile (None: the probed GPU)
+    sets: tuple[str, ...] = ()
+    trl: Optional[Trl] = None
+    extra_trl: tuple[Trl, ...] = ()
+    steps: int = 4
+    frontier: tuple[str, ...] = ()
+    smoke_shape: str = "tiny-q"     # one tiny folder serves every group of a smoke run
+
+
+GROUPS: dict[str, Group] = {
+    "362m-bf16": Group("362m", None, trl=Trl("bf16"),
+                       frontier=("12", "8", "6", "4", "3", "2", "trl/2", "trl/2:adamw-bf16")),
+    "362m-p40": Group("362m", "p40", trl=Trl("fp32", cap="p40")),
+    "1.7b-bf16": Group("1.7b", None, trl=Trl("bf16"), frontier=("trl",)),
+    "1.7b-p40": Group("1.7b", "p40", trl=Trl("fp32", cap="p40"), steps=3),
+    "qwen7b-p40": Group("qwen7b", "p40", tuple(QLORA), Trl("fp32", cap="p40", qlora=True), steps=3),
+    "llama8b-t4": Group("llama8b", "t4", tuple(QLORA), Trl("bf16", cap="t4", qlora=True),
+                        (Trl("fp16", cap="t4", qlora=True, tag="trl-fp16"),), steps=3),
+    "qwen14b-p40": Group("qwen14b", "p40", tuple(QLORA), None, steps=3),
 }
-WORKLOADS = {  # name: (shape, precision, cap GiB, algo, run TRL)
-    "362m-bf16": ("362m", "bf16", None, "grpo", True),
-    "362m-p40": ("362m", "p40", 24, "grpo", True),
-    "1.7b-p40": ("1.7b", "p40", 24, "grpo", True),
-    "362m-ppo": ("362m", "bf16", None, "gae", False),
-}
-PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how rain forms, step by step."]
+SMOKE_DEFAULT = ["362m-bf16", "qwen7b-p40"]
+SMOKE_FRONTIER = ("0.5", "trl/2")
 
 
-def reward(data_source=None, solution_str="", ground_truth=None, extra_info=None, **_):
-    """Share of vowels among letters: defined for any text, varies between samples."""
-    letters = [c for c in solution_str.lower() if c.isalpha()]
-    return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+# ------------------------------------------------------------------------------------- TRL's side
+
+def trl_child(spec_path: str) -> None:
+    """TRL's GRPOTrainer on the spec's model; writes the result JSON, and OUT.partial after each step."""
+    spec = json.loads(Path(spec_path).read_text())
+    mem = bl.DeviceMemory()
+    out = Path(spec["out"])
+    res: dict[str, Any] = {}
+    start = time.time()
+    steps: list[dict[str, float]] = []
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+        if spec["cap"] and cuda:
+            from edgerl.session import cap_memory
+            res["emulation"] = cap_memory(spec["cap"])
+        from datasets import Dataset
+        from transformers import AutoTokenizer, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+        prec = spec["precision"] if cuda else "fp32"   # the CPU smoke run computes in fp32
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[prec]
+        tok = AutoTokenizer.from_pretrained(spec["model"])
+        kwargs: dict[str, Any] = {}
+        if spec["qlora"]:
+            from peft import LoraConfig
+            from transformers import BitsAndBytesConfig
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=dtype)
+            kwargs["peft_config"] = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                               task_type="CAUSAL_LM")
+        n = spec["steps"]
+        ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in bl.PROMPTS] * (n + 2))
+        args = GRPOConfig(output_dir=str(out.parent / (out.stem + "-trl")), per_device_train_batch_size=16,
+                          num_generations=8, max_completion_length=spec["new_tokens"], beta=0.04, learning_rate=1e-6,
+                          max_steps=n, logging_steps=1, save_strategy="no", report_to=[], bf16=prec == "bf16",
+                          fp16=prec == "fp16", temperature=1.0, use_cpu=not cuda, gradient_accumulation_steps=1,
+                          use_vllm=False, seed=0, model_init_kwargs={"dtype": dtype,
+                                                                     "attn_implementation": spec["attention"]})
+        res["config"] = {"gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16,
+                         "fp16": args.fp16, "generation_batch_size": args.generation_batch_size,
+                         "num_generations": args.num_generations, "loss_type": args.loss_type,
+                         "attention": spec["attention"], "model_dtype": str(dtype), "qlora": spec["qlora"]}
+
+        def partial() -> None:
+            Path(str(out) + ".partial").write_text(json.dumps({**res, "step_rows": steps}, default=str))
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                self.t = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                row = {}
+                if cuda:
+                    torch.cuda.synchronize()
+                    row = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / bl.GiB,
+                           "peak_reserved_gib": torch.cuda.max_memory_reserved() / bl.GiB}
+                steps.append({"step_s": time.perf_counter() - self.t, **row})
+                partial()
+
+        trainer = GRPOTrainer(model=spec["model"], reward_funcs=[trl_reward], args=args, train_dataset=ds,
+                              processing_class=tok, callbacks=[Clock()], **kwargs)
+        res["trainable_params"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        res["setup_s"] = time.time() - start
+        trainer.train()
+        lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+        for row, length in zip(steps, lengths):
+            row["length_mean"] = length
+        if cuda:
+            res["memory_end"] = mem.outside_allocator(torch.device("cuda", torch.cuda.current_device()))
+        res["status"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - reported by the parent; OOM is an expected outcome
+        import traceback
+        text = f"{type(e).__name__}: {e}"
+        res.update(status=bl.failure_status(text, "error"), error=text[:1500], trace=traceback.format_exc()[-3000:])
+    res["step_rows"] = steps
+    res["wall_s"] = time.time() - start
+    out.write_text(json.dumps(res, default=str))
 
 
 def trl_reward(completions, **_):
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [reward(solution_str=t) for t in texts]
+    return [bl.reward(solution_str=t) for t in texts]
 
 
-def make_model(shape: str, tokenizer: str, out: Path) -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    cfg = LlamaConfig(vocab_size=len(tok), tie_word_embeddings=True, max_position_embeddings=2048,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SHAPES[shape])
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: Path, timeout: float) -> dict:
+    out = work / f"{name.replace('/', '_')}.json"
+    spec = {"model": str(model), "precision": t.precision, "cap": t.cap, "qlora": t.qlora, "steps": steps,
+            "new_tokens": new_tokens, "attention": "sdpa", "out": str(out)}
+    spec_path = work / f"{name.replace('/', '_')}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    for p in (out, Path(str(out) + ".partial")):
+        p.unlink(missing_ok=True)
+    status, rc, tail = bl.run_logged([sys.executable, __file__, "--trl-child", str(spec_path)],
+                                     work / f"{name.replace('/', '_')}.log", timeout)
+    if out.exists():
+        res = json.loads(out.read_text())
+    elif Path(str(out) + ".partial").exists():
+        res = json.loads(Path(str(out) + ".partial").read_text())
+        res["status"] = bl.failure_status(tail, status)
+    else:
+        res = {"status": bl.failure_status(tail, status if status != "ok" else "crashed"), "error": tail[-1500:]}
+    if res["status"] != "ok" and res.get("step_rows"):
+        res["status"] += f" after {len(res['step_rows'])} step(s)"
+    res["log"] = str(work / f"{name.replace('/', '_')}.log")
+    rows = res.get("step_rows") or []
+    res["steps_done"] = len(rows)
+    res["step_s"] = [r["step_s"] for r in rows]
+    timed = rows[1:] or rows
+    if timed:
+        res["median_step_s"] = bl.med([r["step_s"] for r in timed])
+        res["response_length_mean"] = bl.med([r.get("length_mean") for r in timed])
+        if res["response_length_mean"] is not None and res["median_step_s"]:
+            res["tokens_per_s"] = 16 * res["response_length_mean"] / res["median_step_s"]
+        res["peak_allocated_gib"] = max((r.get("peak_allocated_gib") or 0.0 for r in rows), default=None) or None
+        res["peak_reserved_gib"] = max((r.get("peak_reserved_gib") or 0.0 for r in rows), default=None) or None
+    ctx = (res.get("memory_end") or {}).get("outside_allocator_gib")
+    res["outside_allocator_gib"] = ctx
+    if res.get("peak_reserved_gib"):
+        from edgerl.memory import DEFAULT_CALIBRATION
+        res["measured_gib"] = res["peak_reserved_gib"] + (ctx if ctx is not None else
+                                                          DEFAULT_CALIBRATION.cuda_context / bl.GiB)
+    res.pop("trace", None) if res["status"] == "ok" else None
+    return res
 
 
-def _cap(gib):
-    import torch
-    if gib and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
+# ------------------------------------------------------------------------------------- the groups
+
+def budget_for(item: str, trl: Optional[dict]) -> tuple[Optional[float], Optional[str], str]:
+    """(memory_gib or None, optimizer or None, why it is skipped or ''), from a --frontier item."""
+    budget, _, optimizer = item.partition(":")
+    if budget.startswith("trl"):
+        used = (trl or {}).get("measured_gib")
+        if not used:
+            return None, optimizer or None, "skipped: TRL's device memory was not measured"
+        div = float(budget.split("/")[1]) if "/" in budget else 1.0
+        return round(used / div, 2), optimizer or None, ""
+    return float(budget), optimizer or None, ""
 
 
-def run_edgerl(model: Path, precision: str, algo: str, steps: int, new_tokens: int, work: Path) -> dict:
-    import torch
-    from edgerl.config import load_config
-    from edgerl.target import plan_for, resolve_target
-    from edgerl.trainer import Trainer
-    data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "data_source": "bench"}) + "\n" for p in PROMPTS))
-    sets = [f'model.path="{model}"', f'data.path="{data}"', 'data.answer_key=""', "data.num_examples=2",
-            f'reward.function="{Path(__file__).resolve()}:reward"', "train.prompts_per_step=2", "rollout.n_samples=8",
-            f"rollout.max_new_tokens={new_tokens}", "rollout.stop_at_eos=false", f"train.steps={steps}",
-            "algo.kl_coef=0.04", f'algo.advantage="{algo}"', "run.save_every=0", "run.export_final=false",
-            "run.tensorboard=false", "train.lr=1e-6", "data.max_prompt_len=64"]
-    if precision == "p40":
-        sets.append('run.profile="p40"')
-    cfg = load_config(sets=sets)
-    target = resolve_target(cfg.run.profile)
-    if precision == "p40":
-        _cap(24)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if not torch.cuda.is_available():
-        target = resolve_target("cpu")
-    plan = plan_for(cfg, target)
-    t = Trainer(cfg, plan, device, work / "run", log=lambda s: None)
-    rows = []
-    t.run(on_step=lambda step, stats: rows.append(stats))
-    return {"step_s": [r["perf/step_s"] for r in rows], "tokens": [r["response/length_mean"] * 16 for r in rows],
-            "rollout_s": [r["time/rollout_s"] for r in rows],
-            "peak_gib": max(r.get("memory/peak_allocated_gib", 0.0) for r in rows),
-            "reserved_gib": max(r.get("memory/peak_reserved_gib", 0.0) for r in rows),
-            "estimate_gib": plan.memory.total / 2**30, "engine": t.engine.describe(),
-            "plan": {k: plan.value(k) for k in ("dtype", "attention", "kernel_backend", "micro_batch",
-                                                 "grad_checkpointing", "rollout_batch")}}
-
-
-def run_trl(model: Path, precision: str, steps: int, new_tokens: int, work: Path) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    if precision == "p40":
-        _cap(24)
-    fp32 = precision == "p40" or not torch.cuda.is_available()  # --smoke runs on the CPU in fp32
-    tok = AutoTokenizer.from_pretrained(model)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if fp32 else torch.bfloat16,
-                                              attn_implementation="eager" if fp32 else "sdpa")
-    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * (steps + 2))
-    args = GRPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=16, num_generations=8,
-                      max_completion_length=new_tokens, beta=0.04, learning_rate=1e-6, max_steps=steps,
-                      logging_steps=1, save_strategy="no", report_to=[], bf16=not fp32, temperature=1.0,
-                      use_cpu=not torch.cuda.is_available(),
-                      gradient_accumulation_steps=1, use_vllm=False, seed=0)
-    times: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.t)
-    trainer = GRPOTrainer(model=lm, reward_funcs=[trl_reward], args=args, train_dataset=ds, processing_class=tok,
-                          callbacks=[Clock()])
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    reserved = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
-    return {"step_s": times, "tokens": [ln * 16 for ln in lengths] or [16 * new_tokens] * len(times),
-            "peak_gib": peak, "reserved_gib": reserved}
-
-
-def child(argv: list[str]) -> None:
-    side, model, precision, algo, steps, new_tokens, out = argv
-    work = Path(tempfile.mkdtemp())
+def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock: bl.Clock, log) -> None:
+    shape = g.smoke_shape if args.smoke else g.shape
+    steps = 2 if args.smoke else (args.steps or g.steps)
+    frontier_steps = 2 if args.smoke else (args.steps or args.frontier_steps)
+    new_tokens = 8 if args.smoke else args.new_tokens
+    import torch  # noqa: F401 - only to ask whether CUDA exists; CUDA is not initialised here
+    cuda = torch.cuda.is_available()
+    profile = g.profile if cuda else ("cpu" if g.profile else None)
+    frontier = g.frontier
+    if g.frontier:
+        frontier = tuple(args.frontier.split(",")) if gname == "362m-bf16" and args.frontier else frontier
+        frontier = tuple(args.frontier_17b.split(",")) if gname == "1.7b-bf16" and args.frontier_17b else frontier
+        if args.smoke and not args.frontier and gname == "362m-bf16":
+            frontier = SMOKE_FRONTIER
+    plan_runs: list[tuple[str, Any]] = []
+    if g.trl:
+        plan_runs.append((f"{gname}/{g.trl.tag}", g.trl))
+    plan_runs.append((f"{gname}/edgerl", None))
+    plan_runs += [(f"{gname}/edgerl@{item}", item) for item in frontier]
+    plan_runs += [(f"{gname}/{t.tag}", t) for t in g.extra_trl]
+    todo = [(n, w) for n, w in plan_runs if not (args.skip_done and results.runs.get(n, {}).get("status") == "ok")]
+    if not todo:
+        return
+    if clock.left() < args.min_run_s:
+        for n, _ in todo:
+            results.put(n, {"group": gname, "status": f"skipped: {clock.elapsed():.0f} s of the budget used"})
+        return
     try:
-        res = (run_edgerl(Path(model), precision, algo, int(steps), int(new_tokens), work) if side == "edgerl"
-               else run_trl(Path(model), precision, int(steps), int(new_tokens), work))
-        res["status"] = "ok"
-    except Exception as e:  # the parent reports it; OOM is an expected outcome for TRL under the cap
-        import traceback
-        oom = "out of memory" in str(e).lower()
-        res = {"status": "out of memory" if oom else "error", "error": f"{type(e).__name__}: {str(e)[:400]}",
-               "trace": traceback.format_exc()[-2000:]}
-    Path(out).write_text(json.dumps(res))
+        model = bl.ensure_model(work, shape, args.tokenizer, timeout=max(60, min(600, clock.left() - 30)), log=log)
+    except Exception as e:  # noqa: BLE001
+        for n, _ in todo:
+            results.put(n, {"group": gname, "status": "error: model not built", "error": str(e)[-1500:]})
+        return
+    info = bl.model_info(model)
+    sets = bl.task_sets(work, steps, new_tokens) + list(g.sets)
+    if profile:
+        sets.append(f'run.profile="{profile}"')
+    trl_main = results.runs.get(f"{gname}/{g.trl.tag}") if g.trl else None
+    for name, what in todo:
+        left = clock.left()
+        if left < args.min_run_s:
+            results.put(name, {"group": gname, "status": f"skipped: {clock.elapsed():.0f} s of the budget used"})
+            log(f"{name}: skipped (budget)")
+            continue
+        timeout = min(args.timeout * (2 if g.shape in ("qwen7b", "llama8b", "qwen14b") else 1), left - 10)
+        run_steps = steps if what is None or isinstance(what, Trl) else frontier_steps
+        base = {"group": gname, "shape": shape, "model": info, "steps": run_steps, "new_tokens": new_tokens,
+                "speed_on": args.device + (f": a {profile}'s memory, not its speed" if cuda and g.profile else "")}
+        if isinstance(what, Trl):
+            res = run_trl(name, model, what, steps, new_tokens, work, timeout)
+            res["side"] = "trl"
+            if what is g.trl:
+                trl_main = res
+        else:
+            extra: list[str] = []
+            budget = None
+            if what is not None:
+                budget, optimizer, skip = budget_for(what, trl_main)
+                if skip:
+                    results.put(name, {**base, "side": "edgerl", "status": skip})
+                    log(f"{name}: {skip}")
+                    continue
+                extra += [f"plan.memory_gib={budget}", f"train.steps={run_steps}"]
+                if optimizer:
+                    extra.append(f'plan.optimizer="{optimizer}"')
+            run_dir = work / "runs" / name.replace("/", "_").replace("@", "-at-").replace(":", "-")
+            import shutil
+            shutil.rmtree(run_dir, ignore_errors=True)
+            spec = bl.edgerl_spec(model, sets + extra, run_dir, work / f"{name.replace('/', '_')}.json")
+            res = bl.run_edgerl(name.replace("/", "_"), spec, work, timeout)
+            res.update(side="edgerl", sets=extra, memory_gib=budget)
+            if budget is not None and res.get("measured_gib"):
+                res["within_budget"] = res["measured_gib"] <= budget
+        res = {**base, **res}
+        results.put(name, res)
+        log(f"{name}: {res['status']} in {res.get('wall_s', 0):.0f} s; step {bl.fmt(res.get('median_step_s'))} s; "
+            f"{bl.fmt(res.get('tokens_per_s'), '{:.0f}')} tok/s; peak reserved "
+            f"{bl.fmt(res.get('peak_reserved_gib'))} GiB"
+            + (f"; {res.get('error', '')[:300]}" if res["status"] != "ok" else ""))
 
 
-def summarise(res: dict) -> dict:
-    if res.get("status") != "ok" or not res.get("step_s"):
-        return res
-    steps = res["step_s"][1:] or res["step_s"]
-    med = statistics.median(steps)
-    toks = statistics.median(res["tokens"][1:] or res["tokens"])
-    return {**res, "median_step_s": med, "tokens_per_s": toks / med}
+# ------------------------------------------------------------------------------------- report
+
+def checks(runs: dict[str, dict], args) -> list[str]:
+    """What must hold for the comparison to mean anything; each failure as a line."""
+    bad = []
+    for name, r in runs.items():
+        if not r.get("status", "").startswith("ok"):
+            continue
+        if r.get("steps_done") != r.get("steps"):
+            bad.append(f"{name}: {r.get('steps_done')} steps done, {r.get('steps')} asked")
+        if r.get("side") == "edgerl" and r.get("sequences_per_step") not in (None, 16):
+            bad.append(f"{name}: {r.get('sequences_per_step')} sequences per step, not 16")
+        if r.get("side") == "trl" and (r.get("config") or {}).get("generation_batch_size") != 16:
+            bad.append(f"{name}: TRL generated {(r.get('config') or {}).get('generation_batch_size')} per step, not 16")
+        if r.get("within_budget") is False:
+            bad.append(f"{name}: used {r['measured_gib']:.2f} GiB of device memory, over its plan budget "
+                       f"{r['memory_gib']} GiB")
+        length = r.get("response_length_mean")
+        if length is not None and length < 0.9 * r.get("new_tokens", 0):
+            bad.append(f"{name}: mean response {length:.0f} tokens of {r.get('new_tokens')} (tokens/s counts them)")
+    groups: dict[str, list[dict]] = {}
+    for r in runs.values():
+        groups.setdefault(r.get("group", "?"), []).append(r)
+    for g, rs in groups.items():
+        models = {json.dumps(r.get("model"), sort_keys=True) for r in rs if r.get("model")}
+        if len(models) > 1:
+            bad.append(f"{g}: the runs used different model folders: {models}")
+        trl = runs.get(f"{g}/trl") or {}
+        edge = runs.get(f"{g}/edgerl") or {}
+        if trl.get("trainable_params") and edge.get("plan"):
+            lora = (edge["plan"] or {}).get("lora")
+            mine = lora["params"] if lora else edge.get("model_params")
+            if mine != trl["trainable_params"]:
+                bad.append(f"{g}: edgerl trains {mine:,} parameters, TRL {trl['trainable_params']:,}: not the same "
+                           f"{'adapter' if lora else 'model'}")
+    return bad
+
+
+def report(runs: dict[str, dict]) -> str:
+    rows = []
+    for name, r in runs.items():
+        trl = runs.get(f"{r.get('group')}/trl") or {}
+        ratio = (f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x" if r.get("side") == "edgerl"
+                 and r.get("tokens_per_s") and trl.get("tokens_per_s") else "-")
+        mem_ratio = (f"{r['measured_gib'] / trl['measured_gib']:.2f}x" if r.get("side") == "edgerl"
+                     and r.get("measured_gib") and trl.get("measured_gib") else "-")
+        p = r.get("plan") or {}
+        plan = (f"{(p.get('dtype') or {}).get('compute', '?')} {p.get('optimizer')}"
+                + (" lora" if p.get("lora") else "") + (f" base {p.get('base_dtype')}" if p.get("base_dtype") else "")
+                + (" ckpt" if p.get("grad_checkpointing") else "") + f" mb{p.get('micro_batch')}"
+                + (" swap" if p.get("swap_models") else "") + (" opt-off" if p.get("optimizer_offload") else "")
+                + (" param-off" if p.get("param_offload") else "")) if p else (
+            f"TRL {(r.get('config') or {}).get('model_dtype', '')}" if r.get("side") == "trl" else "-")
+        est = (f"{r['estimate_gib']:.2f} ({bl.fmt(r.get('estimate_error'), '{:+.0%}')})"
+               if r.get("estimate_gib") is not None else "-")
+        rows.append([name, r.get("status", "-")[:40], bl.fmt(r.get("median_step_s")),
+                     bl.fmt(r.get("tokens_per_s"), "{:.0f}"), ratio, bl.fmt(r.get("peak_allocated_gib")),
+                     bl.fmt(r.get("peak_reserved_gib")), bl.fmt(r.get("measured_gib")), mem_ratio,
+                     bl.fmt(r.get("memory_gib"), "{:g}"), est, plan, r.get("speed_on", "-")])
+    return bl.table(["run", "status", "s/step", "tok/s", "tok/s vs TRL", "peak alloc GiB", "peak reserved GiB",
+                     "device GiB", "device vs TRL", "plan budget GiB", "estimate GiB (error)", "plan",
+                     "speed measured on"], rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", default=str(Path(__file__).resolve().parents[2] / "shared/data/smollm2-tokenizer"))
-    ap.add_argument("--only", nargs="*", default=list(WORKLOADS))
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--only", nargs="*", default=None, help=f"groups, in order (default: all; smoke: {SMOKE_DEFAULT})")
+    ap.add_argument("--steps", type=int, default=None, help="steps of every run (default: 4; 3 for 1.7b-p40, the "
+                    "QLoRA groups and the frontier runs)")
+    ap.add_argument("--frontier-steps", type=int, default=3, help="steps of each edgerl run at a memory budget")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape, 8 tokens, CPU")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_vs_trl.json"))
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per run (twice this for the 7-14B shapes)")
+    ap.add_argument("--budget-s", type=float, default=540,
+                    help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
+    ap.add_argument("--min-run-s", type=float, default=None,
+                    help="do not start a run with less time than this left (default 45; smoke 5)")
+    ap.add_argument("--frontier", default=None, help="362m-bf16 edgerl budgets, comma-separated: GiB, trl, trl/2, "
+                    "with :OPTIMIZER (default 12,8,6,4,3,2,trl/2,trl/2:adamw-bf16)")
+    ap.add_argument("--frontier-17b", default=None, help="1.7b-bf16 edgerl budgets (default trl)")
+    ap.add_argument("--tokenizer", default=bl.default_tokenizer())
+    ap.add_argument("--work", default=None, help="models, run folders and logs (default /tmp/edgerl-bench)")
+    ap.add_argument("--skip-done", action="store_true", help="skip runs already ok in --out")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 steps of 8 tokens (CPU: profile cpu, no cap)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    results = {}
-    work = Path(tempfile.mkdtemp())
-    for name in args.only:
-        shape, precision, cap, algo, with_trl = WORKLOADS[name]
-        if args.smoke:
-            shape, steps, new_tokens = "tiny", 2, 8
-        else:
-            steps, new_tokens = args.steps, args.new_tokens
-        model = work / shape
-        if not model.exists():
-            make_model(shape, args.tokenizer, model)
-        row = {}
-        for side in (["edgerl", "trl"] if with_trl else ["edgerl"]):
-            out = work / f"{name}-{side}.json"
-            cmd = [sys.executable, __file__, "--child", side, str(model), precision, algo, str(steps),
-                   str(new_tokens), str(out)]
-            start = time.time()
-            try:
-                proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
-                res = json.loads(out.read_text()) if out.exists() else {
-                    "status": "crashed", "error": (proc.stderr or proc.stdout)[-1500:]}
-            except subprocess.TimeoutExpired:
-                res = {"status": f"timeout after {args.timeout} s"}
-            res["wall_s"] = time.time() - start
-            row[side] = summarise(res)
-            print(f"{name} {side}: {row[side].get('status')} "
-                  f"{row[side].get('median_step_s', '')} {row[side].get('error', '')}", flush=True)
-        if not with_trl:
-            row["trl"] = {"status": "not run: TRL's PPO (trl.experimental.ppo) needs a separate reward model"}
-        results[name] = row
-    print("\n| workload | edgerl s/step | TRL s/step | edgerl tok/s | TRL tok/s | throughput ratio | "
-          "edgerl peak GiB | TRL peak GiB |\n|---|---|---|---|---|---|---|---|")
-    for name, row in results.items():
-        e, t = row["edgerl"], row["trl"]
+    args.min_run_s = args.min_run_s if args.min_run_s is not None else (5 if args.smoke else 45)
+    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_vs_trl" + ("_smoke" if args.smoke else "")
+                                        + ".json"))
+    work = Path(args.work or ("/tmp/edgerl-bench-smoke" if args.smoke else "/tmp/edgerl-bench"))
+    work.mkdir(parents=True, exist_ok=True)
+    only = args.only or (SMOKE_DEFAULT if args.smoke else list(GROUPS))
+    unknown = [g for g in only if g not in GROUPS]
+    if unknown:
+        raise SystemExit(f"unknown group(s) {unknown}; choose from {', '.join(GROUPS)}")
+    bl.catalogue_check()
+    args.device = bl.device_name()
+    clock = bl.Clock(args.budget_s)
+    results = bl.Results(out, {"script": "bench_vs_trl", "smoke": args.smoke, "argv": sys.argv[1:],
+                               "device": args.device, "versions": bl.versions()})
 
-        def cell(r, key, fmt):
-            return fmt.format(r[key]) if key in r else r.get("status", "-")
-        ratio = (f"{e['tokens_per_s'] / t['tokens_per_s']:.2f}x" if "tokens_per_s" in e and "tokens_per_s" in t
-                 else "-")
-        print(f"| {name} | {cell(e, 'median_step_s', '{:.2f}')} | {cell(t, 'median_step_s', '{:.2f}')} | "
-              f"{cell(e, 'tokens_per_s', '{:.0f}')} | {cell(t, 'tokens_per_s', '{:.0f}')} | {ratio} | "
-              f"{cell(e, 'peak_gib', '{:.2f}')} | {cell(t, 'peak_gib', '{:.2f}')} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {args.out}")
+    def log(s: str) -> None:
+        print(f"[{clock.elapsed():5.0f} s] {s}", flush=True)
+    for gname in only:
+        run_group(gname, GROUPS[gname], args, work, results, clock, log)
+    runs = {k: v for k, v in results.runs.items() if v.get("group") in only}
+    text = report(runs)
+    bad = checks(runs, args)
+    results.data["table"] = text
+    results.data["check_failures"] = bad
+    results.save()
+    print("\nGRPO, 2 prompts x 8 samples x {} new tokens, median of steps 2..N; device GiB = peak reserved + memory "
+          "outside the allocator (CUDA context); speeds are this GPU's\n".format(8 if args.smoke else args.new_tokens))
+    print(text)
+    print("\nchecks: " + ("all passed" if not bad else f"{len(bad)} FAILED\n  " + "\n  ".join(bad)))
+    print(f"wrote {out} ({clock.elapsed():.0f} s)")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2:])
+    if len(sys.argv) > 2 and sys.argv[1] == "--trl-child":
+        trl_child(sys.argv[2])
     else:
         main()

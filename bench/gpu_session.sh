@@ -1,33 +1,121 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks on an accelerator machine with no network: bash bench/gpu_session.sh STAGE...
-# Expects wheels the machine lacks in .whl/ (trl, datasets, dill, multiprocess, liger-kernel) and the
-# SmolLM2 tokenizer at $EDGERL_SHARED/data/smollm2-tokenizer (default .cache/shared). Logs go to $OUT.
+# GPU checks and benchmarks on an accelerator machine with no network:
+#
+#     bash bench/gpu_session.sh STAGE...     stages in order
+#     bash bench/gpu_session.sh A+B          A on GPU 0 and B on GPU 1 at the same time (a two-GPU machine;
+#                                            their speeds share the host's CPU cores and PCIe)
+#
+# The whole command ends within SESSION_BUDGET_S seconds (default 565: under 9.5 minutes): a stage gets its
+# own limit or what is left, whichever is less (less 25 s for the table at the end), and is skipped when
+# under 30 s are left. The benchmarks write their JSON after every run, so a stage cut short keeps what it
+# measured. Results: $OUT/*.json; every log: $OUT/session.log and $OUT/logs.tar.gz; a short table of
+# everything is printed last (only the end of the output comes back).
+#
+# Needs: the wheels this machine lacks in .whl/ (trl 1.16.0, datasets, dill, multiprocess, xxhash,
+# bitsandbytes 0.50.2; liger-kernel for the kernels stages), and the SmolLM2 tokenizer in
+# $EDGERL_SHARED/data/smollm2-tokenizer (default .cache/shared).
+#
+# Stages (limit in seconds):
+#   quick 200       environment check (env_check.py), bench_vs_trl --smoke on this GPU (tiny shapes: TRL bf16,
+#                   edgerl at a TRL-derived budget, TRL QLoRA and edgerl NF4 under the P40 cap), and
+#                   bench_multi --smoke with NCCL when two GPUs are visible
+#   measure 90      python -m edgerl.measure --json --pageable
+#   trl-frontier 480  bench_vs_trl 362m-bf16 (TRL, edgerl on the whole GPU and at each --frontier budget)
+#   trl-17b 300     bench_vs_trl 1.7b-bf16;   trl-p40 360: 362m-p40 and 1.7b-p40
+#   trl-qwen7b 330, trl-llama8b 360, trl-qwen14b 240: the QLoRA groups; trl-qlora 560: all three
+#   trl-core 560, trl 560: several groups at once (more than one call holds; the budget stops them)
+#   memory 400      bench_memory;   multi 480: bench_multi (two GPUs)
+#   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
+START=$SECONDS
+BUDGET=${SESSION_BUDGET_S:-565}
 OUT=${OUT:-/tmp/edgerl-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 EDGERL_SHARED=${EDGERL_SHARED:-$PWD/.cache/shared} EDGERL_CACHE=/tmp/edgerl-cache
-TOK=$EDGERL_SHARED/data/smollm2-tokenizer
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+LOGS=/tmp/edgerl-logs; mkdir -p "$LOGS"
+export OUT PYTHONUNBUFFERED=1 EDGERL_SHARED=${EDGERL_SHARED:-$PWD/.cache/shared} EDGERL_CACHE=/tmp/edgerl-cache
+export NCCL_NVLS_ENABLE=0 TOK=${EDGERL_SHARED:-$PWD/.cache/shared}/data/smollm2-tokenizer
+if [ -z "${SKIP_INSTALL:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >"$LOGS/install_wheels.log" 2>&1 || { echo "wheel install failed:"; tail -20 "$LOGS/install_wheels.log"; }
     export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-run() {  # name, command...: log to $OUT/name.log, keep going on failure
-    local name=$1; shift
-    echo "=== $name: $*"; local start=$SECONDS
-    "$@" >"$OUT/$name.log" 2>&1; local rc=$?
-    echo "=== $name: rc=$rc in $((SECONDS - start)) s"; tail -n 25 "$OUT/$name.log"
+if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: edgerl is installed already (a check of this script elsewhere)
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
+fi
+STATUS="$LOGS/stages.tsv"; : >"$STATUS"
+
+stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's command line
+    local t=$2 x=$3 w=$4 b=$(( $2 - 15 ))
+    local vs="python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w --budget-s $b"
+    case $1 in
+        info) echo "nvidia-smi; python3 -c 'import torch, triton, transformers, pyarrow; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, pyarrow.__version__, torch.cuda.get_arch_list())'; edgerl doctor --json | head -c 4000" ;;
+        quick) echo "python3 bench/env_check.py --tokenizer $TOK;
+              python3 bench/bench_vs_trl.py --smoke --only 362m-bf16 qwen7b-p40 --frontier trl/2 --tokenizer $TOK --work $w-smoke --budget-s $(( b * 3 / 5 )) --out $OUT/quick$x.json;
+              if [ \$(nvidia-smi -L | wc -l) -ge 2 ]; then python3 bench/bench_multi.py --smoke --tokenizer $TOK --work $w-smoke --budget-s $(( b * 2 / 5 - 10 )) --out $OUT/quick_multi$x.json; fi" ;;
+        measure) echo "python3 -m edgerl.measure --json --pageable --budget 45 > $OUT/measure$x.json" ;;
+        trl-frontier) echo "$vs --only 362m-bf16 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-17b) echo "$vs --only 1.7b-bf16 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-p40) echo "$vs --only 362m-p40 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-core) echo "$vs --only 362m-bf16 362m-p40 1.7b-bf16 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-qwen7b) echo "$vs --only qwen7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-llama8b) echo "$vs --only llama8b-t4 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-qwen14b) echo "$vs --only qwen14b-p40 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-qlora) echo "$vs --only qwen7b-p40 llama8b-t4 qwen14b-p40 --out $OUT/bench_vs_trl$x.json" ;;
+        trl) echo "$vs --out $OUT/bench_vs_trl$x.json" ;;
+        trl-1.7b) echo "$vs --only 1.7b-p40 --steps 3 --timeout 140 --out $OUT/bench_vs_trl_17b$x.json" ;;
+        memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
+        multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
+        tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py" ;;
+        tests) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py" ;;
+        kernels-bf16) echo "python3 bench/bench_logprobs.py --dtypes bf16 --out $OUT/bench_logprobs_bf16$x.json" ;;
+        kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;
+        rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
+        fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
+        fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
+        *) return 1 ;;
+    esac
 }
-for stage in "$@"; do case $stage in
-    info) run info bash -c "nvidia-smi; python3 -c 'import torch, triton, transformers, pyarrow; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, pyarrow.__version__, torch.cuda.get_arch_list())'; edgerl doctor --json | head -c 4000" ;;
-    tests-train) run tests_train timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py ;;
-    tests) run tests timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py ;;
-    kernels-bf16) run kernels_bf16 python3 bench/bench_logprobs.py --dtypes bf16 --out "$OUT/bench_logprobs_bf16.json" ;;
-    kernels-fp32) run kernels_fp32 python3 bench/bench_logprobs.py --dtypes fp32 --out "$OUT/bench_logprobs_fp32.json" ;;
-    rollout) run rollout timeout 200 python3 bench/bench_rollout.py --reps 2 --out "$OUT/bench_rollout.json" ;;
-    trl) run vs_trl python3 bench/bench_vs_trl.py --tokenizer "$TOK" --out "$OUT/bench_vs_trl.json" ;;
-    trl-1.7b) run vs_trl_17b timeout 150 python3 bench/bench_vs_trl.py --only 1.7b-p40 --steps 3 --timeout 140 --tokenizer "$TOK" --out "$OUT/bench_vs_trl_17b.json" ;;
-    fit-full) run fit_full python3 bench/bench_fit.py --only full --timeout 150 --tokenizer "$TOK" --out "$OUT/bench_fit_full.json" ;;
-    fit) run fit python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer "$TOK" --out "$OUT/bench_fit.json" ;;
-    *) echo "unknown stage $stage"; exit 2 ;;
-esac; done
+
+limit_of() {
+    case $1 in
+        info) echo 60 ;; quick) echo 200 ;; measure) echo 90 ;; trl-frontier) echo 480 ;; trl-17b) echo 300 ;;
+        trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-qwen14b) echo 240 ;;
+        trl-1.7b) echo 150 ;; memory) echo 400 ;;
+        multi) echo 480 ;; tests-train) echo 120 ;; tests) echo 150 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
+        fit) echo 300 ;; *) echo 560 ;;
+    esac
+}
+
+run_stage() {  # stage, output suffix, work folder: run it within its limit and the session's
+    local s=$1 x=$2 w=$3 lim left t cmd start rc
+    lim=$(limit_of "$s"); left=$(( BUDGET - (SECONDS - START) - 25 )); t=$(( lim < left ? lim : left ))
+    if ! cmd=$(stage_cmd "$s" "$t" "$x" "$w"); then echo "unknown stage $s"; printf '%s\t%s\t%s\n' "$s$x" "unknown" 0 >>"$STATUS"; return; fi
+    if [ "$t" -lt 30 ]; then
+        echo "=== $s$x: skipped, $left s left"; printf '%s\t%s\t%s\n' "$s$x" "skipped" 0 >>"$STATUS"; return
+    fi
+    echo "=== $s$x (limit $t s${CUDA_VISIBLE_DEVICES:+, GPU $CUDA_VISIBLE_DEVICES}): $cmd"
+    start=$SECONDS
+    timeout -k 10 "$t" bash -c "$cmd" >"$LOGS/$s$x.log" 2>&1; rc=$?
+    [ $rc -eq 124 ] && rc="timeout"
+    echo "=== $s$x: rc=$rc in $((SECONDS - start)) s"; tail -n 6 "$LOGS/$s$x.log"
+    printf '%s\t%s\t%s\n' "$s$x" "$rc" "$((SECONDS - start))" >>"$STATUS"
+}
+
+for item in "$@"; do
+    if [[ $item == *+* ]]; then
+        IFS=+ read -ra parts <<<"$item"; i=0
+        for s in "${parts[@]}"; do
+            CUDA_VISIBLE_DEVICES=$i run_stage "$s" "_gpu$i" "/tmp/edgerl-bench-gpu$i" &
+            i=$((i + 1))
+        done
+        wait
+    else
+        run_stage "$item" "" /tmp/edgerl-bench
+    fi
+done
+
+for f in "$LOGS"/*.log; do echo "##### $(basename "$f")"; cat "$f"; done >"$OUT/session.log" 2>/dev/null
+find /tmp/edgerl-logs /tmp/edgerl-bench* -type f \( -name '*.log' -o -name 'plan.json' -o -name 'metrics.jsonl' \
+    -o -name '*.spec.json' \) -size -20M 2>/dev/null | tar -czf "$OUT/logs.tar.gz" -T - 2>/dev/null
+echo; echo "=== stages (rc, seconds; session $((SECONDS - START)) s of $BUDGET s)"; column -t "$STATUS" 2>/dev/null || cat "$STATUS"
+echo; python3 bench/summary.py "$OUT"

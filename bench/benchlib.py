@@ -1,0 +1,654 @@
+"""Shared pieces of the benchmarks (bench_vs_trl, bench_memory, bench_multi).
+
+- Random-weight llama folders written straight to safetensors, one tensor at a time (a 14B shape
+  takes as long as writing its bytes, not building the model), with config.json and the tokenizer;
+  reused while their shape, dtype and seed match.
+- edgerl runs through the library entry point (`session.load` -> `session.prepare` -> `Trainer`),
+  each in its own process with a time limit; under torchrun every rank writes its own result.
+- Device memory outside torch's allocator (CUDA context, library handles) measured with NVML:
+  the GPU's used bytes before this process touched CUDA and after, less torch's reserved bytes.
+- Results kept in one JSON file, rewritten atomically after every run, merged with an earlier
+  file of the same name (so a benchmark can be run in pieces with --only).
+
+    python bench/benchlib.py build SHAPE TOKENIZER OUT [DTYPE]     # one model folder
+    python bench/benchlib.py edgerl SPEC.json                        # one edgerl run (a child)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 2**30
+# (hidden, layers, heads, KV heads, MLP, tied embeddings); the vocabulary is the tokenizer's
+SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
+    "362m": (960, 32, 15, 5, 2560, True),         # SmolLM2-360M (edgerl.modelspec.CATALOGUE)
+    "1.7b": (2048, 24, 32, 32, 8192, True),       # SmolLM2-1.7B
+    "qwen7b": (3584, 28, 28, 4, 18944, False),    # Qwen2.5-7B widths (llama layers: no q/k/v bias)
+    "llama8b": (4096, 32, 32, 8, 14336, False),   # Llama-3.1-8B widths
+    "qwen14b": (5120, 48, 40, 8, 13824, False),   # Qwen2.5-14B widths
+    "tiny": (64, 2, 4, 2, 128, True),
+    "tiny-q": (128, 2, 4, 2, 256, False),         # widths multiples of 64: bitsandbytes' CPU NF4 kernel needs it
+}
+# deeper SmolLM2-1.7B shapes: bench_multi looks among them for one that fits two P40s and not one
+SHAPES.update({f"1.7b-l{n}": (2048, n, 32, 32, 8192, True) for n in (28, 32, 36, 40, 44, 48)})
+SHAPES.update({f"small-l{n}": (256, n, 4, 2, 1024, True) for n in (4, 8, 16)})   # its --smoke stand-ins
+STD = 0.02   # HF's initializer_range; norms are ones
+FORMAT = 2   # bumped when build_model writes something else: older folders are rebuilt
+DTYPES = {"bf16": ("BF16", "bfloat16"), "fp16": ("F16", "float16"), "fp32": ("F32", "float32")}
+
+
+def default_tokenizer() -> str:
+    shared = Path(os.environ.get("EDGERL_SHARED", REPO.parent / "shared"))
+    return str(shared / "data" / "smollm2-tokenizer")
+
+
+def catalogue_check() -> None:
+    """The 362m and 1.7b rows above are edgerl's catalogue shapes: fail loudly if the catalogue moved."""
+    from edgerl.modelspec import CATALOGUE
+    for name, key in (("362m", "smollm2-360m"), ("1.7b", "smollm2-1.7b")):
+        m = CATALOGUE[key]
+        got = (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size, m.tie_embeddings)
+        if got != SHAPES[name]:
+            raise SystemExit(f"bench shape {name} {SHAPES[name]} differs from edgerl's catalogue {key} {got}")
+
+
+def n_params(shape: str, vocab: int = 49152) -> int:
+    h, layers, heads, kv, mlp, tie = SHAPES[shape]
+    hd = h // heads
+    layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * mlp + 2 * h
+    return vocab * h * (1 if tie else 2) + layers * layer + h
+
+
+# ------------------------------------------------------------------------------------- model folders
+
+def tensor_shapes(shape: str, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter names and shapes of transformers' LlamaForCausalLM with this shape."""
+    h, layers, heads, kv, mlp, tie = SHAPES[shape]
+    hd = h // heads
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (heads * hd, h)), (p + "self_attn.k_proj.weight", (kv * hd, h)),
+                (p + "self_attn.v_proj.weight", (kv * hd, h)), (p + "self_attn.o_proj.weight", (h, heads * hd)),
+                (p + "mlp.gate_proj.weight", (mlp, h)), (p + "mlp.up_proj.weight", (mlp, h)),
+                (p + "mlp.down_proj.weight", (h, mlp)), (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    out.append(("model.norm.weight", (h,)))
+    if not tie:
+        out.append(("lm_head.weight", (vocab, h)))
+    return out
+
+
+def _write_safetensors(path: Path, items: list[tuple[str, tuple[int, ...]]], st_dtype: str, elt: int,
+                       make: Callable[[str, tuple[int, ...]], Any]) -> None:
+    """A safetensors file written tensor by tensor: header first (offsets known from the shapes), then
+    each tensor's bytes as `make` produces them (a buffer: numpy array, bytes). Only one tensor is in
+    memory at a time."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shp in items:
+        n = elt
+        for d in shp:
+            n *= d
+        header[name] = {"dtype": st_dtype, "shape": list(shp), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little"))
+        fh.write(text)
+        for name, shp in items:
+            data = memoryview(make(name, shp)).cast("B")
+            if data.nbytes != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                raise RuntimeError(f"{name}: {data.nbytes} bytes, expected {header[name]['data_offsets']}")
+            fh.write(data)
+
+
+def build_model(shape: str, tokenizer: str, out: Path, dtype: str = "bf16", seed: int = 0,
+                shard_bytes: int = 4 * GiB) -> Path:
+    """A random-weight llama folder: normal(0, 0.02) weights, unit norms, drawn on the GPU when there
+    is one (seeded, so the same folder every time), written in `dtype`."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    vocab = len(tok)
+    h, layers, heads, kv, mlp, tie = SHAPES[shape]
+    st_dtype, torch_name = DTYPES[dtype]
+    tdtype = getattr(torch, torch_name)
+    elt = torch.tensor([], dtype=tdtype).element_size()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, intermediate_size=mlp, tie_word_embeddings=tie,
+                      max_position_embeddings=2048, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, initializer_range=STD)
+    cfg.dtype = tdtype
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def make(name: str, shp: tuple[int, ...]) -> Any:
+        if len(shp) == 1:
+            t = torch.ones(shp, dtype=tdtype)
+        else:
+            t = torch.empty(shp, device=device, dtype=torch.float32).normal_(0.0, STD, generator=gen)
+            t = t.to(tdtype).cpu()
+        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elt]
+        return t.contiguous().view(view).numpy()
+
+    items = tensor_shapes(shape, vocab)
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shp in items:
+        n = elt * int(torch.Size(shp).numel())
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shp))
+        size += n
+    weight_map = {}
+    total = 0
+    for k, part in enumerate(shards, 1):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(tmp / fname, part, st_dtype, elt, make)
+        for name, shp in part:
+            weight_map[name] = fname
+            total += elt * int(torch.Size(shp).numel())
+    if len(shards) > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    check_model_folder(tmp, shape, vocab)
+    (tmp / "bench-model.json").write_text(json.dumps({"format": FORMAT, "shape": shape, "shapes": SHAPES[shape],
+                                                      "dtype": dtype, "seed": seed, "vocab": vocab, "bytes": total}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def check_model_folder(folder: Path, shape: str, vocab: int) -> None:
+    """The written names and shapes are exactly those transformers builds for this config (the model is
+    built on the meta device: no memory, no time)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        want.pop("lm_head.weight", None)
+    got = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            for k in fh.keys():
+                got[k] = tuple(fh.get_slice(k).get_shape())
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        bad = [k for k in set(want) & set(got) if want[k] != got[k]]
+        raise RuntimeError(f"model folder {folder} does not match {type(model).__name__}: missing {missing[:5]}, "
+                           f"unexpected {extra[:5]}, wrong shapes {bad[:5]}")
+
+
+def model_info(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "bench-model.json").read_text())
+
+
+def ensure_model(work: Path, shape: str, tokenizer: str, dtype: str = "bf16", timeout: int = 300,
+                 log: Callable[[str], None] = print) -> Path:
+    """The model folder work/models/SHAPE-DTYPE, built in a subprocess (the caller keeps CUDA
+    uninitialised) when missing; older model folders are deleted when the disk would not hold it."""
+    models = work / "models"
+    out = models / f"{shape}-{dtype}"
+    if (out / "bench-model.json").exists() and model_info(out).get("shapes") == list(SHAPES[shape]) \
+            and model_info(out).get("format") == FORMAT:
+        return out
+    models.mkdir(parents=True, exist_ok=True)
+    need = n_params(shape) * (2 if dtype != "fp32" else 4) + 2 * GiB
+    others = sorted((p for p in models.iterdir() if p.is_dir() and p != out), key=lambda p: p.stat().st_mtime)
+    while shutil.disk_usage(models).free < need and others:
+        victim = others.pop(0)
+        log(f"deleting {victim} to make room for {out.name} ({need / GiB:.1f} GiB)")
+        shutil.rmtree(victim, ignore_errors=True)
+    start = time.time()
+    status, rc, tail = run_logged([sys.executable, __file__, "build", shape, tokenizer, str(out), dtype],
+                                  work / f"build-{shape}-{dtype}.log", timeout)
+    if rc != 0 or not (out / "bench-model.json").exists():
+        raise RuntimeError(f"building {shape} failed ({status}): {tail[-1500:]}")
+    log(f"built {out} in {time.time() - start:.0f} s")
+    return out
+
+
+# ------------------------------------------------------------------------------------- processes
+
+def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM to the child's process group, then SIGKILL if it has not ended after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dict[str, str]] = None
+               ) -> tuple[str, Optional[int], str]:
+    """Run `cmd` in its own process group, output to `log_path`; on timeout the whole group is
+    stopped (SIGTERM, then SIGKILL). A SIGTERM to this process (a stage's time limit) stops the group
+    too before this process ends, so no run outlives the benchmark that started it. Returns (status,
+    exit code or None, the last 3000 characters of the log)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})})
+
+        def on_term(signum, _frame):
+            _stop_group(proc, grace=3.0)
+            raise SystemExit(128 + signum)
+        previous = signal.signal(signal.SIGTERM, on_term)
+        try:
+            rc: Optional[int] = proc.wait(timeout=max(1.0, timeout))
+            status = "ok" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            rc, status = None, f"timeout after {timeout:.0f} s"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    text = log_path.read_text(errors="replace")
+    return status, rc, text[-3000:]
+
+
+def failure_status(text: str, fallback: str) -> str:
+    low = text.lower()
+    if "out of memory" in low:
+        return "out of memory"
+    if "does not fit" in low:
+        return "plan: does not fit"
+    return fallback
+
+
+class Clock:
+    """Seconds left before a deadline, for runs that must end before the caller's time limit."""
+    def __init__(self, budget_s: float):
+        self.t0 = time.time()
+        self.budget_s = budget_s
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+
+# ------------------------------------------------------------------------------------- results
+
+class Results:
+    """One JSON file: {"meta": ..., "runs": {name: record}}, rewritten atomically after each put.
+    An existing file at the same path is read first, so runs of earlier invocations stay."""
+    def __init__(self, path: Path, meta: dict[str, Any]):
+        self.path = Path(path)
+        self.data: dict[str, Any] = {"meta": {}, "runs": {}}
+        if self.path.exists():
+            try:
+                old = json.loads(self.path.read_text())
+                if isinstance(old, dict) and isinstance(old.get("runs"), dict):
+                    self.data = old
+            except ValueError:
+                pass
+        self.data["meta"] = {**self.data.get("meta", {}), **meta}
+        self.save()
+
+    @property
+    def runs(self) -> dict[str, Any]:
+        return self.data["runs"]
+
+    def put(self, name: str, record: dict[str, Any]) -> None:
+        self.runs[name] = record
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+def med(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt(x: Any, spec: str = "{:.2f}", missing: str = "-") -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return missing
+    return spec.format(x)
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- device memory
+
+def _nvml_used() -> dict[str, int]:
+    """Used bytes per GPU by UUID (NVML), or {} without NVML. Does not initialise CUDA."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        out = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            out[_uuid(uuid)] = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+        return out
+    except Exception:
+        return {}
+
+
+def _uuid(s: str) -> str:
+    return s.lower().removeprefix("gpu-").strip()
+
+
+class DeviceMemory:
+    """Device memory this process holds outside torch's allocator. Create it before CUDA is
+    initialised: it records what the GPUs used before."""
+    def __init__(self) -> None:
+        self.before = _nvml_used()
+
+    def outside_allocator(self, device: Any) -> dict[str, Any]:
+        import torch
+        if getattr(device, "type", "cpu") != "cuda":
+            return {}
+        torch.cuda.synchronize(device)
+        uuid = _uuid(str(torch.cuda.get_device_properties(device).uuid))
+        reserved = torch.cuda.memory_reserved(device)
+        now = _nvml_used()
+        if uuid in now and uuid in self.before:
+            used, base, method = now[uuid], self.before[uuid], "nvml: used now - used before CUDA init - reserved"
+        else:
+            free, total = torch.cuda.mem_get_info(device)
+            used, base, method = total - free, 0, "mem_get_info: used - reserved (no baseline: other processes count)"
+        return {"outside_allocator_gib": (used - base - reserved) / GiB, "device_used_gib": (used - base) / GiB,
+                "reserved_now_gib": reserved / GiB, "method": method}
+
+
+# ------------------------------------------------------------------------------------- edgerl runs
+
+PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how rain forms, step by step.",
+           "Describe a busy market in the morning.", "Give advice to someone learning to cook.",
+           "Tell the history of the bicycle in a few paragraphs.", "Explain why the sky is blue.",
+           "Write a letter to a friend about a trip to the mountains.", "Describe how a bridge is built."]
+
+
+def reward(data_source=None, solution_str="", ground_truth=None, extra_info=None, **_):
+    """Share of vowels among letters: defined for any text, varies between samples."""
+    letters = [c for c in solution_str.lower() if c.isalpha()]
+    return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+
+
+def task_sets(work: Path, steps: int, new_tokens: int = 256, prompts_per_step: int = 2, samples: int = 8,
+              kl_coef: float = 0.04) -> list[str]:
+    """The benchmark task as edgerl --set strings: `prompts_per_step` x `samples` completions of exactly
+    `new_tokens` tokens (EOS ignored), GRPO with the reference KL term (k3, as TRL), no checkpoints."""
+    data = work / "prompts.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps({"prompt": p, "data_source": "bench"}) + "\n" for p in PROMPTS))
+    return [f'data.path="{data}"', 'data.answer_key=""', "data.max_prompt_len=64",
+            f'reward.function="{Path(__file__).resolve()}:reward"', f"train.prompts_per_step={prompts_per_step}",
+            f"rollout.n_samples={samples}", f"rollout.max_new_tokens={new_tokens}", "rollout.stop_at_eos=false",
+            f"train.steps={steps}", f"algo.kl_coef={kl_coef}", 'algo.advantage="grpo"', "train.lr=1e-6",
+            "run.save_every=0", "run.export_final=false", "run.tensorboard=false"]
+
+
+def edgerl_spec(model: Path, sets: list[str], run_dir: Path, out: Path, **extra: Any) -> dict[str, Any]:
+    return {"model": str(model), "sets": [f'model.path="{model}"', *sets], "run_dir": str(run_dir),
+            "out": str(out), **extra}
+
+
+class _PhasePeaks:
+    """Mixed into Trainer for bench_memory: the peak allocated and reserved bytes of each phase
+    (rollout, score, update, and everything between them), read and reset at each boundary."""
+    phase_peaks: list[dict[str, float]]
+
+    def _mark(self, name: str) -> None:
+        import torch
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize(self.device)
+        row = self.phase_peaks[-1] if self.phase_peaks else None
+        if row is None or row.get("_step") != self.state.loop.step:
+            row = {"_step": self.state.loop.step}
+            self.phase_peaks.append(row)
+        alloc = torch.cuda.max_memory_allocated(self.device) / GiB
+        res = torch.cuda.max_memory_reserved(self.device) / GiB
+        row[f"{name}_alloc"] = max(row.get(f"{name}_alloc", 0.0), alloc)
+        row[f"{name}_reserved"] = max(row.get(f"{name}_reserved", 0.0), res)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def rollout(self, *args, **kwargs):
+        self._mark("other")
+        out = super().rollout(*args, **kwargs)
+        self._mark("rollout")
+        return out
+
+    def score(self, *args, **kwargs):
+        self._mark("other")
+        out = super().score(*args, **kwargs)
+        self._mark("score")
+        return out
+
+    def update(self, *args, **kwargs):
+        self._mark("other")
+        out = super().update(*args, **kwargs)
+        self._mark("update")
+        return out
+
+    def step_once(self):
+        out = super().step_once()
+        self._mark("other")   # the weight sync and the metrics, before the next step resets the peaks
+        return out
+
+
+def edgerl_child(spec_path: str) -> None:
+    """One edgerl run as `edgerl train` makes it, from a JSON spec; writes the result JSON (rank r > 0
+    writes OUT.rank{r}.json) and exits 1 when the run failed, so that torchrun stops the other ranks
+    instead of leaving them waiting in a collective. Metrics rows land in the run folder as it goes."""
+    spec = json.loads(Path(spec_path).read_text())
+    mem = DeviceMemory()   # before CUDA is touched
+    rank = int(os.environ.get("RANK", "0"))
+    if spec.get("cpu_ranks_on_device_0") and "LOCAL_RANK" in os.environ:
+        # edgerl (at 69b8d10) refuses LOCAL_RANK > 0 when torch sees no GPU, even with --profile cpu;
+        # on the CPU every rank runs on "device 0" anyway (the gloo smoke runs only)
+        os.environ["LOCAL_RANK"] = "0"
+    out = Path(spec["out"]) if rank == 0 else Path(f"{spec['out']}.rank{rank}.json")
+    res: dict[str, Any] = {"rank": rank}
+    start = time.time()
+    try:
+        import torch
+        if spec.get("deterministic"):
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        from edgerl import session
+        from edgerl.trainer import Trainer
+        resume = Path(spec["resume"]) if spec.get("resume") else None
+        cfg, point = session.load(None, spec["sets"], resume, Path(spec["run_dir"]))
+        logs: list[str] = []
+        s = session.prepare(cfg, point, log=logs.append)
+        res["emulation"] = s.emulation
+        res["context_after_init"] = mem.outside_allocator(s.device)
+        cls = type("PhasePeaksTrainer", (_PhasePeaks, Trainer), {}) if spec.get("phase_peaks") else Trainer
+        t = cls(s)
+        t.phase_peaks = []
+        res["engine"] = t.engine.describe()
+        res["setup_s"] = time.time() - start
+        rows: list[dict[str, Any]] = []
+
+        def on_step(step: int, stats: dict[str, Any]) -> None:
+            rows.append({"step": step, **{k: v for k, v in stats.items() if isinstance(v, (int, float, str))}})
+            if t.device.type == "cuda" and step == 1:
+                res["context_after_step1"] = mem.outside_allocator(t.device)
+        t.run(on_step)
+        res["memory_end"] = mem.outside_allocator(t.device)
+        res.update(status="ok", rows=rows, phase_peaks=t.phase_peaks, logs=logs[-40:])
+    except BaseException as e:  # noqa: BLE001 - the parent reports it; OOM is an expected outcome
+        import traceback
+        text = f"{type(e).__name__}: {e}"
+        res.update(status=failure_status(text, "error"), error=text[:1500], trace=traceback.format_exc()[-3000:])
+    res["wall_s"] = time.time() - start
+    out.write_text(json.dumps(res, default=str))
+    if res["status"] != "ok":
+        sys.exit(1)
+
+
+def read_run_folder(run_dir: Path) -> dict[str, Any]:
+    """plan.json and metrics.jsonl of a run folder (what is there, even after a crash or timeout)."""
+    out: dict[str, Any] = {}
+    if (run_dir / "plan.json").exists():
+        out["plan_json"] = json.loads((run_dir / "plan.json").read_text())
+    rows = []
+    if (run_dir / "metrics.jsonl").exists():
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    out["rows"] = rows
+    return out
+
+
+def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, nproc: int = 1,
+               env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """An edgerl run in a subprocess (torchrun with `nproc` > 1); its summary."""
+    spec_path = work / f"{name}.spec.json"
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    Path(spec["out"]).unlink(missing_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               __file__, "edgerl", str(spec_path)]
+    else:
+        cmd = [sys.executable, __file__, "edgerl", str(spec_path)]
+    status, rc, tail = run_logged(cmd, work / f"{name}.log", timeout, env)
+    outp = Path(spec["out"])
+    res: dict[str, Any] = json.loads(outp.read_text()) if outp.exists() else {}
+    folder = read_run_folder(Path(spec["run_dir"]))
+    if not res:
+        res = {"status": failure_status(tail, status if status != "ok" else "crashed"), "error": tail[-1500:]}
+    if not res.get("rows"):
+        res["rows"] = folder["rows"]     # steps done before a timeout or crash
+    if res["status"] != "ok" and res["rows"]:
+        res["status"] += f" after {len(res['rows'])} step(s)"
+    res["ranks"] = [json.loads(Path(f"{spec['out']}.rank{r}.json").read_text())
+                    for r in range(1, nproc) if Path(f"{spec['out']}.rank{r}.json").exists()]
+    res["log"] = str(work / f"{name}.log")
+    return summarise_edgerl(res, folder.get("plan_json"))
+
+
+PLAN_KEYS = ("dtype", "attention", "kernel_backend", "optimizer", "lora", "base_dtype", "grad_checkpointing",
+             "swap_models", "optimizer_offload", "param_offload", "micro_batch", "score_micro_batch",
+             "rollout_batch", "cuda_graphs")
+
+
+def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over steps 2..N, peaks over all steps, the plan's estimate and its error."""
+    rows = res.pop("rows", []) or []
+    out = {k: v for k, v in res.items() if k not in ("logs",)}
+    out["steps_done"] = len(rows)
+    out["step_s"] = [r.get("perf/step_s") for r in rows]
+    timed = rows[1:] or rows
+    if rows:
+        tokens = [r.get("response/length_mean", 0) * r.get("batch/sequences", 0) for r in timed]
+        out["sequences_per_step"] = rows[-1].get("batch/sequences")
+        out["response_length_mean"] = med([r.get("response/length_mean") for r in timed])
+        out["median_step_s"] = med([r.get("perf/step_s") for r in timed])
+        for key in ("rollout", "reward", "score", "update", "sync"):
+            out[f"median_{key}_s"] = med([r.get(f"time/{key}_s") for r in timed])
+        if out["median_step_s"]:
+            out["tokens_per_s"] = med(tokens) / out["median_step_s"]
+        for key in ("peak_allocated", "peak_reserved", "host_rss"):
+            out[f"{key}_gib"] = max((r[f"memory/{key}_gib"] for r in rows if f"memory/{key}_gib" in r), default=None)
+        out["metrics"] = [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "memory/"))}
+                          for r in rows]
+        out["world_size"] = rows[-1].get("dist/world_size", 1)
+    peaks = res.get("phase_peaks") or []
+    if peaks:   # bench_memory's per-phase peaks replace the step-level ones (reset at each phase)
+        keys = {k for row in peaks for k in row if k != "_step"}
+        out["phase_alloc_gib"] = {k[:-6]: max(r.get(k, 0.0) for r in peaks) for k in keys if k.endswith("_alloc")}
+        out["phase_reserved_gib"] = {k[:-9]: max(r.get(k, 0.0) for r in peaks) for k in keys
+                                     if k.endswith("_reserved")}
+        out["peak_allocated_gib"] = max(out["phase_alloc_gib"].values())
+        out["peak_reserved_gib"] = max(out["phase_reserved_gib"].values())
+    if plan_json:
+        mem = plan_json["memory"]
+        out["estimate_gib"] = mem["total_bytes"] / GiB
+        out["estimate_peak_phase"] = mem["peak_phase"]
+        out["estimate_phases_gib"] = {k: v / GiB for k, v in mem["phases"].items()}
+        out["estimate_components_gib"] = {k: v / GiB for k, v in mem["components"].items()}
+        out["estimate_context_gib"] = mem["components"].get("CUDA context", 0) / GiB   # 0 on the CPU
+        out["budget_gib"] = mem["budget_bytes"] / GiB
+        out["model_params"] = plan_json["model"]["n_params"]
+        out["plan"] = {k: plan_json["plan"].get(k) for k in PLAN_KEYS}
+        out["effective_batch"] = plan_json.get("effective_batch")
+    ctx = (res.get("memory_end") or res.get("context_after_step1") or {}).get("outside_allocator_gib")
+    out["outside_allocator_gib"] = ctx
+    if out.get("peak_reserved_gib") and out.get("estimate_gib"):
+        from edgerl.memory import DEFAULT_CALIBRATION
+        extra = ctx if ctx is not None else DEFAULT_CALIBRATION.cuda_context / GiB
+        out["measured_gib"] = out["peak_reserved_gib"] + extra
+        out["estimate_error"] = out["estimate_gib"] / out["measured_gib"] - 1
+    return out
+
+
+def device_name() -> str:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return (name.decode() if isinstance(name, bytes) else name).removeprefix("NVIDIA ")
+    except Exception:
+        return "CPU"
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for pkg in ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "edgerl"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def main() -> None:
+    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
+    if cmd == "build":
+        shape, tokenizer, out = sys.argv[2:5]
+        dtype = sys.argv[5] if len(sys.argv) > 5 else "bf16"
+        build_model(shape, tokenizer, Path(out), dtype)
+    elif cmd == "edgerl":
+        edgerl_child(sys.argv[2])
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The benchmark harness on the CPU: model folders, result bookkeeping, and each script's --smoke end to
+end (those are slow: about a minute each on two cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+TOKENIZER = REPO.parent / "shared" / "data" / "smollm2-tokenizer"
+sys.path.insert(0, str(BENCH))
+import benchlib as bl  # noqa: E402
+
+needs_tokenizer = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").exists(), reason=f"no tokenizer at {TOKENIZER}")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "EDGERL_SHARED": str(REPO.parent / "shared"),
+       "CUDA_VISIBLE_DEVICES": ""}
+
+
+@needs_tokenizer
+def test_random_model_folder_loads_in_transformers_with_every_weight(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    out = bl.build_model("tiny", str(TOKENIZER), tmp_path / "m", "fp16", shard_bytes=3 * 2**20)
+    assert (out / "model.safetensors.index.json").exists()      # written in two shards
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert model.dtype == torch.float16
+    assert sum(p.numel() for p in model.parameters()) == bl.n_params("tiny")
+    w = model.model.layers[0].mlp.up_proj.weight.float()
+    assert abs(w.std().item() - bl.STD) < 0.002 and torch.equal(model.model.norm.weight, torch.ones(64).half())
+    again = bl.build_model("tiny", str(TOKENIZER), tmp_path / "m2", "fp16", shard_bytes=3 * 2**20)
+    assert (again / "model-00001-of-00002.safetensors").read_bytes() == \
+        (out / "model-00001-of-00002.safetensors").read_bytes()   # seeded: the same folder every time
+
+
+def test_results_are_merged_with_an_earlier_file_and_written_after_each_run(tmp_path):
+    a = bl.Results(tmp_path / "r.json", {"script": "x"})
+    a.put("one", {"status": "ok"})
+    b = bl.Results(tmp_path / "r.json", {"argv": ["--only", "two"]})
+    b.put("two", {"status": "timeout"})
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data["runs"]) == {"one", "two"} and data["meta"] == {"script": "x", "argv": ["--only", "two"]}
+
+
+def test_summary_of_an_edgerl_run_skips_step_one_and_compares_the_estimate():
+    rows = [{"step": i, "perf/step_s": s, "response/length_mean": 256.0, "batch/sequences": 16,
+             "memory/peak_allocated_gib": 3.0 + i, "memory/peak_reserved_gib": 4.0 + i}
+            for i, s in ((1, 9.0), (2, 2.0), (3, 3.0))]
+    plan_json = {"memory": {"total_bytes": 8 * bl.GiB, "peak_phase": "update", "phases": {"update": 8 * bl.GiB},
+                            "components": {"CUDA context": 2**29}, "budget_bytes": 10 * bl.GiB},
+                 "model": {"n_params": 1}, "plan": {}}
+    out = bl.summarise_edgerl({"status": "ok", "rows": rows, "memory_end": {"outside_allocator_gib": 1.0}}, plan_json)
+    assert out["median_step_s"] == 2.5 and out["tokens_per_s"] == pytest.approx(16 * 256 / 2.5)
+    assert out["peak_reserved_gib"] == 7.0 and out["measured_gib"] == 8.0 and out["estimate_error"] == 0.0
+
+
+def test_frontier_items_and_the_resume_verdicts():
+    import bench_multi
+    import bench_vs_trl
+    assert bench_vs_trl.budget_for("trl/2:adamw-bf16", {"measured_gib": 9.0}) == (4.5, "adamw-bf16", "")
+    assert bench_vs_trl.budget_for("6", None) == (6.0, None, "")
+    assert bench_vs_trl.budget_for("trl", {})[2].startswith("skipped")
+    rows = [{"step": s, "reward/mean": 0.1 * s, "actor/kl": 0.0} for s in (1, 2, 3, 4)]
+    assert bench_multi.compare(rows, rows)["verdict"].startswith("exact")
+    late = [dict(r, **({"reward/mean": 9.0} if r["step"] == 4 else {})) for r in rows]
+    assert "after the resume only" in bench_multi.compare(rows, late)["verdict"]
+    early = [dict(r, **({"reward/mean": 9.0} if r["step"] == 1 else {})) for r in late]
+    assert "before the resume too" in bench_multi.compare(rows, early)["verdict"]
+    assert bench_multi.compare(rows, rows[:2])["verdict"].startswith("incomplete")
+
+
+def test_gpu_session_script_parses_and_names_every_stage():
+    assert subprocess.run(["bash", "-n", str(BENCH / "gpu_session.sh")]).returncode == 0
+    text = (BENCH / "gpu_session.sh").read_text()
+    for stage in ("quick", "measure", "memory", "multi", "trl-core", "trl-qlora", "info", "tests", "fit", "rollout"):
+        assert f"        {stage})" in text, stage
+
+
+def _smoke(script: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "out.json"
+    res = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--work", str(tmp_path / "work"),
+                          "--tokenizer", str(TOKENIZER), "--out", str(out), *extra],
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_bench_vs_trl_smoke_runs_both_sides(tmp_path):
+    pytest.importorskip("trl")
+    d = _smoke("bench_vs_trl.py", tmp_path, "--only", "362m-bf16", "--frontier", "0.5,trl/2")
+    runs = d["runs"]
+    assert runs["362m-bf16/trl"]["status"] == "ok" and runs["362m-bf16/trl"]["steps_done"] == 2
+    assert runs["362m-bf16/edgerl"]["status"] == "ok" and runs["362m-bf16/edgerl"]["sequences_per_step"] == 16
+    assert runs["362m-bf16/edgerl@0.5"]["plan"] and runs["362m-bf16/edgerl@0.5"]["budget_gib"] < 0.5
+    assert runs["362m-bf16/edgerl@trl/2"]["status"].startswith("skipped")   # no device memory on the CPU
+    assert d["check_failures"] == []
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_bench_memory_smoke_reads_the_plan_and_each_phase(tmp_path):
+    d = _smoke("bench_memory.py", tmp_path, "--only", "362m-bf16-grpo", "362m-bf16-ppo")
+    for name in ("362m-bf16-grpo", "362m-bf16-ppo"):
+        r = d["runs"][name]
+        assert r["status"] == "ok" and r["estimate_gib"] > 0 and set(r["phases"]) >= {"rollout", "score", "update"}
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_bench_multi_smoke_on_two_cpu_ranks(tmp_path):
+    d = _smoke("bench_multi.py", tmp_path)
+    assert d["runs"]["scale-2gpu"]["world_size"] == 2 and d["runs"]["scale-2gpu"]["sequences_per_step"] == 32
+    assert d["runs"]["fit2-plan"]["plan_said_2_not_1"] is True and d["runs"]["fit2-run"]["status"] == "ok"
+    assert d["resume"]["verdict"].startswith("exact")
