@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import USER_ERRORS, TrainingError
+from ..errors import USER_ERRORS, ModelError, TrainingError
 from ..ranks import from_env
 
 app = typer.Typer(name="edgerl", no_args_is_help=True, add_completion=False,
@@ -27,8 +27,8 @@ def friendly(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except USER_ERRORS as e:
-            # every rank meets the same bad input; a training failure can be one rank's own
-            if RANK.main or isinstance(e, TrainingError):
+            # every rank meets the same bad input; a failure while loading or training can be one rank's own
+            if RANK.main or isinstance(e, (TrainingError, ModelError)):
                 who = f"rank {RANK.rank}: " if RANK.world > 1 else ""
                 err.print(f"[bold red]{who}error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None

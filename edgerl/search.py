@@ -57,11 +57,12 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
         s = replace(base, micro_batch=mb, optimizer=stage.optimizer, **values)
         s = fit_rollout_and_score(model, task, s, budget, forced, cal)
         mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
-        host_ok = mem.host_needed <= host_memory * 0.8
+        # every process on the machine holds its own share in host memory (torchrun puts them on one host)
+        host_ok = mem.host_needed * task.world_size <= host_memory * 0.8
         if mem.fits and host_ok:
             return Found(s, mem, stage.name), tried
         tried.append(f"{stage.name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
-                     + ("" if host_ok else f", host {fmt_bytes(mem.host_needed)}"))
+                     + ("" if host_ok else f", host {fmt_bytes(mem.host_needed * task.world_size)}"))
     return None, tried
 
 
