@@ -25,6 +25,7 @@
 #   trl-qwen7b 330, trl-llama8b 360, trl-qwen14b 240: the QLoRA groups; trl-qlora 560: all three
 #   trl-core 560, trl 560: several groups at once (more than one call holds; the budget stops them)
 #   memory 400      bench_memory;   multi 480: bench_multi (two GPUs)
+#   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +54,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               python3 bench/bench_vs_trl.py --smoke --only 362m-bf16 qwen7b-p40 --frontier trl/2 --tokenizer $TOK --work $w-smoke --budget-s $(( b * 3 / 5 )) --out $OUT/quick$x.json;
               if [ \$(nvidia-smi -L | wc -l) -ge 2 ]; then python3 bench/bench_multi.py --smoke --tokenizer $TOK --work $w-smoke --budget-s $(( b * 2 / 5 - 10 )) --out $OUT/quick_multi$x.json; fi" ;;
         measure) echo "python3 -m edgerl.measure --json --pageable --budget 45 > $OUT/measure$x.json" ;;
-        trl-frontier) echo "$vs --only 362m-bf16 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-frontier) echo "$vs --only 362m-bf16 ${FRONTIER:+--frontier $FRONTIER} --out $OUT/bench_vs_trl$x.json" ;;
         trl-17b) echo "$vs --only 1.7b-bf16 --out $OUT/bench_vs_trl$x.json" ;;
         trl-p40) echo "$vs --only 362m-p40 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-core) echo "$vs --only 362m-bf16 362m-p40 1.7b-bf16 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
@@ -66,7 +67,10 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
         tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py" ;;
-        tests) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py" ;;
+        tests) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py" ;;
+        checks) echo "timeout -k 5 260 python3 -m pytest -q -p no:cacheprovider -x --timeout 240 tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -30;
+              timeout -k 5 60 python3 -m edgerl.measure --json --pageable --budget 40 > $OUT/measure$x.json;
+              python3 bench/bench_rollout.py --reps 2 --budget-s $(( b - 330 )) --out $OUT/bench_rollout$x.json" ;;
         kernels-bf16) echo "python3 bench/bench_logprobs.py --dtypes bf16 --out $OUT/bench_logprobs_bf16$x.json" ;;
         kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;
         rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
@@ -81,7 +85,8 @@ limit_of() {
         info) echo 60 ;; quick) echo 200 ;; measure) echo 90 ;; trl-frontier) echo 480 ;; trl-17b) echo 300 ;;
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;;
-        multi) echo 480 ;; tests-train) echo 120 ;; tests) echo 150 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
+        multi) echo 480 ;; tests-train) echo 120 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
+        checks) echo 560 ;;
         fit) echo 300 ;; *) echo 560 ;;
     esac
 }
