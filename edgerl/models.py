@@ -166,8 +166,12 @@ def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.de
         ignored = {p for p in module.parameters() if not p.requires_grad}
         kwargs["ignored_params"] = ignored
     # Any weight stored in another dtype than the compute one (the master weights under mixed
-    # precision, or a half-precision LoRA base under fp32 compute) is cast per layer at unshard.
-    if any(p.dtype != compute for p in module.parameters() if p not in ignored):
+    # precision, or a half-precision LoRA base under fp32 compute) is cast per layer at unshard. Over a
+    # quantized base only the fp32 adapters are managed: they compute in fp32 as peft's QLoRA layers do
+    # (x is cast to the adapter's dtype), so their gradients arrive in fp32 and need no cast.
+    if ignored:
+        pass
+    elif any(p.dtype != compute for p in module.parameters()):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     elif plan.dtype.param == "bf16" and dist.get_world_size() > 1:
         # bf16 weights without masters: gradients are still summed over ranks in fp32, then stored in bf16

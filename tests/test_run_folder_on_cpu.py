@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from edgerl.errors import RunDirError
 from typer.testing import CliRunner
 
 from edgerl import checkpoint
@@ -167,7 +169,7 @@ def test_a_failed_export_leaves_no_half_final_and_the_earlier_one_whole(tiny_lla
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(trainer_mod, "save_hf", half_written)
     t = prepare_trainer(tiny_llama, run_copy, FAST + ["train.steps=5"], resume=run_copy)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RunDirError, match=r"No space left on device.*last complete checkpoint and export are intact"):
         t.run()
     assert files(run_copy / "final") == before
     assert not list(run_copy.glob(".final*")) and not list(run_copy.glob("final-step-*"))

@@ -32,6 +32,24 @@ _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_GQA = _TORCH >= (2, 5)  # `enable_gqa=` of scaled_dot_product_attention
 
 
+def _sdpa(q, k, v, mask, scale, gqa: bool):
+    """scaled_dot_product_attention with a mask, on the memory-efficient or math backend only. On an
+    H200 in bf16 the default choice (enable_gqa with a boolean mask) gave a different first token from
+    HF's forward on every row while fp32, which only those two backends serve, matched it token for
+    token (bench/bench_rollout.py, docs/benchmarks.md); so 16-bit runs the kernels fp32 was checked on."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa) if _SDPA_GQA \
+            else F.scaled_dot_product_attention(q, _repeat(k, q, gqa), _repeat(v, q, gqa), attn_mask=mask, scale=scale)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, _repeat(k, q, gqa), _repeat(v, q, gqa), attn_mask=mask, scale=scale)
+
+
+def _repeat(kv: torch.Tensor, q: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """K or V (B, KVH, S, D) repeated to q's heads (B, H, ., D): HF's repeat_kv."""
+    return kv.repeat_interleave(q.shape[1] // kv.shape[1], 1) if gqa and q.shape[1] != kv.shape[1] else kv
+
+
 class UnsupportedModel(ValueError):
     """The static engine cannot run this model; the factory falls back to HF generate and says why."""
 
@@ -233,7 +251,7 @@ class StaticDecoder:
         kv.index_copy_(3, col, qkv[:, self.q_width:].view(B, 2, self.n_kv, 1, self.head_dim).transpose(0, 1))
         if self.attention == "sdpa":   # q (B, KVH, G, D): each KV head attends for its G query heads
             q = qkv[:, :self.q_width].view(B, self.n_kv, self.group, self.head_dim)
-            o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bias, scale=self.scaling)
+            o = _sdpa(q, kv[0], kv[1], bias, self.scaling, False)
         else:   # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G)
             BK, S, D = B * self.n_kv, self.cache_len, self.head_dim
             q = qkv[:, :self.q_width].reshape(BK, self.group, D)                        # (B*KVH, G, D)
@@ -269,13 +287,7 @@ class StaticDecoder:
             kvn = qkv[..., self.q_width:].view(B, W, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, W, D)
             self.cache[i, :, :B, :, :W] = kvn
             k, v = kvn[0], kvn[1]
-            if _SDPA_GQA:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling,
-                                                   enable_gqa=self.group > 1)
-            else:
-                o = F.scaled_dot_product_attention(q, k.repeat_interleave(self.group, 1),
-                                                   v.repeat_interleave(self.group, 1),
-                                                   attn_mask=allowed, scale=self.scaling)
+            o = _sdpa(q, k, v, allowed, self.scaling, self.group > 1)
             x = x + proj.o(o.transpose(1, 2).reshape(B, W, -1))
             x = x + self._mlp_in(x, proj, ln2, eps2)
         return self._logits(x[:, -1])
