@@ -89,10 +89,10 @@ def nf4_reference(layer) -> torch.Tensor:
     qs = layer.weight.quant_state
     out, inp = qs.shape
     n = out * inp
-    packed = layer.weight.data.view(torch.uint8).reshape(-1).long()
+    packed = layer.weight.data.view(torch.uint8).reshape(-1).long().cpu()   # the reference runs on the CPU
     codes = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[:n]
     block = torch.arange(math_ceil(n, 64))
-    absmax = qs.state2.code[qs.absmax.long()] * qs.state2.absmax[block // 256] + qs.offset
+    absmax = qs.state2.code.cpu()[qs.absmax.long().cpu()] * qs.state2.absmax.cpu()[block // 256] + torch.as_tensor(qs.offset).cpu()
     values = torch.tensor(NF4)[codes] * absmax[torch.arange(n) // 64]
     return values.reshape(out, inp)
 
