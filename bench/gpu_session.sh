@@ -28,6 +28,7 @@
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   rollout-bf16 150  bench_rollout's bf16 configs only, the main variants, HF generate's own agreement as the bar
+#   recheck 420    edgerl's QLoRA runs, the 362M frontier at given budgets (FRONTIER) and four memory checks
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +66,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         trl-qwen14b) echo "$vs --only qwen14b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-qlora) echo "$vs --only qwen7b-p40 llama8b-t4 qwen14b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         qlora) echo "$vs --only qwen7b-p40 llama8b-t4:edgerl --out $OUT/bench_vs_trl$x.json" ;;
+        recheck) echo "timeout -k 5 190 $vs --only qwen7b-p40:edgerl llama8b-t4:edgerl --out $OUT/bench_vs_trl$x.json;
+              timeout -k 5 100 $vs --only 362m-bf16:edgerl --frontier ${FRONTIER:-4.72,2.36} --out $OUT/bench_vs_trl$x.json;
+              timeout -k 5 120 python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s 110 --only 1.7b-bf16-lora 1.7b-bf16-nf4 362m-bf16-grpo 1.7b-bf16-adamw-bf16 --out $OUT/bench_memory$x.json" ;;
         trl) echo "$vs --out $OUT/bench_vs_trl$x.json" ;;
         trl-1.7b) echo "$vs --only 1.7b-p40 --steps 3 --timeout 140 --out $OUT/bench_vs_trl_17b$x.json" ;;
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
@@ -90,7 +94,7 @@ limit_of() {
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
-        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 150 ;;
+        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 150 ;; recheck) echo 420 ;;
         fit) echo 300 ;; *) echo 560 ;;
     esac
 }

@@ -150,10 +150,8 @@ def quant_support(dev: Device, quant: str) -> tuple[bool, str]:
         return False, f"{dev.sm}: bitsandbytes dropped Maxwell in 0.49"
     if quant == "int8" and dev.cc < (7, 5):
         return False, f"{dev.sm}: LLM.int8's matmul needs CC >= 7.5"
-    tcuda = tuple(int(x) for x in (dev.software.torch_cuda or "0").split(".")[:2])
-    if dev.cc < (7, 0) and tcuda >= (12, 8):
-        return False, (f"{dev.sm}: bitsandbytes' builds for CUDA {dev.software.torch_cuda} start at sm_70; Pascal "
-                       "needs the cu126 torch and bitsandbytes' CUDA 12.6 build")
+    # which bitsandbytes build a Pascal card needs (CUDA <= 12.6, with a cu126 torch) is the doctor's check
+    # of this machine's software, not a planning question
     what = ("NF4 codes in blocks of 64 with double quantization (0.52 bytes per weight), dequantized to "
             f"{'fp32' if dev.cc < (7, 0) else 'the compute dtype'} one layer at a time" if quant == "nf4" else
             "LLM.int8 (1 byte per weight; activations are rounded to int8 too)")

@@ -126,7 +126,12 @@ def frozen_base_bytes(m: ModelSpec, quant: Optional[str], float_bytes: float) ->
 
 @dataclass(frozen=True)
 class Calibration:
-    cuda_context: int = 512 * MiB    # CUDA context + cuBLAS/cuDNN workspaces, not in torch's allocator
+    # CUDA context, loaded kernels and library workspaces: device memory outside torch's allocator.
+    # Measured 1.30 GiB on an H200 with torch 2.11 cu130 once training ran (bench/bench_memory.py,
+    # docs/benchmarks.md); hardware.md gives 300-600 MiB for a bare context on older stacks. The
+    # measured figure is used everywhere: a plan that leaves too much is safe, one that leaves too
+    # little runs out of memory.
+    cuda_context: int = 1331 * MiB
     activation_factor: float = 1.0   # scales the activation formula
     fragmentation: float = 0.10      # share of transient memory lost to allocator fragmentation
 
@@ -159,6 +164,8 @@ class Setting:
     base_quant: Optional[str] = None        # "nf4" / "int8": a quantized frozen LoRA base
     rollout_resident: bool = False  # the engine keeps its weights, KV cache and CUDA graphs between steps
     rollout_from_actor: bool = False        # the engine runs the actor's own modules: no generation copy
+    lora_input_bytes: int = 0       # per token and layer: fp32 copies of the adapted layers' inputs that the
+                                    # adapters save when they compute in fp32 beside a 16-bit base
 
 
 @dataclass(frozen=True)
@@ -213,8 +220,9 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     # state that can stay on the GPU across phases; FSDP2 keeps 1/shards of each on every rank
     n = s.shards
     tb = OPTIMIZERS[s.optimizer]
+    # under LoRA the frozen base is whole on every rank (FSDP2 shards what trains), except when streamed
     weights = frozen_base_bytes(m, s.base_quant, s.base_bytes) + T * 4 if lora else P * tb.weights
-    master = 0 if s.param_offload else weights // n
+    master = 0 if s.param_offload else (weights - T * 4 + T * 4 // n if lora else weights // n)
     grads = 0 if s.param_offload else T * tb.grads // n
     state = T * tb.state // n
     optim = 0 if (s.param_offload or s.optimizer_offload) else state
@@ -232,9 +240,9 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         if not train:  # no graph is kept: one layer's intermediates at a time
             full = tokens * per
         elif s.grad_checkpointing:
-            full = tokens * (m.num_layers * m.hidden_size * b_c + per)
+            full = tokens * (m.num_layers * m.hidden_size * b_c + per + s.lora_input_bytes)
         else:
-            full = tokens * m.num_layers * per
+            full = tokens * m.num_layers * (per + s.lora_input_bytes)
         return int(full * cal.activation_factor)
 
     logits = s.logprob_chunk * m.vocab_size * s.logit_bytes

@@ -160,15 +160,16 @@ def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.de
     kwargs: dict = {"mesh": mesh}
     compute = torch_dtype(plan.dtype.compute)
     ignored: set = set()
-    if quantized_base(plan):
-        # FSDP2 manages the adapters only: the quantized weights (and the frozen float ones, stored in the
-        # compute dtype) are used where they lie, never sharded, gathered or cast (edgerl/quant.py)
+    if adapters_alone(plan):
+        # FSDP2 manages what trains only: the frozen base (quantized, or stored in the compute dtype) is
+        # used where it lies, never sharded, gathered or cast (edgerl/quant.py)
         ignored = {p for p in module.parameters() if not p.requires_grad}
         kwargs["ignored_params"] = ignored
     # Any weight stored in another dtype than the compute one (the master weights under mixed
-    # precision, or a half-precision LoRA base under fp32 compute) is cast per layer at unshard. Over a
-    # quantized base only the fp32 adapters are managed: they compute in fp32 as peft's QLoRA layers do
-    # (x is cast to the adapter's dtype), so their gradients arrive in fp32 and need no cast.
+    # precision, or a half-precision LoRA base under fp32 compute) is cast per layer at unshard. When
+    # only the fp32 adapters are managed they compute in fp32, as peft's layers do (x is cast to the
+    # adapter's dtype), so their gradients arrive in fp32: a 16-bit cast would hand FSDP2 16-bit
+    # gradients for fp32 parameters, which torch 2.11 refuses (measured on an H200).
     if ignored:
         pass
     elif any(p.dtype != compute for p in module.parameters()):
@@ -194,6 +195,13 @@ def _lora_targets(lm: nn.Module, plan: Plan, explicit: Optional[list[str]]) -> l
 def _base_dtype(plan: Plan) -> torch.dtype:
     """The plan's master-weight dtype for full fine-tuning; its storage dtype for a frozen LoRA base."""
     return torch_dtype(plan.base_dtype if plan.lora and plan.base_dtype else plan.dtype.param)
+
+
+def adapters_alone(plan: Plan) -> bool:
+    """FSDP2 manages only the LoRA adapters (and a critic's head): over a quantized base, or over a
+    16-bit base kept on the device. With parameter offload FSDP2 must own the base to stream it."""
+    return bool(plan.lora) and (quantized_base(plan) is not None or
+                                (plan.dtype.compute != "fp32" and not plan.param_offload))
 
 
 def quantized_base(plan: Plan) -> Optional[str]:

@@ -161,7 +161,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             eager_attention=attention == "eager", lora_params=lora_params if config.lora else 0,
             critic=task.critic, reference=task.kl and not config.lora,
             reward_model_params=task.reward_model_params, cuda=device.is_cuda, shards=task.world_size,
-            base_quant=quant, rollout_from_actor=quant is not None)
+            base_quant=quant, rollout_from_actor=quant is not None,
+            lora_input_bytes=_lora_input_bytes(model, lora_targets_) if config.lora and dtype.compute != "fp32" else 0)
 
     attempts: list[tuple[Config, Optional[Found], list[str]]] = []
     for config in configs(device, task, base_dtype, bool(o.get("base_dtype"))):
@@ -221,6 +222,13 @@ def _quant_reason(device: Device, base: str, attempts: list) -> str:
     wider = attempts[-2][0].base if len(attempts) > 1 else "a float base"
     return (f"{base}: {quant_support(device, base)[1]}; LoRA on a {wider} base did not fit. The reference is the "
             "same base with the adapter disabled and the rollout runs on it too: one copy of the weights")
+
+
+def _lora_input_bytes(model: ModelSpec, targets: tuple[str, ...]) -> int:
+    """Per token and layer, the fp32 copy of each adapted layer's input that peft's adapter saves for its
+    backward when it computes in fp32 beside a 16-bit base."""
+    shapes = model.module_shapes()
+    return 4 * sum(shapes[t][0] for t in targets if t in shapes)
 
 
 def _check_world(task: Task, o: dict[str, Any]) -> None:
