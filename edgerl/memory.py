@@ -164,8 +164,8 @@ class Setting:
     base_quant: Optional[str] = None        # "nf4" / "int8": a quantized frozen LoRA base
     rollout_resident: bool = False  # the engine keeps its weights, KV cache and CUDA graphs between steps
     rollout_from_actor: bool = False        # the engine runs the actor's own modules: no generation copy
-    lora_input_bytes: int = 0       # per token and layer: fp32 copies of the adapted layers' inputs that the
-                                    # adapters save when they compute in fp32 beside a 16-bit base
+    lora_input_bytes: int = 0       # per token and layer: what the fp32 copies of the adapted layers' inputs add
+                                    # to the activations beside a 16-bit base (plan._lora_input_bytes)
 
 
 @dataclass(frozen=True)

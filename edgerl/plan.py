@@ -162,7 +162,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             critic=task.critic, reference=task.kl and not config.lora,
             reward_model_params=task.reward_model_params, cuda=device.is_cuda, shards=task.world_size,
             base_quant=quant, rollout_from_actor=quant is not None,
-            lora_input_bytes=_lora_input_bytes(model, lora_targets_) if config.lora and dtype.compute != "fp32" else 0)
+            lora_input_bytes=_lora_input_bytes(model, lora_targets_, dtype.compute_bytes) if config.lora else 0)
 
     attempts: list[tuple[Config, Optional[Found], list[str]]] = []
     for config in configs(device, task, base_dtype, bool(o.get("base_dtype"))):
@@ -224,11 +224,15 @@ def _quant_reason(device: Device, base: str, attempts: list) -> str:
             "same base with the adapter disabled and the rollout runs on it too: one copy of the weights")
 
 
-def _lora_input_bytes(model: ModelSpec, targets: tuple[str, ...]) -> int:
-    """Per token and layer, the fp32 copy of each adapted layer's input that peft's adapter saves for its
-    backward when it computes in fp32 beside a 16-bit base."""
+def _lora_input_bytes(model: ModelSpec, targets: tuple[str, ...], compute_bytes: int) -> int:
+    """Per token and layer, what peft's fp32 adapters add to the saved activations beside a 16-bit base:
+    each adapted layer's input is copied to fp32 and saved for the adapter's weight gradient (4 bytes an
+    element), while the frozen base layer saves no input of its own, and the activation model counts one
+    16-bit input per projection: the net is 4 - compute bytes an element. On an H200 (1.7B shape, bf16,
+    16 x 320 tokens, no checkpointing) the update's peak measured 42 KB per token and layer above the
+    model without this term; 4 bytes an element would be 82 KB, this net 41 KB. Zero in fp32."""
     shapes = model.module_shapes()
-    return 4 * sum(shapes[t][0] for t in targets if t in shapes)
+    return max(0, 4 - compute_bytes) * sum(shapes[t][0] for t in targets if t in shapes)
 
 
 def _check_world(task: Task, o: dict[str, Any]) -> None:
