@@ -39,7 +39,9 @@ def check_bf16(dev: Device) -> Check:
 def check_precision(dev: Device, dtype: object, why: str) -> Check:
     if not dev.is_cuda:
         return _c("fp16 and compute dtype", "skip", "CPU: fp32")
-    return _c("fp16 and compute dtype", "ok", f"{dev.fp16_speed()}; the plan computes in {dtype.compute}: {why}")
+    # the plan's reason names the device's fp16 speed itself unless the dtype was forced
+    speed = "" if why.startswith(dev.sm) else f"{dev.fp16_speed()}; "
+    return _c("fp16 and compute dtype", "ok", f"{speed}the plan computes in {dtype.compute}: {why}")
 
 
 def check_attention(dev: Device, attention: str, why: str, compute: str) -> Check:

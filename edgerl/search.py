@@ -62,7 +62,8 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
         if mem.fits and host_ok:
             return Found(s, mem, stage.name), tried
         tried.append(f"{stage.name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
-                     + ("" if host_ok else f", host {fmt_bytes(mem.host_needed * task.world_size)}"))
+                     + ("" if host_ok else f", host RAM {fmt_bytes(mem.host_needed * task.world_size)} over the "
+                        f"{fmt_bytes(int(host_memory * 0.8))} usable (80% of {fmt_bytes(host_memory)})"))
     return None, tried
 
 
