@@ -17,6 +17,7 @@ LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout
           "logprob_chunk": "log-prob chunk", "grad_checkpointing": "grad checkpointing",
           "swap_models": "swap models", "optimizer_offload": "optimizer offload",
           "param_offload": "param offload", "optimizer": "optimizer", "lora": "LoRA", "base_dtype": "LoRA base dtype",
+          "reward_model_dtype": "reward model dtype", "rollout_resident": "rollout engine resident",
           "micro_batch": "micro-batch", "score_micro_batch": "scoring micro-batch",
           "rollout_batch": "rollout batch", "rollout_memory_share": "rollout memory share", "env": "environment"}
 
@@ -30,7 +31,7 @@ def _fmt(key: str, v: Any) -> str:
         return "off" if not v else f"r={v['rank']} alpha={v['alpha']:g} ({v['params'] / 1e6:.1f}M params)"
     if key == "env":
         return " ".join(f"{k}={val}" for k, val in v.items()) or "-"
-    if key == "base_dtype":
+    if key in ("base_dtype", "reward_model_dtype"):
         return v or "-"
     if isinstance(v, bool):
         return "on" if v else "off"
@@ -61,11 +62,16 @@ def memory_table(p: Plan) -> Table:
     for n in names:
         t.add_row(n, *[fmt_bytes(m.phases[ph].get(n)) if m.phases[ph].get(n) else "-" for ph in phases])
     t.add_row("[bold]total", *[f"[bold]{fmt_bytes(v)}" for v in phases.values()])
-    verdict = "[green]fits[/]" if m.fits else "[red]does not fit[/]"
-    t.caption = (f"budget {fmt_bytes(m.budget)} = device {fmt_bytes(m.budget + p.headroom)} - headroom "
-                 f"{fmt_bytes(p.headroom)}: {verdict}" + (f"; host RAM for offload {fmt_bytes(m.host_needed)}"
-                                                          if m.host_needed else ""))
     return t
+
+
+def budget_line(p: Plan) -> str:
+    """The budget under the memory table (a line of its own: a caption would wrap at the table's width)."""
+    m = p.memory
+    verdict = "[green]fits[/]" if m.fits else "[red]does not fit[/]"
+    return (f"budget {fmt_bytes(m.budget)} = device {fmt_bytes(m.budget + p.headroom)} - headroom "
+            f"{fmt_bytes(p.headroom)}: {verdict}" + (f"; host RAM for offload {fmt_bytes(m.host_needed)}"
+                                                     if m.host_needed else ""))
 
 
 def print_plan(console: Console, p: Plan) -> None:
@@ -75,6 +81,7 @@ def print_plan(console: Console, p: Plan) -> None:
                   f"{p.task.prompt_len} + response {p.task.response_len} tokens")
     console.print(plan_table(p))
     console.print(memory_table(p))
+    console.print(budget_line(p), soft_wrap=True)
 
 
 def checks_table(checks: list[Check]) -> Table:

@@ -8,7 +8,8 @@ python3 -m venv "$venv"
 . "$venv/bin/activate"
 python -m pip install -q --upgrade pip
 # torch first: the CPU build on this kind of machine; on a GPU machine pass your own spec,
-# e.g. EDGERL_TORCH="torch --index-url https://download.pytorch.org/whl/cu126" for a P40.
+# e.g. EDGERL_TORCH="torch<2.15 --index-url https://download.pytorch.org/whl/cu126" for a P40 (the last
+# cu126 wheels with Pascal code are torch 2.14).
 torch_spec=${EDGERL_TORCH:-torch==2.13.0}
 if [ "$torch_spec" != skip ]; then python -m pip install -q $torch_spec; fi  # skip: pip resolves torch itself
 python -m pip install -q -e '.[dev]'
