@@ -52,6 +52,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Logits
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgerl.modelspec import CATALOGUE  # noqa: E402
 from edgerl.rollout import SamplingParams, StaticCacheEngine  # noqa: E402
+from edgerl.rollout.static import StepClock  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 SHAPES = {**{n: CATALOGUE[f"smollm2-{n}"].llama_config_fields() for n in ("135m", "360m", "1.7b")}, "tiny": TINY}
@@ -111,26 +112,12 @@ def datasheet_bandwidth(name: str):
     return next((tbs * 1e12 for key, tbs in DATASHEET_TBS if key.lower() in name.lower()), None)
 
 
-class _Clock(LogitsProcessor):
-    """Marks each HF generate step (its logits processors run once per step)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.marks = cuda, []
+class _Clock(StepClock, LogitsProcessor):
+    """Marks each HF generate step (its logits processors run once per step) with the engine's clock."""
 
     def __call__(self, input_ids, scores):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append(ev)
-        else:
-            self.marks.append(time.perf_counter())
+        self.mark()
         return scores
-
-    def ms(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        return [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
 
 
 def hf_generate(model, ids: torch.Tensor, new: int, cuda: bool):

@@ -324,7 +324,7 @@ class StaticCacheEngine:
         t0 = time.perf_counter()
         steps = 1
         pending: deque = deque()   # (pinned flag, event): read one check late so the GPU queue never drains
-        clock = _StepClock(cuda) if self.time_steps else None
+        clock = StepClock(cuda) if self.time_steps else None
         if clock:
             clock.mark()
         for t in range(1, max_new):
@@ -358,7 +358,7 @@ class StaticCacheEngine:
         return toks, lps
 
 
-class _StepClock:
+class StepClock:
     """Decode-step times: CUDA events on the GPU (device time between steps, recorded without a host
     sync, so the queue keeps running ahead), wall time on the CPU."""
 
