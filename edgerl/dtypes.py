@@ -59,3 +59,12 @@ def hf_name(name: str) -> str:
     if spec.hf is None:
         raise ValueError(f"{name} has no HF/vLLM dtype name")
     return spec.hf
+
+
+def with_dtype(load: Any, *args: Any, dtype: Any, **kwargs: Any) -> Any:
+    """Call a transformers loader (`from_pretrained`, `from_config`) with `dtype=`, or with the older
+    `torch_dtype=` where the installed transformers (< 4.56) does not know the new name."""
+    try:
+        return load(*args, dtype=dtype, **kwargs)
+    except TypeError:
+        return load(*args, torch_dtype=dtype, **kwargs)

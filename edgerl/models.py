@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ModelError
-from .dtypes import torch_dtype
+from .dtypes import torch_dtype, with_dtype
 from .kernels import Tiles, token_logprobs_and_entropy
 from .plan import Plan
 
@@ -56,12 +56,8 @@ def load_causal_lm(path: str, dtype: torch.dtype, attention: str, trust_remote_c
     from transformers import AutoModelForCausalLM
     src = model_source(path)
     try:
-        try:
-            return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attention,
-                                                        trust_remote_code=trust_remote_code)
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            return AutoModelForCausalLM.from_pretrained(src, torch_dtype=dtype, attn_implementation=attention,
-                                                        trust_remote_code=trust_remote_code)
+        return with_dtype(AutoModelForCausalLM.from_pretrained, src, dtype=dtype, attn_implementation=attention,
+                          trust_remote_code=trust_remote_code)
     except torch.OutOfMemoryError:
         raise
     except (OSError, RuntimeError, SafetensorError) as e:  # missing, damaged or cut-short weight files

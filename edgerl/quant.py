@@ -51,6 +51,7 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from .dtypes import with_dtype
 from .errors import ModelError
 # the byte counts are pure arithmetic the planner uses without torch: they live with the memory model
 from .memory import NESTED_BLOCK, NF4_BLOCK, QUANTS, quantized_bytes, transient_bytes  # noqa: F401
@@ -309,12 +310,8 @@ def _swap_linears(model: nn.Module, quant: str, compute_dtype: torch.dtype, only
 def _build_skeleton(config, dtype: torch.dtype, attention: str, trust_remote_code: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
     with _parameters_on_meta():
-        try:
-            return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention,
-                                                    trust_remote_code=trust_remote_code)
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            return AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=attention,
-                                                    trust_remote_code=trust_remote_code)
+        return with_dtype(AutoModelForCausalLM.from_config, config, dtype=dtype, attn_implementation=attention,
+                          trust_remote_code=trust_remote_code)
 
 
 def _load_file(file: Path, safe_open, model: nn.Module, owners: dict, tied: set, device: torch.device,
