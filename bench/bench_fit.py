@@ -82,7 +82,7 @@ def spec(name: str, shape: tuple[int, ...], vocab: int):
 
 
 def plan_or_none(sets: list[str], profile: str, model_spec):
-    from edgerl.config import load_config
+    from edgerl.config_load import load_config
     from edgerl.plan import PlanError
     from edgerl.target import plan_for, resolve_target
     try:

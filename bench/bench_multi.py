@@ -61,7 +61,7 @@ def gpu_count() -> int:
 def plans_child(spec_path: str) -> None:
     """For each candidate shape and GPU count: does the plan fit? (a child: the probe touches CUDA)."""
     spec = json.loads(Path(spec_path).read_text())
-    from edgerl.config import load_config
+    from edgerl.config_load import load_config
     from edgerl.modelspec import resolve
     from edgerl.plan import PlanError
     from edgerl.target import plan_for, resolve_target

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edgerl.config import load_config
+from edgerl.config_load import load_config
 from edgerl.data import check_data, prepare_gsm8k
 from edgerl.errors import USER_ERRORS, DataError
 from edgerl.rewards import KNOWN_SOURCES

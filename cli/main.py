@@ -8,7 +8,8 @@ from typing import List, Optional
 
 import typer
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError
+from ..config_load import load_config
 from ..modelspec import ModelSpecError
 from ..outfiles import output_file, write_atomically
 from ..plan import PlanError

@@ -4,7 +4,7 @@ One dataclass per section; every field carries its documentation in `doc=`, ever
 range in `RANGES`. Loading (edgerl/config_load.py) checks types (an int is accepted where a float
 is wanted, `0.03` stays a float, a bool is never an int) and choices, names the closest valid key
 for an unknown one, and names where a bad value came from (the file or the --set); `validate`
-checks ranges and cross-field rules. `to_toml()` writes a file that `load_config()` reads back
+checks ranges and cross-field rules. `to_toml()` writes a file that `config_load.load_config()` reads back
 unchanged.
 """
 
@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from .config_load import load_config, parse_set  # noqa: F401  (callers import them from here)
 from .errors import ConfigError
 
 

@@ -6,7 +6,7 @@ has to edit:
     train.lr in run.toml: expected float, got 'abc' (str)
     train.lr must be > 0 ... (train.lr from --set train.lr=-1e-6)
 
-`edgerl.config` re-exports `load_config` and `parse_set`; the schema and its rules live there.
+The schema and its rules live in `edgerl.config`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from .config import Config
 from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -218,10 +219,9 @@ def _deep_update(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: Union[str, Path, None] = None, sets: Union[list[SetItem], tuple[SetItem, ...]] = (),
-                base: Optional[dict[str, Any]] = None) -> Any:
+                base: Optional[dict[str, Any]] = None) -> Config:
     """Read a TOML file (optional), apply `--set` overrides in order, validate. A `sets` item is
     'key=value', or ('key=value', 'how the user typed it') for a CLI option such as --steps."""
-    from .config import Config
     data: dict[str, Any] = dict(base or {})
     src = Sources()
     if path is not None:

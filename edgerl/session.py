@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from . import checkpoint, ranks, runfolder
-from .config import Config, ConfigError, load_config, to_toml
-from .config_load import SetItem
+from .config import Config, ConfigError, to_toml
+from .config_load import SetItem, load_config
 from .data import DataReport, Prompt, load_prompts
 from .errors import ModelError, RunDirError
 from .memory import DEFAULT_CALIBRATION

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 import edgerl.target
 from edgerl.cli.main import app
-from edgerl.config import load_config
+from edgerl.config_load import load_config
 from edgerl.modelspec import CATALOGUE
 from edgerl.plan import plan
 from edgerl.target import resolve_target, task_from_config, overrides_from_config

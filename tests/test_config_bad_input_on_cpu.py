@@ -6,7 +6,8 @@ import typing
 
 import pytest
 
-from edgerl.config import RANGES, ConfigError, load_config
+from edgerl.config import RANGES, ConfigError
+from edgerl.config_load import load_config
 
 
 @pytest.mark.parametrize("item,message", [

@@ -2,7 +2,8 @@
 
 import pytest
 
-from edgerl.config import Config, ConfigError, load_config, parse_set, to_toml
+from edgerl.config import Config, ConfigError, to_toml
+from edgerl.config_load import load_config, parse_set
 
 
 def test_defaults_validate_and_floats_stay_floats():

@@ -228,7 +228,7 @@ def test_recommend_lora_shows_the_adapter_row():
 def test_recommended_lora_config_reproduces_the_plan(tmp_path):
     from typer.testing import CliRunner
     from edgerl.cli.main import app
-    from edgerl.config import load_config
+    from edgerl.config_load import load_config
     from edgerl.target import plan_for, resolve_target
     out = tmp_path / "p40.toml"
     args = ["recommend", "--gpu", "p40", "-m", "qwen2.5-1.5b", "--lora", "--set", "plan.base_dtype=fp16"]
