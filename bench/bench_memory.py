@@ -25,7 +25,6 @@ creates the optimizer state; step 2 runs with it resident). Each run is its own 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -68,10 +67,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shape, 8 tokens; on the CPU, no memory figures")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.min_run_s = args.min_run_s if args.min_run_s is not None else (5 if args.smoke else 40)
-    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_memory" + ("_smoke" if args.smoke else "")
-                                        + ".json"))
-    work = Path(args.work or ("/tmp/edgerl-bench-smoke" if args.smoke else "/tmp/edgerl-bench"))
+    out, work = bl.out_and_work(args, "bench_memory", 40)
     only = args.only or (SMOKE_DEFAULT if args.smoke else list(CONFIGS))
     unknown = [n for n in only if n not in CONFIGS]
     if unknown:

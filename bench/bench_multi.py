@@ -350,10 +350,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 8 tokens, 2 steps; CPU/gloo unless 2 GPUs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.min_run_s = args.min_run_s if args.min_run_s is not None else (5 if args.smoke else 45)
-    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_multi" + ("_smoke" if args.smoke else "")
-                                        + ".json"))
-    work = Path(args.work or ("/tmp/edgerl-bench-smoke" if args.smoke else "/tmp/edgerl-bench"))
+    out, work = bl.out_and_work(args, "bench_multi", 45)
     work.mkdir(parents=True, exist_ok=True)
     gpus = gpu_count()
     if not args.smoke and gpus < 2:

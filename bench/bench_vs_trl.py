@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -396,10 +395,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 steps of 8 tokens (CPU: profile cpu, no cap)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.min_run_s = args.min_run_s if args.min_run_s is not None else (5 if args.smoke else 45)
-    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_vs_trl" + ("_smoke" if args.smoke else "")
-                                        + ".json"))
-    work = Path(args.work or ("/tmp/edgerl-bench-smoke" if args.smoke else "/tmp/edgerl-bench"))
+    out, work = bl.out_and_work(args, "bench_vs_trl", 45)
     work.mkdir(parents=True, exist_ok=True)
     only = args.only or (SMOKE_DEFAULT if args.smoke else list(GROUPS))
     # GROUP:edgerl runs edgerl's side only (a shape whose TRL run is not needed in this call)

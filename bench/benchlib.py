@@ -329,6 +329,16 @@ class Results:
         os.replace(tmp, self.path)
 
 
+def out_and_work(args: Any, name: str, min_run_s: float) -> tuple[Path, Path]:
+    """A benchmark's result file ($OUT/NAME[_smoke].json unless --out) and work folder (unless --work),
+    and `args.min_run_s` defaulted (5 s in smoke mode)."""
+    args.min_run_s = args.min_run_s if args.min_run_s is not None else (5 if args.smoke else min_run_s)
+    smoke = "_smoke" if args.smoke else ""
+    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), f"{name}{smoke}.json"))
+    work = Path(args.work or ("/tmp/edgerl-bench-smoke" if args.smoke else "/tmp/edgerl-bench"))
+    return out, work
+
+
 def med(xs: list[float]) -> Optional[float]:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
