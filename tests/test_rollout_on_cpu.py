@@ -413,3 +413,28 @@ def test_compiled_layer_equals_hf_and_compiles_once_for_all_layers():
     assert eng.generate(PROMPTS, 2, greedy(16)).response_ids == \
         HFGenerateEngine(source, 8).generate(PROMPTS, 2, greedy(16)).response_ids
     assert counters["stats"]["unique_graphs"] == 1          # new weights, same compiled code
+
+
+@pytest.mark.parametrize("cast", ["to_bf16", "bf16_weights_fp32_rope"])
+def test_bf16_prefill_uses_the_models_own_rotary_frequencies(cast):
+    """`model.to(torch.bfloat16)` rounds HF's `inv_freq` buffer too, and HF's forward rotates with it;
+    `from_pretrained(dtype=torch.bfloat16)` keeps it fp32. Either way the engine must compute what the
+    model computes: at head dim 64 and a 64-token prompt a 0.3% frequency error moves the last
+    position's logits by more than one std (a different first token)."""
+    model = tiny_llama(7, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       rope_parameters={"rope_theta": 100000.0})
+    rot = model.model.rotary_emb
+    fp32_inv = rot.inv_freq.clone()
+    model = model.to(torch.bfloat16)
+    if cast == "bf16_weights_fp32_rope":
+        rot.inv_freq = fp32_inv
+    assert rot.inv_freq.dtype == (torch.bfloat16 if cast == "to_bf16" else torch.float32)
+    ids = torch.randint(3, 512, (3, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[:, -1].float()
+    eng = static(model, max_batch=3, max_seq_len=80)
+    eng.dec.allocate()
+    got = eng.dec.prefill(ids, torch.zeros(3, dtype=torch.long))
+    torch.testing.assert_close(got, ref, atol=0.02 * float(ref.std()), rtol=0)
+    out = eng.generate(ids.tolist(), 1, greedy(8))
+    assert out.response_ids == HFGenerateEngine(model, 3).generate(ids.tolist(), 1, greedy(8)).response_ids

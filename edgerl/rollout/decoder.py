@@ -3,8 +3,9 @@
 HF's forward builds masks and cache objects in Python and synchronises with the host on the way;
 this one does neither in the decode step, so `torch.cuda.CUDAGraph` can capture it (plain graphs,
 no torch.compile needed: Pascal, CC 6.x, has no Triton). The math follows `modeling_llama.py` /
-`modeling_qwen2.py` op for op (RMSNorm in fp32, rotary tables computed as HF computes them,
-grouped-query attention, the module's own activation), so greedy output equals HF `generate`.
+`modeling_qwen2.py` op for op (RMSNorm in fp32, rotary tables computed as HF computes them from the
+model's own inverse frequencies, grouped-query attention, the module's own activation), so greedy
+output equals HF `generate`.
 A layer's projections go through a small object (`projections.py`): fused q/k/v and gate/up
 matmuls over plain weights, or the modules themselves (LoRA adapters, quantized layers).
 
@@ -33,10 +34,9 @@ _SDPA_GQA = _TORCH >= (2, 5)  # `enable_gqa=` of scaled_dot_product_attention
 
 
 def _sdpa(q, k, v, mask, scale, gqa: bool):
-    """scaled_dot_product_attention with a mask, on the memory-efficient or math backend only. On an
-    H200 in bf16 the default choice (enable_gqa with a boolean mask) gave a different first token from
-    HF's forward on every row while fp32, which only those two backends serve, matched it token for
-    token (bench/bench_rollout.py, docs/benchmarks.md); so 16-bit runs the kernels fp32 was checked on."""
+    """scaled_dot_product_attention with a mask; on CUDA on the memory-efficient or math backend only,
+    the kernels every dtype was checked on against HF's forward (bench/bench_rollout.py). (A bf16
+    mismatch once blamed on the backend choice was the rotary frequencies: see `model_inv_freq`.)"""
     if q.device.type != "cuda":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa) if _SDPA_GQA \
             else F.scaled_dot_product_attention(q, _repeat(k, q, gqa), _repeat(v, q, gqa), attn_mask=mask, scale=scale)
@@ -116,6 +116,24 @@ def inv_freq_for(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv, float(scale)
 
 
+def model_inv_freq(model: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies (fp32 on the CPU) and cos/sin scale the model's own rotary module uses.
+
+    HF's rotary forward reads its `inv_freq` buffer (as `.float()`), not the config. Loaded with
+    `from_pretrained(dtype=...)` that buffer is fp32 and equals `inv_freq_for(config)`; but
+    `model.to(torch.bfloat16)` casts buffers too, and the model then rotates with bf16-rounded frequencies
+    (0.3% off; 1.4 logit std at the 64th position of a 360M model, a different first token on every row).
+    The engine must compute what the model computes, so it takes the buffer where there is one and the
+    config only to check the rope type (`inv_freq_for` refuses those whose frequencies change)."""
+    inv, scale = inv_freq_for(model.config, head_dim)
+    rot = getattr(model.model, "rotary_emb", None)
+    buf = getattr(rot, "inv_freq", None)
+    if isinstance(buf, torch.Tensor) and buf.shape == inv.shape and buf.device.type != "meta":
+        inv = buf.detach().float().cpu()
+        scale = float(getattr(rot, "attention_scaling", scale))
+    return inv, scale
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF: normalise in fp32, cast back, then scale. F.rms_norm computes in fp32 internally for 16-bit
     # inputs and rounds once, the same values as HF's upcast/normalise/downcast, in one kernel (CUDA)
@@ -173,7 +191,7 @@ class StaticDecoder:
         self.proj, self.proj_note = make_projections(layers, projections)
         emb = self.embed.weight
         self.device, self.dtype = emb.device, emb.dtype
-        inv, scale = inv_freq_for(cfg, self.head_dim)
+        inv, scale = model_inv_freq(model, self.head_dim)
         # Same elementwise fp32 ops as the HF rotary forward, for every position at once, then cast.
         freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv[None, :]
         emb_f = torch.cat((freqs, freqs), dim=-1)

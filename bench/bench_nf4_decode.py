@@ -1,0 +1,163 @@
+"""Where a rollout decode step over a quantized (NF4 / int8) base with LoRA adapters spends its time.
+
+A few decoder layers of a real shape (default: Qwen2.5-7B's widths, 4 of its 28 layers), quantized with
+edgerl's own `quantize_linear`, peft LoRA r=16 on every projection, compute in `--compute` (fp32: what a
+P40 plan runs). It reports, per layer of one decode step of `--rows` rows:
+
+- the step time of the static engine (CUDA graph, projections called as modules), per layer;
+- the CUDA kernels of one eager step from the profiler, grouped by name, with their share;
+- the parts on their own: dequantizing each projection's weight to the compute dtype, the matmul in the
+  compute dtype on an already dequantized weight, the bitsandbytes module's forward, and the LoRA path;
+- the bandwidth floor of the same work (4-bit reads, the dequantized weight written and read once).
+
+    python bench/bench_nf4_decode.py [--shape qwen7b] [--layers 4] [--rows 16] [--compute fp32] [--out F]
+
+Random weights; speed only (the engine's agreement with HF is checked in tests/test_quant_cuda.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = {   # hidden, heads, kv heads, intermediate (Qwen2.5-7B, Llama-3.1-8B)
+    "qwen7b": (3584, 28, 4, 18944),
+    "llama8b": (4096, 32, 8, 14336),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cuda_ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def build(args, compute):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from edgerl.quant import quantize_linear
+    hidden, heads, kv, inter = SHAPES[args.shape]
+    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                      intermediate_size=inter, num_hidden_layers=args.layers, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(compute)
+    for layer in model.model.layers:
+        for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                             (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                setattr(owner, n, quantize_linear(getattr(owner, n), args.quant, compute))
+    torch.cuda.empty_cache()
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return get_peft_model(model, lora).eval()
+
+
+def kernels(engine, rows: int, width: int) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+    from edgerl.rollout.static import _Mode
+    s = engine._state
+    mode = _Mode(rows=rows, greedy=True, top_k=0, top_p=False, eos=(), pad=0)
+    s.col.fill_(width)
+    s.step.fill_(1)
+    engine._step(mode)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine._step(mode)
+        torch.cuda.synchronize()
+    by = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by[e.name[:90]][0] += 1
+            by[e.name[:90]][1] += e.device_time_total / 1e3
+    total = sum(v[1] for v in by.values())
+    rows_ = sorted(({"kernel": k, "calls": v[0], "ms": round(v[1], 3), "share": round(v[1] / total, 3)}
+                    for k, v in by.items()), key=lambda r: -r["ms"])
+    return [{"total_kernel_ms": round(total, 3), "kernels": sum(v[0] for v in by.values())}] + rows_[:25]
+
+
+def part(mod, inp, compute, bandwidth: float) -> dict:
+    """One LoRA-wrapped quantized projection `mod` on input rows `inp`, timed piece by piece."""
+    from edgerl.quant import dequantized_weight
+    base = mod.base_layer
+    w = dequantized_weight(base, compute)
+    rec = {"shape": list(w.shape),
+           "dequantize_ms": cuda_ms(lambda: dequantized_weight(base, compute)),
+           "matmul_ms": cuda_ms(lambda: torch.nn.functional.linear(inp, w)),
+           "bnb_forward_ms": cuda_ms(lambda: base(inp)),
+           "lora_module_ms": cuda_ms(lambda: mod(inp))}
+    packed = base.weight.numel() * base.weight.element_size()
+    rec["floor_ms"] = 1e3 * (packed + 2 * w.numel() * w.element_size()) / bandwidth
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}
+
+
+def parts(model, args, compute) -> dict:
+    layer = model.base_model.model.model.layers[0]
+    hidden, _, _, inter = SHAPES[args.shape]
+    x = torch.randn(args.rows, hidden, device="cuda", dtype=compute)
+    xi = torch.randn(args.rows, inter, device="cuda", dtype=compute)
+    return {"q_proj": part(layer.self_attn.q_proj, x, compute, args.bandwidth),
+            "gate_proj": part(layer.mlp.gate_proj, x, compute, args.bandwidth),
+            "down_proj": part(layer.mlp.down_proj, xi, compute, args.bandwidth)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen7b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--quant", default="nf4", choices=["nf4", "int8"])
+    ap.add_argument("--compute", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s for the floor (H200 copy: ~4.0e12)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_nf4_decode needs a CUDA GPU (bitsandbytes' CUDA kernels are what it times)", file=sys.stderr)
+        return 2
+    from edgerl.rollout import SamplingParams, StaticCacheEngine
+    compute = DTYPES[args.compute]
+    result = {"args": vars(args), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    model = build(args, compute)
+    ids = torch.randint(3, args.vocab, (args.rows, args.prompt_len), generator=torch.Generator().manual_seed(0))
+    engine = StaticCacheEngine(model, args.rows, args.prompt_len + args.new_tokens, cuda_graphs=True,
+                               projections="modules", time_steps=True)
+    params = SamplingParams(max_new_tokens=args.new_tokens, greedy=True)
+    engine.generate(ids.tolist(), 1, params)
+    t0 = time.perf_counter()
+    out = engine.generate(ids.tolist(), 1, params)
+    ms = statistics.median(out.info["step_ms"])
+    result["graph_step_ms"] = round(ms, 3)
+    result["graph_step_ms_per_layer"] = round(ms / args.layers, 3)
+    result["generate_s"] = round(time.perf_counter() - t0, 3)
+    result["profile_eager_step"] = kernels(engine, args.rows, args.prompt_len)
+    result["parts_layer0"] = parts(model, args, compute)
+    result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
