@@ -7,10 +7,12 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
     hf_generate               HF `generate` (the reference; timed over --hf-tokens tokens)
     static_eager              static KV cache, fused projections, no graph
     graph_unfused             + CUDA graph, projections called as modules (three q/k/v matmuls, two gate/up)
-    graph_fused               + CUDA graph, fused q/k/v and gate/up matmuls
-    graph_fused_sdpa          + decode attention as one scaled_dot_product_attention call
-    graph_fused_compile       + torch.compile'd decoder layers inside the graph (CC >= 7.0)
-    graph_fused_sdpa_compile  both
+    graph_fused               + CUDA graph, fused q/k/v and gate/up matmuls; decode attention as the
+                              engine chooses it (auto: baddbmm/softmax/bmm in fp32, SDPA in 16 bits)
+    graph_fused_bmm           decode attention as baddbmm, softmax, bmm (scores rounded to 16 bits in bf16)
+    graph_fused_sdpa          decode attention as one scaled_dot_product_attention call
+    graph_fused_compile       + torch.compile'd decoder layers inside the graph (CC >= 7.0), auto attention
+    graph_fused_sdpa_compile  compiled, SDPA
 
 Per variant: ms per decode step (median over the decode steps of --reps calls, CUDA events), decode
 tokens/s (rows / step time), share of the bandwidth bound (a step reads every weight once: weight
@@ -21,8 +23,10 @@ whether the graph survived a weight sync, and the correctness checks:
 
 - Each variant's whole output is checked against HF's own forward pass over that same output
   (teacher forcing): every emitted token must be HF's argmax given the same prefix, or within a
-  tolerance of it, in units of that position's logit std: 1e-3 in fp32, `--bf16-tol` (0.25) in bf16,
-  and at least 99.9% (fp32) / `--bf16-min-match` (90%) of tokens must be the exact argmax. Different
+  tolerance of it, in units of that position's logit std: 1e-3 in fp32, `--bf16-tol` (0.75) in bf16,
+  and at least 99.9% (fp32) / `--bf16-min-match` (75%) of tokens must be the exact argmax (the bf16
+  bar is HF generate's own agreement with HF's forward, measured on the H200: 83-87% of tokens, gaps
+  to 0.3 std over 512 tokens; the engine's variants are checked over 4096). Different
   kernels round differently, and random-weight logits have many near-ties, so in bf16 an argmax can
   flip and a row then diverges from another variant's; checking each token given its own prefix
   stays meaningful after a flip. A wrong mask, rotary or cache write moves logits by about one std,
@@ -67,6 +71,7 @@ VARIANTS = {   # engine keyword arguments; hf_generate has none
     "graph_fused": dict(cuda_graphs=True, projections="fused"),
     "graph_unfused": dict(cuda_graphs=True, projections="modules"),
     "static_eager": dict(cuda_graphs=False, projections="fused"),
+    "graph_fused_bmm": dict(cuda_graphs=True, projections="fused", decode_attention="bmm"),
     "graph_fused_sdpa": dict(cuda_graphs=True, projections="fused", decode_attention="sdpa"),
     "graph_fused_compile": dict(cuda_graphs=True, projections="fused", compile_step=True),
     "graph_fused_sdpa_compile": dict(cuda_graphs=True, projections="fused", decode_attention="sdpa",
@@ -330,8 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--reps", type=int, default=2, help="timed generate calls per variant after the first")
     ap.add_argument("--bandwidth-tbs", type=float, default=None, help="bandwidth for the bound (default: measured)")
-    ap.add_argument("--bf16-tol", type=float, default=0.25, help="largest gap to HF's argmax, in logit std")
-    ap.add_argument("--bf16-min-match", type=float, default=0.9, help="least share of tokens equal to HF's argmax")
+    ap.add_argument("--bf16-tol", type=float, default=0.75, help="largest gap to HF's argmax, in logit std")
+    ap.add_argument("--bf16-min-match", type=float, default=0.75, help="least share of tokens equal to HF's argmax")
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no variant after this many seconds")
     ap.add_argument("--compile-fp32", action="store_true",
                     help="also compile fp32 configs (fp32 is the Pascal plan's dtype, where compile cannot run)")

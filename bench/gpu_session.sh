@@ -81,7 +81,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         kernels-bf16) echo "python3 bench/bench_logprobs.py --dtypes bf16 --out $OUT/bench_logprobs_bf16$x.json" ;;
         kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;
         rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
-        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --bf16-tol 0.5 --bf16-min-match 0.75 --variants hf_generate,graph_fused,graph_fused_sdpa,graph_fused_compile,graph_fused_sdpa_compile --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
+        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants hf_generate,graph_fused,graph_fused_bmm,graph_fused_compile --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
         fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
         *) return 1 ;;

@@ -84,7 +84,11 @@ def _enable_compile(dec: StaticDecoder, device: torch.device) -> None:
         raise ValueError(f"compile_step is implemented for fused projections only ({dec.proj_note}); "
                          "use compile_step=False")
     # fullgraph: a graph break would silently fall back to slower eager pieces; fail loudly instead.
-    dec.layer_step = torch.compile(dec._decode_layer, dynamic=False, fullgraph=True)
+    # emulate_precision_casts: round to 16 bits where the eager ops do (HF's forward, what training
+    # runs); fused kernels otherwise keep intermediates in fp32 and the samples drift from the trainer's
+    # log-probs.
+    dec.layer_step = torch.compile(dec._decode_layer, dynamic=False, fullgraph=True,
+                                   options={"emulate_precision_casts": True})
     dec.compiled = True
 
 
@@ -96,7 +100,8 @@ class StaticCacheEngine:
     generated at once (the plan's rollout batch); max_seq_len: prompt + response tokens a row may
     reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
     (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
-    each). decode_attention: 'bmm' | 'sdpa' (`StaticDecoder`). compile_step: torch.compile each
+    each). decode_attention: 'auto' | 'bmm' | 'sdpa' (`StaticDecoder`; auto: bmm in fp32, sdpa in 16
+    bits). compile_step: torch.compile each
     decoder layer of the decode step (elementwise fusion; CUDA CC >= 7.0, fused projections; the
     compiled step is what a CUDA graph captures); off by default, never chosen on the CPU.
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
@@ -112,7 +117,7 @@ class StaticCacheEngine:
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
-                 cuda_graphs: bool, projections: str = "auto", decode_attention: str = "bmm",
+                 cuda_graphs: bool, projections: str = "auto", decode_attention: str = "auto",
                  compile_step: bool = False, time_steps: bool = False, note: str = "") -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
