@@ -145,6 +145,8 @@ class PlanOverrides:
     attention: Optional[Literal["eager", "sdpa", "flash_attention_2"]] = F(None, "attention kernel")
     rollout_engine: Optional[Literal["hf", "vllm"]] = F(None, "rollout engine")
     cuda_graphs: Optional[bool] = F(None, "capture the decode step in a CUDA graph (hf engine)")
+    rollout_compile: Optional[bool] = F(None, "torch.compile the decode step's decoder layers inside the CUDA "
+                                        "graph (hf engine; CC >= 8.0, triton and a C compiler)")
     kernel_backend: Optional[Literal["torch", "triton"]] = F(None, "log-prob kernel backend")
     grad_checkpointing: Optional[bool] = F(None, "recompute activations in the backward pass")
     param_offload: Optional[bool] = F(None, "keep parameters in host memory (FSDP2 CPU offload)")

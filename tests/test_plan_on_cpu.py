@@ -45,6 +45,39 @@ def test_decisions_per_device(key, libs, dtype, attention, kernel, engine, graph
         assert p.kernel_tiles["smem_bytes"] <= dev.smem_per_block_optin
 
 
+# device, extra libs -> compiled decode step, words the reason must hold
+COMPILE = [
+    ("3090", {}, True, "measured"),
+    ("H100", {}, True, "measured"),
+    ("H100", {"triton": None}, False, "triton is not installed"),
+    ("T4", {}, False, "from CC 8.0"),
+    ("V100", {}, False, "from CC 8.0"),
+    ("P40", {}, False, "refuses CC < 7.0"),
+    ("A100", {"vllm": "0.10.1"}, False, "the vllm engine"),
+    (None, {}, False, "without CUDA graphs"),
+]
+
+
+@pytest.mark.parametrize("key,libs,compiled,words", COMPILE)
+def test_rollout_compile_from_cc8_with_triton_on_the_hf_engine_only(key, libs, compiled, words):
+    dev = fake_probe(key, **libs).primary
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    assert p.rollout_compile is compiled
+    assert words in p.reasons["rollout_compile"]
+    off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": False})
+    assert off.rollout_compile is False and "asked for" in off.reasons["rollout_compile"]
+    if not compiled:
+        with pytest.raises(PlanError, match="plan.rollout_compile=true is not possible"):
+            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True})
+
+
+def test_rollout_compile_is_off_when_the_rollout_runs_the_quantized_actor():
+    dev = fake_probe("3090", bitsandbytes="0.50.2").primary
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], dataclasses.replace(SMALL, lora=True), {"base_dtype": "nf4"})
+    assert p.base_dtype == "nf4" and p.rollout_compile is False
+    assert "quantized modules" in p.reasons["rollout_compile"]
+
+
 def test_blackwell_keeps_sdpa_unless_flash_attention_is_asked_for():
     from edgerl.device import device_from_spec
     from fakes import software

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from ..errors import TrainingError
 from .base import RolloutBatch, RolloutEngine, SamplingParams, cut_at_eos
 from .decoder import SUPPORTED, UnsupportedModel
 from .hf import HFGenerateEngine, load_weights
@@ -116,7 +117,15 @@ def _static(plan, ctx: EngineContext) -> RolloutEngine:
                                    projections="modules", note=why)
         return ActorWeights(engine, ctx.actor, plan.rollout_resident)
     copy = _inference_copy(plan, ctx)
-    engine = StaticCacheEngine(copy, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs, note=why)
+    try:
+        engine = StaticCacheEngine(copy, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs,
+                                   compile_step=plan.rollout_compile, note=why)
+    except ValueError as e:
+        if not plan.rollout_compile or isinstance(e, UnsupportedModel):
+            raise
+        # the plan cannot see the loaded model's layers (fusable projections) or the host's compiler
+        raise TrainingError(f"the plan compiles the rollout's decode step, and this model cannot: {e} "
+                            "(set plan.rollout_compile=false)") from None
     return OwnWeights(engine, copy, plan.rollout_resident)
 
 

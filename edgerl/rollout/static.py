@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..errors import TrainingError
 from .base import RolloutBatch, SamplingParams, cut_at_eos
 from .decoder import StaticDecoder
 from .hf import load_weights
@@ -223,11 +224,19 @@ class StaticCacheEngine:
         s.done.fill_(False)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):   # warm-up off the capture: cuBLAS handles, lazy init, allocator
-            for _ in range(2):
-                self._step(mode)
-                s.col.zero_()
-                s.step.zero_()
+        try:
+            with torch.cuda.stream(side):   # warm-up off the capture: cuBLAS handles, lazy init, allocator
+                for _ in range(2):
+                    self._step(mode)
+                    s.col.zero_()
+                    s.step.zero_()
+        except Exception as e:
+            if not self.compile_step or isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            # the first call compiles: a missing C compiler or a Triton problem surfaces here
+            raise TrainingError(f"compiling the rollout's decode step (torch.compile) failed: {type(e).__name__}: "
+                                f"{str(e).strip()[:400]}. Inductor needs triton and a C compiler (gcc or cc) "
+                                "on the host; set plan.rollout_compile=false to run without it") from e
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
