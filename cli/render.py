@@ -13,7 +13,8 @@ from ..plan import Plan
 
 STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
 LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout engine",
-          "cuda_graphs": "CUDA graphs", "kernel_backend": "log-prob kernel", "kernel_tiles": "kernel tiles",
+          "cuda_graphs": "CUDA graphs", "rollout_compile": "compiled decode step",
+          "kernel_backend": "log-prob kernel", "kernel_tiles": "kernel tiles",
           "logprob_chunk": "log-prob chunk", "grad_checkpointing": "grad checkpointing",
           "swap_models": "swap models", "optimizer_offload": "optimizer offload",
           "param_offload": "param offload", "optimizer": "optimizer", "lora": "LoRA", "base_dtype": "LoRA base dtype",
