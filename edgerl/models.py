@@ -320,7 +320,7 @@ def on_device(module: Optional[nn.Module], device: torch.device, enabled: bool):
     cannot pin that much keeps pageable memory (slower copies, same result; said once in the log).
 
     Measured before, with `module.to(device)` and `module.to("cpu")` every step: 2.4 s of a 3.9 s step
-    for the 1.7B reference on the H200 (docs/benchmarks.md section 6.2)."""
+    for the 1.7B reference on the H200 (docs/benchmarks.md section 7.2)."""
     if module is None or not enabled:
         yield module
         return
@@ -371,8 +371,9 @@ def _host_tensors(module: nn.Module, device: torch.device) -> dict:
                     owner._buffers[name] = pinned
                 out[key] = (owner, name, pinned)
         except RuntimeError as e:
+            size = fmt_bytes(sum(t.numel() * t.element_size() for _, _, t in out.values()))
             log.warning("could not pin the reference model's %s of host memory (%s); its copies to the GPU "
-                        "stay pageable (slower)", fmt_bytes(sum(t.numel() * t.element_size() for _, _, t in out.values())), e)
+                        "stay pageable (slower)", size, e)
         object.__setattr__(module, "_edgerl_pinned", True)
     return out
 

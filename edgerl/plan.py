@@ -57,10 +57,10 @@ class Plan:
     headroom: int
     reasons: dict[str, str] = field(default_factory=dict)
 
-    DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "rollout_compile", "kernel_backend", "kernel_tiles",
-                 "logprob_chunk", "grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
-                 "optimizer", "lora", "base_dtype", "reward_model_dtype", "micro_batch", "score_micro_batch",
-                 "rollout_batch", "rollout_resident", "rollout_memory_share", "env")
+    DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "rollout_compile", "kernel_backend",
+                 "kernel_tiles", "logprob_chunk", "grad_checkpointing", "swap_models", "optimizer_offload",
+                 "param_offload", "optimizer", "lora", "base_dtype", "reward_model_dtype", "micro_batch",
+                 "score_micro_batch", "rollout_batch", "rollout_resident", "rollout_memory_share", "env")
 
     def value(self, key: str) -> Any:
         v = getattr(self, key)
@@ -212,7 +212,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         lora_info = {"rank": task.lora_rank, "alpha": task.lora_alpha, "targets": list(lora_targets_),
                      "params": lora_params}
     return Plan(device=device, model=model, task=task, dtype=dtype, attention=attention, rollout_engine=engine,
-                cuda_graphs=graphs, rollout_compile=compiled, kernel_backend=backend, kernel_tiles=tiles, logprob_chunk=chunk,
+                cuda_graphs=graphs, rollout_compile=compiled, kernel_backend=backend, kernel_tiles=tiles,
+                logprob_chunk=chunk,
                 grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
                 optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,
                 lora=lora_info, base_dtype=base, reward_model_dtype=rm_dtype,
