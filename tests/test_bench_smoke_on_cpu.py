@@ -120,3 +120,10 @@ def test_bench_multi_smoke_on_two_cpu_ranks(tmp_path):
     assert d["runs"]["scale-2gpu"]["world_size"] == 2 and d["runs"]["scale-2gpu"]["sequences_per_step"] == 32
     assert d["runs"]["fit2-plan"]["plan_said_2_not_1"] is True and d["runs"]["fit2-run"]["status"] == "ok"
     assert d["resume"]["verdict"].startswith("exact")
+
+
+def test_nf4_decode_profile_says_it_needs_a_gpu():
+    """bench_nf4_decode.py times bitsandbytes' CUDA kernels: without a GPU it says so and exits 2."""
+    out = subprocess.run([sys.executable, str(BENCH / "bench_nf4_decode.py")], capture_output=True, text=True,
+                         env=ENV, timeout=300)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
