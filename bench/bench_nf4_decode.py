@@ -71,22 +71,12 @@ def build(args, compute):
 
 
 def kernels(engine, rows: int, width: int) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile
-    from edgerl.rollout.static import _Mode
-    s = engine._state
-    mode = _Mode(rows=rows, greedy=True, top_k=0, top_p=False, eos=(), pad=0)
-    s.col.fill_(width)
-    s.step.fill_(1)
-    engine._step(mode)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine._step(mode)
-        torch.cuda.synchronize()
+    """One eager decode step's CUDA kernels grouped by name, the most time first."""
+    from bench_rollout import step_kernels
     by = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            by[e.name[:90]][0] += 1
-            by[e.name[:90]][1] += e.device_time_total / 1e3
+    for e in step_kernels(engine, width, rows):
+        by[e.name[:90]][0] += 1
+        by[e.name[:90]][1] += e.device_time_total / 1e3
     total = sum(v[1] for v in by.values())
     rows_ = sorted(({"kernel": k, "calls": v[0], "ms": round(v[1], 3), "share": round(v[1] / total, 3)}
                     for k, v in by.items()), key=lambda r: -r["ms"])

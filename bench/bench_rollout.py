@@ -160,20 +160,26 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict:
             "first_divergence": min(diverged) if diverged else None}
 
 
-def count_kernels(engine, width: int) -> int:
-    """CUDA kernels launched by one eager decode step (compiled layers included), from the profiler."""
+def step_kernels(engine, width: int, rows: int = 0) -> list:
+    """The CUDA kernel events (profiler) of one eager decode step of `rows` rows (0: the engine's
+    max_batch) writing cache column `width`, compiled layers included."""
     from torch.profiler import ProfilerActivity, profile
     from edgerl.rollout.static import _Mode
     s = engine._state
-    mode = _Mode(rows=engine.max_batch, greedy=True, top_k=0, top_p=False, eos=(), pad=0)
+    mode = _Mode(rows=rows or engine.max_batch, greedy=True, top_k=0, top_p=False, eos=(), pad=0)
     s.col.fill_(width)      # a column inside the cache: the step writes it
     s.step.fill_(1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine._step(mode)
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def count_kernels(engine, width: int) -> int:
+    """CUDA kernels launched by one eager decode step, copies and fills left out."""
+    return sum(1 for e in step_kernels(engine, width)
+               if "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
 
 
 def run_static(args, model, ids, kw, rec, cuda) -> list[list[int]]:
