@@ -325,30 +325,30 @@ def on_device(module: Optional[nn.Module], device: torch.device, enabled: bool):
         yield module
         return
     tensors = _host_tensors(module, device)
-    host = {key: t for key, (_, _, t) in tensors.items()}
     try:
-        for owner, name, t in tensors.values():
-            moved = t.to(device, non_blocking=True, copy=True)
-            if name in owner._parameters:
-                owner._parameters[name].data = moved
-            else:
-                owner._buffers[name] = moved
+        for owner, name, t in tensors:
+            _put(owner, name, t.to(device, non_blocking=True, copy=True))
         yield module
     finally:
-        for key, (owner, name, _) in tensors.items():
-            if name in owner._parameters:
-                owner._parameters[name].data = host[key]
-            else:
-                owner._buffers[name] = host[key]
-        del tensors
+        for owner, name, t in tensors:
+            _put(owner, name, t)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
             torch.cuda.empty_cache()
 
 
-def _host_tensors(module: nn.Module, device: torch.device) -> dict:
-    """{key: (owning module, name, host tensor)} for every parameter (tied ones once) and buffer of
-    `module`, pinned on the first call when `device` is CUDA."""
+def _put(owner: nn.Module, name: str, t: torch.Tensor) -> None:
+    """Make `t` the value of `owner`'s parameter (its .data: the Parameter object, and so weight tying,
+    stays) or buffer `name`."""
+    if name in owner._parameters:
+        owner._parameters[name].data = t
+    else:
+        owner._buffers[name] = t
+
+
+def _host_tensors(module: nn.Module, device: torch.device) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(owning module, name, host tensor) for every parameter (tied ones once) and buffer of `module`,
+    pinned on the first call when `device` is CUDA."""
     out: dict = {}
     for owner in module.modules():
         for name, t in list(owner._parameters.items()) + list(owner._buffers.items()):
@@ -365,17 +365,14 @@ def _host_tensors(module: nn.Module, device: torch.device) -> dict:
         try:
             for key, (owner, name, t) in list(out.items()):
                 pinned = t.pin_memory()
-                if name in owner._parameters:
-                    owner._parameters[name].data = pinned
-                else:
-                    owner._buffers[name] = pinned
+                _put(owner, name, pinned)
                 out[key] = (owner, name, pinned)
         except RuntimeError as e:
             size = fmt_bytes(sum(t.numel() * t.element_size() for _, _, t in out.values()))
             log.warning("could not pin the reference model's %s of host memory (%s); its copies to the GPU "
                         "stay pageable (slower)", size, e)
         object.__setattr__(module, "_edgerl_pinned", True)
-    return out
+    return list(out.values())
 
 
 def save_hf(lm_state: dict[str, torch.Tensor], source: str, tokenizer, out: Path,
