@@ -8,7 +8,10 @@ P40 plan runs). It reports, per layer of one decode step of `--rows` rows:
 - the CUDA kernels of one eager step from the profiler, grouped by name, with their share;
 - the parts on their own: dequantizing each projection's weight to the compute dtype, the matmul in the
   compute dtype on an already dequantized weight, the bitsandbytes module's forward, and the LoRA path;
-- the bandwidth floor of the same work (4-bit reads, the dequantized weight written and read once).
+- the bandwidth floor of the same work (4-bit reads, the dequantized weight written and read once);
+- with `--kernel` (default on, nf4 only): the same step and parts through edgerl's fused NF4 kernel
+  (`edgerl.quant_decode`), its agreement with bitsandbytes, and both timed inside CUDA graphs over
+  `--row-sweep` rows on four projections.
 
     python bench/bench_nf4_decode.py [--shape qwen7b] [--layers 4] [--rows 16] [--compute fp32] [--out F]
 
@@ -93,6 +96,11 @@ def part(mod, inp, compute, bandwidth: float) -> dict:
            "matmul_ms": cuda_ms(lambda: torch.nn.functional.linear(inp, w)),
            "bnb_forward_ms": cuda_ms(lambda: base(inp)),
            "lora_module_ms": cuda_ms(lambda: mod(inp))}
+    if type(base).__name__ == "DecodeLinear4bit":   # the fused kernel is on: time it and compare
+        rec["fused_kernel_ms"] = cuda_ms(lambda: base(inp))
+        want = type(base).__mro__[1].forward(base, inp).float()   # bitsandbytes' own forward
+        got = base(inp).float()
+        rec["fused_vs_bnb_max_rel"] = float((got - want).abs().max() / want.abs().max())
     packed = base.weight.numel() * base.weight.element_size()
     rec["floor_ms"] = 1e3 * (packed + 2 * w.numel() * w.element_size()) / bandwidth
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}
@@ -108,6 +116,55 @@ def parts(model, args, compute) -> dict:
             "down_proj": part(layer.mlp.down_proj, xi, compute, args.bandwidth)}
 
 
+def graph_ms(fn, reps: int = 50) -> float:
+    """GPU time of one call of `fn`, from a CUDA graph of `reps` calls (no Python launch cost inside)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (5 * reps)
+
+
+def row_sweep(model, args, compute) -> list[dict]:
+    """bitsandbytes' forward against the fused kernel, each timed inside a CUDA graph, on layer 0's
+    q, k, gate and down projections for each row count of `--row-sweep`."""
+    layer = model.base_model.model.model.layers[0]
+    out = []
+    for name, mod in (("q_proj", layer.self_attn.q_proj), ("k_proj", layer.self_attn.k_proj),
+                      ("gate_proj", layer.mlp.gate_proj), ("down_proj", layer.mlp.down_proj)):
+        base = mod.base_layer
+        plain = type(base).__mro__[1]
+        for m in (int(r) for r in args.row_sweep.split(",")):
+            x = torch.randn(m, base.in_features, device="cuda", dtype=compute)
+            bnb_ms, fused_ms = graph_ms(lambda: plain.forward(base, x)), graph_ms(lambda: base(x))
+            out.append({"proj": name, "shape": [base.out_features, base.in_features], "rows": m,
+                        "bnb_ms": round(bnb_ms, 4), "fused_ms": round(fused_ms, 4),
+                        "speedup": round(bnb_ms / fused_ms, 2)})
+    return out
+
+
+def engine_step(model, args, ids, params) -> dict:
+    from edgerl.rollout import StaticCacheEngine
+    engine = StaticCacheEngine(model, args.rows, args.prompt_len + args.new_tokens, cuda_graphs=True,
+                               projections="modules", time_steps=True)
+    engine.generate(ids.tolist(), 1, params)
+    t0 = time.perf_counter()
+    out = engine.generate(ids.tolist(), 1, params)
+    ms = statistics.median(out.info["step_ms"])
+    return {"graph_step_ms": round(ms, 3), "graph_step_ms_per_layer": round(ms / args.layers, 3),
+            "generate_s": round(time.perf_counter() - t0, 3), "engine": engine, "tokens": out.response_ids}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen7b", choices=sorted(SHAPES))
@@ -119,28 +176,37 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s for the floor (H200 copy: ~4.0e12)")
+    ap.add_argument("--kernel", default="on", choices=["on", "off"], help="also time the fused NF4 kernel")
+    ap.add_argument("--row-sweep", default="1,4,16,32,64", help="row counts for the kernel against bitsandbytes")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_nf4_decode needs a CUDA GPU (bitsandbytes' CUDA kernels are what it times)", file=sys.stderr)
         return 2
-    from edgerl.rollout import SamplingParams, StaticCacheEngine
+    from edgerl.rollout import SamplingParams
     compute = DTYPES[args.compute]
     result = {"args": vars(args), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     model = build(args, compute)
     ids = torch.randint(3, args.vocab, (args.rows, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    engine = StaticCacheEngine(model, args.rows, args.prompt_len + args.new_tokens, cuda_graphs=True,
-                               projections="modules", time_steps=True)
     params = SamplingParams(max_new_tokens=args.new_tokens, greedy=True)
-    engine.generate(ids.tolist(), 1, params)
-    t0 = time.perf_counter()
-    out = engine.generate(ids.tolist(), 1, params)
-    ms = statistics.median(out.info["step_ms"])
-    result["graph_step_ms"] = round(ms, 3)
-    result["graph_step_ms_per_layer"] = round(ms / args.layers, 3)
-    result["generate_s"] = round(time.perf_counter() - t0, 3)
+    step = engine_step(model, args, ids, params)
+    engine, tokens = step.pop("engine"), step.pop("tokens")
+    result.update(step)
     result["profile_eager_step"] = kernels(engine, args.rows, args.prompt_len)
     result["parts_layer0"] = parts(model, args, compute)
+    del engine
+    if args.kernel == "on" and args.quant == "nf4":
+        from edgerl import quant_decode
+        quant_decode.enable(model, args.rows)
+        fused = engine_step(model, args, ids, params)
+        fengine, ftokens = fused.pop("engine"), fused.pop("tokens")
+        fused["greedy_tokens_equal_share"] = round(sum(a == b for ra, rb in zip(tokens, ftokens)
+                                                       for a, b in zip(ra, rb)) / max(sum(map(len, tokens)), 1), 3)
+        fused["speedup_vs_bnb"] = round(result["graph_step_ms"] / fused["graph_step_ms"], 2)
+        fused["profile_eager_step"] = kernels(fengine, args.rows, args.prompt_len)[:8]
+        fused["parts_layer0"] = parts(model, args, compute)
+        fused["row_sweep"] = row_sweep(model, args, compute)
+        result["fused_kernel"] = fused
     result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     text = json.dumps(result, indent=1)
     print(text)

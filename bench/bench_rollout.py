@@ -160,6 +160,7 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict:
             "first_divergence": min(diverged) if diverged else None}
 
 
+@torch.no_grad()   # as generate runs it: no autograd records (LoRA adapters would otherwise be tracked)
 def step_kernels(engine, width: int, rows: int = 0) -> list:
     """The CUDA kernel events (profiler) of one eager decode step of `rows` rows (0: the engine's
     max_batch) writing cache column `width`, compiled layers included."""

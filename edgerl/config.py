@@ -147,6 +147,8 @@ class PlanOverrides:
     cuda_graphs: Optional[bool] = F(None, "capture the decode step in a CUDA graph (hf engine)")
     rollout_compile: Optional[bool] = F(None, "torch.compile the decode step's decoder layers inside the CUDA "
                                         "graph (hf engine; CC >= 8.0, triton and a C compiler)")
+    nf4_kernel: Optional[bool] = F(None, "the rollout's decode step multiplies by an NF4 base through edgerl's fused "
+                                   "kernel (compiled with NVRTC) instead of bitsandbytes' dequantize + matmul")
     kernel_backend: Optional[Literal["torch", "triton"]] = F(None, "log-prob kernel backend")
     grad_checkpointing: Optional[bool] = F(None, "recompute activations in the backward pass")
     param_offload: Optional[bool] = F(None, "keep parameters in host memory (FSDP2 CPU offload)")

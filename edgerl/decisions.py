@@ -320,6 +320,39 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
                   "rollout compiles for a few seconds; plan.rollout_compile=false turns it off")
 
 
+# Measured on an H200 (docs/benchmarks.md section 8): a decode step of 16 rows over 4 NF4 layers at the
+# Qwen2.5-7B widths, fp32 compute, 5.30 ms with bitsandbytes and 2.90 ms with the fused kernel; per
+# projection it wins up to 32 rows in fp32. In fp16 the H200's tensor-core GEMM on the dequantized weight
+# is as fast as the kernel's fp32 multiply-adds, so 16-bit compute keeps bitsandbytes unless asked.
+NF4_KERNEL_GAIN = "1.83x per decode step at the Qwen2.5-7B widths in fp32, 16 rows, on an H200"
+NF4_KERNEL_ROWS = 32
+
+
+def pick_nf4_kernel(dev: Device, dtype: DtypePolicy, base: Optional[str], engine: str,
+                    forced: Optional[bool]) -> tuple[bool, str]:
+    """Whether the rollout's decode step multiplies by the NF4 base through edgerl's fused kernel
+    (`edgerl.quant_decode`: reads the 4-bit codes once) instead of bitsandbytes' dequantize-then-GEMM."""
+    hard = ""
+    if base != "nf4":
+        hard = "no frozen base (full fine-tuning)" if base is None else f"the base is {base}, not nf4"
+    elif not dev.is_cuda:
+        hard = "not a CUDA device"
+    elif engine != "hf":
+        hard = f"the {engine} engine does not run the actor's own modules"
+    soft = "" if hard or dtype.compute == "fp32" else (
+        f"{dtype.compute} compute: measured no faster than bitsandbytes' dequantize and 16-bit GEMM on an H200 "
+        "(unmeasured on a T4 or V100); plan.nf4_kernel=true turns it on")
+    if forced is not None:
+        if forced and hard:
+            raise PlanError(f"plan.nf4_kernel=true is not possible: {hard}; use plan.nf4_kernel=false")
+        return bool(forced), f"asked for with plan.nf4_kernel={str(forced).lower()}"
+    if hard or soft:
+        return False, f"bitsandbytes' own matmul: {hard or soft}"
+    return True, (f"one kernel reads the 4-bit codes once for up to {NF4_KERNEL_ROWS} rows (bitsandbytes writes and "
+                  f"reads an fp32 copy of each weight): measured {NF4_KERNEL_GAIN}; compiled for this GPU with "
+                  "NVRTC when training starts; plan.nf4_kernel=false turns it off")
+
+
 def pick_kernels(dev: Device, dtype: DtypePolicy, model: ModelSpec,
                  forced: Optional[str]) -> tuple[str, Optional[dict[str, Any]], str]:
     """The log-prob kernel: Triton from CC 8.0 (Triton's README supports 8.0+; below it tl.dot has no

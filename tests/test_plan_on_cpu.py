@@ -71,6 +71,41 @@ def test_rollout_compile_from_cc8_with_triton_on_the_hf_engine_only(key, libs, c
             plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True})
 
 
+# device, base dtype -> fused NF4 decode kernel, words the reason must hold
+NF4_KERNEL = [
+    ("P40", "nf4", True, "measured 1.83x"),
+    ("T4", "nf4", False, "fp16 compute: measured no faster"),
+    ("3090", "nf4", False, "bf16 compute"),
+    ("T4", "int8", False, "the base is int8, not nf4"),
+    ("P40", None, False, "the base is fp16, not nf4"),
+]
+
+
+@pytest.mark.parametrize("key,base,on,words", NF4_KERNEL)
+def test_nf4_kernel_for_an_nf4_base_in_fp32_compute(key, base, on, words):
+    dev = fake_probe(key, bitsandbytes="0.50.2").primary
+    task = dataclasses.replace(SMALL, lora=True)
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], task, {"base_dtype": base} if base else None)
+    assert p.nf4_kernel is on
+    assert words in p.reasons["nf4_kernel"]
+    off = plan(dev, CATALOGUE["qwen2.5-0.5b"], task, {"nf4_kernel": False} | ({"base_dtype": base} if base else {}))
+    assert off.nf4_kernel is False and "asked for" in off.reasons["nf4_kernel"]
+    if base == "nf4":   # 16-bit compute: allowed when asked for
+        forced = plan(dev, CATALOGUE["qwen2.5-0.5b"], task, {"nf4_kernel": True, "base_dtype": base})
+        assert forced.nf4_kernel is True
+    else:
+        with pytest.raises(PlanError, match="plan.nf4_kernel=true is not possible"):
+            plan(dev, CATALOGUE["qwen2.5-0.5b"], task, {"nf4_kernel": True} | ({"base_dtype": base} if base else {}))
+
+
+def test_nf4_kernel_needs_a_frozen_base_and_cuda():
+    with pytest.raises(PlanError, match=r"plan.nf4_kernel=true is not possible: no frozen base \(full fine-tuning\)"):
+        plan(fake_probe("P40").primary, CATALOGUE["qwen2.5-0.5b"], SMALL, {"nf4_kernel": True})
+    with pytest.raises(PlanError, match="plan.nf4_kernel=true is not possible: not a CUDA device"):
+        plan(fake_probe(None, bitsandbytes="0.50.2").primary, CATALOGUE["qwen2.5-0.5b"],
+             dataclasses.replace(SMALL, lora=True), {"nf4_kernel": True, "base_dtype": "nf4"})
+
+
 def test_rollout_compile_is_off_when_the_rollout_runs_the_quantized_actor():
     dev = fake_probe("3090", bitsandbytes="0.50.2").primary
     p = plan(dev, CATALOGUE["qwen2.5-0.5b"], dataclasses.replace(SMALL, lora=True), {"base_dtype": "nf4"})

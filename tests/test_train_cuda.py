@@ -90,6 +90,10 @@ def test_qlora_rollout_runs_the_quantized_actor_in_a_graph(tiny_llama, tmp_path,
     plan, t, rows = train(tiny_llama, tmp_path / "run", "lora.enabled=true", "lora.rank=4", 'plan.base_dtype="nf4"',
                           f'plan.dtype="{dtype}"', "algo.kl_coef=0.01")
     assert plan.base_dtype == "nf4" and plan.cuda_graphs and not t.engine.needs_weights
+    # fp32 compute (a P40's) decodes through the fused NF4 kernel; the trainer scores through bitsandbytes
+    assert plan.nf4_kernel == (dtype == "fp32")
+    assert ("14 NF4 layers decode through the fused kernel" in t.engine.describe()) == (dtype == "fp32"), \
+        t.engine.describe()
     assert finite(rows, "actor/grad_norm") and finite(rows, "actor/kl")
     # the log-probs the engine sampled with are the trainer's own on the same 4-bit weights
     tol = 1e-4 if dtype == "fp32" else 5e-2

@@ -76,9 +76,9 @@ class ActorWeights:
 
     needs_weights = False
 
-    def __init__(self, engine, actor: torch.nn.Module, resident: bool) -> None:
+    def __init__(self, engine, actor: torch.nn.Module, resident: bool, fused_nf4: str = "") -> None:
         from torch.distributed.fsdp import FSDPModule
-        self.engine, self.resident = engine, resident
+        self.engine, self.resident, self.fused_nf4 = engine, resident, fused_nf4
         self.fsdp = [m for m in actor.modules() if isinstance(m, FSDPModule)]
         self.name = engine.name
 
@@ -99,7 +99,8 @@ class ActorWeights:
         """Nothing to copy: the engine reads the actor's weights themselves."""
 
     def describe(self) -> str:
-        return self.engine.describe() + "; runs the actor's own quantized base and adapters (no copy)"
+        return (self.engine.describe() + "; runs the actor's own quantized base and adapters (no copy)"
+                + (f"; {self.fused_nf4}" if self.fused_nf4 else ""))
 
 
 def _inference_copy(plan, ctx: EngineContext) -> torch.nn.Module:
@@ -113,9 +114,16 @@ def _static(plan, ctx: EngineContext) -> RolloutEngine:
     # The plan chose this engine for this model (decisions.static_engine_support); the decoder checks
     # the loaded model again and raises UnsupportedModel if the two disagree.
     if quantized_base(plan):
+        fused = ""
+        if plan.nf4_kernel:
+            from ..decisions import NF4_KERNEL_ROWS
+            from ..quant_decode import enable
+            n, left = enable(ctx.actor.lm, NF4_KERNEL_ROWS)   # compiles and checks the kernel first (one-line error)
+            fused = f"{n} NF4 layers decode through the fused kernel" + "".join(
+                f"; {k} left to bitsandbytes: {why}" for why, k in left.items())
         engine = StaticCacheEngine(ctx.actor.lm, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs,
                                    projections="modules", note=why)
-        return ActorWeights(engine, ctx.actor, plan.rollout_resident)
+        return ActorWeights(engine, ctx.actor, plan.rollout_resident, fused)
     copy = _inference_copy(plan, ctx)
     try:
         engine = StaticCacheEngine(copy, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs,

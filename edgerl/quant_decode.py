@@ -1,0 +1,110 @@
+"""The rollout's decode step over an NF4 base through one fused kernel (`edgerl.kernels.nf4`).
+
+bitsandbytes' `Linear4bit` multiplies a few rows by dequantizing the whole weight to the compute dtype
+and running a GEMM on the copy; for the rows of a decode step that is most of the step's time (in fp32
+on a P40 plan, 74%: docs/benchmarks.md section 7.4). `enable(model, rows)` turns each NF4 `Linear4bit`
+of the model into a `DecodeLinear4bit`, the same module (same weight, state dict and peft wrapping)
+whose forward sends inputs of at most `rows` rows, outside autograd, to the fused kernel, and
+everything else (training, scoring, prefill) to bitsandbytes as before. The kernel computes the same
+fp32 products as bitsandbytes' fp32 path, summed in another order.
+
+The plan decides (`decisions.pick_nf4_kernel`, `plan.nf4_kernel`); `enable` compiles the kernel for
+the device first, so a machine where NVRTC cannot build it fails at the start of training with one
+line naming the setting, not in the middle of a rollout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import TrainingError
+
+_classes: dict[type, type] = {}
+
+
+def _decode_class(base: type) -> type:
+    """A subclass of bitsandbytes' Linear4bit (cached) whose forward takes the fused kernel for few rows."""
+    cls = _classes.get(base)
+    if cls is not None:
+        return cls
+    from .kernels.nf4 import nf4_matmul, unsupported
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        state = getattr(w, "quant_state", None)
+        rows = x.numel() // max(x.shape[-1], 1)
+        if (state is None or rows > self.decode_rows or (torch.is_grad_enabled() and x.requires_grad)
+                or (self.compute_dtype is not None and x.dtype != self.compute_dtype)
+                or unsupported(x, w.data, state)):
+            return base.forward(self, x)
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return nf4_matmul(x, w.data, state, bias)
+
+    cls = _classes[base] = type("DecodeLinear4bit", (base,), {
+        "forward": forward, "__doc__": "bitsandbytes' Linear4bit; a few rows outside autograd take the fused "
+                                       "NF4 kernel (edgerl.quant_decode)"})
+    return cls
+
+
+def nf4_layers(model: nn.Module) -> list[nn.Module]:
+    import sys
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+            and getattr(getattr(m.weight, "quant_state", None), "quant_type", "nf4") == "nf4"]
+
+
+def check_kernel(device: torch.device) -> None:
+    """Compile and run the kernel once on `device` against its reference; TrainingError if it cannot."""
+    from .kernels.nf4 import KernelUnavailable, nf4_matmul, reference
+    import bitsandbytes as bnb
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        w = torch.randn(40, 256, generator=g).to(device)
+        packed, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        x = torch.randn(3, 256, generator=g).to(device)
+        got, want = nf4_matmul(x, packed, state), reference(x, packed, state)
+        torch.cuda.synchronize(device)
+    except KernelUnavailable as e:
+        raise TrainingError(f"the plan decodes through the fused NF4 kernel, which cannot be built here: {e} "
+                            "(set plan.nf4_kernel=false to use bitsandbytes' own matmul)") from None
+    err = (got - want).abs().max().item()
+    if not err <= 1e-4 * max(want.abs().max().item(), 1.0):
+        raise TrainingError(f"the fused NF4 kernel disagrees with its reference on "
+                            f"{torch.cuda.get_device_name(device)} (max error {err:.3g}); set plan.nf4_kernel=false "
+                            "and report this GPU")
+
+
+def enable(model: nn.Module, rows: int) -> tuple[int, dict[str, int]]:
+    """Route decode steps of at most `rows` rows of every NF4 layer of `model` on a CUDA device to the
+    fused kernel. Checks the kernel on their device first (`check_kernel`). Returns how many layers it
+    took and, for the layers it left to bitsandbytes, how many for each reason."""
+    from .kernels.nf4 import weight_unsupported
+    layers = nf4_layers(model)
+    left: dict[str, int] = {}
+    on = []
+    for m in layers:
+        why = "not on a CUDA device" if m.weight.device.type != "cuda" else \
+            weight_unsupported(m.weight.data, m.weight.quant_state)
+        if why:
+            left[why] = left.get(why, 0) + 1
+        else:
+            on.append(m)
+    for d in {m.weight.device for m in on}:
+        check_kernel(d)
+    for m in on:
+        if type(m).__name__ != "DecodeLinear4bit":
+            m.__class__ = _decode_class(type(m))
+        m.decode_rows = rows
+    return len(on), left
+
+
+def disable(model: nn.Module) -> None:
+    """Back to bitsandbytes' own forward for every layer `enable` changed."""
+    for m in model.modules():
+        if type(m).__name__ == "DecodeLinear4bit":
+            m.__class__ = type(m).__mro__[1]

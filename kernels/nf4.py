@@ -1,0 +1,301 @@
+"""A few rows times an NF4 weight, in one kernel that reads the 4-bit codes once (the rollout's decode step).
+
+bitsandbytes multiplies a few rows by a 4-bit weight in two steps: dequantize the whole weight to the
+compute dtype (writing N x K values), then a GEMM that reads them back. For a decode step of 16 rows in
+fp32 (what a P40 plan computes in), that is 8.5 bytes moved per weight for 32 flops, and it was 74% of
+the step (docs/benchmarks.md, section 7.4). This kernel reads the packed codes (0.5 bytes a weight) and
+their block scales, decodes them in registers and multiplies in fp32: the same products, no fp32 copy.
+
+    y = x @ W.T (+ bias),  W[n, k] = code[q(n, k)] * absmax[(n K + k) // blocksize]
+
+with q the 4-bit code (two per byte, the first element in the high nibble) and, under double
+quantization, absmax[b] = code2[qabsmax[b]] * absmax2[b // blocksize2] + offset, exactly as
+`bitsandbytes.functional.dequantize_4bit` computes it. x in fp32, fp16 or bf16; the products and sums
+in fp32; y in x's dtype. `reference` is the same formula in plain torch, slowly; the tests compare the
+kernel with it and with bitsandbytes on random weights of odd sizes.
+
+Work split: each lane owns R (1 or 2) rows of W and reads 64 codes of a row at a time (two 16-byte
+loads); a block of 8 warps owns 32 R rows and up to MT = 16 rows of x, and its warps take turns over
+the steps of 64 along K. Each warp stages its own 64 columns of x in shared memory (MT x 1 KB), which
+all lanes then read at the same address (a broadcast), so one staged value feeds R x 32 multiply-adds.
+Partial sums stay in registers (R x MT a lane) and meet in shared memory at the end (32 MT KB at most,
+within the 48 KB a Pascal block may use). Where N gives fewer than two blocks per SM, K is split across
+blocks too and a second small kernel adds the fp32 partials. A first version (a warp per 8 K-chunked
+rows, x chunks behind a block barrier) reached 15% of the H200's fp32 rate at 16 rows, no better than
+bitsandbytes there.
+
+Compiled at run time with NVRTC (`nvrtc.py`) for the GPU's own architecture: CC 6.0 and up with a
+CUDA 12 torch, 7.5 and up with CUDA 13.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .nvrtc import KernelUnavailable, load
+
+MAX_ROWS_PER_BLOCK = 16
+WARPS = 8
+
+SOURCE = r"""
+typedef unsigned char u8;
+typedef unsigned short u16;
+struct h16 { u16 v; };
+struct b16 { u16 v; };
+
+__device__ __forceinline__ float ld(const float* p) { return *p; }
+__device__ __forceinline__ float ld(const h16* p) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p->v)); return f; }
+__device__ __forceinline__ float ld(const b16* p) { return __uint_as_float(((unsigned)p->v) << 16); }
+__device__ __forceinline__ void st(float* p, float f) { *p = f; }
+__device__ __forceinline__ void st(h16* p, float f) {
+  u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); p->v = h; }
+__device__ __forceinline__ void st(b16* p, float f) {   // round to nearest even, as torch's cast does
+  unsigned u = __float_as_uint(f);
+  p->v = (f != f) ? (u16)0x7fc0 : (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
+
+// Block: 8 warps, 32 R rows of W (lane l of the warp owns rows n0 + 32 r + l), MT rows of x, the K steps
+// (64 codes each) of split blockIdx.z; warp w takes every 8th step. x is staged per warp (no block barrier
+// in the loop) and read by all lanes at one address (a broadcast). The warps' partial sums meet in shared
+// memory at the end; with more than one split, each split writes fp32 partials that nf4_sum adds up.
+template <typename T, int MT, int R>
+__global__ void __launch_bounds__(256) nf4_mm(
+    const T* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ qabs,
+    const float* __restrict__ abs2, const float* __restrict__ code2, const float* __restrict__ offp,
+    const float* __restrict__ absf, const float* __restrict__ code, const T* __restrict__ bias,
+    T* __restrict__ y, float* __restrict__ ws, int M, int N, int K, int lbs, int lbs2, int nested,
+    int has_bias, int steps_per_split) {
+  __shared__ __align__(16) float sm[8 * MT * 64];   // x stages; then the partial sums (R <= 2 fits)
+  __shared__ float c2[256];
+  __shared__ float c16[16];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n0 = blockIdx.x * 32 * R, m0 = blockIdx.y * MT;
+  const int s0 = blockIdx.z * steps_per_split, s1 = min(K >> 6, s0 + steps_per_split);
+  if (nested) c2[tid] = code2[tid];
+  if (tid < 16) c16[tid] = code[tid];
+  __syncthreads();
+  const float off = nested ? *offp : 0.f;
+  float acc[R][MT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
+  float* xs = sm + warp * MT * 64;
+  for (int s = s0 + warp; s < s1; s += 8) {
+    const int k = s << 6;
+    uint4 raw[R][2];
+    float scale[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int n = n0 + 32 * r + lane;
+      if (n < N) {
+        const long long flat = (long long)n * K + k;
+        const uint4* p = (const uint4*)(w + (flat >> 1));
+        raw[r][0] = p[0];
+        raw[r][1] = p[1];
+        const long long b = flat >> lbs;
+        scale[r] = nested ? c2[qabs[b]] * abs2[b >> lbs2] + off : absf[b];
+      } else {
+        raw[r][0] = make_uint4(0, 0, 0, 0);
+        raw[r][1] = raw[r][0];
+        scale[r] = 0.f;
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const int gm = m0 + m;
+      const T* xr = x + (long long)gm * K + k;
+      xs[m * 64 + lane] = gm < M ? ld(xr + lane) : 0.f;
+      xs[m * 64 + 32 + lane] = gm < M ? ld(xr + 32 + lane) : 0.f;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float wv[R][32];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const unsigned q4[4] = {raw[r][h].x, raw[r][h].y, raw[r][h].z, raw[r][h].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            const unsigned q = (q4[i] >> (8 * b)) & 0xffu;
+            wv[r][8 * i + 2 * b] = c16[q >> 4] * scale[r];
+            wv[r][8 * i + 2 * b + 1] = c16[q & 15u] * scale[r];
+          }
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float4 a = *(const float4*)&xs[m * 64 + 32 * h + 4 * j];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            float t = acc[r][m];
+            t = fmaf(wv[r][4 * j], a.x, t); t = fmaf(wv[r][4 * j + 1], a.y, t);
+            t = fmaf(wv[r][4 * j + 2], a.z, t); t = fmaf(wv[r][4 * j + 3], a.w, t);
+            acc[r][m] = t;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) sm[(warp * MT + m) * 32 * R + 32 * r + lane] = acc[r][m];
+  __syncthreads();
+  for (int o = tid; o < 32 * R * MT; o += 256) {
+    const int m = o / (32 * R), rr = o - m * 32 * R, n = n0 + rr, gm = m0 + m;
+    if (n >= N || gm >= M) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v += sm[(i * MT + m) * 32 * R + rr];
+    if (gridDim.z == 1) {
+      if (has_bias) v += ld(bias + n);
+      st(y + (long long)gm * N + n, v);
+    } else {
+      ws[((long long)blockIdx.z * M + gm) * N + n] = v;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) nf4_sum(const float* __restrict__ ws, const T* __restrict__ bias,
+                                               T* __restrict__ y, int M, int N, int splits, int has_bias) {
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (i >= (long long)M * N) return;
+  float v = 0.f;
+  for (int s = 0; s < splits; ++s) v += ws[(long long)s * M * N + i];
+  if (has_bias) v += ld(bias + (int)(i % N));
+  st(y + i, v);
+}
+"""
+
+_TYPES = {torch.float32: "float", torch.float16: "h16", torch.bfloat16: "b16"}
+_cache: dict[tuple, Any] = {}
+
+
+def _rows_tile(m: int) -> int:
+    return next(t for t in (1, 2, 4, 8, 16) if t >= min(m, MAX_ROWS_PER_BLOCK))
+
+
+def _rows_of_w(n: int) -> int:
+    """Rows of W per lane: 2 (each staged x value feeds twice the multiply-adds) from N = 1024 (the split
+    along K fills the GPU either way); on an H200 at 16 rows, 1.35x at N = 3584, 0.83x at N = 512."""
+    return 2 if n >= 1024 else 1
+
+
+def _splits(blocks: int, steps: int, sms: int) -> int:
+    """K splits so the grid has two blocks per SM, each warp of a split keeping at least one step of 64."""
+    return max(1, min(-(-2 * sms // blocks), steps // WARPS))
+
+
+def _kernel(name: str, device: torch.device):
+    key = (name, device.index)
+    k = _cache.get(key)
+    if k is None:
+        k = _cache[key] = load(SOURCE, [name], device)[name]
+    return k
+
+
+def _log2(v: int) -> int:
+    return v.bit_length() - 1 if v > 0 and v & (v - 1) == 0 else -1
+
+
+def unsupported(x: torch.Tensor, packed: torch.Tensor, state: Any) -> str:
+    """'' when `nf4_matmul` can run on these inputs, else why not."""
+    if not x.is_cuda:
+        return "the input is not on a CUDA device"
+    if x.dtype not in _TYPES:
+        return f"the input is {x.dtype}, not fp32, fp16 or bf16"
+    return weight_unsupported(packed, state)
+
+
+def weight_unsupported(packed: torch.Tensor, state: Any) -> str:
+    """'' when `nf4_matmul` can multiply by this weight, else why not."""
+    if getattr(state, "quant_type", None) != "nf4":
+        return f"the weight is {getattr(state, 'quant_type', None)!r}, not nf4"
+    n, k = tuple(state.shape)
+    # a step of 64 codes then never straddles two blocks of scales
+    if k % 64 or state.blocksize < 64 or _log2(state.blocksize) < 0:
+        return (f"in_features={k} must be a multiple of 64 and the block size ({state.blocksize}) a power of two "
+                "of at least 64")
+    if state.nested and _log2(state.state2.blocksize) < 0:
+        return f"the nested block size {state.state2.blocksize} is not a power of two"
+    if packed.dtype != torch.uint8 or packed.numel() * 2 != n * k or packed.data_ptr() % 16:
+        return (f"the packed weight is {packed.dtype} with {packed.numel()} elements, not 16-byte aligned uint8 "
+                f"with {n * k // 2}")
+    if state.nested and state.state2.absmax.dtype != torch.float32:
+        return f"the nested block scales are {state.state2.absmax.dtype}, not fp32"
+    return ""
+
+
+def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (..., K) @ W.T (+ bias) for a bitsandbytes NF4 weight W (N, K): `packed` its uint8 codes,
+    `state` its QuantState. Returns (..., N) in x's dtype. Any number of rows; meant for a few."""
+    why = unsupported(x, packed, state)
+    if why:
+        raise ValueError(f"nf4_matmul: {why}")
+    n, k = tuple(state.shape)
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    mt = _rows_tile(m)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    r = _rows_of_w(n)
+    blocks = -(-n // (32 * r)) * -(-m // mt)
+    splits = _splits(blocks, k // 64, sms)
+    per_split = -(-(k // 64) // splits)
+    splits = -(-(k // 64) // per_split)
+    t = _TYPES[x.dtype]
+    code = state.code.to(device=x.device, dtype=torch.float32)
+    if state.nested:
+        s2 = state.state2
+        qabs, abs2, code2, off, absf, lbs2 = state.absmax, s2.absmax, s2.code, state.offset, code, _log2(s2.blocksize)
+    else:
+        qabs, abs2, code2, off, absf, lbs2 = packed, code, code, code, state.absmax.float(), 0
+    b = bias.to(x.dtype).contiguous() if bias is not None else x2
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    _kernel(f"nf4_mm<{t}, {mt}, {r}>", x.device)(
+        grid=(-(-n // (32 * r)), -(-m // mt), splits), block=(WARPS * 32, 1, 1),
+        args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
+              int(bool(state.nested)), int(bias is not None), per_split])
+    if splits > 1:
+        _kernel(f"nf4_sum<{t}>", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
+                                           args=[ws, b, y, m, n, splits, int(bias is not None)])
+    return y.reshape(*x.shape[:-1], n)
+
+
+def dequantize_reference(packed: torch.Tensor, state: Any) -> torch.Tensor:
+    """The NF4 weight (N, K) in fp32, decoded the slow, obvious way (on the packed tensor's device)."""
+    n, k = tuple(state.shape)
+    b = packed.reshape(-1).to(torch.int64)
+    codes = torch.stack((b >> 4, b & 15), dim=1).reshape(-1)[:n * k]
+    if state.nested:
+        s2 = state.state2
+        scale2 = s2.absmax.float().repeat_interleave(s2.blocksize)[:state.absmax.numel()]
+        absmax = s2.code.float()[state.absmax.to(torch.int64)] * scale2 + state.offset.float()
+    else:
+        absmax = state.absmax.float()
+    w = state.code.float().to(packed.device)[codes] * absmax.repeat_interleave(state.blocksize)[:n * k]
+    return w.reshape(n, k)
+
+
+def reference(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What `nf4_matmul` computes, in plain torch: fp32 products and sums, the result in x's dtype."""
+    y = x.float() @ dequantize_reference(packed, state).to(x.device).T
+    if bias is not None:
+        y = y + bias.to(x.dtype).float()
+    return y.to(x.dtype)
+
+
+__all__ = ["KernelUnavailable", "MAX_ROWS_PER_BLOCK", "dequantize_reference", "nf4_matmul", "reference",
+           "unsupported", "weight_unsupported"]

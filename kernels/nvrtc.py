@@ -1,0 +1,97 @@
+"""CUDA C kernels compiled at run time with NVRTC, launched on torch's current stream.
+
+Why NVRTC and not Triton or a C++ extension: Pascal (CC 6.x) has no Triton, and a C++ extension needs
+nvcc and a host compiler on the user's machine. NVRTC is a library that every CUDA build of torch
+loads already (the pip wheels depend on `nvidia-cuda-nvrtc`), so a kernel written in CUDA C compiles
+on any machine that runs torch on CUDA, for the GPU's own architecture. The source must not include
+headers (a CUDA toolkit may not be installed); the builtin vector types and intrinsics need none.
+
+torch's own `torch.cuda._compile_kernel` adds the toolkit's include folder and fails without
+`CUDA_HOME`; this module compiles without it and loads the cubin through torch's module loader
+(`torch.cuda._utils._cuda_load_module`, private: an error names it if a torch version lacks it).
+A launch goes through `cuLaunchKernel` on the current stream, so CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be compiled or loaded here; the message says why."""
+
+
+def _nvrtc() -> ctypes.CDLL:
+    import torch
+    try:
+        from torch.cuda._utils import _get_nvrtc_library
+        return _get_nvrtc_library()
+    except (ImportError, AttributeError):   # an older torch: load it by name as torch does
+        major = int(str(torch.version.cuda).split(".")[0])
+        for name in (f"libnvrtc.so.{major}", "libnvrtc.so", f"nvrtc64_{major}0_0.dll"):
+            try:
+                return ctypes.CDLL(name)
+            except OSError:
+                continue
+    raise KernelUnavailable("no NVRTC library found (it comes with torch's CUDA wheels as nvidia-cuda-nvrtc)")
+
+
+def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    if rc != 0:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        text = lib.nvrtcGetErrorString(rc)
+        raise KernelUnavailable(f"NVRTC {what} failed: {text.decode() if text else rc}")
+
+
+def compile_cubin(source: str, names: list[str], cc: tuple[int, int]) -> tuple[bytes, dict[str, str]]:
+    """Compile `source` for sm_{cc} with NVRTC. `names` are name expressions (template instances such as
+    'f<float, 4>'). Returns the cubin and each name's lowered (mangled) symbol."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"edgerl.cu", 0, None, None),
+           "create program")
+    try:
+        for n in names:
+            _check(lib, lib.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
+        opts = [f"--gpu-architecture=sm_{cc[0]}{cc[1]}".encode(), b"-std=c++14"]
+        arr = (ctypes.c_char_p * len(opts))(*opts)
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        if rc != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise KernelUnavailable(f"NVRTC could not compile for sm_{cc[0]}{cc[1]}: "
+                                    f"{log.value.decode(errors='replace').strip()[:600]}")
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+        lowered = {}
+        for n in names:
+            out = ctypes.c_char_p()
+            _check(lib, lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(out)), f"lowered name of {n}")
+            lowered[n] = out.value.decode()
+        return cubin.raw, lowered
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def load(source: str, names: list[str], device: Any) -> dict[str, Any]:
+    """Compile `source` for `device`'s architecture and load it there; returns name -> launcher, called as
+    `k(grid=(x, y, z), block=(x, y, z), args=[tensors and ints])` on the current stream."""
+    import torch
+    try:
+        from torch.cuda._utils import _cuda_load_module
+    except ImportError as e:
+        raise KernelUnavailable(f"this torch ({torch.__version__}) has no torch.cuda._utils._cuda_load_module "
+                                f"to load a compiled kernel ({e})") from None
+    cc = torch.cuda.get_device_capability(device)
+    cubin, lowered = compile_cubin(source, names, cc)
+    with torch.cuda.device(device):
+        try:
+            mod = _cuda_load_module(cubin, list(lowered.values()))
+        except RuntimeError as e:
+            raise KernelUnavailable(f"loading the compiled kernel failed: {e}") from None
+    return {n: mod[lowered[n]] for n in names}

@@ -1,0 +1,94 @@
+"""The fused NF4 kernel (edgerl.kernels.nf4) against its plain-torch reference and bitsandbytes, on a GPU."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("the fused NF4 kernel runs on CUDA only (compiled with NVRTC for the GPU)", allow_module_level=True)
+bnb = pytest.importorskip("bitsandbytes", reason="NF4 weights come from bitsandbytes' quantizer")
+
+from edgerl import quant_decode  # noqa: E402
+from edgerl.kernels.nf4 import nf4_matmul, reference  # noqa: E402
+
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}   # of the output's largest value
+
+
+def quantized(n, k, nested=True, blocksize=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).cuda()
+    return bnb.functional.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k,m", [(40, 256, 1), (513, 1024, 3), (7, 64, 16), (300, 2048, 17), (96, 512, 40),
+                                   (33, 4096, 5)])
+@pytest.mark.parametrize("nested,blocksize", [(True, 64), (False, 64), (True, 128)])
+def test_kernel_equals_the_reference(dtype, n, k, m, nested, blocksize):
+    packed, state = quantized(n, k, nested, blocksize)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if n % 2 else None
+    got, want = nf4_matmul(x, packed, state, bias), reference(x, packed, state, bias)
+    assert got.dtype == dtype and got.shape == (m, n)
+    scale = want.float().abs().max().item()
+    grow = k ** 0.5 if dtype == torch.float32 else 1   # fp32: sums of k terms in another order
+    assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * scale * grow
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernel_agrees_with_bitsandbytes_linear4bit(dtype):
+    lin = torch.nn.Linear(1024, 513, bias=True)
+    layer = bnb.nn.Linear4bit(1024, 513, bias=True, compute_dtype=dtype, quant_type="nf4", compress_statistics=True)
+    layer.load_state_dict(lin.state_dict())
+    layer = layer.cuda()
+    x = torch.randn(2, 5, 1024, device="cuda").to(dtype)
+    want = layer(x).float()
+    got = nf4_matmul(x, layer.weight.data, layer.weight.quant_state, layer.bias).float()
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 4 * TOL[dtype] * want.abs().max().item()
+
+
+def test_kernel_is_captured_by_a_cuda_graph():
+    packed, state = quantized(384, 1024)
+    x = torch.randn(16, 1024, device="cuda")
+    nf4_matmul(x, packed, state)   # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = nf4_matmul(x, packed, state)
+    for seed in (1, 2):
+        x.copy_(torch.randn(16, 1024, generator=torch.Generator().manual_seed(seed)).cuda())
+        g.replay()
+        torch.cuda.synchronize()
+        want = reference(x, packed, state)
+        assert (y - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_enable_sends_few_rows_without_autograd_to_the_kernel_and_the_rest_to_bitsandbytes(monkeypatch):
+    from edgerl.quant import quantize_linear
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 320), torch.nn.Linear(320, 64)).cuda()
+    model[0] = quantize_linear(model[0], "nf4", torch.float32)
+    assert quant_decode.enable(model, rows=4) == (1, {})
+    assert type(model[0]).__name__ == "DecodeLinear4bit" and isinstance(model[0], bnb.nn.Linear4bit)
+    import edgerl.kernels.nf4 as nf4
+    calls = []
+    real = nf4.nf4_matmul
+    monkeypatch.setattr(nf4, "nf4_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    quant_decode._classes.clear()   # rebuild the class so it picks the counting function
+    quant_decode.disable(model)
+    quant_decode.enable(model, rows=4)
+    calls.clear()   # enable() ran the kernel once to check it
+    plain = type(model[0]).__mro__[1]
+    with torch.no_grad():
+        x = torch.randn(4, 256, device="cuda")
+        got = model[0](x)
+        want = plain.forward(model[0], x)
+        assert len(calls) == 1 and (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        model[0](torch.randn(5, 256, device="cuda"))   # more rows than asked for: bitsandbytes
+    assert len(calls) == 1
+    x = torch.randn(3, 256, device="cuda", requires_grad=True)
+    model(x).sum().backward()   # autograd: bitsandbytes, and the gradient reaches the input
+    assert len(calls) == 1 and x.grad is not None and x.grad.abs().sum() > 0
+    quant_decode.disable(model)
+    quant_decode._classes.clear()   # the class bound the counting function
+    assert type(model[0]) is plain

@@ -1,0 +1,88 @@
+"""The fused NF4 kernel's reference decoding against bitsandbytes, and its choices, on the CPU (the kernel
+itself needs CUDA: tests/test_nf4_kernel_cuda.py)."""
+
+import pytest
+import torch
+
+from edgerl.kernels import nf4
+
+bnb = pytest.importorskip("bitsandbytes", reason="NF4 weights come from bitsandbytes' quantizer")
+
+
+@pytest.mark.parametrize("n,k,nested,blocksize", [(24, 136, True, 64), (7, 200, False, 64), (33, 264, True, 128),
+                                                  (5, 8, True, 64)])
+def test_reference_decodes_as_bitsandbytes_does(n, k, nested, blocksize):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
+    want = bnb.functional.dequantize_4bit(packed, state).float()
+    assert torch.equal(nf4.dequantize_reference(packed, state), want)
+    x = torch.randn(3, k)
+    assert torch.allclose(nf4.reference(x, packed, state), x @ want.T, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_says_why():
+    w = torch.randn(16, 64)
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    assert "not on a CUDA device" in nf4.unsupported(torch.randn(2, 64), packed, state)
+    with pytest.raises(ValueError, match="nf4_matmul: the input is not on a CUDA device"):
+        nf4.nf4_matmul(torch.randn(2, 64), packed, state)
+
+
+@pytest.mark.parametrize("m,tile", [(1, 1), (2, 2), (3, 4), (16, 16), (17, 16), (200, 16)])
+def test_rows_tile(m, tile):
+    assert nf4._rows_tile(m) == tile
+
+
+@pytest.mark.parametrize("n,r", [(18944, 2), (3584, 2), (1024, 2), (1000, 1), (512, 1)])
+def test_rows_of_w(n, r):
+    assert nf4._rows_of_w(n) == r
+
+
+@pytest.mark.parametrize("blocks,steps,sms,splits", [(112, 56, 132, 3), (592, 56, 132, 1), (16, 56, 132, 7),
+                                                      (16, 8, 30, 1), (112, 296, 30, 1), (1, 4, 30, 1)])
+def test_splits_fill_the_gpu_and_leave_every_warp_a_step(blocks, steps, sms, splits):
+    assert nf4._splits(blocks, steps, sms) == splits
+
+
+def test_widths_the_kernel_does_not_take_are_named():
+    w = torch.randn(16, 96)
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+
+    class Cuda:   # unsupported() reads is_cuda and dtype first; the width check comes next
+        is_cuda, dtype = True, torch.float32
+    assert "in_features=96 must be a multiple of 64" in nf4.unsupported(Cuda(), packed, state)
+
+
+def _nf4_layer():
+    from edgerl.quant import quantize_linear
+    torch.manual_seed(0)
+    return quantize_linear(torch.nn.Linear(128, 64), "nf4", torch.float32)
+
+
+def test_enable_leaves_layers_off_cuda_to_bitsandbytes_and_says_why():
+    from edgerl import quant_decode
+    model = torch.nn.Sequential(_nf4_layer(), torch.nn.ReLU(), _nf4_layer())
+    assert quant_decode.enable(model, rows=16) == (0, {"not on a CUDA device": 2})
+    assert all(type(m).__name__ == "Linear4bit" for m in (model[0], model[2]))
+
+
+def test_decode_layer_sends_only_few_rows_outside_autograd_in_its_compute_dtype_to_the_kernel(monkeypatch):
+    """The dispatch rule, with the kernel replaced by a recorder (the kernel itself: the CUDA tests)."""
+    import edgerl.kernels.nf4 as k
+    from edgerl import quant_decode
+    calls = []
+    monkeypatch.setattr(k, "unsupported", lambda x, p, s: "")
+    monkeypatch.setattr(k, "nf4_matmul", lambda x, p, s, b=None: calls.append(tuple(x.shape)) or
+                        torch.zeros(*x.shape[:-1], s.shape[0], dtype=x.dtype))
+    monkeypatch.setattr(quant_decode, "_classes", {})
+    layer = _nf4_layer()
+    plain = type(layer)
+    layer.__class__ = quant_decode._decode_class(plain)
+    layer.decode_rows = 4
+    want = plain.forward(layer, torch.ones(4, 128))
+    with torch.no_grad():
+        assert torch.equal(layer(torch.ones(4, 128)), torch.zeros(4, 64)) and calls == [(4, 128)]
+        assert torch.allclose(layer(torch.ones(5, 128)), plain.forward(layer, torch.ones(5, 128)))   # too many rows
+        layer(torch.ones(2, 128, dtype=torch.float64))   # not the compute dtype: bitsandbytes casts as it does
+    x = torch.ones(4, 128, requires_grad=True)
+    assert torch.allclose(layer(x), want) and calls == [(4, 128)]   # inside autograd: bitsandbytes
