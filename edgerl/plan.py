@@ -288,9 +288,11 @@ def _memory_reasons(reasons: dict[str, str], found: Found, task: Task, device: D
     reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
                               f"mini-batch ({task.local_mini}{per_gpu}) that fits" + ("" if first else f" after {found.stage}"))
     kept = sum(mem.phases["update"].get(k, 0) for k in ("generation weights", "KV cache", "graph pool"))
+    held = ("KV cache and CUDA graphs (the weights are the actor's own)" if s.rollout_from_actor
+            else "weights, KV cache and CUDA graphs")
     reasons["rollout_resident"] = (
-        f"on: the engine keeps its weights, KV cache and CUDA graphs between steps ({fmt_bytes(kept)} through scoring "
-        "and the update), so no step re-captures or refills them" if s.rollout_resident else
+        f"on: the engine keeps its {held} between steps ({fmt_bytes(kept)} through scoring and the update), so no step re-captures or refills them"
+        if s.rollout_resident else
         "off: the rollout copy and KV cache are freed after generating so that scoring and the update have the "
         "memory; each rollout captures its CUDA graphs again" if not s.rollout_from_actor else
         "off: the engine runs the actor's own weights; its KV cache is freed after generating")

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from .nvrtc import KernelUnavailable, load
+from .nvrtc import KernelUnavailable, blocks_per_sm, load
 
 MAX_ROWS_PER_BLOCK = 16
 WARPS = 8
@@ -190,16 +190,26 @@ def _rows_of_w(n: int) -> int:
     return 2 if n >= 1024 else 1
 
 
-def _splits(blocks: int, steps: int, sms: int) -> int:
-    """K splits so the grid has two blocks per SM, each warp of a split keeping at least one step of 64."""
-    return max(1, min(-(-2 * sms // blocks), steps // WARPS))
+SPLIT_OVERHEAD = 0.3   # a block's fixed work (tables, the final reduction) in units of one step per warp
+
+
+def _splits(blocks: int, steps: int, slots: int) -> int:
+    """How many parts K is split into: the fewest waves of `slots` resident blocks times the rounds of
+    steps each warp of a block walks (plus a block's fixed work). Too few blocks leave SMs idle, and a
+    last wave barely filled costs a whole one: on an H200 a 3584 x 3584 weight at 16 rows has 56
+    blocks of rows and 56 steps; 4 splits run it in one wave of 2 rounds, 1 split in 7 rounds."""
+    def cost(s: int) -> float:
+        return -(-blocks * s // slots) * (-(-steps // (s * WARPS)) + SPLIT_OVERHEAD)
+    return min(range(1, max(1, steps // WARPS) + 1), key=lambda s: (cost(s), s))
 
 
 def _kernel(name: str, device: torch.device):
     key = (name, device.index)
     k = _cache.get(key)
     if k is None:
-        k = _cache[key] = load(SOURCE, [name], device)[name]
+        k = load(SOURCE, [name], device)[name]
+        k.slots_per_sm = blocks_per_sm(k, WARPS * 32)
+        _cache[key] = k
     return k
 
 
@@ -251,11 +261,12 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any,
     mt = _rows_tile(m)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     r = _rows_of_w(n)
+    t = _TYPES[x.dtype]
+    kern = _kernel(f"nf4_mm<{t}, {mt}, {r}>", x.device)
     blocks = -(-n // (32 * r)) * -(-m // mt)
-    splits = _splits(blocks, k // 64, sms)
+    splits = _splits(blocks, k // 64, sms * kern.slots_per_sm)
     per_split = -(-(k // 64) // splits)
     splits = -(-(k // 64) // per_split)
-    t = _TYPES[x.dtype]
     code = state.code.to(device=x.device, dtype=torch.float32)
     if state.nested:
         s2 = state.state2
@@ -264,7 +275,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any,
         qabs, abs2, code2, off, absf, lbs2 = packed, code, code, code, state.absmax.float(), 0
     b = bias.to(x.dtype).contiguous() if bias is not None else x2
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
-    _kernel(f"nf4_mm<{t}, {mt}, {r}>", x.device)(
+    kern(
         grid=(-(-n // (32 * r)), -(-m // mt), splits), block=(WARPS * 32, 1, 1),
         args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
               int(bool(state.nested)), int(bias is not None), per_split])

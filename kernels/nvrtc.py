@@ -78,6 +78,19 @@ def compile_cubin(source: str, names: list[str], cc: tuple[int, int]) -> tuple[b
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def blocks_per_sm(kernel: Any, threads: int) -> int:
+    """How many blocks of `threads` threads of `kernel` (from `load`) an SM holds at once (the driver's
+    occupancy calculator; registers and shared memory decide it); 1 if the driver cannot say."""
+    try:
+        from torch.cuda._utils import _get_gpu_runtime_library
+        n = ctypes.c_int()
+        rc = _get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(0))
+    except (ImportError, AttributeError, OSError):
+        return 1
+    return n.value if rc == 0 and n.value > 0 else 1
+
+
 def load(source: str, names: list[str], device: Any) -> dict[str, Any]:
     """Compile `source` for `device`'s architecture and load it there; returns name -> launcher, called as
     `k(grid=(x, y, z), block=(x, y, z), args=[tensors and ints])` on the current stream."""

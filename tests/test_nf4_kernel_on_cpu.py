@@ -38,10 +38,12 @@ def test_rows_of_w(n, r):
     assert nf4._rows_of_w(n) == r
 
 
-@pytest.mark.parametrize("blocks,steps,sms,splits", [(112, 56, 132, 3), (592, 56, 132, 1), (16, 56, 132, 7),
-                                                      (16, 8, 30, 1), (112, 296, 30, 1), (1, 4, 30, 1)])
-def test_splits_fill_the_gpu_and_leave_every_warp_a_step(blocks, steps, sms, splits):
-    assert nf4._splits(blocks, steps, sms) == splits
+# blocks of rows, steps of 64 along K, resident blocks (SMs x blocks per SM) -> splits
+@pytest.mark.parametrize("blocks,steps,slots,splits", [(56, 56, 264, 4), (296, 56, 264, 7), (8, 56, 264, 7),
+                                                        (112, 56, 60, 1), (56, 56, 60, 1), (1, 1, 60, 1),
+                                                        (16, 8, 60, 1)])
+def test_splits_fill_the_waves_and_leave_every_warp_a_step(blocks, steps, slots, splits):
+    assert nf4._splits(blocks, steps, slots) == splits
 
 
 def test_widths_the_kernel_does_not_take_are_named():
