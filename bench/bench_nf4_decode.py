@@ -197,7 +197,8 @@ def main(argv=None) -> int:
     del engine
     if args.kernel == "on" and args.quant == "nf4":
         from edgerl import quant_decode
-        quant_decode.enable(model, args.rows)
+        from edgerl.decisions import NF4_KERNEL_ROWS
+        quant_decode.enable(model, NF4_KERNEL_ROWS)   # as training does
         fused = engine_step(model, args, ids, params)
         fengine, ftokens = fused.pop("engine"), fused.pop("tokens")
         fused["greedy_tokens_equal_share"] = round(sum(a == b for ra, rb in zip(tokens, ftokens)
