@@ -6,7 +6,9 @@ on a P40 plan, 74%: docs/benchmarks.md section 7.4). `enable(model, rows)` turns
 of the model into a `DecodeLinear4bit`, the same module (same weight, state dict and peft wrapping)
 whose forward sends inputs of at most `rows` rows, outside autograd, to the fused kernel, and
 everything else (training, scoring, prefill) to bitsandbytes as before. The kernel computes the same
-fp32 products as bitsandbytes' fp32 path, summed in another order.
+fp32 products as bitsandbytes' fp32 path, summed in another order. The peft LoRA layer around each
+such layer becomes a `DecodeLoraLinear4bit`, which in the same decode steps adds its adapter inside
+the kernel (one small matmul for x A^T; the rest joins the kernel's last sum).
 
 The plan decides (`decisions.pick_nf4_kernel`, `plan.nf4_kernel`); `enable` compiles the kernel for
 the device first, so a machine where NVRTC cannot build it fails at the start of training with one
@@ -30,22 +32,65 @@ def _decode_class(base: type) -> type:
         return cls
     from .kernels.nf4 import nf4_matmul, unsupported
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        state = getattr(w, "quant_state", None)
+    def takes(self, x: torch.Tensor) -> bool:
+        state = getattr(self.weight, "quant_state", None)
         rows = x.numel() // max(x.shape[-1], 1)
-        if (state is None or rows > self.decode_rows or (torch.is_grad_enabled() and x.requires_grad)
-                or (self.compute_dtype is not None and x.dtype != self.compute_dtype)
-                or unsupported(x, w.data, state)):
-            return base.forward(self, x)
+        return not (state is None or rows > self.decode_rows or (torch.is_grad_enabled() and x.requires_grad)
+                    or (self.compute_dtype is not None and x.dtype != self.compute_dtype)
+                    or unsupported(x, self.weight.data, state))
+
+    def fused(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        return nf4_matmul(x, w.data, state, bias)
+        return nf4_matmul(x, self.weight.data, self.weight.quant_state, bias, lora)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused(self, x) if takes(self, x) else base.forward(self, x)
 
     cls = _classes[base] = type("DecodeLinear4bit", (base,), {
-        "forward": forward, "__doc__": "bitsandbytes' Linear4bit; a few rows outside autograd take the fused "
-                                       "NF4 kernel (edgerl.quant_decode)"})
+        "forward": forward, "takes": takes, "fused": fused,
+        "__doc__": "bitsandbytes' Linear4bit; a few rows outside autograd take the fused NF4 kernel "
+                   "(edgerl.quant_decode)"})
+    return cls
+
+
+def _lora_class(wrapper: type) -> type:
+    """A subclass of peft's LoRA layer over a 4-bit base (cached) whose forward, when its base takes the
+    kernel and one plain LoRA adapter is active, adds the adapter inside the kernel: x A^T is one small
+    matmul and scale (x A^T) B^T joins the kernel's last sum, where peft runs five more kernels (a clone
+    of the base output, B, the scale, the add, a cast) on each projection of each layer."""
+    cls = _classes.get(wrapper)
+    if cls is not None:
+        return cls
+
+    def adapter(self):
+        if self.disable_adapters or self.merged:
+            return None
+        names = [a for a in self.active_adapters if a in self.lora_A]
+        if len(names) != 1 or names[0] in getattr(self, "lora_variant", {}):
+            return None
+        a = names[0]
+        drop = self.lora_dropout[a]
+        if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
+            return None
+        A, B = self.lora_A[a].weight, self.lora_B[a].weight
+        if A.dtype != torch.float32 or B.dtype != torch.float32:
+            return None
+        return A, B, self.scaling[a]
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        base = self.base_layer
+        if not args and not kwargs and type(base).__name__ == "DecodeLinear4bit" and base.takes(x):
+            ab = adapter(self)
+            if ab is not None:
+                t = torch.nn.functional.linear(x.to(torch.float32), ab[0])
+                return base.fused(x, (t, ab[1], ab[2]))
+        return wrapper.forward(self, x, *args, **kwargs)
+
+    cls = _classes[wrapper] = type("DecodeLoraLinear4bit", (wrapper,), {
+        "forward": forward, "__doc__": "peft's LoRA layer over a 4-bit base; a decode step adds the adapter "
+                                       "inside the fused NF4 kernel (edgerl.quant_decode)"})
     return cls
 
 
@@ -100,11 +145,16 @@ def enable(model: nn.Module, rows: int) -> tuple[int, dict[str, int]]:
         if type(m).__name__ != "DecodeLinear4bit":
             m.__class__ = _decode_class(type(m))
         m.decode_rows = rows
+    taken = {id(m) for m in on}
+    for w in model.modules():   # peft's LoRA layers around them
+        if id(getattr(w, "base_layer", None)) in taken and hasattr(w, "lora_A") \
+                and type(w).__name__ != "DecodeLoraLinear4bit":
+            w.__class__ = _lora_class(type(w))
     return len(on), left
 
 
 def disable(model: nn.Module) -> None:
-    """Back to bitsandbytes' own forward for every layer `enable` changed."""
+    """Back to bitsandbytes' and peft's own forward for every layer `enable` changed."""
     for m in model.modules():
-        if type(m).__name__ == "DecodeLinear4bit":
+        if type(m).__name__ in ("DecodeLinear4bit", "DecodeLoraLinear4bit"):
             m.__class__ = type(m).__mro__[1]

@@ -56,6 +56,13 @@ __device__ __forceinline__ void st(b16* p, float f) {   // round to nearest even
   unsigned u = __float_as_uint(f);
   p->v = (f != f) ? (u16)0x7fc0 : (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
 
+// A LoRA adapter's share of one output: scale * (x A^T)[m, :] . B[n, :], with x A^T computed beforehand.
+__device__ __forceinline__ float lora(const float* t, const float* b, int rank, double scale) {
+  float s = 0.f;
+  for (int j = 0; j < rank; ++j) s = fmaf(t[j], b[j], s);
+  return (float)scale * s;
+}
+
 // Block: 8 warps, 32 R rows of W (lane l of the warp owns rows n0 + 32 r + l), MT rows of x, the K steps
 // (64 codes each) of split blockIdx.z; warp w takes every 8th step. x is staged per warp (no block barrier
 // in the loop) and read by all lanes at one address (a broadcast). The warps' partial sums meet in shared
@@ -66,7 +73,8 @@ __global__ void __launch_bounds__(256) nf4_mm(
     const float* __restrict__ abs2, const float* __restrict__ code2, const float* __restrict__ offp,
     const float* __restrict__ absf, const float* __restrict__ code, const T* __restrict__ bias,
     T* __restrict__ y, float* __restrict__ ws, int M, int N, int K, int lbs, int lbs2, int nested,
-    int has_bias, int steps_per_split) {
+    int has_bias, int steps_per_split, const float* __restrict__ lt, const float* __restrict__ lb, int rank,
+    double lscale) {
   __shared__ __align__(16) float sm[8 * MT * 64];   // x stages; then the partial sums (R <= 2 fits)
   __shared__ float c2[256];
   __shared__ float c16[16];
@@ -157,6 +165,7 @@ __global__ void __launch_bounds__(256) nf4_mm(
     for (int i = 0; i < 8; ++i) v += sm[(i * MT + m) * 32 * R + rr];
     if (gridDim.z == 1) {
       if (has_bias) v += ld(bias + n);
+      if (rank) v += lora(lt + (long long)gm * rank, lb + (long long)n * rank, rank, lscale);
       st(y + (long long)gm * N + n, v);
     } else {
       ws[((long long)blockIdx.z * M + gm) * N + n] = v;
@@ -166,12 +175,16 @@ __global__ void __launch_bounds__(256) nf4_mm(
 
 template <typename T>
 __global__ void __launch_bounds__(256) nf4_sum(const float* __restrict__ ws, const T* __restrict__ bias,
-                                               T* __restrict__ y, int M, int N, int splits, int has_bias) {
+                                               T* __restrict__ y, int M, int N, int splits, int has_bias,
+                                               const float* __restrict__ lt, const float* __restrict__ lb,
+                                               int rank, double lscale) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
   if (i >= (long long)M * N) return;
   float v = 0.f;
   for (int s = 0; s < splits; ++s) v += ws[(long long)s * M * N + i];
-  if (has_bias) v += ld(bias + (int)(i % N));
+  const int n = (int)(i % N);
+  if (has_bias) v += ld(bias + n);
+  if (rank) v += lora(lt + (i / N) * rank, lb + (long long)n * rank, rank, lscale);
   st(y + i, v);
 }
 """
@@ -245,10 +258,12 @@ def weight_unsupported(packed: torch.Tensor, state: Any) -> str:
     return ""
 
 
-def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None,
+               lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """x (..., K) @ W.T (+ bias) for a bitsandbytes NF4 weight W (N, K): `packed` its uint8 codes,
-    `state` its QuantState. Returns (..., N) in x's dtype. Any number of rows; meant for a few."""
+    `state` its QuantState. Returns (..., N) in x's dtype. Any number of rows; meant for a few.
+    lora = (t, B, scale): adds scale * t @ B.T before the result is rounded, with t = x A^T (M, r) and
+    B (N, r), both fp32: a LoRA adapter's output, as peft adds it, without its own kernels."""
     why = unsupported(x, packed, state)
     if why:
         raise ValueError(f"nf4_matmul: {why}")
@@ -274,14 +289,21 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any,
     else:
         qabs, abs2, code2, off, absf, lbs2 = packed, code, code, code, state.absmax.float(), 0
     b = bias.to(x.dtype).contiguous() if bias is not None else x2
+    lt, lb, rank, scale = x2, x2, 0, 0.0
+    if lora is not None:
+        lt, lb, scale = lora[0].reshape(m, -1).contiguous(), lora[1].contiguous(), float(lora[2])
+        rank = lt.shape[1]
+        if lt.dtype != torch.float32 or lb.dtype != torch.float32 or lb.shape != (n, rank):
+            raise ValueError(f"nf4_matmul: lora needs fp32 t ({m}, r) and B ({n}, r), got {lora[0].dtype} "
+                             f"{tuple(lora[0].shape)} and {lora[1].dtype} {tuple(lora[1].shape)}")
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     kern(
         grid=(-(-n // (32 * r)), -(-m // mt), splits), block=(WARPS * 32, 1, 1),
         args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
-              int(bool(state.nested)), int(bias is not None), per_split])
+              int(bool(state.nested)), int(bias is not None), per_split, lt, lb, rank, scale])
     if splits > 1:
         _kernel(f"nf4_sum<{t}>", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
-                                           args=[ws, b, y, m, n, splits, int(bias is not None)])
+                                           args=[ws, b, y, m, n, splits, int(bias is not None), lt, lb, rank, scale])
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -300,11 +322,15 @@ def dequantize_reference(packed: torch.Tensor, state: Any) -> torch.Tensor:
     return w.reshape(n, k)
 
 
-def reference(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def reference(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None,
+              lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """What `nf4_matmul` computes, in plain torch: fp32 products and sums, the result in x's dtype."""
     y = x.float() @ dequantize_reference(packed, state).to(x.device).T
     if bias is not None:
         y = y + bias.to(x.dtype).float()
+    if lora is not None:
+        t, b, scale = lora
+        y = y + scale * (t.reshape(y.shape[:-1] + (-1,)).float() @ b.float().T)
     return y.to(x.dtype)
 
 

@@ -92,3 +92,47 @@ def test_enable_sends_few_rows_without_autograd_to_the_kernel_and_the_rest_to_bi
     quant_decode.disable(model)
     quant_decode._classes.clear()   # the class bound the counting function
     assert type(model[0]) is plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,m", [(64, 256, 1), (3584, 3584, 16)])   # one split; several (the sum kernel adds it)
+def test_kernel_adds_a_lora_adapter(dtype, n, k, m):
+    packed, state = quantized(n, k)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    t, b = torch.randn(m, 8, device="cuda"), torch.randn(n, 8, device="cuda")
+    bias = torch.randn(n, device="cuda").to(dtype)
+    got = nf4_matmul(x, packed, state, bias, (t, b, 0.5)).float()
+    want = reference(x, packed, state, bias, (t, b, 0.5)).float()
+    grow = k ** 0.5 if dtype == torch.float32 else 1
+    assert (got - want).abs().max().item() <= TOL[dtype] * want.abs().max().item() * grow
+
+
+def test_peft_layers_over_nf4_decode_through_the_kernel_as_peft_computes():
+    from peft import LoraConfig, get_peft_model
+    from edgerl.quant import quantize_linear
+
+    class Net(torch.nn.Module):
+        is_loaded_in_4bit = True
+
+        def __init__(self):
+            super().__init__()
+            self.up = quantize_linear(torch.nn.Linear(512, 1024), "nf4", torch.float32, "cuda")
+            self.down = quantize_linear(torch.nn.Linear(1024, 512), "nf4", torch.float32, "cuda")
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    net = get_peft_model(Net(), LoraConfig(r=8, lora_alpha=16, target_modules=["up", "down"], lora_dropout=0.0))
+    for name, p in net.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(16, 512, device="cuda")
+    with torch.no_grad():
+        want = net(x)
+        assert quant_decode.enable(net, rows=32) == (2, {})
+        assert type(net.base_model.model.up).__name__ == "DecodeLoraLinear4bit"
+        got = net(x)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    quant_decode.disable(net)
+    assert type(net.base_model.model.up).__name__ == "Linear4bit"

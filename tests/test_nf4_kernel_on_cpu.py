@@ -74,7 +74,7 @@ def test_decode_layer_sends_only_few_rows_outside_autograd_in_its_compute_dtype_
     from edgerl import quant_decode
     calls = []
     monkeypatch.setattr(k, "unsupported", lambda x, p, s: "")
-    monkeypatch.setattr(k, "nf4_matmul", lambda x, p, s, b=None: calls.append(tuple(x.shape)) or
+    monkeypatch.setattr(k, "nf4_matmul", lambda x, p, s, b=None, lora=None: calls.append(tuple(x.shape)) or
                         torch.zeros(*x.shape[:-1], s.shape[0], dtype=x.dtype))
     monkeypatch.setattr(quant_decode, "_classes", {})
     layer = _nf4_layer()
@@ -88,3 +88,42 @@ def test_decode_layer_sends_only_few_rows_outside_autograd_in_its_compute_dtype_
         layer(torch.ones(2, 128, dtype=torch.float64))   # not the compute dtype: bitsandbytes casts as it does
     x = torch.ones(4, 128, requires_grad=True)
     assert torch.allclose(layer(x), want) and calls == [(4, 128)]   # inside autograd: bitsandbytes
+
+
+def test_lora_layer_adds_its_adapter_inside_the_kernel_as_peft_adds_it(monkeypatch):
+    """peft's LoRA layer over the 4-bit base, with the kernel replaced by its CPU reference: the fused
+    path (x A^T, then scale * t B^T inside the kernel) equals peft's own forward."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    import edgerl.kernels.nf4 as k
+    from edgerl import quant_decode
+    calls = []
+    monkeypatch.setattr(k, "unsupported", lambda x, p, s: "")
+    monkeypatch.setattr(k, "nf4_matmul", lambda x, p, s, b=None, lora=None: calls.append(lora is not None) or
+                        k.reference(x, p, s, b, lora))
+    monkeypatch.setattr(quant_decode, "_classes", {})
+
+    class Net(torch.nn.Module):
+        is_loaded_in_4bit = True   # what transformers sets on a quantized model: peft then wraps bnb layers
+
+        def __init__(self):
+            super().__init__()
+            self.proj = _nf4_layer()
+
+        def forward(self, x):
+            return self.proj(x)
+
+    net = get_peft_model(Net(), LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], lora_dropout=0.0))
+    wrapper = net.base_model.model.proj
+    torch.nn.init.normal_(wrapper.lora_B["default"].weight)   # peft starts B at zero
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        want = wrapper(x)
+        base = wrapper.base_layer
+        base.__class__, base.decode_rows = quant_decode._decode_class(type(base)), 16
+        wrapper.__class__ = quant_decode._lora_class(type(wrapper))
+        got = wrapper(x)
+        assert calls == [True] and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        with net.disable_adapter():   # the reference model: the base alone, still through the kernel
+            assert torch.allclose(wrapper(x), base.__class__.__mro__[1].forward(base, x), rtol=1e-5, atol=1e-5)
+        assert calls == [True, False]
