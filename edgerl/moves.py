@@ -52,10 +52,6 @@ class Stage:
 STAGES = (
     Stage("the rollout engine stays resident between steps", False, False, False, False, rollout_resident=True),
     Stage("the rollout copy is freed between rollouts", False, False, False, False),
-    # a resident engine with checkpointing: for the quantized actor path it keeps only the KV cache and
-    # the graphs' pool (no copy of the weights), and saves every step's re-capture (0.45-0.8 s a step at
-    # the Qwen2.5-7B widths on an H200, docs/benchmarks.md section 8)
-    Stage("gradient checkpointing, the rollout engine resident", True, False, False, False, rollout_resident=True),
     Stage("gradient checkpointing", True, False, False, False),
     Stage("+ the reference waits in host memory outside scoring", True, True, False, False),
     # exact fp32 state over PCIe before approximate 8-bit state: offload costs ~2 x 8 bytes per parameter
