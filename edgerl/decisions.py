@@ -320,11 +320,12 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
                   "rollout compiles for a few seconds; plan.rollout_compile=false turns it off")
 
 
-# Measured on an H200 (docs/benchmarks.md section 8): a decode step of 16 rows over 4 NF4 layers at the
-# Qwen2.5-7B widths, fp32 compute, 5.30 ms with bitsandbytes and 2.90 ms with the fused kernel; per
-# projection it wins up to 32 rows in fp32. In fp16 the H200's tensor-core GEMM on the dequantized weight
-# is as fast as the kernel's fp32 multiply-adds, so 16-bit compute keeps bitsandbytes unless asked.
-NF4_KERNEL_GAIN = "1.83x per decode step at the Qwen2.5-7B widths in fp32, 16 rows, on an H200"
+# Measured on an H200 (docs/benchmarks.md section 8): a decode step of 16 rows over 4 NF4 layers with
+# LoRA at the Qwen2.5-7B widths, fp32 compute, 5.27 ms with bitsandbytes and peft, 2.51 ms with the
+# fused kernel; per projection it wins up to 32 rows in fp32 (1.4-3.2x at 32, 1.0x at 64). In fp16 the
+# H200's tensor-core GEMM on the dequantized weight is about as fast as the kernel's fp32 multiply-adds
+# (0.8-1.2x at 16 rows), so 16-bit compute keeps bitsandbytes unless asked.
+NF4_KERNEL_GAIN = "2.1x per decode step at the Qwen2.5-7B widths in fp32, 16 rows, on an H200"
 NF4_KERNEL_ROWS = 32
 
 
