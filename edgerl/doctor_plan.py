@@ -1,5 +1,5 @@
 """`edgerl doctor`'s checks of what the plan chose for this device: precision, attention, the log-prob
-kernel, the rollout engine, bitsandbytes, host RAM, ECC and measured speed.
+kernel, the rollout engine, bitsandbytes and the fused NF4 kernel, host RAM, ECC and measured speed.
 
 They report the plan's choices and reasons; they decide nothing. Without a plan (the model did not
 fit, say) they ask the same functions in `decisions.py` that the plan would have asked.
@@ -84,6 +84,26 @@ def check_bnb(dev: Device) -> Check:
     return _c("bitsandbytes", "ok", "not installed: 8-bit AdamW unavailable (optional)", "pip install bitsandbytes")
 
 
+def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Optional[Check]:
+    """Whether NVRTC compiles the fused NF4 decode kernel for this GPU (a QLoRA rollout in fp32 uses it).
+    Only where it could matter: a real CUDA GPU with bitsandbytes installed, or a plan that uses it."""
+    needed = plan is not None and plan.nf4_kernel
+    if not dev.is_cuda or simulated or not (needed or dev.software.has("bitsandbytes")):
+        return None
+    from .kernels.nf4 import SOURCE
+    from .kernels.nvrtc import KernelUnavailable, compile_cubin
+    try:
+        compile_cubin(SOURCE, ["nf4_mm<float, 16, 2>"], dev.cc)
+    except (KernelUnavailable, OSError, AttributeError) as e:
+        return _c("fused NF4 kernel", "fail" if needed else "warn",
+                  f"NVRTC cannot compile it for {dev.sm}: {e}; QLoRA decode steps would use bitsandbytes' own "
+                  "matmul (slower in fp32)",
+                  "torch's CUDA wheels bring NVRTC (nvidia-cuda-nvrtc); reinstall torch from its CUDA index, or "
+                  "set plan.nf4_kernel=false")
+    return _c("fused NF4 kernel", "ok", f"NVRTC compiles it for {dev.sm}: QLoRA decode steps in fp32 read the "
+              "4-bit weights once" + (" (this plan uses it)" if needed else ""))
+
+
 def check_host_ram(dev: Device, plan: Optional[Plan]) -> Check:
     need = plan.memory.host_needed if plan else 0
     have = dev.host_memory_available or dev.host_memory
@@ -138,4 +158,4 @@ def plan_checks(dev: Device, plan: Optional[Plan], simulated: bool) -> list[Opti
     return [check_bf16(dev), check_precision(dev, dtype, why),
             check_attention(dev, c["attention"][0], c["attention"][1], dtype.compute),
             check_kernel(dev, *c["kernel_backend"]), check_vllm(dev, dtype), check_bnb(dev),
-            check_host_ram(dev, plan), check_ecc(dev, plan, simulated), check_measured(dev)]
+            check_nf4_kernel(dev, plan, simulated), check_host_ram(dev, plan), check_ecc(dev, plan, simulated), check_measured(dev)]

@@ -143,3 +143,27 @@ def test_narrow_pcie_link_warns():
     dev = dataclasses.replace(r.primary, pcie_width=4)
     r = dataclasses.replace(r, devices=(dev,))
     assert checks_for(r)["PCIe link"].status == "warn"
+
+
+def test_fused_nf4_kernel_compiles_or_doctor_says_what_qlora_loses(monkeypatch):
+    import dataclasses
+    import edgerl.kernels.nvrtc as nvrtc
+    seen = []
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda src, names, cc: seen.append((names, cc)) or (b"", {}))
+    r = fake_probe("P40", bitsandbytes="0.50.2")
+    c = checks_for(r)["fused NF4 kernel"]
+    assert c.status == "ok" and "sm_61" in c.detail and seen == [(["nf4_mm<float, 16, 2>"], (6, 1))]
+    assert "fused NF4 kernel" not in checks_for(r, simulated=True)   # a simulated GPU: NVRTC here is not its
+    assert "fused NF4 kernel" not in checks_for(fake_probe("P40"))   # no bitsandbytes: no NF4 base to serve
+
+    def broken(src, names, cc):
+        raise nvrtc.KernelUnavailable("no NVRTC library found")
+    monkeypatch.setattr(nvrtc, "compile_cubin", broken)
+    c = checks_for(r)["fused NF4 kernel"]
+    assert c.status == "warn" and "no NVRTC library found" in c.detail and "plan.nf4_kernel=false" in c.fix
+    dev = r.primary
+    qlora = plan(dev, CATALOGUE["smollm2-135m"], dataclasses.replace(Task(prompt_len=128, response_len=128), lora=True),
+                 {"base_dtype": "nf4"})
+    assert qlora.nf4_kernel
+    checks = run_checks(dev, r, qlora, FakeEnv())
+    assert next(x for x in checks if x.name == "fused NF4 kernel").status == "fail" and exit_code(checks) == 1
