@@ -57,15 +57,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
-    ap.add_argument("--budget-s", type=float, default=400,
-                    help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
-    ap.add_argument("--min-run-s", type=float, default=None, help="do not start a run with less time than this "
-                    "left (default 40; smoke 5)")
-    ap.add_argument("--tokenizer", default=bl.default_tokenizer())
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--skip-done", action="store_true", help="skip runs already ok in --out")
-    ap.add_argument("--smoke", action="store_true", help="tiny shape, 8 tokens; on the CPU, no memory figures")
-    ap.add_argument("--out", default=None)
+    bl.add_run_args(ap, 400, 40, "tiny shape, 8 tokens; on the CPU, no memory figures")
     args = ap.parse_args()
     out, work = bl.out_and_work(args, "bench_memory", 40)
     only = args.only or (SMOKE_DEFAULT if args.smoke else list(CONFIGS))

@@ -340,15 +340,8 @@ def main() -> None:
     ap.add_argument("--steps-fit", type=int, default=3, help="steps of the fit2 run")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=180, help="seconds per run (fit2: twice)")
-    ap.add_argument("--budget-s", type=float, default=480,
-                    help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
-    ap.add_argument("--min-run-s", type=float, default=None, help="do not start a run with less time than this "
-                    "left (default 45; smoke 5)")
     ap.add_argument("--deterministic", action="store_true", help="resume part: deterministic torch kernels")
-    ap.add_argument("--tokenizer", default=bl.default_tokenizer())
-    ap.add_argument("--work", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 8 tokens, 2 steps; CPU/gloo unless 2 GPUs")
-    ap.add_argument("--out", default=None)
+    bl.add_run_args(ap, 480, 45, "tiny shapes, 8 tokens, 2 steps; CPU/gloo unless 2 GPUs", skip_done=False)
     args = ap.parse_args()
     out, work = bl.out_and_work(args, "bench_multi", 45)
     work.mkdir(parents=True, exist_ok=True)

@@ -382,18 +382,10 @@ def main() -> None:
     ap.add_argument("--frontier-steps", type=int, default=3, help="steps of each edgerl run at a memory budget")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per run (twice this for the 7-14B shapes)")
-    ap.add_argument("--budget-s", type=float, default=540,
-                    help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
-    ap.add_argument("--min-run-s", type=float, default=None,
-                    help="do not start a run with less time than this left (default 45; smoke 5)")
     ap.add_argument("--frontier", default=None, help="362m-bf16 edgerl budgets, comma-separated: GiB, trl, trl/2, "
                     "with :OPTIMIZER (default 12,8,6,4,3,2,trl/2,trl/2:adamw-bf16)")
     ap.add_argument("--frontier-17b", default=None, help="1.7b-bf16 edgerl budgets (default trl)")
-    ap.add_argument("--tokenizer", default=bl.default_tokenizer())
-    ap.add_argument("--work", default=None, help="models, run folders and logs (default /tmp/edgerl-bench)")
-    ap.add_argument("--skip-done", action="store_true", help="skip runs already ok in --out")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 steps of 8 tokens (CPU: profile cpu, no cap)")
-    ap.add_argument("--out", default=None)
+    bl.add_run_args(ap, 540, 45, "tiny shapes, 2 steps of 8 tokens (CPU: profile cpu, no cap)")
     args = ap.parse_args()
     out, work = bl.out_and_work(args, "bench_vs_trl", 45)
     work.mkdir(parents=True, exist_ok=True)

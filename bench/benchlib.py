@@ -329,6 +329,22 @@ class Results:
         os.replace(tmp, self.path)
 
 
+def add_run_args(ap: Any, budget_s: float, min_run_s: float, smoke: str, skip_done: bool = True) -> None:
+    """The options every multi-run benchmark takes: its deadline, the least time a run may start with,
+    the tokenizer, the work folder, --skip-done, --smoke (with this benchmark's `smoke` help) and --out.
+    `min_run_s` is the default that `out_and_work` fills in."""
+    ap.add_argument("--budget-s", type=float, default=budget_s,
+                    help="deadline in seconds: no run starts after it, and each run's time limit ends by it")
+    ap.add_argument("--min-run-s", type=float, default=None,
+                    help=f"do not start a run with less time than this left (default {min_run_s:g}; smoke 5)")
+    ap.add_argument("--tokenizer", default=default_tokenizer())
+    ap.add_argument("--work", default=None, help="models, run folders and logs (default /tmp/edgerl-bench)")
+    if skip_done:
+        ap.add_argument("--skip-done", action="store_true", help="skip runs already ok in --out")
+    ap.add_argument("--smoke", action="store_true", help=smoke)
+    ap.add_argument("--out", default=None)
+
+
 def out_and_work(args: Any, name: str, min_run_s: float) -> tuple[Path, Path]:
     """A benchmark's result file ($OUT/NAME[_smoke].json unless --out) and work folder (unless --work),
     and `args.min_run_s` defaulted (5 s in smoke mode)."""
