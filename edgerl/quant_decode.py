@@ -68,7 +68,8 @@ def _lora_class(wrapper: type) -> type:
         if self.disable_adapters or self.merged:
             return None
         names = [a for a in self.active_adapters if a in self.lora_A]
-        if len(names) != 1 or names[0] in getattr(self, "lora_variant", {}):
+        if len(names) != 1 or names[0] in getattr(self, "lora_variant", {}) \
+                or getattr(self, "use_dora", {}).get(names[0], False):   # DoRA: peft's own path
             return None
         a = names[0]
         drop = self.lora_dropout[a]
