@@ -158,4 +158,5 @@ def plan_checks(dev: Device, plan: Optional[Plan], simulated: bool) -> list[Opti
     return [check_bf16(dev), check_precision(dev, dtype, why),
             check_attention(dev, c["attention"][0], c["attention"][1], dtype.compute),
             check_kernel(dev, *c["kernel_backend"]), check_vllm(dev, dtype), check_bnb(dev),
-            check_nf4_kernel(dev, plan, simulated), check_host_ram(dev, plan), check_ecc(dev, plan, simulated), check_measured(dev)]
+            check_nf4_kernel(dev, plan, simulated), check_host_ram(dev, plan), check_ecc(dev, plan, simulated),
+            check_measured(dev)]

@@ -216,8 +216,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
                      "params": lora_params}
     return Plan(device=device, model=model, task=task, dtype=dtype, attention=attention, rollout_engine=engine,
                 cuda_graphs=graphs, rollout_compile=compiled, nf4_kernel=fused_nf4, kernel_backend=backend,
-                kernel_tiles=tiles,
-                logprob_chunk=chunk,
+                kernel_tiles=tiles, logprob_chunk=chunk,
                 grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
                 optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,
                 lora=lora_info, base_dtype=base, reward_model_dtype=rm_dtype,
@@ -291,8 +290,8 @@ def _memory_reasons(reasons: dict[str, str], found: Found, task: Task, device: D
     held = ("KV cache and CUDA graphs (the weights are the actor's own)" if s.rollout_from_actor
             else "weights, KV cache and CUDA graphs")
     reasons["rollout_resident"] = (
-        f"on: the engine keeps its {held} between steps ({fmt_bytes(kept)} through scoring and the update), so no step re-captures or refills them"
-        if s.rollout_resident else
+        f"on: the engine keeps its {held} between steps ({fmt_bytes(kept)} through scoring and the update), so "
+        "no step re-captures or refills them" if s.rollout_resident else
         "off: the rollout copy and KV cache are freed after generating so that scoring and the update have the "
         "memory; each rollout captures its CUDA graphs again" if not s.rollout_from_actor else
         "off: the engine runs the actor's own weights; its KV cache is freed after generating")

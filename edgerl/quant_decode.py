@@ -115,9 +115,12 @@ def check_kernel(device: torch.device) -> None:
         x = torch.randn(3, 256, generator=g).to(device)
         got, want = nf4_matmul(x, packed, state), reference(x, packed, state)
         torch.cuda.synchronize(device)
-    except KernelUnavailable as e:
-        raise TrainingError(f"the plan decodes through the fused NF4 kernel, which cannot be built here: {e} "
-                            "(set plan.nf4_kernel=false to use bitsandbytes' own matmul)") from None
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (KernelUnavailable, RuntimeError, OSError) as e:   # no NVRTC, an arch it cannot build, a failed launch
+        raise TrainingError(f"the plan decodes through the fused NF4 kernel, which cannot run here: "
+                            f"{type(e).__name__}: {str(e).strip()[:400]} (set plan.nf4_kernel=false to use "
+                            "bitsandbytes' own matmul)") from None
     err = (got - want).abs().max().item()
     if not err <= 1e-4 * max(want.abs().max().item(), 1.0):
         raise TrainingError(f"the fused NF4 kernel disagrees with its reference on "

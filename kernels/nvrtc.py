@@ -24,10 +24,12 @@ class KernelUnavailable(RuntimeError):
 
 def _nvrtc() -> ctypes.CDLL:
     import torch
+    if torch.version.cuda is None:
+        raise KernelUnavailable(f"this torch ({torch.__version__}) is not a CUDA build")
     try:
         from torch.cuda._utils import _get_nvrtc_library
         return _get_nvrtc_library()
-    except (ImportError, AttributeError):   # an older torch: load it by name as torch does
+    except (ImportError, AttributeError, OSError):   # an older torch, or not found its way: by name
         major = int(str(torch.version.cuda).split(".")[0])
         for name in (f"libnvrtc.so.{major}", "libnvrtc.so", f"nvrtc64_{major}0_0.dll"):
             try:

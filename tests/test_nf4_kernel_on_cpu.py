@@ -127,3 +127,25 @@ def test_lora_layer_adds_its_adapter_inside_the_kernel_as_peft_adds_it(monkeypat
         with net.disable_adapter():   # the reference model: the base alone, still through the kernel
             assert torch.allclose(wrapper(x), base.__class__.__mro__[1].forward(base, x), rtol=1e-5, atol=1e-5)
         assert calls == [True, False]
+
+
+def test_nvrtc_on_a_torch_without_cuda_is_a_named_error():
+    import torch
+    from edgerl.kernels.nvrtc import KernelUnavailable, compile_cubin
+    if torch.version.cuda is not None:
+        pytest.skip("this torch is a CUDA build")
+    with pytest.raises(KernelUnavailable, match="not a CUDA build"):
+        compile_cubin(nf4.SOURCE, ["nf4_mm<float, 16, 2>"], (6, 1))
+
+
+def test_a_kernel_that_cannot_run_stops_training_with_one_line_naming_the_setting(monkeypatch):
+    import edgerl.kernels.nf4 as k
+    from edgerl import quant_decode
+    from edgerl.errors import TrainingError
+
+    def broken(*a, **kw):
+        raise k.KernelUnavailable("NVRTC could not compile for sm_120: invalid value for --gpu-architecture")
+    monkeypatch.setattr(k, "nf4_matmul", broken)
+    with pytest.raises(TrainingError, match=r"cannot run here: KernelUnavailable: NVRTC could not compile for "
+                                            r"sm_120.*set plan.nf4_kernel=false"):
+        quant_decode.check_kernel(torch.device("cpu"))
