@@ -19,10 +19,11 @@ loads); a block of 8 warps owns 32 R rows and up to MT = 16 rows of x, and its w
 the steps of 64 along K. Each warp stages its own 64 columns of x in shared memory (MT x 1 KB), which
 all lanes then read at the same address (a broadcast), so one staged value feeds R x 32 multiply-adds.
 Partial sums stay in registers (R x MT a lane) and meet in shared memory at the end (32 MT KB at most,
-within the 48 KB a Pascal block may use). Where N gives fewer than two blocks per SM, K is split across
-blocks too and a second small kernel adds the fp32 partials. A first version (a warp per 8 K-chunked
-rows, x chunks behind a block barrier) reached 15% of the H200's fp32 rate at 16 rows, no better than
-bitsandbytes there.
+within the 48 KB a Pascal block may use). K is also split across blocks where that fills the GPU's
+waves better (`_splits`), and a second small kernel then adds the fp32 partials. A LoRA adapter's
+output can join the last sum (`lora=`). A first version (a warp per 8 K-chunked rows, x chunks behind
+a block barrier) reached a fifth of the H200's fp32 matmul rate at 16 rows, barely ahead of
+bitsandbytes; this one 46% (docs/benchmarks.md section 8).
 
 Compiled at run time with NVRTC (`nvrtc.py`) for the GPU's own architecture: CC 6.0 and up with a
 CUDA 12 torch, 7.5 and up with CUDA 13.
