@@ -47,9 +47,13 @@ def candidates(stages: list[Stage], mini: int, forced_mb: Optional[int]) -> list
     return [(st, mb, i == len(stages) - 1) for _, i, mb, st in sorted(out, key=lambda c: c[:3])]
 
 
+HOST_USABLE = 0.8   # of the host's RAM, for offloaded state: the OS, the data and other processes keep the rest
+
+
 def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
             cal: Calibration, host_memory: int, stages: list[Stage]) -> tuple[Optional[Found], list[str]]:
     tried: list[str] = []
+    usable = host_memory * HOST_USABLE
     for stage, mb, _ in candidates(stages, task.local_mini, forced.get("micro_batch")):
         values = stage.knobs()
         if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
@@ -58,12 +62,13 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
         s = fit_rollout_and_score(model, task, s, budget, forced, cal)
         mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
         # every process on the machine holds its own share in host memory (torchrun puts them on one host)
-        host_ok = mem.host_needed * task.world_size <= host_memory * 0.8
+        host = mem.host_needed * task.world_size
+        host_ok = host <= usable
         if mem.fits and host_ok:
             return Found(s, mem, stage.name), tried
         tried.append(f"{stage.name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
-                     + ("" if host_ok else f", host RAM {fmt_bytes(mem.host_needed * task.world_size)} over the "
-                        f"{fmt_bytes(int(host_memory * 0.8))} usable (80% of {fmt_bytes(host_memory)})"))
+                     + ("" if host_ok else f", host RAM {fmt_bytes(host)} over the {fmt_bytes(int(usable))} usable "
+                        f"({HOST_USABLE:.0%} of {fmt_bytes(host_memory)})"))
     return None, tried
 
 
