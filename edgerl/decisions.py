@@ -289,6 +289,16 @@ def pick_rollout(dev: Device, dtype: DtypePolicy, model: ModelSpec, max_len: int
     return engine, use_graphs, reason, greason
 
 
+def _asked(setting: str, forced: Optional[bool], impossible: str) -> Optional[tuple[bool, str]]:
+    """An on/off decision the user forced with plan.SETTING: (value, reason), a PlanError when on is
+    `impossible` (non-empty: why), or None when nothing was forced."""
+    if forced is None:
+        return None
+    if forced and impossible:
+        raise PlanError(f"plan.{setting}=true is not possible: {impossible}; use plan.{setting}=false")
+    return bool(forced), f"asked for with plan.{setting}={str(forced).lower()}"
+
+
 # Measured on an H200 in bf16, 16 rows (docs/benchmarks.md section 7.1): the decode step with compiled
 # layers against the plain graph, 1.37x at 360M and 1.23x at 1.7B, with the same agreement with HF.
 COMPILE_GAIN = "1.37x at 360M, 1.23x at 1.7B"
@@ -309,10 +319,9 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
                    + (" (and Inductor from 7.0)" if dev.cc >= (7, 0) else " (Inductor refuses CC < 7.0)"))
     elif not dev.software.has("triton"):
         why_not = "triton is not installed (Inductor's GPU code generator)"
-    if forced is not None:
-        if forced and why_not:
-            raise PlanError(f"plan.rollout_compile=true is not possible: {why_not}; use plan.rollout_compile=false")
-        return bool(forced), f"asked for with plan.rollout_compile={str(forced).lower()}"
+    asked = _asked("rollout_compile", forced, why_not)
+    if asked:
+        return asked
     if why_not:
         return False, f"not compiled: {why_not}"
     return True, (f"compiled decoder layers inside the CUDA graph (Inductor fuses the elementwise work between "
@@ -343,10 +352,9 @@ def pick_nf4_kernel(dev: Device, dtype: DtypePolicy, base: Optional[str], engine
     soft = "" if hard or dtype.compute == "fp32" else (
         f"{dtype.compute} compute: measured no faster than bitsandbytes' dequantize and 16-bit GEMM on an H200 "
         "(unmeasured on a T4 or V100); plan.nf4_kernel=true turns it on")
-    if forced is not None:
-        if forced and hard:
-            raise PlanError(f"plan.nf4_kernel=true is not possible: {hard}; use plan.nf4_kernel=false")
-        return bool(forced), f"asked for with plan.nf4_kernel={str(forced).lower()}"
+    asked = _asked("nf4_kernel", forced, hard)
+    if asked:
+        return asked
     if hard or soft:
         return False, f"bitsandbytes' own matmul: {hard or soft}"
     return True, (f"one kernel reads the 4-bit codes once for up to {NF4_KERNEL_ROWS} rows (bitsandbytes writes and "
