@@ -95,9 +95,9 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
     try:
         compile_cubin(SOURCE, ["nf4_mm<float, 16, 2>"], dev.cc)
     except (KernelUnavailable, OSError, AttributeError) as e:
-        return _c("fused NF4 kernel", "fail" if needed else "warn",
-                  f"NVRTC cannot compile it for {dev.sm}: {e}; QLoRA decode steps would use bitsandbytes' own "
-                  "matmul (slower in fp32)",
+        then = ("training with this plan stops at its start" if needed else
+                "a QLoRA plan in fp32 needs plan.nf4_kernel=false here (bitsandbytes' own matmul, slower)")
+        return _c("fused NF4 kernel", "fail" if needed else "warn", f"NVRTC cannot compile it for {dev.sm}: {e}; {then}",
                   "torch's CUDA wheels bring NVRTC (nvidia-cuda-nvrtc); reinstall torch from its CUDA index, or "
                   "set plan.nf4_kernel=false")
     return _c("fused NF4 kernel", "ok", f"NVRTC compiles it for {dev.sm}: QLoRA decode steps in fp32 read the "
