@@ -30,14 +30,15 @@ def _decode_class(base: type) -> type:
     cls = _classes.get(base)
     if cls is not None:
         return cls
-    from .kernels.nf4 import nf4_matmul, unsupported
+    from .kernels.nf4 import input_unsupported, nf4_matmul
 
     def takes(self, x: torch.Tensor) -> bool:
+        # the weight's side was checked by `enable` (and nf4_matmul checks both again)
         state = getattr(self.weight, "quant_state", None)
         rows = x.numel() // max(x.shape[-1], 1)
         return not (state is None or rows > self.decode_rows or (torch.is_grad_enabled() and x.requires_grad)
                     or (self.compute_dtype is not None and x.dtype != self.compute_dtype)
-                    or unsupported(x, self.weight.data, state))
+                    or input_unsupported(x))
 
     def fused(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         bias = self.bias

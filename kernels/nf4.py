@@ -233,11 +233,16 @@ def _log2(v: int) -> int:
 
 def unsupported(x: torch.Tensor, packed: torch.Tensor, state: Any) -> str:
     """'' when `nf4_matmul` can run on these inputs, else why not."""
+    return input_unsupported(x) or weight_unsupported(packed, state)
+
+
+def input_unsupported(x: torch.Tensor) -> str:
+    """'' when `nf4_matmul` can take `x` (the weight's side: `weight_unsupported`), else why not."""
     if not x.is_cuda:
         return "the input is not on a CUDA device"
     if x.dtype not in _TYPES:
         return f"the input is {x.dtype}, not fp32, fp16 or bf16"
-    return weight_unsupported(packed, state)
+    return ""
 
 
 def weight_unsupported(packed: torch.Tensor, state: Any) -> str:
@@ -336,4 +341,4 @@ def reference(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[
 
 
 __all__ = ["KernelUnavailable", "MAX_ROWS_PER_BLOCK", "dequantize_reference", "nf4_matmul", "reference",
-           "unsupported", "weight_unsupported"]
+           "input_unsupported", "unsupported", "weight_unsupported"]

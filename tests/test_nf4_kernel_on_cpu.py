@@ -73,7 +73,7 @@ def test_decode_layer_sends_only_few_rows_outside_autograd_in_its_compute_dtype_
     import edgerl.kernels.nf4 as k
     from edgerl import quant_decode
     calls = []
-    monkeypatch.setattr(k, "unsupported", lambda x, p, s: "")
+    monkeypatch.setattr(k, "input_unsupported", lambda x: "")
     monkeypatch.setattr(k, "nf4_matmul", lambda x, p, s, b=None, lora=None: calls.append(tuple(x.shape)) or
                         torch.zeros(*x.shape[:-1], s.shape[0], dtype=x.dtype))
     monkeypatch.setattr(quant_decode, "_classes", {})
@@ -98,7 +98,7 @@ def test_lora_layer_adds_its_adapter_inside_the_kernel_as_peft_adds_it(monkeypat
     import edgerl.kernels.nf4 as k
     from edgerl import quant_decode
     calls = []
-    monkeypatch.setattr(k, "unsupported", lambda x, p, s: "")
+    monkeypatch.setattr(k, "input_unsupported", lambda x: "")
     monkeypatch.setattr(k, "nf4_matmul", lambda x, p, s, b=None, lora=None: calls.append(lora is not None) or
                         k.reference(x, p, s, b, lora))
     monkeypatch.setattr(quant_decode, "_classes", {})
