@@ -442,6 +442,11 @@ def optimizer_reason(name: str, forced: Optional[str]) -> str:
     if name == "adamw8bit":
         return ("8-bit AdamW (bitsandbytes): 2 bytes of state per trainable parameter instead of 8; fp32 state did "
                 "not fit, not even waiting in host memory between updates (--set plan.optimizer=adamw forbids 8-bit)")
+    if name in ("adamw-bf16", "adamw-bf16-sr"):
+        how = ("Kahan-compensated: a bf16 correction term per weight, 6 bytes of state" if name == "adamw-bf16" else
+               "stochastically rounded, 4 bytes of state")
+        asked = f"asked for with plan.optimizer={name}: " if forced == name else ""
+        return f"{asked}AdamW over bf16 weights with bf16 moments, {how} per trainable parameter (no fp32 master copy)"
     return "AdamW with fp32 moments (8 bytes per trainable parameter)"
 
 

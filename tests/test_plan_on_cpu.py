@@ -259,3 +259,19 @@ def test_model_from_hf_folder(tmp_path):
     m = resolve(str(tmp_path))
     assert m.qkv_bias and m.num_kv_heads == 2 and not m.tie_embeddings
     assert m.n_params() == 2 * 1000 * 64 + 2 * m.layer_params() + 64
+
+
+@pytest.mark.parametrize("forced", [None, "adamw-bf16", "adamw-bf16-sr"])
+def test_optimizer_reason_names_the_optimizer_the_plan_counts(forced):
+    """A plan on bf16 weights (chosen at a tight budget, or asked for) says so in its optimizer reason,
+    with the state bytes the memory model counts, not fp32 AdamW's."""
+    dev = fake_probe("H100").primary
+    m = CATALOGUE["smollm2-1.7b"]
+    task = dataclasses.replace(SMALL, prompt_len=64)
+    o = {"optimizer": forced} if forced else {"memory_gib": 18.46}
+    p = plan(dev, m, task, o)
+    assert p.optimizer == (forced or "adamw-bf16-sr")
+    state = {"adamw-bf16": "6 bytes", "adamw-bf16-sr": "4 bytes"}[p.optimizer]
+    why = p.reasons["optimizer"]
+    assert "bf16 moments" in why and state in why and "fp32 moments" not in why, why
+    assert ("asked for" in why) == bool(forced)
