@@ -28,6 +28,9 @@ Groups (TRL first, so that its measured memory can set edgerl's budgets; then ed
   llama8b-t4   QLoRA at Llama-3.1-8B widths (4096, 32 layers, 32/8, MLP 14336) under T4 emulation;
                TRL in bf16 compute (what runs; peers.md), then TRL with fp16=True as a T4 user sets it
   qwen14b-p40  QLoRA at Qwen2.5-14B widths (5120, 48 layers, 40/8, MLP 13824), edgerl only
+  The QLoRA groups with a TRL side also run edgerl at TRL's device memory (--frontier-qlora, default trl):
+  the plan's choice when its budget is what TRL used, so that "no more memory than TRL" is compared
+  at the plan's own setting, not by lowering a run by hand.
 Model folders are written tensor by tensor (bench/benchlib.py) and shared by both sides. Each run is
 its own process with a time limit: an out-of-memory error or a hang ends that run only. Results go to
 the JSON after every run; a later invocation with the same --out adds to it. Speeds are the H200's:
@@ -47,6 +50,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
+QLORA_SHAPES = ("qwen7b", "llama8b", "qwen14b")
 QLORA = ["lora.enabled=true", "lora.rank=16", "lora.alpha=32", 'plan.base_dtype="nf4"']
 
 
@@ -76,9 +80,10 @@ GROUPS: dict[str, Group] = {
     "362m-p40": Group("362m", "p40", trl=Trl("fp32", cap="p40")),
     "1.7b-bf16": Group("1.7b", None, trl=Trl("bf16"), frontier=("trl",)),
     "1.7b-p40": Group("1.7b", "p40", trl=Trl("fp32", cap="p40"), steps=3),
-    "qwen7b-p40": Group("qwen7b", "p40", tuple(QLORA), Trl("fp32", cap="p40", qlora=True), steps=3),
+    "qwen7b-p40": Group("qwen7b", "p40", tuple(QLORA), Trl("fp32", cap="p40", qlora=True), steps=3,
+                        frontier=("trl",)),
     "llama8b-t4": Group("llama8b", "t4", tuple(QLORA), Trl("bf16", cap="t4", qlora=True),
-                        (Trl("fp16", cap="t4", qlora=True, tag="trl-fp16"),), steps=3),
+                        (Trl("fp16", cap="t4", qlora=True, tag="trl-fp16"),), steps=3, frontier=("trl",)),
     "qwen14b-p40": Group("qwen14b", "p40", tuple(QLORA), None, steps=3),
 }
 SMOKE_DEFAULT = ["362m-bf16", "qwen7b-p40"]
@@ -240,6 +245,8 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
     if g.frontier:
         frontier = tuple(args.frontier.split(",")) if gname == "362m-bf16" and args.frontier else frontier
         frontier = tuple(args.frontier_17b.split(",")) if gname == "1.7b-bf16" and args.frontier_17b else frontier
+    if g.shape in QLORA_SHAPES and args.frontier_qlora is not None:
+        frontier = tuple(b for b in args.frontier_qlora.split(",") if b)
         if args.smoke and not args.frontier and gname == "362m-bf16":
             frontier = SMOKE_FRONTIER
     plan_runs: list[tuple[str, Any]] = []
@@ -249,7 +256,8 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
     plan_runs.append((f"{gname}/edgerl", None))
     plan_runs += [(f"{gname}/edgerl@{item}", item) for item in frontier if not edgerl_only or not item.startswith("trl")]
     plan_runs += [(f"{gname}/{t.tag}", t) for t in g.extra_trl if not edgerl_only]
-    todo = [(n, w) for n, w in plan_runs if not (args.skip_done and results.runs.get(n, {}).get("status") == "ok")]
+    todo = [(n, w) for n, w in plan_runs if n not in args.skip
+            and not (args.skip_done and results.runs.get(n, {}).get("status") == "ok")]
     if not todo:
         return
     if clock.left() < args.min_run_s:
@@ -273,7 +281,7 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
             results.put(name, {"group": gname, "status": f"skipped: {clock.elapsed():.0f} s of the budget used"})
             log(f"{name}: skipped (budget)")
             continue
-        timeout = min(args.timeout * (2 if g.shape in ("qwen7b", "llama8b", "qwen14b") else 1), left - 10)
+        timeout = min(args.timeout * (2 if g.shape in QLORA_SHAPES else 1), left - 10)
         run_steps = steps if what is None or isinstance(what, Trl) else frontier_steps
         base = {"group": gname, "shape": shape, "model": info, "steps": run_steps, "new_tokens": new_tokens,
                 "speed_on": args.device + (f": a {profile}'s memory, not its speed" if cuda and g.profile else "")}
@@ -385,6 +393,9 @@ def main() -> None:
     ap.add_argument("--frontier", default=None, help="362m-bf16 edgerl budgets, comma-separated: GiB, trl, trl/2, "
                     "with :OPTIMIZER (default 12,8,6,4,3,2,trl/2,trl/2:adamw-bf16)")
     ap.add_argument("--frontier-17b", default=None, help="1.7b-bf16 edgerl budgets (default trl)")
+    ap.add_argument("--frontier-qlora", default=None, help="edgerl budgets of the QLoRA groups (default trl where "
+                    "TRL runs: edgerl with plan.memory_gib set to TRL's device memory; '' for none)")
+    ap.add_argument("--skip", nargs="*", default=[], help="runs not to start, by name (llama8b-t4/trl-fp16)")
     bl.add_run_args(ap, 540, 45, "tiny shapes, 2 steps of 8 tokens (CPU: profile cpu, no cap)")
     args = ap.parse_args()
     out, work = bl.out_and_work(args, "bench_vs_trl", 45)
