@@ -166,7 +166,8 @@ class PlanOverrides:
                                          "GPU between steps (faster; the plan turns it on when memory allows)")
     score_micro_batch: Optional[int] = F(None, "sequences per no-grad log-prob pass")
     headroom_gib: Optional[float] = F(None, "memory kept free beyond the estimate")
-    memory_gib: Optional[float] = F(None, "memory budget in GiB instead of the device's")
+    memory_gib: Optional[float] = F(None, "memory budget in GiB instead of the device's; on a GPU the run keeps it "
+                                    "(torch's allocator is capped at it, less the CUDA context)")
     rollout_memory_share: Optional[float] = F(None, "share of GPU memory the vllm engine may take")
 
 

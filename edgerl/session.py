@@ -72,11 +72,18 @@ def load(config: Optional[Path] = None, sets: Sequence[SetItem] = (), resume: Op
 
 
 def _device_for(target: Target, cfg: Config) -> tuple[Any, str]:
-    """The torch device to train on, and how a profile is emulated on it."""
+    """The torch device to train on, and how its memory is capped: a profile emulated on a bigger GPU
+    gets the profile's memory, and `plan.memory_gib` is a budget the run keeps, not only one it plans
+    for (its allocator gets the budget less the CUDA context, which lives outside the allocator)."""
     import torch
     real = target.real
     if not target.simulated:
-        return (torch.device("cuda", real.index) if real.is_cuda else torch.device("cpu")), ""
+        device = torch.device("cuda", real.index) if real.is_cuda else torch.device("cpu")
+        budget = _budget_share(cfg, real) if real.is_cuda else None
+        if budget is None:
+            return device, ""
+        torch.cuda.set_per_process_memory_fraction(budget, real.index)
+        return device, _budget_note(cfg, budget, real)
     dev = target.device
     if not dev.is_cuda:
         return torch.device("cpu"), "profile cpu: training on the CPU"
@@ -88,11 +95,30 @@ def _device_for(target: Target, cfg: Config) -> tuple[Any, str]:
         raise ConfigError(f"--profile {cfg.run.profile} has {dev.total_memory / 2**30:.1f} GiB, more than this "
                           f"{real.name} ({real.total_memory / 2**30:.1f} GiB): a bigger GPU cannot be emulated")
     # The cap covers torch's allocator; the CUDA context lives outside it, as on the real card.
-    share = max(0.01, (dev.total_memory - DEFAULT_CALIBRATION.cuda_context) / real.total_memory)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, share), real.index)
+    share = min(1.0, max(0.01, (dev.total_memory - DEFAULT_CALIBRATION.cuda_context) / real.total_memory))
+    budget = _budget_share(cfg, real)
+    torch.cuda.set_per_process_memory_fraction(min(share, budget or 1.0), real.index)
     return torch.device("cuda", real.index), (
         f"emulating {dev.describe()} on {real.describe()}: memory capped at {share:.1%} of this GPU, the "
-        f"profile's dtype, attention and kernel limits apply; speed is NOT emulated")
+        f"profile's dtype, attention and kernel limits apply; speed is NOT emulated"
+        + (f"; {_budget_note(cfg, budget, real)}" if budget is not None and budget < share else ""))
+
+
+def _budget_share(cfg: Config, real: Any) -> Optional[float]:
+    """plan.memory_gib as a share of this GPU for torch's allocator (None when unset)."""
+    gib = cfg.plan.memory_gib
+    if gib is None:
+        return None
+    allocator = gib * 2**30 - DEFAULT_CALIBRATION.cuda_context
+    if allocator <= 0:
+        raise ConfigError(f"plan.memory_gib={gib:g} leaves nothing for training: the CUDA context alone takes about "
+                          f"{DEFAULT_CALIBRATION.cuda_context / 2**30:.2f} GiB outside torch's allocator; raise it")
+    return min(1.0, allocator / real.total_memory)
+
+
+def _budget_note(cfg: Config, share: float, real: Any) -> str:
+    return (f"plan.memory_gib={cfg.plan.memory_gib:g}: torch's allocator capped at {share * real.total_memory / 2**30:.2f}"
+            f" GiB ({share:.1%} of this GPU; the CUDA context is outside it)")
 
 
 def cap_memory(profile: str) -> str:
@@ -110,7 +136,10 @@ def apply_env(plan: Plan, device: Any) -> None:
         if key == "PYTORCH_CUDA_ALLOC_CONF" and device.type == "cuda":
             import torch
             # the probe has already initialised CUDA, so the variable alone would come too late
-            torch.cuda.memory._set_allocator_settings(value)
+            setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)   # torch >= 2.9
+            if setter is None:
+                setter = torch.cuda.memory._set_allocator_settings
+            setter(value)
 
 
 def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log: Callable[[str], None] = print,

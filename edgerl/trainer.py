@@ -354,7 +354,9 @@ class Trainer:
             return TrainingError(f"CUDA out of memory in step {self.step + 1}: the plan estimated "
                                  f"{fmt_bytes(p.memory.total)} (peak in {p.memory.peak_phase}), the process reserved "
                                  f"{fmt_bytes(measured)} before failing. {saved}. Try {fixes[0]}"
-                                 + (f" (next: {fixes[1]})" if len(fixes) > 1 else "") + f", {resume}")
+                                 + (f" (next: {fixes[1]})" if len(fixes) > 1 else "")
+                                 + (f", or raise plan.memory_gib={self.cfg.plan.memory_gib:g} (the allocator is capped "
+                                    "at it)" if self.cfg.plan.memory_gib is not None else "") + f", {resume}")
         if isinstance(e, USER_ERRORS):
             return type(e)(f"{e}\n{saved}; fix the cause, {resume}")
         self.log(f"step {self.step + 1} failed ({type(e).__name__}); {saved}")

@@ -131,6 +131,16 @@ def test_out_of_memory_saves_the_last_good_state(tiny_llama, tmp_path, monkeypat
     assert state["train"]["sampler"] == fresh.state.loop.sampler.state_dict()
 
 
+def test_out_of_memory_under_a_budget_says_the_budget_caps_the_allocator(tiny_llama, tmp_path, monkeypatch):
+    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=2", "run.save_every=0", "plan.memory_gib=20")
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(t, "step_once", oom)
+    with pytest.raises(TrainingError, match=r"or raise plan.memory_gib=20 \(the allocator is capped at it\)"):
+        t.run()
+
+
 def test_reward_exceptions_name_the_sample(tiny_llama, tmp_path):
     from edgerl.rewards import RewardError
     t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=1", f'reward.function="{REWARDS}:broken"')
