@@ -6,7 +6,8 @@ each run really used, on uncapped runs.
 
 Uncapped, because a capped allocator frees its cache and retries when it reaches the cap: a capped
 run's reserved peak is bounded by the cap, not by what the step needs. Budgets below the GPU's
-(`plan.memory_gib`) change the plan, not the allocator. Measured = peak reserved (torch's allocator)
+(`plan.memory_gib`) change the plan; the cap a training run puts on its allocator at such a budget
+is lifted again here (the spec's "uncapped"). Measured = peak reserved (torch's allocator)
 + the memory the process holds outside it (CUDA context, library handles: NVML's used bytes for the
 GPU now, less those before the process touched CUDA, less torch's reserved bytes; where NVML is
 missing, the constant edgerl.memory.DEFAULT_CALIBRATION.cuda_context is used and the JSON says so).
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
 # In priority order (a budget drops the last ones first). The whole-GPU bf16 runs and a 4 GiB budget come
-# after the rest: bench_vs_trl's edgerl runs (uncapped in its bf16 groups) measure those totals as well.
+# after the rest: bench_vs_trl's whole-GPU edgerl runs (no budget, so no cap) measure those totals as well.
 CONFIGS: dict[str, tuple[str, list[str]]] = {
     "1.7b-fp32-22gib": ("1.7b", ['plan.dtype="fp32"', "plan.memory_gib=21.88"]),   # a P40's plan, uncapped
     "362m-bf16-ppo": ("362m", ['algo.advantage="gae"']),
@@ -90,7 +91,7 @@ def main() -> None:
         run_dir = work / "runs" / f"memory-{name}"
         shutil.rmtree(run_dir, ignore_errors=True)
         sets = bl.task_sets(work, steps, new_tokens) + extra
-        spec = bl.edgerl_spec(model, sets, run_dir, work / f"memory-{name}.json", phase_peaks=True)
+        spec = bl.edgerl_spec(model, sets, run_dir, work / f"memory-{name}.json", phase_peaks=True, uncapped=True)
         res = bl.run_edgerl(f"memory-{name}", spec, work, min(args.timeout, clock.left() - 5))
         res.update(shape=shape, sets=extra, model=bl.model_info(model))
         res["phases"] = phase_table(res)

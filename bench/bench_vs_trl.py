@@ -28,6 +28,7 @@ Groups (TRL first, so that its measured memory can set edgerl's budgets; then ed
   llama8b-t4   QLoRA at Llama-3.1-8B widths (4096, 32 layers, 32/8, MLP 14336) under T4 emulation;
                TRL in bf16 compute (what runs; peers.md), then TRL with fp16=True as a T4 user sets it
   qwen14b-p40  QLoRA at Qwen2.5-14B widths (5120, 48 layers, 40/8, MLP 13824), edgerl only
+  A budget caps edgerl's allocator at it less the CUDA context (edgerl.session), as a user's run would be.
   The QLoRA groups with a TRL side also run edgerl at TRL's device memory (--frontier-qlora, default trl):
   the plan's choice when its budget is what TRL used, so that "no more memory than TRL" is compared
   at the plan's own setting, not by lowering a run by hand.
@@ -87,7 +88,7 @@ GROUPS: dict[str, Group] = {
     "qwen14b-p40": Group("qwen14b", "p40", tuple(QLORA), None, steps=3),
 }
 SMOKE_DEFAULT = ["362m-bf16", "qwen7b-p40"]
-SMOKE_FRONTIER = ("0.5", "trl/2")
+SMOKE_FRONTIER = ("2", "trl")   # a GPU run refuses a budget under its CUDA context (about 1.3 GiB)
 
 
 # ------------------------------------------------------------------------------------- TRL's side

@@ -519,6 +519,11 @@ def edgerl_child(spec_path: str) -> None:
         logs: list[str] = []
         s = session.prepare(cfg, point, log=logs.append)
         res["emulation"] = s.emulation
+        if spec.get("uncapped") and s.device.type == "cuda":
+            # plan.memory_gib caps the allocator (session._device_for); a run that measures what the plan's
+            # steps need lifts the cap again, or the reserved peak would be the cap's, not the step's
+            torch.cuda.set_per_process_memory_fraction(1.0, s.device)
+            res["emulation"] = "uncapped (the plan's budget is planned for, not enforced)"
         res["context_after_init"] = mem.outside_allocator(s.device)
         cls = type("PhasePeaksTrainer", (_PhasePeaks, Trainer), {}) if spec.get("phase_peaks") else Trainer
         t = cls(s)

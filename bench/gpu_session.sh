@@ -54,7 +54,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
     case $1 in
         info) echo "nvidia-smi; python3 -c 'import torch, triton, transformers, pyarrow; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, pyarrow.__version__, torch.cuda.get_arch_list())'; edgerl doctor --json | head -c 4000" ;;
         quick) echo "python3 bench/env_check.py --tokenizer $TOK;
-              python3 bench/bench_vs_trl.py --smoke --only 362m-bf16 qwen7b-p40 --frontier trl/2 --tokenizer $TOK --work $w-smoke --budget-s $(( b * 3 / 5 )) --out $OUT/quick$x.json;
+              python3 bench/bench_vs_trl.py --smoke --only 362m-bf16 qwen7b-p40 --frontier trl --tokenizer $TOK --work $w-smoke --budget-s $(( b * 3 / 5 )) --out $OUT/quick$x.json;
               if [ \$(nvidia-smi -L | wc -l) -ge 2 ]; then python3 bench/bench_multi.py --smoke --tokenizer $TOK --work $w-smoke --budget-s $(( b * 2 / 5 - 10 )) --out $OUT/quick_multi$x.json; fi" ;;
         measure) echo "python3 -m edgerl.measure --json --pageable --budget 45 > $OUT/measure$x.json" ;;
         trl-frontier) echo "$vs --only 362m-bf16 ${FRONTIER:+--frontier $FRONTIER} --out $OUT/bench_vs_trl$x.json" ;;
