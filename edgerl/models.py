@@ -137,7 +137,12 @@ def init_distributed(device: torch.device) -> None:
     """A process group for FSDP2: torchrun's (env://), or a one-process group on this device.
 
     The one-process group uses an in-memory store: no port is opened, so runs started by this
-    process (or beside it) cannot collide on MASTER_PORT."""
+    process (or beside it) cannot collide on MASTER_PORT. Its NCCL communicator is created lazily
+    (no `device_id`, which would create it at once): FSDP2 (torch >= 2.9) skips its all-gathers and
+    reduce-scatters on one process and edgerl's own collectives return early, so a single-GPU run
+    never creates it and does not hold NCCL's device buffers outside torch's allocator. Loading a
+    full state dict on resume scatters through the group and creates it then
+    (tests/test_trainer_on_cpu.py counts the collectives of a one-process run)."""
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -147,7 +152,7 @@ def init_distributed(device: torch.device) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, device_id=device_id)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def shard(module: nn.Module, layers: nn.ModuleList, plan: Plan, device: torch.device) -> nn.Module:

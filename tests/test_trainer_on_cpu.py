@@ -170,3 +170,36 @@ def test_sigterm_mid_run_leaves_a_loadable_checkpoint(tiny_llama, tmp_path):
     t = make_trainer(tiny_llama, run, "train.steps=" + str(meta["step"] + 1), "run.save_every=0", resume=ck)
     t.run()
     assert t.step == meta["step"] + 1
+
+
+@pytest.mark.parametrize("sets", [[], ["lora.enabled=true"], ['algo.advantage="gae"']])
+def test_a_one_process_run_calls_no_collective(tiny_llama, tmp_path, monkeypatch, sets):
+    """A single-GPU run's NCCL communicator is created lazily (models.init_distributed), so it costs no
+    device memory only if nothing calls a collective: building the models, steps, checkpoints and the
+    export. Counted at both levels a collective can pass: the process group's methods (torch.distributed's
+    Python API) and the dispatcher (c10d and functional-collective ops, which DTensor and FSDP2 use)."""
+    import torch._C._distributed_c10d as c10d
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen: list[str] = []
+    for name in ("allreduce", "allgather", "_allgather_base", "reduce_scatter", "_reduce_scatter_base", "broadcast",
+                 "barrier", "gather", "scatter", "alltoall_base", "allreduce_coalesced",
+                 "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"):
+        orig = getattr(c10d.ProcessGroup, name)
+        monkeypatch.setattr(c10d.ProcessGroup, name,
+                            lambda self, *a, _o=orig, _n=name, **k: (seen.append(_n), _o(self, *a, **k))[1])
+
+    class Collectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "c10d" in func.namespace:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Collectives():
+        t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=2", "run.save_every=1", *sets)
+        t.run()
+    assert (tmp_path / "run" / "final").is_dir() and len(checkpoint.checkpoints(tmp_path / "run")) == 2
+    assert seen == [], seen
+    with Collectives():   # the counting itself works: a collective on this group is seen
+        dist.all_reduce(torch.ones(2))
+    assert seen == ["allreduce", "c10d.allreduce_.default"], seen
