@@ -127,3 +127,13 @@ def test_nf4_decode_profile_says_it_needs_a_gpu():
     out = subprocess.run([sys.executable, str(BENCH / "bench_nf4_decode.py")], capture_output=True, text=True,
                          env=ENV, timeout=300)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_bench_adamw_bf16_smoke_times_every_variant(tmp_path):
+    out = tmp_path / "adamw.json"
+    res = subprocess.run([sys.executable, str(BENCH / "bench_adamw_bf16.py"), "--smoke", "--device", "cpu",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    d = json.loads(out.read_text())
+    assert [r["status"] for r in d["results"]] == ["ok"] * 4 and d["params"] > 0
+    assert "| torch AdamW fp32, foreach |" in res.stdout

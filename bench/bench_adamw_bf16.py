@@ -1,0 +1,99 @@
+"""One optimizer step over the parameters of a model shape: edgerl's bf16 AdamW (stochastic rounding and
+Kahan) against torch's own AdamW on fp32 parameters (foreach and fused), in the same process.
+
+    python bench/bench_adamw_bf16.py [--device cpu|cuda] [--params 100] [--reps 3] [--out FILE]
+    python bench/bench_adamw_bf16.py --smoke        # 1M parameters, one repetition: the plumbing only
+
+On the host CPU this is the step of a plan whose optimizer lives in host memory (FSDP2 parameter offload
+runs it there). Parameters: SmolLM2-360M-shaped matrices (2560 x 960) up to --params million, random
+bf16 weights and gradients; each variant is stepped once untimed (state allocation), then --reps timed
+steps (median; CUDA synchronised). torch's AdamW runs on fp32 copies of the same weights: the peer for
+"what a step costs" on this device, with 16 bytes of state per parameter against edgerl's 4 or 6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def time_step(opt, device: str, reps: int) -> float:
+    import torch
+    opt.step()   # allocates the state
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--params", type=float, default=100.0, help="million parameters")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+    from edgerl.adamw_bf16 import AdamWBF16
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.params, args.reps = 1.0, 1
+    rows, cols = (2560, 960) if not args.smoke else (256, 96)
+    count = max(1, int(args.params * 1e6) // (rows * cols))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    weights = [(torch.randn(rows, cols, generator=gen) * 0.02).to(device, torch.bfloat16) for _ in range(count)]
+    grads = [(torch.randn(rows, cols, generator=gen) * 1e-3).to(device, torch.bfloat16) for _ in range(count)]
+    n = count * rows * cols
+    results = []
+
+    def run(name: str, make, dtype) -> None:
+        ps = [torch.nn.Parameter(w.clone().to(dtype)) for w in weights]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone().to(dtype)
+        try:
+            s = time_step(make(ps), device, args.reps)
+            results.append({"variant": name, "status": "ok", "step_s": s, "ns_per_param": s / n * 1e9})
+        except Exception as e:  # noqa: BLE001 - a variant this torch lacks is reported, the rest still run
+            results.append({"variant": name, "status": f"error: {type(e).__name__}: {e}"[:300]})
+        del ps
+
+    hp = dict(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
+    run("edgerl adamw-bf16-sr (bf16, stochastic rounding)", lambda ps: AdamWBF16(ps, kahan=False, **hp),
+        torch.bfloat16)
+    run("edgerl adamw-bf16 (bf16, Kahan)", lambda ps: AdamWBF16(ps, kahan=True, **hp), torch.bfloat16)
+    run("torch AdamW fp32, foreach", lambda ps: torch.optim.AdamW(ps, foreach=True, **hp), torch.float32)
+    run("torch AdamW fp32, fused", lambda ps: torch.optim.AdamW(ps, fused=True, **hp), torch.float32)
+    ref = next((r["step_s"] for r in results if r["variant"].endswith("foreach") and r["status"] == "ok"), None)
+    machine = torch.cuda.get_device_name() if device == "cuda" else \
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
+    print(f"one AdamW step over {n / 1e6:.0f}M parameters on {device} ({machine}), torch {torch.__version__}, "
+          f"median of {args.reps}")
+    print("| variant | s/step | ns/param | vs torch foreach |\n|---|---|---|---|")
+    for r in results:
+        if r["status"] != "ok":
+            print(f"| {r['variant']} | {r['status']} | | |")
+            continue
+        print(f"| {r['variant']} | {r['step_s']:.3f} | {r['ns_per_param']:.1f} | "
+              f"{(ref / r['step_s']) if ref else float('nan'):.2f}x |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": device, "machine": machine, "params": n,
+                                              "torch": torch.__version__, "results": results}, indent=1))
+    sys.exit(1 if any(r["status"] != "ok" for r in results) else 0)
+
+
+if __name__ == "__main__":
+    main()
