@@ -200,7 +200,9 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         engine, graphs = "hf", device.is_cuda
         reasons["rollout_engine"] = ("hf: generates from the quantized base and the unmerged adapters themselves "
                                      "(merging adapters into 4-bit weights would be lossy and a second model)")
-    share = mem.phase_totals()["rollout"] / total if total else 0.0
+    # vLLM reads its share against the device's whole memory, not against a plan.memory_gib budget
+    whole = device.total_memory
+    share = min(1.0, mem.phase_totals()["rollout"] / whole) if whole else 0.0
     if "rollout_memory_share" in o:
         share = float(o["rollout_memory_share"])
         reasons["rollout_memory_share"] = f"asked for with plan.rollout_memory_share={share}"

@@ -275,3 +275,28 @@ def test_optimizer_reason_names_the_optimizer_the_plan_counts(forced):
     why = p.reasons["optimizer"]
     assert "bf16 moments" in why and state in why and "fp32 moments" not in why, why
     assert ("asked for" in why) == bool(forced)
+
+
+def test_rollout_share_is_of_the_devices_memory_under_a_budget():
+    """vLLM's gpu_memory_utilization is a share of the whole GPU: a plan.memory_gib budget changes the
+    bytes the rollout may take (the plan's estimate), not what the share is a share of."""
+    dev = fake_probe("A100").primary
+    m = CATALOGUE["qwen2.5-0.5b"]
+    whole = plan(dev, m, SMALL)
+    budget = plan(dev, m, SMALL, {"memory_gib": 10})
+    for p in (whole, budget):
+        rollout = p.memory.phase_totals()["rollout"]
+        assert p.rollout_memory_share == pytest.approx(rollout / dev.total_memory, abs=1e-4)
+    assert budget.rollout_memory_share * dev.total_memory <= 10 * GiB
+
+
+def test_vllm_share_converts_an_emulated_profiles_share_to_this_gpu(monkeypatch):
+    import types
+    import torch
+    from edgerl.rollout import vllm_share
+    p40 = plan(device_from_profile(get_profile("p40"), Software(), 64 * GiB), CATALOGUE["qwen2.5-0.5b"], SMALL)
+    real = 4 * p40.device.total_memory
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=real))
+    got = vllm_share(p40, torch.device("cuda", 0))
+    assert got * real == pytest.approx(p40.rollout_memory_share * p40.device.total_memory)   # the same bytes
+    assert vllm_share(p40, torch.device("cpu")) == p40.rollout_memory_share

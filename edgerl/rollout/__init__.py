@@ -147,9 +147,18 @@ def _vllm(plan, ctx: EngineContext) -> RolloutEngine:
     from .vllm_engine import VLLMEngine
     folder = ctx.work_dir / "rollout-model"   # vLLM loads from a folder; weights are pushed after each update
     ctx.save_initial(folder)
-    return VLLMEngine(str(folder), dtype=plan.dtype.compute, gpu_memory_utilization=plan.rollout_memory_share,
+    return VLLMEngine(str(folder), dtype=plan.dtype.compute, gpu_memory_utilization=vllm_share(plan, ctx.device),
                       max_model_len=ctx.max_seq_len, max_num_seqs=plan.rollout_batch, seed=ctx.seed,
                       enable_sleep=ctx.device.type == "cuda", note=plan.reasons.get("rollout_engine", ""))
+
+
+def vllm_share(plan, device: torch.device) -> float:
+    """The plan's rollout share of its device's memory, as a share of the GPU this process runs on
+    (vLLM's gpu_memory_utilization): the same bytes when a profile with less memory is emulated on it."""
+    if device.type != "cuda" or plan.device.kind != "cuda":
+        return plan.rollout_memory_share
+    real = torch.cuda.get_device_properties(device).total_memory
+    return min(plan.rollout_memory_share, plan.rollout_memory_share * plan.device.total_memory / real)
 
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _static, "hf-generate": _generate, "vllm": _vllm}
