@@ -3,6 +3,8 @@ Kahan) against torch's own AdamW on fp32 parameters (foreach and fused), in the 
 
     python bench/bench_adamw_bf16.py [--device cpu|cuda] [--params 100] [--reps 3] [--out FILE]
     python bench/bench_adamw_bf16.py --smoke        # 1M parameters, one repetition: the plumbing only
+    python bench/bench_adamw_bf16.py --baseline OLD/edgerl/adamw_bf16.py   # also: that file's AdamWBF16,
+        stepped in turn with this one (same process, alternating steps: a noisy machine slows both alike)
 
 On the host CPU this is the step of a plan whose optimizer lives in host memory (FSDP2 parameter offload
 runs it there). Parameters: SmolLM2-360M-shaped matrices (2560 x 960) up to --params million, random
@@ -39,12 +41,41 @@ def time_step(opt, device: str, reps: int) -> float:
     return statistics.median(times)
 
 
+def load_baseline(path: str):
+    """Another version of edgerl/adamw_bf16.py (e.g. from `git worktree add`), imported beside this one."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("edgerl.adamw_bf16_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "edgerl"   # its relative imports (errors, memory) resolve to this edgerl
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def alternate(opts: dict, device: str, reps: int) -> dict:
+    """Median seconds per step of each optimizer, stepping them in turn."""
+    import torch
+    times: dict = {k: [] for k in opts}
+    for opt in opts.values():
+        opt.step()
+    for _ in range(reps):
+        for k, opt in opts.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            opt.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--params", type=float, default=100.0, help="million parameters")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--baseline", default=None, help="another adamw_bf16.py to time against this one")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -77,6 +108,21 @@ def main() -> None:
     run("edgerl adamw-bf16 (bf16, Kahan)", lambda ps: AdamWBF16(ps, kahan=True, **hp), torch.bfloat16)
     run("torch AdamW fp32, foreach", lambda ps: torch.optim.AdamW(ps, foreach=True, **hp), torch.float32)
     run("torch AdamW fp32, fused", lambda ps: torch.optim.AdamW(ps, fused=True, **hp), torch.float32)
+    if args.baseline:
+        base = load_baseline(args.baseline)
+        for kahan in (False, True):
+            pair = {}
+            for k, mod in (("baseline", base), ("this", sys.modules["edgerl.adamw_bf16"])):
+                ps = [torch.nn.Parameter(w.clone()) for w in weights]
+                for p, g in zip(ps, grads):
+                    p.grad = g.clone()
+                pair[k] = mod.AdamWBF16(ps, kahan=kahan, **hp)
+            t = alternate(pair, device, args.reps)
+            label = "Kahan" if kahan else "stochastic rounding"
+            results.append({"variant": f"baseline {label} (steps alternated)", "status": "ok",
+                            "step_s": t["baseline"], "ns_per_param": t["baseline"] / n * 1e9})
+            results.append({"variant": f"this {label} (steps alternated)", "status": "ok", "step_s": t["this"],
+                            "ns_per_param": t["this"] / n * 1e9, "speedup_vs_baseline": t["baseline"] / t["this"]})
     ref = next((r["step_s"] for r in results if r["variant"].endswith("foreach") and r["status"] == "ok"), None)
     machine = torch.cuda.get_device_name() if device == "cuda" else \
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
@@ -88,7 +134,8 @@ def main() -> None:
             print(f"| {r['variant']} | {r['status']} | | |")
             continue
         print(f"| {r['variant']} | {r['step_s']:.3f} | {r['ns_per_param']:.1f} | "
-              f"{(ref / r['step_s']) if ref else float('nan'):.2f}x |")
+              f"{(ref / r['step_s']) if ref else float('nan'):.2f}x |"
+              + (f" {r['speedup_vs_baseline']:.2f}x the baseline |" if "speedup_vs_baseline" in r else ""))
     if args.out:
         Path(args.out).write_text(json.dumps({"device": device, "machine": machine, "params": n,
                                               "torch": torch.__version__, "results": results}, indent=1))

@@ -19,8 +19,9 @@ Both keep the moments in bf16 with stochastic rounding. Rounded to nearest, the 
 sticks: with beta2 = 0.999 its per-step change (v * 1e-3 when the gradient vanishes) is below half
 a bf16 spacing, so after one large gradient it never decays and that weight's step stays damped.
 
-The random bits come from a generator seeded by (seed, parameter index, shard, step count, chunk):
-runs are reproducible, and a resumed run (the step count is in the state dict) draws the bits of
+The random bits come from a generator seeded by (seed, parameter index, shard, step count, chunk,
+and on the host the block of `HOST_BLOCK` elements, drawn in parallel; a GPU draws them otherwise,
+so a run moved between the two draws other, equally random bits): runs are reproducible, and a resumed run (the step count is in the state dict) draws the bits of
 one that never stopped, with no generator state to save. The shard is the process's place along
 the mesh dimensions that shard the parameter, not its rank: copies of one shard on several
 processes (a replicated mesh dimension, or plain tensors under data parallelism) draw the same
@@ -41,6 +42,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -51,8 +54,9 @@ from .memory import BF16_STEP_CHUNK as CHUNK
 from .memory import BF16_STEP_WORKSPACE as WORKSPACE_BYTES  # noqa: F401  (the bound the CUDA test checks)
 
 # Peak temporaries of `_update`, in bytes per element of a chunk, counted by hand: the int32 random
-# bits (12 with stochastically rounded weights) while the first moment is rounded, beside the fp32
-# moments (8) and the rounding's int32 and bf16 results (6): 26; the memory model counts 28 per
+# bits (12 with stochastically rounded weights; on the host an 8-byte draw and one 4-byte field) while
+# the first moment is rounded, beside the fp32 moments (8) and the rounding's int32 and bf16 results
+# (6): 26; the memory model counts 28 per
 # element (memory.BF16_STEP_WORKSPACE), which leaves room for the allocator.
 
 
@@ -98,10 +102,56 @@ def _chunks(w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor]) -> Iter
         yield [t[start:start + CHUNK] for t in flat]
 
 
-def _update(w, g, m, v, comp: Optional[torch.Tensor], bits: torch.Tensor, lr: float, beta1: float,
+# The host's random bits come in blocks of this many elements, each block from a generator seeded by its
+# own key, drawn by several threads at once: torch's CPU generator fills a tensor on one thread, and with
+# three 32-bit draws per element it was most of a host-side step (an optimizer that FSDP2 offloads runs
+# on the host). The block size is fixed, so the bits do not depend on the thread count.
+HOST_BLOCK = 1 << 18
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _host_pool(threads: int) -> ThreadPoolExecutor:
+    if threads not in _pools:
+        _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edgerl-bits")
+    return _pools[threads]
+
+
+class _HostBits:
+    """Random bits on the host: one 64-bit draw per element (`random_` fills int64 with 63 uniform bits)
+    whose low 48 bits are three 16-bit fields, cut out as int32 when used. One draw where three 32-bit
+    draws were made before, and the blocks drawn in parallel (`HOST_BLOCK`). On a GPU the generator is
+    cheap and the step is bound by memory traffic, which one int32 tensor per field keeps lower."""
+
+    def __init__(self, shape: torch.Size, key: tuple) -> None:
+        self.shape = shape
+        draw = torch.empty(math.prod(shape), dtype=torch.int64)
+        blocks = [(draw[i:i + HOST_BLOCK], _seed(*key, i // HOST_BLOCK)) for i in range(0, draw.numel(), HOST_BLOCK)]
+
+        def fill(block):
+            out, seed = block
+            out.random_(generator=torch.Generator().manual_seed(seed))
+
+        threads = min(torch.get_num_threads(), len(blocks))
+        if threads > 1:
+            list(_host_pool(threads).map(fill, blocks))   # torch releases the GIL inside random_
+        else:
+            for block in blocks:
+                fill(block)
+        halves = draw.view(torch.int32)
+        first, second = halves[0::2], halves[1::2]
+        # bits 0-31 and 32-63 of each draw; bit 63 is always 0, so only the high word's low half is used
+        self.low, self.high = (first, second) if sys.byteorder == "little" else (second, first)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        word = self.high if i == 2 else self.low
+        return (word >> 16 if i == 1 else word).bitwise_and(0xFFFF).view(self.shape)
+
+
+def _update(w, g, m, v, comp: Optional[torch.Tensor], bits, lr: float, beta1: float,
             beta2: float, eps: float, weight_decay: float, step: int) -> None:
     """One AdamW step in place on bf16 pieces of equal shape, computed in fp32 as torch's AdamW does:
-    w <- w * (1 - lr * wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps). bits: (2 or 3, *w.shape)."""
+    w <- w * (1 - lr * wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps). bits[i]: int32 in [0, 2^16) of
+    w's shape, for the first moment, the second, the weight (AdamWBF16._bits)."""
     g32 = g.float()
     m32 = m.float().lerp_(g32, 1 - beta1)
     v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
@@ -138,7 +188,10 @@ class AdamWBF16(torch.optim.Optimizer):
                                  "load the model in bf16 (no fp32 master copy), or use plan.optimizer=adamw")
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _bits(self, device: torch.device, shape: torch.Size, key: tuple) -> torch.Tensor:
+    def _bits(self, device: torch.device, shape: torch.Size, key: tuple):
+        """bits[i]: int32 in [0, 2^16) of `shape` for the first moment, the second and the weight."""
+        if device.type == "cpu":
+            return _HostBits(shape, (self.seed, *key))
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device=device)

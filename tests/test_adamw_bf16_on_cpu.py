@@ -312,3 +312,33 @@ def test_two_processes_shard_checkpoint_and_keep_replicas_identical():
                           str(worker), *BF16_NAMES], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert all(f"OK {name}" in run.stdout for name in BF16_NAMES), run.stdout
+
+
+def test_host_bits_are_uniform_reproducible_and_independent_of_the_thread_count():
+    """The host's random bits (one 64-bit draw per element, three 16-bit fields, blocks drawn in
+    parallel): each field uniform over [0, 2^16), the fields and the blocks independent of each other,
+    the same for the same key whatever the thread count, other bits for another key."""
+    from edgerl.adamw_bf16 import HOST_BLOCK, _HostBits
+    shape = torch.Size((3 * HOST_BLOCK + 17,))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _HostBits(shape, (0, 1, (), 1, 0))
+        torch.set_num_threads(2)
+        two = _HostBits(shape, (0, 1, (), 1, 0))
+    finally:
+        torch.set_num_threads(threads)
+    fields = [one[i] for i in range(3)]
+    for i, f in enumerate(fields):
+        assert f.dtype == torch.int32 and f.shape == shape
+        assert torch.equal(f, two[i]), i
+        assert int(f.min()) >= 0 and int(f.max()) < 1 << 16
+        assert abs(f.double().mean().item() - 32767.5) < 200, i       # std of the mean ~22
+        for b in range(16):                                               # every bit a fair coin
+            assert abs(((f >> b) & 1).double().mean().item() - 0.5) < 0.005, (i, b)
+    f0, f1, f2 = (f.double() for f in fields)
+    for a, b in ((f0, f1), (f0, f2), (f1, f2)):
+        assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.01
+    block = fields[0][:HOST_BLOCK], fields[0][HOST_BLOCK:2 * HOST_BLOCK]
+    assert (block[0] == block[1]).double().mean().item() < 0.001        # blocks are not one sequence repeated
+    assert not torch.equal(_HostBits(shape, (0, 1, (), 2, 0))[0], fields[0])
