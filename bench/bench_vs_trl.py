@@ -246,10 +246,10 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
     if g.frontier:
         frontier = tuple(args.frontier.split(",")) if gname == "362m-bf16" and args.frontier else frontier
         frontier = tuple(args.frontier_17b.split(",")) if gname == "1.7b-bf16" and args.frontier_17b else frontier
-    if g.shape in QLORA_SHAPES and args.frontier_qlora is not None:
-        frontier = tuple(b for b in args.frontier_qlora.split(",") if b)
         if args.smoke and not args.frontier and gname == "362m-bf16":
             frontier = SMOKE_FRONTIER
+    if g.shape in QLORA_SHAPES and args.frontier_qlora is not None:
+        frontier = tuple(b for b in args.frontier_qlora.split(",") if b)
     plan_runs: list[tuple[str, Any]] = []
     edgerl_only = gname in args.edgerl_only
     if g.trl and not edgerl_only:

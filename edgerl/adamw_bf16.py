@@ -21,8 +21,9 @@ a bf16 spacing, so after one large gradient it never decays and that weight's st
 
 The random bits come from a generator seeded by (seed, parameter index, shard, step count, chunk,
 and on the host the block of `HOST_BLOCK` elements, drawn in parallel; a GPU draws them otherwise,
-so a run moved between the two draws other, equally random bits): runs are reproducible, and a resumed run (the step count is in the state dict) draws the bits of
-one that never stopped, with no generator state to save. The shard is the process's place along
+so a run moved between the two draws other, equally random bits): runs are reproducible, and a
+resumed run (the step count is in the state dict) draws the bits of one that never stopped, with no
+generator state to save. The shard is the process's place along
 the mesh dimensions that shard the parameter, not its rank: copies of one shard on several
 processes (a replicated mesh dimension, or plain tensors under data parallelism) draw the same
 bits and so stay identical.
@@ -56,8 +57,8 @@ from .memory import BF16_STEP_WORKSPACE as WORKSPACE_BYTES  # noqa: F401  (the b
 # Peak temporaries of `_update`, in bytes per element of a chunk, counted by hand: the int32 random
 # bits (12 with stochastically rounded weights; on the host an 8-byte draw and one 4-byte field) while
 # the first moment is rounded, beside the fp32 moments (8) and the rounding's int32 and bf16 results
-# (6): 26; the memory model counts 28 per
-# element (memory.BF16_STEP_WORKSPACE), which leaves room for the allocator.
+# (6): 26; the memory model counts 28 per element (memory.BF16_STEP_WORKSPACE), which leaves room for
+# the allocator.
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
