@@ -56,9 +56,9 @@ from .memory import BF16_STEP_WORKSPACE as WORKSPACE_BYTES  # noqa: F401  (the b
 
 # Peak temporaries of `_update`, in bytes per element of a chunk, counted by hand: the int32 random
 # bits (12 with stochastically rounded weights; on the host an 8-byte draw and one 4-byte field) while
-# the first moment is rounded, beside the fp32 moments (8) and the rounding's int32 and bf16 results
-# (6): 26; the memory model counts 28 per element (memory.BF16_STEP_WORKSPACE), which leaves room for
-# the allocator.
+# the first moment is rounded, beside the fp32 moments (8) and the rounding's int32 result (4, copied
+# into the bf16 state without a bf16 temporary): 24; the memory model counts 28 per element
+# (memory.BF16_STEP_WORKSPACE), which leaves room for the allocator.
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
