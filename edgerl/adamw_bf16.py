@@ -66,20 +66,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def round_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+def round_stochastic(x: torch.Tensor, bits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 `x` to bf16, rounded away from zero with probability (dropped part) / (bf16 spacing).
 
     bits: int32 uniform in [0, 2^16), same shape as x. bf16 is the upper half of an fp32's bits;
     adding uniform bits to the lower half carries into the upper half with exactly that
     probability, then the lower half is cleared. Adding to the bit pattern grows the magnitude
-    for either sign, so the rounding is unbiased for negative values too."""
-    return _rounded_fp32(x, bits).bfloat16()
-
-
-def _rounded_fp32(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """`round_stochastic` before its cast: fp32 values whose low 16 bits are clear, so a bf16 copy_ of them
-    is exact. `_update` copies them straight into the bf16 state (one cast kernel fewer per rounding)."""
-    return (x.view(torch.int32) + bits).bitwise_and_(-65536).view(torch.float32)
+    for either sign, so the rounding is unbiased for negative values too. With `out` (bf16), the
+    result is copied into it and returned: the cleared fp32 values convert exactly, so the copy's
+    cast stands in for a separate one (one kernel and one bf16 temporary fewer in `_update`)."""
+    rounded = (x.view(torch.int32) + bits).bitwise_and_(-65536).view(torch.float32)
+    return rounded.bfloat16() if out is None else out.copy_(rounded)
 
 
 def _shard(p: torch.Tensor) -> tuple[int, ...]:
@@ -163,8 +160,8 @@ def _update(w, g, m, v, comp: Optional[torch.Tensor], bits, lr: float, beta1: fl
     m32 = m.float().lerp_(g32, 1 - beta1)
     v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
     del g32
-    m.copy_(_rounded_fp32(m32, bits[0]))
-    v.copy_(_rounded_fp32(v32, bits[1]))
+    round_stochastic(m32, bits[0], out=m)
+    round_stochastic(v32, bits[1], out=v)
     # the step uses this step's exact moments; only what is stored for the next step is rounded
     denom = v32.sqrt_().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
     w32 = w.float()
@@ -173,7 +170,7 @@ def _update(w, g, m, v, comp: Optional[torch.Tensor], bits, lr: float, beta1: fl
     w32.mul_(1 - lr * weight_decay).addcdiv_(m32, denom, value=-lr / (1 - beta1 ** step))
     del m32, denom
     if comp is None:
-        w.copy_(_rounded_fp32(w32, bits[2]))
+        round_stochastic(w32, bits[2], out=w)
     else:
         w.copy_(w32)  # round to nearest; the remainder is exact in fp32 and kept to 8 bits
         comp.copy_(w32.sub_(w.float()))
