@@ -217,6 +217,12 @@ def _splits(blocks: int, steps: int, slots: int) -> int:
     return min(range(1, max(1, steps // WARPS) + 1), key=lambda s: (cost(s), s))
 
 
+def mm_name(dtype: torch.dtype = torch.float32, rows: int = MAX_ROWS_PER_BLOCK, rows_of_w: int = 2) -> str:
+    """The instantiation of `nf4_mm` for x in `dtype`, a tile of `rows` rows of x and `rows_of_w` rows of W
+    per lane (what `nf4_matmul` launches; the defaults are a decode step's, which the doctor compiles)."""
+    return f"nf4_mm<{_TYPES[dtype]}, {rows}, {rows_of_w}>"
+
+
 def _kernel(name: str, device: torch.device):
     key = (name, device.index)
     k = _cache.get(key)
@@ -282,8 +288,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
     mt = _rows_tile(m)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     r = _rows_of_w(n)
-    t = _TYPES[x.dtype]
-    kern = _kernel(f"nf4_mm<{t}, {mt}, {r}>", x.device)
+    kern = _kernel(mm_name(x.dtype, mt, r), x.device)
     blocks = -(-n // (32 * r)) * -(-m // mt)
     splits = _splits(blocks, k // 64, sms * kern.slots_per_sm)
     per_split = -(-(k // 64) // splits)
@@ -308,7 +313,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
         args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
               int(bool(state.nested)), int(bias is not None), per_split, lt, lb, rank, scale])
     if splits > 1:
-        _kernel(f"nf4_sum<{t}>", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
+        _kernel(f"nf4_sum<{_TYPES[x.dtype]}>", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
                                            args=[ws, b, y, m, n, splits, int(bias is not None), lt, lb, rank, scale])
     return y.reshape(*x.shape[:-1], n)
 
