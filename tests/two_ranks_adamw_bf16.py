@@ -2,6 +2,7 @@
 uneven size, a full DCP state dict gathered from both and scattered back, replicas that must stay
 identical and shards that must round independently. Exits non-zero on the first failed check."""
 
+import os
 import sys
 
 import torch
@@ -88,3 +89,9 @@ if __name__ == "__main__":
         main(name)
     dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
+    # Every check above has passed. About one run in twenty (torch 2.13, gloo, 2 CPU ranks), rank 0 then
+    # aborted in C++ teardown after Python had finished ("terminate called without an active exception",
+    # no Python frame), failing the test for nothing it checks: leave without the static destructors.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
