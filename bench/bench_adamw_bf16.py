@@ -1,7 +1,9 @@
 """One optimizer step over the parameters of a model shape: edgerl's bf16 AdamW (stochastic rounding and
-Kahan) against torch's own AdamW on fp32 parameters (foreach and fused), in the same process.
+Kahan; on CUDA fused and eager) against torch's own AdamW on fp32 parameters (foreach and fused), in the
+same process. On CUDA also the step of parameters held in (pinned) host memory, as FSDP2's parameter
+offload holds them: streamed through the GPU (step_device) against stepped by the host's cores.
 
-    python bench/bench_adamw_bf16.py [--device cpu|cuda] [--params 100] [--reps 3] [--out FILE]
+    python bench/bench_adamw_bf16.py [--device cpu|cuda] [--params 100] [--host-params 362] [--reps 3] [--out FILE]
     python bench/bench_adamw_bf16.py --smoke        # 1M parameters, one repetition: the plumbing only
     python bench/bench_adamw_bf16.py --baseline OLD/edgerl/adamw_bf16.py   # also: that file's AdamWBF16,
         stepped in turn with this one (same process, alternating steps: a noisy machine slows both alike)
@@ -60,6 +62,8 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--params", type=float, default=100.0, help="million parameters")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--host-params", type=float, default=362.0,
+                    help="million parameters for the host-memory variants (CUDA only; 0 leaves them out)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--baseline", default=None, help="another adamw_bf16.py to time against this one")
     ap.add_argument("--out", default=None)
@@ -77,23 +81,39 @@ def main() -> None:
     n = count * rows * cols
     results = []
 
-    def run(name: str, make, dtype) -> None:
-        ps = [torch.nn.Parameter(w.clone().to(dtype)) for w in weights]
-        for p, g in zip(ps, grads):
-            p.grad = g.clone().to(dtype)
+    def run(name: str, make, dtype, host: int = 0) -> None:
+        """host: step that many of the matrices held in pinned host memory (the times are per parameter)."""
+        src_w, src_g = (weights, grads) if not host else (weights[:host], grads[:host])
+        where = (lambda t: t.cpu().pin_memory()) if host else (lambda t: t)
+        ps = [torch.nn.Parameter(where(w.clone().to(dtype))) for w in src_w]
+        for p, g in zip(ps, src_g):
+            p.grad = where(g.clone().to(dtype))
+        count_n = len(ps) * rows * cols
         try:
             s = alternate({"one": make(ps)}, device, args.reps)["one"]
-            results.append({"variant": name, "status": "ok", "step_s": s, "ns_per_param": s / n * 1e9})
+            results.append({"variant": name, "status": "ok", "step_s": s, "ns_per_param": s / count_n * 1e9,
+                            "params": count_n})
         except Exception as e:  # noqa: BLE001 - a variant this torch lacks is reported, the rest still run
             results.append({"variant": name, "status": f"error: {type(e).__name__}: {e}"[:300]})
         del ps
 
     hp = dict(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0)
-    run("edgerl adamw-bf16-sr (bf16, stochastic rounding)", lambda ps: AdamWBF16(ps, kahan=False, **hp),
-        torch.bfloat16)
-    run("edgerl adamw-bf16 (bf16, Kahan)", lambda ps: AdamWBF16(ps, kahan=True, **hp), torch.bfloat16)
+    cuda = device == "cuda"
+    for kahan, label in ((False, "adamw-bf16-sr (bf16, stochastic rounding)"), (True, "adamw-bf16 (bf16, Kahan)")):
+        for fused in ((True, False) if cuda else (False,)):
+            how = (", fused Triton kernel" if fused else ", eager") if cuda else ""
+            run(f"edgerl {label}{how}", lambda ps, k=kahan, f=fused: AdamWBF16(ps, kahan=k, fused=f, **hp),
+                torch.bfloat16)
     run("torch AdamW fp32, foreach", lambda ps: torch.optim.AdamW(ps, foreach=True, **hp), torch.float32)
     run("torch AdamW fp32, fused", lambda ps: torch.optim.AdamW(ps, fused=True, **hp), torch.float32)
+    host = min(count, max(1, int(args.host_params * 1e6) // (rows * cols))) if cuda and args.host_params > 0 else 0
+    if host:
+        run("host memory: edgerl adamw-bf16-sr streamed through the GPU",
+            lambda ps: AdamWBF16(ps, kahan=False, step_device="cuda", **hp), torch.bfloat16, host)
+        run("host memory: edgerl adamw-bf16-sr on the host's cores",
+            lambda ps: AdamWBF16(ps, kahan=False, **hp), torch.bfloat16, host)
+        run("host memory: torch AdamW fp32 fused on the host's cores",
+            lambda ps: torch.optim.AdamW(ps, fused=True, **hp), torch.float32, host)
     if args.baseline:
         base = load_baseline(args.baseline)
         for kahan in (False, True):
@@ -109,18 +129,20 @@ def main() -> None:
                             "step_s": t["baseline"], "ns_per_param": t["baseline"] / n * 1e9})
             results.append({"variant": f"this {label} (steps alternated)", "status": "ok", "step_s": t["this"],
                             "ns_per_param": t["this"] / n * 1e9, "speedup_vs_baseline": t["baseline"] / t["this"]})
-    ref = next((r["step_s"] for r in results if r["variant"].endswith("foreach") and r["status"] == "ok"), None)
+    ref = next((r["ns_per_param"] for r in results if r["variant"].endswith("foreach") and r["status"] == "ok"), None)
     machine = torch.cuda.get_device_name() if device == "cuda" else \
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
+    if cuda:
+        machine += f", host {torch.get_num_threads()} torch threads"
     print(f"one AdamW step over {n / 1e6:.0f}M parameters on {device} ({machine}), torch {torch.__version__}, "
           f"median of {args.reps}")
-    print("| variant | s/step | ns/param | vs torch foreach |\n|---|---|---|---|")
+    print("| variant | params | s/step | ns/param | vs torch foreach (ns/param) |\n|---|---|---|---|---|")
     for r in results:
         if r["status"] != "ok":
-            print(f"| {r['variant']} | {r['status']} | | |")
+            print(f"| {r['variant']} | | {r['status']} | | |")
             continue
-        print(f"| {r['variant']} | {r['step_s']:.3f} | {r['ns_per_param']:.1f} | "
-              f"{(ref / r['step_s']) if ref else float('nan'):.2f}x |"
+        print(f"| {r['variant']} | {r.get('params', n) / 1e6:.0f}M | {r['step_s']:.3f} | {r['ns_per_param']:.1f} | "
+              f"{(ref / r['ns_per_param']) if ref else float('nan'):.2f}x |"
               + (f" {r['speedup_vs_baseline']:.2f}x the baseline |" if "speedup_vs_baseline" in r else ""))
     if args.out:
         Path(args.out).write_text(json.dumps({"device": device, "machine": machine, "params": n,

@@ -26,6 +26,9 @@
 #   trl-core 560, trl 560: several groups at once (more than one call holds; the budget stops them)
 #   memory 400      bench_memory;   multi 480: bench_multi (two GPUs)
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
+#                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
+#   tests-optim 200 the bf16 AdamW and training CUDA tests
+# VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl)
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   rollout-bf16 150  bench_rollout's bf16 configs only, the main variants, HF generate's own agreement as the bar
@@ -51,7 +54,7 @@ STATUS="$LOGS/stages.tsv"; : >"$STATUS"
 
 stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's command line
     local t=$2 x=$3 w=$4 b=$(( $2 - 15 ))
-    local vs="python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w --budget-s $b"
+    local vs="python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w --budget-s $b ${VS_ARGS:-}"
     case $1 in
         info) echo "nvidia-smi; python3 -c 'import torch, triton, transformers, pyarrow; print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, pyarrow.__version__, torch.cuda.get_arch_list())'; edgerl doctor --json | head -c 4000" ;;
         quick) echo "python3 bench/env_check.py --tokenizer $TOK;
@@ -72,10 +75,11 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               timeout -k 5 120 python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s 110 --only 1.7b-bf16-lora 1.7b-bf16-nf4 362m-bf16-grpo 1.7b-bf16-adamw-bf16 --out $OUT/bench_memory$x.json" ;;
         trl) echo "$vs --out $OUT/bench_vs_trl$x.json" ;;
         trl-1.7b) echo "$vs --only 1.7b-p40 --steps 3 --timeout 140 --out $OUT/bench_vs_trl_17b$x.json" ;;
-        optim) echo "python3 bench/bench_adamw_bf16.py --device cuda --params 1700 --reps 5 --out $OUT/bench_adamw_bf16$x.json" ;;
+        optim) echo "python3 bench/bench_adamw_bf16.py --device cuda --params 1700 --host-params 362 --reps 5 --out $OUT/bench_adamw_bf16$x.json" ;;
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
         tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py" ;;
+        tests-optim) echo "python3 -m pytest -q -p no:cacheprovider tests/test_adamw_bf16_cuda.py tests/test_train_cuda.py 2>&1 | tee $OUT/tests_optim$x.log | tail -30" ;;
         tests) echo "python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -40" ;;
         checks) echo "timeout -k 5 260 python3 -m pytest -q -p no:cacheprovider -x --timeout 240 tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -30;
               timeout -k 5 60 python3 -m edgerl.measure --json --pageable --budget 40 > $OUT/measure$x.json;
@@ -95,7 +99,7 @@ limit_of() {
         info) echo 60 ;; quick) echo 200 ;; measure) echo 90 ;; trl-frontier) echo 480 ;; trl-17b) echo 300 ;;
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
-        multi) echo 480 ;; tests-train) echo 120 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
+        multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 150 ;; recheck) echo 420 ;;
         fit) echo 300 ;; *) echo 560 ;;
     esac

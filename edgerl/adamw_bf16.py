@@ -33,10 +33,17 @@ local shard, and the state stays DTensor so DCP's full state dict gathers it as 
 Every state tensor is bf16, the parameter's dtype, which is also what Optimizer.load_state_dict
 casts floating-point state to (fp32 moments would come back from a checkpoint as bf16).
 
-The step is eager torch (no torch.compile, no Triton, no C++ build), so it runs wherever torch
-does. It walks each local shard in chunks of CHUNK elements so its fp32 temporaries stay under
-WORKSPACE_BYTES however large the largest parameter is (a 150k x 1.5k embedding would otherwise
-need about 1 GiB per fp32 temporary).
+On a CUDA device with triton the step is one fused kernel per parameter (kernels/_triton_adamw.py:
+loads, fp32 arithmetic, Philox random bits and rounded stores in one pass, no temporaries). Elsewhere
+it is eager torch, which runs wherever torch does: it walks each local shard in chunks of CHUNK
+elements so its fp32 temporaries stay under WORKSPACE_BYTES however large the largest parameter is (a
+150k x 1.5k embedding would otherwise need about 1 GiB per fp32 temporary), about 30 kernels a chunk.
+The two draw their random bits differently (both keyed as above), so a run moved between them rounds
+otherwise, equally at random.
+
+Shards in host memory (FSDP2's parameter offload) are stepped on `step_device` when one is given:
+each chunk of weight, gradient and state is copied there, stepped, and copied back, which on a GPU
+takes a fraction of what the host's cores need for the same step.
 """
 
 from __future__ import annotations
@@ -57,8 +64,8 @@ from .memory import BF16_STEP_WORKSPACE as WORKSPACE_BYTES  # noqa: F401  (the b
 # Peak temporaries of `_update`, in bytes per element of a chunk, counted by hand: the int32 random
 # bits (12 with stochastically rounded weights; on the host an 8-byte draw and one 4-byte field) while
 # the first moment is rounded, beside the fp32 moments (8) and the rounding's int32 result (4, copied
-# into the bf16 state without a bf16 temporary): 24; the memory model counts 28 per element
-# (memory.BF16_STEP_WORKSPACE), which leaves room for the allocator.
+# into the bf16 state without a bf16 temporary): 24. A streamed chunk adds its copies of weight,
+# gradient and state (10): 34; memory.BF16_STEP_WORKSPACE counts 36 per element.
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -179,18 +186,41 @@ def _update(w, g, m, v, comp: Optional[torch.Tensor], bits, lr: float, beta1: fl
 class AdamWBF16(torch.optim.Optimizer):
     """AdamW on bf16 parameters: bf16 moments (stochastically rounded) and either a Kahan
     compensation buffer (kahan=True, 6 bytes of state per parameter) or stochastic rounding of the
-    weights (kahan=False, 4 bytes). Steps FSDP2 DTensor parameters on their local shards."""
+    weights (kahan=False, 4 bytes). Steps FSDP2 DTensor parameters on their local shards.
+
+    fused: the step as one Triton kernel per parameter (kernels/_triton_adamw.py) instead of eager
+    chunks. None: fused for tensors on a CUDA device where triton imports, eager elsewhere; True: fused
+    or an error saying why not (on the CPU only under TRITON_INTERPRET=1); False: eager.
+    step_device: where shards held in host memory (FSDP2's parameter offload) are stepped. They are
+    streamed through it in chunks of CHUNK elements (copied in, stepped, copied back) instead of
+    being stepped by the host's cores; None steps them where they lie."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 *, kahan: bool = True, seed: int = 0) -> None:
+                 *, kahan: bool = True, seed: int = 0, fused: Optional[bool] = None,
+                 step_device: Optional[torch.device | str] = None) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.kahan, self.seed = kahan, seed
+        self.kahan, self.seed, self.fused = kahan, seed, fused
+        self.step_device = torch.device(step_device) if step_device is not None else None
         wrong = {str(p.dtype) for g in self.param_groups for p in g["params"] if p.dtype != torch.bfloat16}
         if wrong:
             raise OptimizerError(f"bf16 AdamW steps bf16 parameters in place, but some are {', '.join(sorted(wrong))}; "
                                  "load the model in bf16 (no fp32 master copy), or use plan.optimizer=adamw")
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._fused_on: dict[torch.device, bool] = {}
+
+    def uses_fused(self, device: torch.device) -> bool:
+        """Whether tensors on `device` are stepped by the fused kernel (raises if fused=True cannot be)."""
+        if device not in self._fused_on:
+            if self.fused is False:
+                self._fused_on[device] = False
+            else:
+                from .kernels.adamw import unavailable_reason
+                why = unavailable_reason(device)
+                if self.fused and why is not None:
+                    raise OptimizerError(f"the fused bf16 AdamW step cannot run on {device}: {why}")
+                self._fused_on[device] = why is None and (bool(self.fused) or device.type == "cuda")
+        return self._fused_on[device]
 
     def _bits(self, device: torch.device, shape: torch.Size, key: tuple):
         """bits[i]: int32 in [0, 2^16) of `shape` for the first moment, the second and the weight."""
@@ -211,6 +241,33 @@ class AdamWBF16(torch.optim.Optimizer):
         if self.kahan:
             state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
+    def _step_tensors(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], key: tuple,
+                      hp: dict, offset: int = 0, chunk: int = 0) -> None:
+        """Step w (with gradient g and state [m, v, comp?]) where they lie. `offset` and `chunk` place a
+        streamed piece in its shard, so that it draws the bits the whole shard would."""
+        comp = state[2] if self.kahan else None
+        contiguous = all(t.is_contiguous() for t in (w, *state))
+        if contiguous and self.uses_fused(w.device):
+            from .kernels.adamw import adamw_bf16_step
+            adamw_bf16_step(w, g.contiguous(), state[0], state[1], comp, seed=_seed(self.seed, *key),
+                            offset=offset, **hp)
+            return
+        for c, (wc, gc, *st) in enumerate(_chunks(w, g, state), start=chunk):
+            bits = self._bits(w.device, wc.shape, (*key, c))
+            _update(wc, gc, st[0], st[1], st[2] if self.kahan else None, bits, hp["lr"], hp["beta1"],
+                    hp["beta2"], hp["eps"], hp["weight_decay"], hp["step"])
+
+    def _stream(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], key: tuple, hp: dict) -> None:
+        """Step host-held tensors on self.step_device, one chunk of CHUNK elements at a time: the
+        device holds about 5 x 2 bytes per element of a chunk (plus the eager step's temporaries)."""
+        dev = self.step_device
+        whole = not (w.is_contiguous() and all(s.is_contiguous() for s in state))
+        for c, pieces in enumerate(_chunks(w, g, state)):
+            on_dev = [torch.empty(t.shape, dtype=t.dtype, device=dev).copy_(t, non_blocking=True) for t in pieces]
+            self._step_tensors(on_dev[0], on_dev[1], on_dev[2:], key, hp, offset=0 if whole else c * CHUNK, chunk=c)
+            for host, done in zip(pieces[:1] + pieces[2:], on_dev[:1] + on_dev[2:]):  # the gradient is only read
+                host.copy_(done, non_blocking=True)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -218,9 +275,11 @@ class AdamWBF16(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         index = -1  # the parameter's position in the groups: the same after a rebuild from a checkpoint
+        streamed = False
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+            hp = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"])
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -229,13 +288,15 @@ class AdamWBF16(torch.optim.Optimizer):
                 if not state:
                     self._init_state(p, state)
                 state["step"] += 1
-                step = int(state["step"])
                 names = ["exp_avg", "exp_avg_sq"] + (["compensation"] if self.kahan else [])
                 tensors = [local_tensor(state[n]) for n in names]
-                w = local_tensor(p)
-                shard = _shard(p)
-                for c, (wc, gc, *st) in enumerate(_chunks(w, local_tensor(p.grad), tensors)):
-                    bits = self._bits(w.device, wc.shape, (index, shard, step, c))
-                    _update(wc, gc, st[0], st[1], st[2] if self.kahan else None, bits, lr, beta1, beta2, eps,
-                            wd, step)
+                w, g = local_tensor(p), local_tensor(p.grad)
+                key = (index, _shard(p), int(state["step"]))
+                if self.step_device is not None and w.device.type == "cpu":
+                    self._stream(w, g, tensors, key, dict(hp, step=key[-1]))
+                    streamed = True
+                else:
+                    self._step_tensors(w, g, tensors, key, dict(hp, step=key[-1]))
+        if streamed and self.step_device.type == "cuda":
+            torch.cuda.current_stream(self.step_device).synchronize()  # the copies back into host memory
         return loss

@@ -62,10 +62,13 @@ class TrainingBytes:
         return self.weights + self.grads + self.state
 
 
-# The bf16 optimizers' step walks each shard in chunks of 2^21 elements with 28 bytes of temporaries
-# per element (counted in adamw_bf16.py, which takes its chunk size from here).
+# The bf16 optimizers' eager step walks each shard in chunks of 2^21 elements with 24 bytes of
+# temporaries per element (counted in adamw_bf16.py, which takes its chunk size from here); the fused
+# one needs none. A step that streams host-held shards through the GPU holds one chunk of weight,
+# gradient and state there (10 bytes per element) besides: 34 bytes per element, counted as 36 (room
+# for the allocator).
 BF16_STEP_CHUNK = 1 << 21
-BF16_STEP_WORKSPACE = 28 * BF16_STEP_CHUNK
+BF16_STEP_WORKSPACE = 36 * BF16_STEP_CHUNK
 
 # name -> bytes per trainable parameter (the table is in optim.make_optimizer's docstring). adamw8bit's
 # scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096 values in fp32

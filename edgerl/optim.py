@@ -21,7 +21,7 @@ their storage is resized), so the optimizer, DCP's state dict and FSDP2 never no
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 from .adamw_bf16 import AdamWBF16, local_tensor as _local
@@ -39,10 +39,12 @@ def _bnb():
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, betas: tuple[float, float],
-                   weight_decay: float, world_size: int = 1, seed: int = 0) -> torch.optim.Optimizer:
+                   weight_decay: float, world_size: int = 1, seed: int = 0, fused: Optional[bool] = None,
+                   step_device: Optional[torch.device] = None) -> torch.optim.Optimizer:
     """An optimizer of OPTIMIZERS for the trainable ones of `params`; `seed` feeds the stochastic
     rounding of the bf16 variants (bits depend on seed, parameter, shard and step, so resuming draws
-    the same bits).
+    the same bits). `fused` and `step_device` go to the bf16 variants (AdamWBF16: the fused Triton
+    step, and the device that steps shards held in host memory).
 
     | name          | optimizer                                      | params | bytes/param (w + g + state) |
     |---------------|------------------------------------------------|--------|-----------------------------|
@@ -60,7 +62,7 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, b
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
     if name in ("adamw-bf16", "adamw-bf16-sr"):
         return AdamWBF16(params, lr=lr, betas=betas, weight_decay=weight_decay, kahan=name == "adamw-bf16",
-                         seed=seed)
+                         seed=seed, fused=fused, step_device=step_device)
     if name != "adamw8bit":
         raise OptimizerError(f"plan.optimizer={name!r}: choose one of {', '.join(OPTIMIZERS)}")
     if world_size > 1:

@@ -1,13 +1,20 @@
 """bf16 AdamW (edgerl/adamw_bf16.py) against slow references: the rounding bit by bit, one step
 against the formula in float64, 2000 steps against fp32 AdamW (where torch's AdamW on bf16
 parameters stalls), FSDP2 shards, DCP state dicts and offloaded state in one gloo process, and
-uneven shards in two (torchrun)."""
+uneven shards in two (torchrun). The fused Triton step (kernels/_triton_adamw.py) runs the same
+checks in Triton's CPU interpreter: its cases (all named *fused*) run in a child pytest process
+started with TRITON_INTERPRET=1 by test_fused_cases_run_under_the_interpreter (the interpreter must
+be chosen before triton is first imported); in the parent they skip with that reason."""
 
 from __future__ import annotations
 
 import io
 import math
+import os
+import re
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +23,50 @@ from edgerl.adamw_bf16 import AdamWBF16, round_stochastic
 from edgerl.optim import StateOffload, make_optimizer
 
 BF16_NAMES = ["adamw-bf16", "adamw-bf16-sr"]
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def need_interpreter() -> None:
+    if not INTERPRETER:
+        pytest.skip("runs in the TRITON_INTERPRET=1 child process of test_fused_cases_run_under_the_interpreter")
+    pytest.importorskip("triton")
+    from edgerl.kernels.adamw import kernel_module
+    assert kernel_module().INTERPRETED
+
+
+@pytest.fixture
+def interpreted():
+    need_interpreter()
+
+
+FUSED = [False, pytest.param(True, id="fused")]
+
+
+def test_fused_cases_run_under_the_interpreter():
+    if INTERPRETER:
+        pytest.skip("this is the interpreter process itself")
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "fused"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    tail = (out.stdout + out.stderr)[-6000:]
+    assert out.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert passed and int(passed.group(1)) >= 9, tail  # the cases really ran, not skipped
+
+
+def test_asking_for_the_fused_step_off_cuda_without_the_interpreter_says_why():
+    if INTERPRETER:
+        pytest.skip("the interpreter runs the fused step on the CPU")
+    pytest.importorskip("triton")
+    from edgerl.errors import OptimizerError
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    p.grad = torch.ones_like(p)
+    with pytest.raises(OptimizerError, match="TRITON_INTERPRET=1"):
+        AdamWBF16([p], fused=True).step()
+    opt = AdamWBF16([p])  # the default steps CPU tensors eagerly
+    opt.step()
+    assert not opt.uses_fused(torch.device("cpu"))
 
 
 def spacing(x: torch.Tensor) -> torch.Tensor:
@@ -49,9 +100,9 @@ def reference_adamw(w, g, m, v, step, lr, beta1, beta2, eps, wd):
     return [torch.tensor(col, dtype=torch.float64) for col in zip(*out)]
 
 
-def one_step(kahan: bool, w, g, m, v, comp, step: int, **hp):
+def one_step(kahan: bool, w, g, m, v, comp, step: int, fused: bool = False, **hp):
     p = torch.nn.Parameter(w.clone())
-    opt = AdamWBF16([p], kahan=kahan, **hp)
+    opt = AdamWBF16([p], kahan=kahan, fused=fused, **hp)
     p.grad = g.clone()
     opt.state[p].update(step=torch.tensor(float(step - 1)), exp_avg=m.clone(), exp_avg_sq=v.clone())
     if kahan:
@@ -63,7 +114,10 @@ def one_step(kahan: bool, w, g, m, v, comp, step: int, **hp):
 HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
 
-def test_one_kahan_step_equals_the_formula_in_float64():
+@pytest.mark.parametrize("fused", FUSED)
+def test_one_kahan_step_equals_the_formula_in_float64(fused):
+    if fused:
+        need_interpreter()
     gen = torch.Generator().manual_seed(0)
     n = 4096
     w = torch.randn(n, generator=gen).bfloat16()
@@ -72,7 +126,7 @@ def test_one_kahan_step_equals_the_formula_in_float64():
     v = (0.01 * torch.rand(n, generator=gen) + 1e-4).bfloat16()
     # a compensation from earlier steps, below half a bf16 spacing of its weight
     comp = (w.float() * (torch.rand(n, generator=gen) - 0.5) * 2 ** -9).bfloat16()
-    p, st = one_step(True, w, g, m, v, comp, step=5, **HP)
+    p, st = one_step(True, w, g, m, v, comp, step=5, fused=fused, **HP)
     w_ref, m_ref, v_ref = reference_adamw(w.double() + comp.double(), g.double(), m.double(), v.double(), 5,
                                           HP["lr"], *HP["betas"], HP["eps"], HP["weight_decay"])
     # weight + compensation hold the exact result to ~16 bits; the weight alone is its nearest bf16
@@ -84,7 +138,10 @@ def test_one_kahan_step_equals_the_formula_in_float64():
     assert st["step"].item() == 5
 
 
-def test_stochastic_rounding_step_equals_the_formula_on_average():
+@pytest.mark.parametrize("fused", FUSED)
+def test_stochastic_rounding_step_equals_the_formula_on_average(fused):
+    if fused:
+        need_interpreter()
     # 8 different (weight, gradient, moments) columns, each repeated on 2^15 rows: every row gets
     # the same exact update, so the row mean of what is stored must equal it (unbiased rounding)
     gen = torch.Generator().manual_seed(1)
@@ -92,7 +149,7 @@ def test_stochastic_rounding_step_equals_the_formula_on_average():
     col = lambda t: t.bfloat16().expand(rows, 8).contiguous()  # noqa: E731
     w, g = col(torch.randn(8, generator=gen)), col(torch.randn(8, generator=gen))
     m, v = col(0.1 * torch.randn(8, generator=gen)), col(0.01 * torch.rand(8, generator=gen) + 1e-4)
-    p, st = one_step(False, w, g, m, v, None, step=5, **HP)
+    p, st = one_step(False, w, g, m, v, None, step=5, fused=fused, **HP)
     refs = reference_adamw(w[0].double(), g[0].double(), m[0].double(), v[0].double(), 5,
                            HP["lr"], *HP["betas"], HP["eps"], HP["weight_decay"])
     assert "compensation" not in st
@@ -105,7 +162,7 @@ def test_stochastic_rounding_step_equals_the_formula_on_average():
     assert all(len(p[:, j].unique()) == 2 for j in range(8) if p[0, j] != refs[0][j])
 
 
-def fine_tune(kind: str, steps: int = 2000, lr: float = 1e-4):
+def fine_tune(kind: str, steps: int = 2000, lr: float = 1e-4, fused: bool = False):
     """Least squares from W0 to a target 0.1 away (a fine-tuning-sized move): lr 1e-4 on weights of
     about 1 moves each weight by less than half a bf16 spacing per step, as RL fine-tuning does.
     Returns the final weights (fp32) and loss; the loss is computed in fp32 from the stored weights,
@@ -118,7 +175,7 @@ def fine_tune(kind: str, steps: int = 2000, lr: float = 1e-4):
     if kind in ("fp32", "plain-bf16"):  # torch's AdamW; on bf16 parameters that is what TRL trains with
         opt = torch.optim.AdamW([w], lr=lr, weight_decay=0.1, foreach=False)
     else:
-        opt = make_optimizer([w], kind, lr, (0.9, 0.999), 0.1)
+        opt = make_optimizer([w], kind, lr, (0.9, 0.999), 0.1, fused=fused)
     for _ in range(steps):
         opt.zero_grad()
         (x @ w.float() - y).square().mean().backward()
@@ -127,13 +184,16 @@ def fine_tune(kind: str, steps: int = 2000, lr: float = 1e-4):
     return w0, final, float((x @ final - y).square().mean()), float((x @ w0 - y).square().mean())
 
 
-def test_bf16_adamw_tracks_fp32_adamw_where_plain_bf16_adamw_stalls():
+@pytest.mark.parametrize("fused", FUSED)
+def test_bf16_adamw_tracks_fp32_adamw_where_plain_bf16_adamw_stalls(fused):
+    if fused:
+        need_interpreter()
     w0, ref, loss_ref, loss0 = fine_tune("fp32")
     assert loss_ref < loss0 / 10  # the problem is solved in fp32 (observed 0.348 -> 0.0185)
     moved = (ref - w0).norm()
     result = {}
     for kind in ("adamw-bf16", "adamw-bf16-sr", "plain-bf16"):
-        _, w, loss, _ = fine_tune(kind)
+        _, w, loss, _ = fine_tune(kind, fused=fused and kind != "plain-bf16")
         result[kind] = (loss / loss_ref, float((w - ref).norm() / moved))
     # observed (loss / fp32 loss, distance to the fp32 weights / distance fp32 moved), torch 2.13 CPU:
     # Kahan 1.002, 0.022; stochastic rounding 0.935, 0.069; plain bf16 18.4, 0.99 (it barely moves)
@@ -236,10 +296,13 @@ def train(model, opt, steps: int, offload: StateOffload | None = None, first: in
         opt.zero_grad()  # as the trainer does; DCP's set_optimizer_state_dict expects no gradients
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("name", BF16_NAMES)
-def test_fsdp2_shards_step_like_plain_tensors(name):
+def test_fsdp2_shards_step_like_plain_tensors(name, fused):
+    if fused:
+        need_interpreter()
     plain, sharded = mlp(False), mlp(True)
-    opts = [make_optimizer(m.parameters(), name, 1e-2, (0.9, 0.99), 0.1) for m in (plain, sharded)]
+    opts = [make_optimizer(m.parameters(), name, 1e-2, (0.9, 0.99), 0.1, fused=fused) for m in (plain, sharded)]
     for model, opt in zip((plain, sharded), opts):
         train(model, opt, 6)
     sharded(torch.ones(2, 16, dtype=torch.bfloat16)).float().sum().backward()
@@ -251,19 +314,22 @@ def test_fsdp2_shards_step_like_plain_tensors(name):
     assert ("compensation" in st) == (name == "adamw-bf16")
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("name", BF16_NAMES)
-def test_resume_through_dcp_state_dict_and_offload_equals_a_straight_run(name):
+def test_resume_through_dcp_state_dict_and_offload_equals_a_straight_run(name, fused):
     """8 steps straight == 4 steps with the state waiting in host memory between steps, a full state
     dict (through torch.save), a new optimizer with its state parked the same way, 4 steps."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
+    if fused:
+        need_interpreter()
     full_sd = StateDictOptions(full_state_dict=True)
     straight = mlp(True)
-    opt = make_optimizer(straight.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=7)
+    opt = make_optimizer(straight.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=7, fused=fused)
     train(straight, opt, 8)
 
     resumed = mlp(True)
-    first = make_optimizer(resumed.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=7)
+    first = make_optimizer(resumed.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=7, fused=fused)
     parked = StateOffload(first, True, False)
     train(resumed, first, 4, parked)
     sd = parked.state_dict(lambda: get_optimizer_state_dict(resumed, first, options=full_sd))
@@ -274,7 +340,7 @@ def test_resume_through_dcp_state_dict_and_offload_equals_a_straight_run(name):
     sd = torch.load(buf, weights_only=True)
     assert all(t.dtype == torch.bfloat16 for s in sd["state"].values() for k, t in s.items() if k != "step")
 
-    again = make_optimizer(resumed.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=7)
+    again = make_optimizer(resumed.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=7, fused=fused)
     offload = StateOffload(again, True, False)
     before = [full(p) for p in resumed.parameters()]
     set_optimizer_state_dict(resumed, again, sd, options=full_sd)  # runs an lr=0 step first: no change
@@ -292,7 +358,7 @@ def test_resume_through_dcp_state_dict_and_offload_equals_a_straight_run(name):
     # the random bits depend on the seed: another seed gives another (equally valid) run
     if name == "adamw-bf16-sr":
         other = mlp(True)
-        train(other, make_optimizer(other.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=8), 8)
+        train(other, make_optimizer(other.parameters(), name, 1e-2, (0.9, 0.99), 0.1, seed=8, fused=fused), 8)
         assert any(not torch.equal(full(p), full(q)) for p, q in zip(other.parameters(), straight.parameters()))
 
 
@@ -355,3 +421,73 @@ def test_copying_the_rounded_fp32_into_bf16_equals_the_rounded_bf16():
     direct = round_stochastic(x.clone(), bits, out=torch.empty(x.shape, dtype=torch.bfloat16))
     cast = round_stochastic(x.clone(), bits)
     assert torch.equal(direct.view(torch.int16), cast.view(torch.int16))
+
+
+@pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("name", BF16_NAMES)
+def test_streamed_host_step_equals_the_step_in_place(name, fused, monkeypatch):
+    """step_device: host-held tensors are copied to it in chunks, stepped there and copied back. With
+    the CPU as that device the same code runs; the result must be the in-place step's bit for bit
+    (the chunk's place in the shard keys its random bits), over chunks that do not divide the size."""
+    import edgerl.adamw_bf16 as mod
+    if fused:
+        need_interpreter()
+    monkeypatch.setattr(mod, "CHUNK", 1000)
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(7, 1001, generator=gen).bfloat16()
+    direct, streamed = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    opts = [make_optimizer([p], name, 3e-3, (0.9, 0.99), 0.1, fused=fused, step_device=dev)
+            for p, dev in ((direct, None), (streamed, torch.device("cpu")))]
+    calls, real = [], AdamWBF16._stream
+    monkeypatch.setattr(AdamWBF16, "_stream", lambda self, *a: calls.append(1) or real(self, *a))
+    for _ in range(3):
+        g = torch.randn(7, 1001, generator=gen).bfloat16()
+        direct.grad, streamed.grad = g.clone(), g.clone()
+        for opt in opts:
+            opt.step()
+    assert torch.equal(direct.detach(), streamed.detach())
+    for k, v in opts[0].state[direct].items():
+        assert torch.equal(opts[1].state[streamed][k], v), k
+    assert not torch.equal(direct.detach(), w) and len(calls) == 3  # it moved, and the host step streamed
+
+
+def test_fused_step_draws_its_bits_from_the_seed_and_the_step(interpreted):
+    """Same seed: the same run; another seed, or the same gradient at another step: other roundings."""
+    gen = torch.Generator().manual_seed(6)
+    w, g = torch.randn(3000, generator=gen).bfloat16(), torch.randn(3000, generator=gen).bfloat16()
+    runs = []
+    for seed in (1, 1, 2):
+        p = torch.nn.Parameter(w.clone())
+        opt = AdamWBF16([p], lr=1e-3, kahan=False, seed=seed, fused=True)
+        p.grad = g.clone()
+        opt.step()
+        runs.append((p.detach().clone(), opt.state[p]["exp_avg"].clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert not torch.equal(runs[0][0], runs[2][0]) and not torch.equal(runs[0][1], runs[2][1])
+
+
+def test_fused_kahan_weight_is_rounded_to_nearest_even_as_torch_rounds(interpreted):
+    """With a zero gradient and zero moments and lr 0, a Kahan step stores round(w + compensation) and
+    the remainder. The kernel rounds in integer arithmetic: it must agree with torch's conversion bit for
+    bit, ties (exactly half a spacing, to even) and infinities included."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(4096, generator=gen).bfloat16()
+    w[:4] = torch.tensor([1.0, 1.0078125, -3.0, float("inf")]).bfloat16()
+    half = (spacing(w.float().clamp(-1e30, 1e30)) / 2).float()  # half a spacing: a power of 2
+    frac = torch.randint(-2, 3, (4096,), generator=gen).float() / 2   # -1, -0.5, 0, 0.5, 1 half spacings
+    comp = (half * frac).bfloat16()                      # +-1: exact ties, half of them rounding up
+    comp[3] = 0
+    p = torch.nn.Parameter(w.clone())
+    opt = AdamWBF16([p], lr=0.0, kahan=True, fused=True)
+    opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(w), exp_avg_sq=torch.zeros_like(w),
+                        compensation=comp.clone())
+    p.grad = torch.zeros_like(w)
+    opt.step()
+    exact = w.float() + comp.float()                      # exact in fp32 (both are bf16 of nearby scale)
+    expected = exact.bfloat16()
+    ties = frac.abs() == 1
+    assert ties.sum() > 1000 and (expected.float() != w.float())[ties].any()
+    assert torch.equal(p.detach().view(torch.int16), expected.view(torch.int16))
+    rest = opt.state[p]["compensation"]
+    finite = torch.isfinite(exact)
+    assert torch.equal(rest[finite].view(torch.int16), (exact - expected.float())[finite].bfloat16().view(torch.int16))
