@@ -28,7 +28,7 @@
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
 #                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
 #   tests-optim 200 the bf16 AdamW and training CUDA tests
-# VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl)
+# VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl); OPTIM_PARAMS: optim's size (M)
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   rollout-bf16 150  bench_rollout's bf16 configs only, the main variants, HF generate's own agreement as the bar
@@ -75,7 +75,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               timeout -k 5 120 python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s 110 --only 1.7b-bf16-lora 1.7b-bf16-nf4 362m-bf16-grpo 1.7b-bf16-adamw-bf16 --out $OUT/bench_memory$x.json" ;;
         trl) echo "$vs --out $OUT/bench_vs_trl$x.json" ;;
         trl-1.7b) echo "$vs --only 1.7b-p40 --steps 3 --timeout 140 --out $OUT/bench_vs_trl_17b$x.json" ;;
-        optim) echo "python3 bench/bench_adamw_bf16.py --device cuda --params 1700 --host-params 362 --reps 5 --out $OUT/bench_adamw_bf16$x.json" ;;
+        optim) echo "python3 bench/bench_adamw_bf16.py --device cuda --params ${OPTIM_PARAMS:-1700} --host-params 362 --reps 5 --out $OUT/bench_adamw_bf16$x.json" ;;
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
         tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py" ;;

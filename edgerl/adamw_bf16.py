@@ -268,6 +268,23 @@ class AdamWBF16(torch.optim.Optimizer):
             for host, done in zip(pieces[:1] + pieces[2:], on_dev[:1] + on_dev[2:]):  # the gradient is only read
                 host.copy_(done, non_blocking=True)
 
+    def _pinned(self, state: dict, names: list[str], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The host state of a streamed parameter in pinned memory, so that its copies to and from the
+        GPU run at the bus's speed: state created here, or loaded from a checkpoint, is pageable, and is
+        replaced once by a pinned copy (a DTensor keeps its placements)."""
+        if self.step_device.type != "cuda" or all(t.is_pinned() for t in tensors):
+            return tensors
+        out = []
+        for n, t in zip(names, tensors):
+            if not t.is_pinned():
+                t = t.pin_memory()
+                old = state[n]
+                state[n] = (type(old).from_local(t, old.device_mesh, old.placements, run_check=False,
+                                                 shape=old.shape, stride=old.stride())
+                            if hasattr(old, "_local_tensor") else t)
+            out.append(t)
+        return out
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -293,6 +310,7 @@ class AdamWBF16(torch.optim.Optimizer):
                 w, g = local_tensor(p), local_tensor(p.grad)
                 key = (index, _shard(p), int(state["step"]))
                 if self.step_device is not None and w.device.type == "cpu":
+                    tensors = self._pinned(state, names, tensors)
                     self._stream(w, g, tensors, key, dict(hp, step=key[-1]))
                     streamed = True
                 else:

@@ -338,8 +338,10 @@ def on_device(module: Optional[nn.Module], device: torch.device, enabled: bool):
         for owner, name, t in tensors:
             _put(owner, name, t)
         if device.type == "cuda":
+            # the copies' blocks stay in torch's cache for the next phase (the allocator hands cached
+            # blocks back to the driver itself when an allocation would pass the cap); emptying the
+            # cache here made the update map its memory again every step
             torch.cuda.current_stream(device).synchronize()
-            torch.cuda.empty_cache()
 
 
 def _put(owner: nn.Module, name: str, t: torch.Tensor) -> None:

@@ -108,6 +108,7 @@ def test_host_parameters_streamed_through_the_gpu_step_as_on_the_gpu(name, fused
         assert torch.cuda.max_memory_allocated() - before <= WORKSPACE_BYTES
         opts[0].step()
     assert on_host.device.type == "cpu"
+    assert all(t.is_pinned() for k, t in opts[1].state[on_host].items() if k != "step")  # pinned once
     assert torch.equal(on_gpu.detach().cpu(), on_host.detach())
     for k, v in opts[0].state[on_gpu].items():
         assert torch.equal(v.cpu(), opts[1].state[on_host][k]), k

@@ -76,11 +76,21 @@ def test_a_resident_engine_captures_its_graph_once(tiny_llama, tmp_path, residen
     assert all(r["rollout/logprob_diff"] < 2e-2 for r in rows), [r["rollout/logprob_diff"] for r in rows]
 
 
+@pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("name", ["adamw-bf16", "adamw-bf16-sr"])
-def test_bf16_training_state_on_cuda(tiny_llama, tmp_path, name):
-    plan, t, rows = train(tiny_llama, tmp_path / "run", f'plan.optimizer="{name}"')
-    assert plan.dtype.param == "bf16" and type(t.state.actor.optim).__name__ == "AdamWBF16"
+def test_bf16_training_state_on_cuda(tiny_llama, tmp_path, name, offload):
+    """The bf16 optimizers train on the GPU with the fused step; with parameter offload the weights and
+    state live in host memory and the step streams them through the GPU."""
+    sets = [f'plan.optimizer="{name}"'] + (["plan.param_offload=true"] if offload else [])
+    plan, t, rows = train(tiny_llama, tmp_path / "run", *sets)
+    optim = t.state.actor.optim
+    assert plan.dtype.param == "bf16" and type(optim).__name__ == "AdamWBF16"
     assert {p.dtype for p in t.actor.parameters()} == {torch.bfloat16}
+    assert optim.uses_fused(t.device)
+    assert plan.param_offload == offload and (optim.step_device == t.device if offload else optim.step_device is None)
+    if offload:
+        p = next(iter(t.actor.parameters()))
+        assert p.to_local().device.type == "cpu" and optim.state[p]["exp_avg"].to_local().is_pinned()
     assert finite(rows, "actor/grad_norm") and finite(rows, "actor/pg_loss")
 
 

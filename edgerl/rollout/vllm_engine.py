@@ -121,6 +121,10 @@ class VLLMEngine:
     def _wake(self, tags: Optional[list[str]]) -> None:
         if not self.asleep:
             return
+        if self.device == "cuda":
+            # vLLM maps its weights and KV cache with its own allocator: what torch's allocator keeps
+            # cached from the update (activations, a reference copy) must go back to the driver first
+            torch.cuda.empty_cache()
         self.llm.wake_up(tags=tags)
         self.asleep = self.asleep - set(tags) if tags else set()
 
