@@ -28,7 +28,7 @@
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
 #                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
 #   tests-optim 200 the bf16 AdamW and training CUDA tests
-# VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl); OPTIM_PARAMS: optim's size (M)
+# VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl); OPTIM_PARAMS: optim's size (M); TESTS_K: -k of tests-optim
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   rollout-bf16 150  bench_rollout's bf16 configs only, the main variants, HF generate's own agreement as the bar
@@ -79,7 +79,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
         tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py" ;;
-        tests-optim) echo "python3 -m pytest -q -p no:cacheprovider tests/test_adamw_bf16_cuda.py tests/test_train_cuda.py 2>&1 | tee $OUT/tests_optim$x.log | tail -30" ;;
+        tests-optim) echo "python3 -m pytest -q -p no:cacheprovider tests/test_adamw_bf16_cuda.py tests/test_train_cuda.py ${TESTS_K:+-k \"$TESTS_K\"} 2>&1 | tee $OUT/tests_optim$x.log | tail -30" ;;
         tests) echo "python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -40" ;;
         checks) echo "timeout -k 5 260 python3 -m pytest -q -p no:cacheprovider -x --timeout 240 tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -30;
               timeout -k 5 60 python3 -m edgerl.measure --json --pageable --budget 40 > $OUT/measure$x.json;

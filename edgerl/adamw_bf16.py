@@ -279,9 +279,9 @@ class AdamWBF16(torch.optim.Optimizer):
             if not t.is_pinned():
                 t = t.pin_memory()
                 old = state[n]
-                state[n] = (type(old).from_local(t, old.device_mesh, old.placements, run_check=False,
-                                                 shape=old.shape, stride=old.stride())
-                            if hasattr(old, "_local_tensor") else t)
+                # DTensor's constructor, as FSDP2 wraps its offloaded shards: from_local would move the
+                # local tensor to the mesh's device type (CUDA)
+                state[n] = type(old)(t, old._spec, requires_grad=False) if hasattr(old, "_local_tensor") else t
             out.append(t)
         return out
 
