@@ -130,11 +130,14 @@ def frozen_base_bytes(m: ModelSpec, quant: Optional[str], float_bytes: float) ->
 @dataclass(frozen=True)
 class Calibration:
     # CUDA context, loaded kernels and library workspaces: device memory outside torch's allocator.
-    # Measured 1.30 GiB on an H200 with torch 2.11 cu130 once training ran (bench/bench_memory.py,
-    # docs/benchmarks.md); hardware.md gives 300-600 MiB for a bare context on older stacks. The
-    # measured figure is used everywhere: a plan that leaves too much is safe, one that leaves too
-    # little runs out of memory.
-    cuda_context: int = 1331 * MiB
+    # Measured 0.82-0.83 GiB (at most 848 MiB) on an H200 with torch 2.11 cu130 once training ran, in
+    # every edgerl run of docs/benchmarks.md section 10 (TRL's process: 0.78 GiB); 1.30 GiB before a
+    # one-process run stopped creating an NCCL communicator. hardware.md gives 300-600 MiB for a bare
+    # context on older stacks. The measured figure (with 32 MiB to spare) is used everywhere: a plan
+    # that leaves too much is safe, one that leaves too little runs out of memory, and since the
+    # allocator is capped at the budget less this, too much also starves the allocator, which then
+    # returns its cache to the driver and maps it again, again and again, near its cap.
+    cuda_context: int = 880 * MiB
     activation_factor: float = 1.0   # scales the activation formula
     fragmentation: float = 0.10      # share of transient memory lost to allocator fragmentation
 
