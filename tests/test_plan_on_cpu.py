@@ -277,6 +277,23 @@ def test_optimizer_reason_names_the_optimizer_the_plan_counts(forced):
     assert ("asked for" in why) == bool(forced)
 
 
+@pytest.mark.parametrize("triton", ["3.3.1", None])
+def test_optimizer_reason_says_how_the_bf16_step_runs(triton):
+    """The bf16 step is one fused kernel where triton is installed, eager torch (and how to get the
+    kernel) where not; under parameter offload it streams host-held shards through the GPU."""
+    dev = fake_probe("H100", triton=triton).primary
+    m = CATALOGUE["smollm2-1.7b"]
+    task = dataclasses.replace(SMALL, prompt_len=64)
+    p = plan(dev, m, task, {"optimizer": "adamw-bf16-sr"})
+    off = plan(dev, m, task, {"optimizer": "adamw-bf16-sr", "param_offload": True})
+    assert off.param_offload and not p.param_offload
+    for q in (p, off):
+        why = q.reasons["optimizer"]
+        assert ("one fused Triton kernel" in why) == bool(triton), why
+        assert ("pip install triton" in why) == (not triton), why
+        assert ("streams them through the GPU" in why) == q.param_offload, why
+
+
 def test_rollout_share_is_of_the_devices_memory_under_a_budget():
     """vLLM's gpu_memory_utilization is a share of the whole GPU: a plan.memory_gib budget changes the
     bytes the rollout may take (the plan's estimate), not what the share is a share of."""
