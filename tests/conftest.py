@@ -92,3 +92,20 @@ def prepare_trainer(model_dir: Path, run_dir: Path, sets: list[str], resume: Pat
     cfg, point = session.load(sets=[f'model.path="{model_dir}"', f'run.out_dir="{run_dir}"', *sets], resume=resume,
                               out=None if resume is not None and not branch else run_dir)
     return Trainer(session.prepare(cfg, point, log=lambda s: None))
+
+
+def run_cases_under_triton_interpreter(test_file: str, selector: str, at_least: int) -> None:
+    """Run `test_file`'s cases matching `-k selector` in a child pytest process with TRITON_INTERPRET=1
+    (the interpreter must be chosen before triton is first imported, and must not leak into the other
+    tests), and fail unless they pass and at least `at_least` of them really ran."""
+    import re
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selector],
+                         capture_output=True, text=True, env=env, timeout=900)
+    tail = (out.stdout + out.stderr)[-6000:]
+    assert out.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert passed and int(passed.group(1)) >= at_least, tail  # the cases really ran, not skipped

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import re
 import struct
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import torch
 
 from edgerl.adamw_bf16 import AdamWBF16, round_stochastic
 from edgerl.optim import StateOffload, make_optimizer
+
+from conftest import run_cases_under_triton_interpreter
 
 BF16_NAMES = ["adamw-bf16", "adamw-bf16-sr"]
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -45,14 +46,7 @@ FUSED = [False, pytest.param(True, id="fused")]
 def test_fused_cases_run_under_the_interpreter():
     if INTERPRETER:
         pytest.skip("this is the interpreter process itself")
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "fused"],
-                         capture_output=True, text=True, env=env, timeout=900)
-    tail = (out.stdout + out.stderr)[-6000:]
-    assert out.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", out.stdout)
-    assert passed and int(passed.group(1)) >= 9, tail  # the cases really ran, not skipped
+    run_cases_under_triton_interpreter(__file__, "fused", at_least=11)
 
 
 def test_asking_for_the_fused_step_off_cuda_without_the_interpreter_says_why():
@@ -369,8 +363,6 @@ def test_two_processes_shard_checkpoint_and_keep_replicas_identical():
     8 straight steps, and a tensor held whole by both ranks stays identical (the random bits follow
     the shard, not the rank). About 10 s on 2 cores."""
     import os
-    import subprocess
-    import sys
     from pathlib import Path
     worker = Path(__file__).with_name("two_ranks_adamw_bf16.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -8,9 +8,6 @@ the Triton cases (all named *triton*) run in a child pytest process started with
 by test_triton_cases_run_under_the_interpreter; in the parent they skip with that reason.
 """
 import os
-import re
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -21,6 +18,8 @@ from torch.utils._pytree import tree_leaves
 from edgerl.kernels import (TORCH_BYTES_PER_LOGIT, make_tiles, naive_logprobs_and_entropy, resolve_backend,
                             token_logprobs_and_entropy)
 from edgerl.kernels import triton_impl
+
+from conftest import run_cases_under_triton_interpreter
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -36,14 +35,7 @@ def interpreted():
 def test_triton_cases_run_under_the_interpreter():
     if INTERPRETER:
         pytest.skip("this is the interpreter process itself")
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton"],
-                         capture_output=True, text=True, env=env, timeout=900)
-    tail = (out.stdout + out.stderr)[-6000:]
-    assert out.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", out.stdout)
-    assert passed and int(passed.group(1)) >= 20, tail  # the cases really ran, not skipped
+    run_cases_under_triton_interpreter(__file__, "triton", at_least=20)
 
 
 # ---------------------------------------------------------------- helpers

@@ -49,8 +49,8 @@ def test_a_budget_below_the_profile_lowers_the_emulated_cap(caps):
 
 
 def test_a_budget_the_context_alone_fills_is_refused(caps):
-    with pytest.raises(ConfigError, match=r"plan.memory_gib=1 leaves nothing .*raise it"):
-        _device_for(resolve_target(probe_fn=lambda: fake_probe("A100")), _cfg("plan.memory_gib=1"))
+    with pytest.raises(ConfigError, match=r"plan.memory_gib=0.8 leaves nothing .*raise it"):
+        _device_for(resolve_target(probe_fn=lambda: fake_probe("A100")), _cfg("plan.memory_gib=0.8"))  # < 880 MiB
     assert caps == []
 
 
