@@ -436,7 +436,7 @@ def bnb_support(dev: Device) -> tuple[bool, str]:
 
 
 def optimizer_reason(name: str, forced: Optional[str], dev: Optional[Device] = None,
-                     param_offload: bool = False) -> str:
+                     param_offload: bool = False, kernel_backend: str = "torch") -> str:
     if forced == "adamw8bit":
         return ("asked for with plan.optimizer=adamw8bit: 8-bit AdamW (bitsandbytes), 2 bytes of state per trainable "
                 "parameter")
@@ -448,18 +448,19 @@ def optimizer_reason(name: str, forced: Optional[str], dev: Optional[Device] = N
                "stochastically rounded, 4 bytes of state")
         asked = f"asked for with plan.optimizer={name}: " if forced == name else ""
         return (f"{asked}AdamW over bf16 weights with bf16 moments, {how} per trainable parameter (no fp32 master "
-                f"copy){bf16_step_reason(dev, param_offload)}")
+                f"copy){bf16_step_reason(dev, param_offload, kernel_backend)}")
     return "AdamW with fp32 moments (8 bytes per trainable parameter)"
 
 
-def bf16_step_reason(dev: Optional[Device], param_offload: bool) -> str:
-    """How the bf16 AdamW step runs on `dev` (adamw_bf16.AdamWBF16 decides the same way at run time)."""
+def bf16_step_reason(dev: Optional[Device], param_offload: bool, kernel_backend: str) -> str:
+    """How the bf16 AdamW step runs: one fused Triton kernel where the plan's kernels are Triton's
+    (the trainer passes the same choice to adamw_bf16.AdamWBF16), eager torch otherwise."""
     if dev is None or not dev.is_cuda:
         return ""
-    fused = dev.software.has("triton") and dev.cc >= (7, 0)
-    step = ("; the step is one fused Triton kernel per parameter (random bits drawn in the kernel)" if fused else
-            "; the step is eager torch, about 30 kernels per 2M elements (triton is not installed: "
-            "pip install triton fuses it into one)")
+    step = ("; the step is one fused Triton kernel per parameter (random bits drawn in the kernel)"
+            if kernel_backend == "triton" else
+            "; the step is eager torch, about 30 kernels per 2M elements, as the kernel backend is torch here "
+            "(with triton and plan.kernel_backend=triton it is one fused kernel)")
     if param_offload:
         step += ("; the weights and state wait in host memory, and the step streams them through the GPU in "
                  "chunks of 2M elements rather than running on the host's cores")

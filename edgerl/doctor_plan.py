@@ -58,8 +58,8 @@ def check_attention(dev: Device, attention: str, why: str, compute: str) -> Chec
 
 def check_kernel(dev: Device, backend: str, why: str) -> Check:
     if dev.is_cuda and dev.cc >= (8, 0) and not dev.software.has("triton"):
-        return _c("log-prob kernel", "warn", f"{backend}: {why}", "pip install triton (the fused kernel is faster "
-                  "and holds less memory from CC 8.0)")
+        return _c("log-prob kernel", "warn", f"{backend}: {why}", "pip install triton (the fused log-prob kernel "
+                  "is faster and holds less memory from CC 8.0, and the bf16 AdamW step runs as one kernel)")
     return _c("log-prob kernel", "ok" if dev.is_cuda else "skip", f"{backend}: {why}")
 
 

@@ -187,7 +187,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     _memory_reasons(reasons, found, task, device, attempts, model, lora_params, use_lora, lora_targets_, mem,
                     calibration)
     optimizer = s.optimizer
-    reasons["optimizer"] = optimizer_reason(optimizer, forced_opt, device, s.param_offload)
+    reasons["optimizer"] = optimizer_reason(optimizer, forced_opt, device, s.param_offload, backend)
     if OPTIMIZERS[optimizer].param_dtype == "bf16":  # no fp32 master copy: the weights themselves are bf16
         dtype = BF16_PARAMS
         reasons["dtype"] = f"{reasons['dtype']}; {optimizer}: bf16 weights and AdamW state (no fp32 master copy)"

@@ -133,10 +133,12 @@ class Trainer:
 
     def _learner(self, name: str, model: torch.nn.Module, lr: float) -> Learner:
         p, t = self.plan, self.cfg.train
-        # parameters FSDP2 keeps in host memory: the bf16 step streams them through the GPU
-        stream = self.device if p.param_offload and self.device.type == "cuda" else None
+        # parameters FSDP2 keeps in host memory: the bf16 step streams them through the GPU; on a GPU its
+        # step is the fused Triton kernel exactly when the plan's kernels are Triton's
+        cuda = self.device.type == "cuda"
         optim = make_optimizer(model.parameters(), p.optimizer, lr, tuple(t.betas), t.weight_decay,
-                               dist.get_world_size(), seed=t.seed, step_device=stream)
+                               dist.get_world_size(), seed=t.seed, fused=(p.kernel_backend == "triton") if cuda else None,
+                               step_device=self.device if p.param_offload and cuda else None)
         # the state waits in host memory between updates unless FSDP2 already keeps it there
         offload = StateOffload(optim, p.optimizer_offload and not p.param_offload, self.device.type == "cuda")
         return Learner(name, model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(self.cfg)), offload)

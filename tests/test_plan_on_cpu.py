@@ -277,20 +277,24 @@ def test_optimizer_reason_names_the_optimizer_the_plan_counts(forced):
     assert ("asked for" in why) == bool(forced)
 
 
-@pytest.mark.parametrize("triton", ["3.3.1", None])
-def test_optimizer_reason_says_how_the_bf16_step_runs(triton):
-    """The bf16 step is one fused kernel where triton is installed, eager torch (and how to get the
-    kernel) where not; under parameter offload it streams host-held shards through the GPU."""
+@pytest.mark.parametrize("triton,forced", [("3.3.1", None), (None, None), ("3.3.1", "torch")])
+def test_optimizer_reason_says_how_the_bf16_step_runs(triton, forced):
+    """The bf16 step is one fused kernel where the plan's kernels are Triton's, eager torch otherwise
+    (triton missing, or plan.kernel_backend=torch); under parameter offload it streams host-held shards
+    through the GPU."""
     dev = fake_probe("H100", triton=triton).primary
     m = CATALOGUE["smollm2-1.7b"]
     task = dataclasses.replace(SMALL, prompt_len=64)
-    p = plan(dev, m, task, {"optimizer": "adamw-bf16-sr"})
-    off = plan(dev, m, task, {"optimizer": "adamw-bf16-sr", "param_offload": True})
+    o = {"optimizer": "adamw-bf16-sr", **({"kernel_backend": forced} if forced else {})}
+    p = plan(dev, m, task, o)
+    off = plan(dev, m, task, {**o, "param_offload": True})
     assert off.param_offload and not p.param_offload
+    fused = triton is not None and forced is None
     for q in (p, off):
         why = q.reasons["optimizer"]
-        assert ("one fused Triton kernel" in why) == bool(triton), why
-        assert ("pip install triton" in why) == (not triton), why
+        assert (q.kernel_backend == "triton") == fused
+        assert ("one fused Triton kernel per parameter" in why) == fused, why
+        assert ("eager torch" in why) == (not fused), why
         assert ("streams them through the GPU" in why) == q.param_offload, why
 
 
