@@ -49,6 +49,7 @@ takes a fraction of what the host's cores need for the same step.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,8 @@ from .errors import OptimizerError
 
 from .memory import BF16_STEP_CHUNK as CHUNK
 from .memory import BF16_STEP_WORKSPACE as WORKSPACE_BYTES  # noqa: F401  (the bound the CUDA test checks)
+
+log = logging.getLogger(__name__)
 
 # Peak temporaries of `_update`, in bytes per element of a chunk, counted by hand: the int32 random
 # bits (12 with stochastically rounded weights; on the host an 8-byte draw and one 4-byte field) while
@@ -208,6 +211,7 @@ class AdamWBF16(torch.optim.Optimizer):
                                  "load the model in bf16 (no fp32 master copy), or use plan.optimizer=adamw")
         self._generators: dict[torch.device, torch.Generator] = {}
         self._fused_on: dict[torch.device, bool] = {}
+        self._unpinnable = False   # set once pinning the streamed state has failed (said in the log)
 
     def uses_fused(self, device: torch.device) -> bool:
         """Whether tensors on `device` are stepped by the fused kernel (raises if fused=True cannot be)."""
@@ -272,12 +276,18 @@ class AdamWBF16(torch.optim.Optimizer):
         """The host state of a streamed parameter in pinned memory, so that its copies to and from the
         GPU run at the bus's speed: state created here, or loaded from a checkpoint, is pageable, and is
         replaced once by a pinned copy (a DTensor keeps its placements)."""
-        if self.step_device.type != "cuda" or all(t.is_pinned() for t in tensors):
+        if self.step_device.type != "cuda" or self._unpinnable or all(t.is_pinned() for t in tensors):
             return tensors
         out = []
         for n, t in zip(names, tensors):
             if not t.is_pinned():
-                t = t.pin_memory()
+                try:
+                    t = t.pin_memory()
+                except RuntimeError as e:  # the host would not lock more memory: same result, slower copies
+                    log.warning("could not pin the bf16 AdamW state in host memory (%s); its copies to the GPU "
+                                "stay pageable (slower)", e)
+                    self._unpinnable = True
+                    return out + tensors[len(out):]   # those already replaced are the state's now
                 old = state[n]
                 # DTensor's constructor, as FSDP2 wraps its offloaded shards: from_local would move the
                 # local tensor to the mesh's device type (CUDA)

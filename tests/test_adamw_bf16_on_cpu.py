@@ -483,3 +483,30 @@ def test_fused_kahan_weight_is_rounded_to_nearest_even_as_torch_rounds(interpret
     rest = opt.state[p]["compensation"]
     finite = torch.isfinite(exact)
     assert torch.equal(rest[finite].view(torch.int16), (exact - expected.float())[finite].bfloat16().view(torch.int16))
+
+
+def test_state_that_cannot_be_pinned_stays_pageable_and_is_still_the_state_stepped(monkeypatch, caplog):
+    """Pinning the streamed state can fail (a host that will not lock more memory): what was pinned
+    before the failure is the state, the rest stays as it was, the step writes into exactly the state's
+    tensors, and the log says so once."""
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    opt = AdamWBF16([p], kahan=True, step_device="cuda")   # no CUDA needed until a chunk is copied
+    state = {n: torch.full((8,), i, dtype=torch.bfloat16) for i, n in enumerate(["exp_avg", "exp_avg_sq", "compensation"])}
+    names = list(state)
+    calls = []
+
+    def pin(t):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("cannot lock memory")
+        return t.clone()   # stands in for a pinned copy
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: False)
+    before = dict(state)
+    with caplog.at_level("WARNING"):
+        got = opt._pinned(state, names, [state[n] for n in names])
+    assert [g is state[n] for g, n in zip(got, names)] == [True, True, True]
+    assert state["exp_avg"] is not before["exp_avg"] and state["exp_avg_sq"] is before["exp_avg_sq"]
+    assert "could not pin the bf16 AdamW state" in caplog.text
+    assert opt._pinned(state, names, got) is got and len(calls) == 2   # not tried again
