@@ -179,6 +179,8 @@ class RunConfig:
     export_final: bool = F(True, "write the final model as an HF folder in <run>/final")
     tensorboard: bool = F(True, "also log to TensorBoard when it is installed")
     profile: Optional[str] = F(None, "plan for (and emulate) this GPU profile instead of the probed GPU")
+    profile_step: int = F(0, "record step N with torch's profiler: <run>/profile/step-N.txt (operators by "
+                             "device and host time) and a Chrome trace beside it; 0 records none")
 
 
 @dataclass
@@ -282,6 +284,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "plan.rollout_memory_share": ("(0, 1]", "a share of the GPU's memory"),
     "run.save_every": ("[0, inf)", "0 writes no periodic checkpoint"),
     "run.keep_last": ("[1, inf)", ""),
+    "run.profile_step": ("[0, inf)", "0 records no step"),
 }
 
 

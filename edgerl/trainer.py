@@ -27,6 +27,7 @@ from .dtypes import torch_dtype
 from .errors import USER_ERRORS, RunDirError, TrainingError
 from .experience import Experience, advantages, critic_values, pad_batch, policy_logprobs
 from .metrics import MetricsWriter
+from .outfiles import write_atomically
 from .models import (build_actor, build_critic, build_frozen, init_distributed, lm_weights, on_device, save_hf)
 from .moves import next_moves
 from .optim import StateOffload, make_optimizer
@@ -387,7 +388,8 @@ class Trainer:
             while lp.step < self.cfg.train.steps and self.stop_signal is None:
                 snap, before = lp.snapshot(), self.state.actor.optimizer_steps()
                 try:
-                    stats = self.step_once()
+                    with self._profiled(lp.step + 1):
+                        stats = self.step_once()
                 except TrainingError:
                     raise
                 except Exception as e:  # save what the completed steps earned, then stop with the cause
@@ -416,6 +418,41 @@ class Trainer:
             self.metrics.close()
             self.session.close()
         return self.run_dir
+
+
+    @contextlib.contextmanager
+    def _profiled(self, step: int):
+        """Record `step` with torch's profiler when it is run.profile_step; every rank writes its own
+        files (rank-R in the name under torchrun), atomically, never over an earlier run's (a resumed
+        run that records the same step again writes step-N-2.txt, ...)."""
+        if step != self.cfg.run.profile_step:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities, record_shapes=False) as prof:
+            yield
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        folder = self.run_dir / "profile"
+        folder.mkdir(exist_ok=True)
+        who = f"-rank{self.rank}" if dist.get_world_size() > 1 else ""
+        base, n = f"step-{step}{who}", 1
+        while (folder / f"{base}.txt").exists() or (folder / f"{base}.trace.json").exists():
+            n += 1
+            base = f"step-{step}{who}-{n}"
+        by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=by, row_limit=60)
+        p = self.plan
+        head = (f"step {step} of {self.cfg.train.steps} on {self.device}; plan: {p.dtype.name}, {p.optimizer}, "
+                f"micro-batch {p.micro_batch}, checkpointing {'on' if p.grad_checkpointing else 'off'}, "
+                f"kernels {p.kernel_backend}, param offload {'on' if p.param_offload else 'off'}\n"
+                f"operators by {by.replace('_', ' ')} (torch.profiler key_averages)\n\n")
+        write_atomically(folder / f"{base}.txt", lambda tmp: tmp.write_text(head + table + "\n"))
+        write_atomically(folder / f"{base}.trace.json", lambda tmp: prof.export_chrome_trace(str(tmp)))
+        self.log(f"step {step} profiled: {folder / base}.txt and .trace.json (open the trace in "
+                 "chrome://tracing or ui.perfetto.dev)")
 
 
 class _NoMetrics:

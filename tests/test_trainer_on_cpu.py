@@ -203,3 +203,27 @@ def test_a_one_process_run_calls_no_collective(tiny_llama, tmp_path, monkeypatch
     with Collectives():   # the counting itself works: a collective on this group is seen
         dist.all_reduce(torch.ones(2))
     assert seen == ["allreduce", "c10d.allreduce_.default"], seen
+
+
+def test_profile_step_records_that_step_and_never_overwrites_a_recording(tiny_llama, tmp_path):
+    import json
+    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=2", "run.profile_step=2", "run.save_every=0",
+                     "run.export_final=false")
+    t.run()
+    folder = tmp_path / "run" / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2.trace.json", "step-2.txt"]   # step 1 not recorded
+    text = (folder / "step-2.txt").read_text()
+    assert text.startswith("step 2 of 2 on cpu; plan: fp32") and "aten::" in text and "Self CPU" in text
+    trace = json.loads((folder / "step-2.trace.json").read_text())
+    assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
+    before = (folder / "step-2.txt").read_bytes()
+    with t._profiled(2):   # the same step recorded again (a resumed run): beside, not over, the first
+        torch.ones(3).sum()
+    assert (folder / "step-2.txt").read_bytes() == before and (folder / "step-2-2.txt").exists()
+
+
+def test_a_negative_profile_step_is_refused(tiny_llama, tmp_path):
+    from edgerl.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"run.profile_step"):
+        make_trainer(tiny_llama, tmp_path / "run", "run.profile_step=-1")
+    assert not (tmp_path / "run").exists()
