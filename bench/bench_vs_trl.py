@@ -272,7 +272,7 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
             results.put(n, {"group": gname, "status": "error: model not built", "error": str(e)[-1500:]})
         return
     info = bl.model_info(model)
-    sets = bl.task_sets(work, steps, new_tokens) + list(g.sets)
+    sets = bl.task_sets(work, steps, new_tokens) + list(g.sets) + list(args.edgerl_set)
     if profile:
         sets.append(f'run.profile="{profile}"')
     trl_main = results.runs.get(f"{gname}/{g.trl.tag}") if g.trl else None
@@ -397,6 +397,9 @@ def main() -> None:
     ap.add_argument("--frontier-qlora", default=None, help="edgerl budgets of the QLoRA groups (default trl where "
                     "TRL runs: edgerl with plan.memory_gib set to TRL's device memory; '' for none)")
     ap.add_argument("--skip", nargs="*", default=[], help="runs not to start, by name (llama8b-t4/trl-fp16)")
+    ap.add_argument("--edgerl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more --set for every edgerl run (e.g. run.profile_step=3: that step's profile "
+                         "lands in the run folder's profile/)")
     bl.add_run_args(ap, 540, 45, "tiny shapes, 2 steps of 8 tokens (CPU: profile cpu, no cap)")
     args = ap.parse_args()
     out, work = bl.out_and_work(args, "bench_vs_trl", 45)

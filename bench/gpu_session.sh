@@ -28,7 +28,8 @@
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
 #                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
 #   tests-optim 200 the bf16 AdamW and training CUDA tests
-# VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl); OPTIM_PARAMS: optim's size (M); TESTS_K: -k of tests-optim
+# VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl, or --edgerl-set
+# run.profile_step=3: the step's profile table comes back in logs.tar.gz); OPTIM_PARAMS: optim's size (M); TESTS_K: -k of tests-optim
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   rollout-bf16 150  bench_rollout's bf16 configs only, the main variants, HF generate's own agreement as the bar
@@ -135,6 +136,6 @@ done
 
 for f in "$LOGS"/*.log; do echo "##### $(basename "$f")"; cat "$f"; done >"$OUT/session.log" 2>/dev/null
 find /tmp/edgerl-logs /tmp/edgerl-bench* -type f \( -name '*.log' -o -name 'plan.json' -o -name 'metrics.jsonl' \
-    -o -name '*.spec.json' \) -size -20M 2>/dev/null | tar -czf "$OUT/logs.tar.gz" -T - 2>/dev/null
+    -o -name '*.spec.json' -o -path '*/profile/*.txt' \) -size -20M 2>/dev/null | tar -czf "$OUT/logs.tar.gz" -T - 2>/dev/null
 echo; echo "=== stages (rc, seconds; session $((SECONDS - START)) s of $BUDGET s)"; column -t "$STATUS" 2>/dev/null || cat "$STATUS"
 echo; python3 bench/summary.py "$OUT"

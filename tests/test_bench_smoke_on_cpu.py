@@ -95,8 +95,10 @@ def _smoke(script: str, tmp_path: Path, *extra: str) -> dict:
 @needs_tokenizer
 def test_bench_vs_trl_smoke_runs_both_sides(tmp_path):
     pytest.importorskip("trl")
-    d = _smoke("bench_vs_trl.py", tmp_path, "--only", "362m-bf16", "--frontier", "0.5,trl/2")
+    d = _smoke("bench_vs_trl.py", tmp_path, "--only", "362m-bf16", "--frontier", "0.5,trl/2",
+               "--edgerl-set", "run.profile_step=2")
     runs = d["runs"]
+    assert (tmp_path / "work" / "runs" / "362m-bf16_edgerl" / "profile" / "step-2.txt").exists()  # --edgerl-set
     assert runs["362m-bf16/trl"]["status"] == "ok" and runs["362m-bf16/trl"]["steps_done"] == 2
     assert runs["362m-bf16/edgerl"]["status"] == "ok" and runs["362m-bf16/edgerl"]["sequences_per_step"] == 16
     assert runs["362m-bf16/edgerl@0.5"]["plan"] and runs["362m-bf16/edgerl@0.5"]["budget_gib"] < 0.5
