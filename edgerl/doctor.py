@@ -28,6 +28,10 @@ class Environment:
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     run_dir: str = "runs"
 
+    def which(self, program: str) -> Optional[str]:
+        """The program's path on this environment's PATH (as shutil.which finds it), or None."""
+        return shutil.which(program, path=self.env.get("PATH"))
+
     def folder_state(self, path: Path) -> tuple[bool, Optional[int], str]:
         """(writable, free bytes, note) for `path` or its nearest existing parent."""
         probe_dir = path
@@ -191,6 +195,31 @@ def check_gpus(probe: ProbeResult, simulated: bool) -> Optional[Check]:
     return _c("GPUs and peer access", "ok", f"{names}; every pair has peer access")
 
 
+def check_c_compiler(dev: Device, env: Environment, plan: Optional[Plan]) -> Optional[Check]:
+    """Triton builds a small C launcher for each kernel the first time it runs, with $CC or else gcc or
+    clang (triton/runtime/build.py), and so does torch.compile through Triton: without a compiler the
+    plan's first Triton kernel stops the run ("Failed to find C compiler"). Only where the plan uses one."""
+    if plan is None or not dev.is_cuda:
+        return None
+    uses = []
+    if plan.kernel_backend == "triton":
+        uses.append("the fused log-prob kernel" + (" and the bf16 AdamW step" if plan.optimizer.startswith("adamw-bf16")
+                                                   else ""))
+    if plan.rollout_compile:
+        uses.append("the compiled decode step")
+    if not uses:
+        return None
+    cc = env.env.get("CC")
+    found = env.which(cc) if cc else (env.which("gcc") or env.which("clang"))
+    if found:
+        return _c("C compiler", "ok", f"{found}: Triton builds its kernels' launchers with it ({' and '.join(uses)})")
+    missing = f"CC={cc} is not found" if cc else "no gcc or clang on PATH"
+    return _c("C compiler", "fail", f"{missing}; Triton builds each kernel's launcher with one the first time it runs, "
+              f"so {' and '.join(uses)} would stop the run at its first step",
+              "install gcc (apt install gcc, dnf install gcc) or set CC to a C compiler; or run without Triton: "
+              "--set plan.kernel_backend=torch --set plan.rollout_compile=false")
+
+
 def run_checks(dev: Device, probe: ProbeResult, plan: Optional[Plan], env: Optional[Environment] = None,
                simulated: bool = False) -> list[Check]:
     env = env or Environment()
@@ -201,6 +230,7 @@ def run_checks(dev: Device, probe: ProbeResult, plan: Optional[Plan], env: Optio
         check_runtime_vs_driver(dev, probe, simulated),
         check_gpus(probe, simulated),
         *plan_checks(dev, plan, simulated),
+        check_c_compiler(dev, env, plan),
         *check_folders(env),
         check_pcie(dev, simulated),
         check_allocator(dev, env, plan),

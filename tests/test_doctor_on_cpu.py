@@ -16,6 +16,9 @@ class FakeEnv(Environment):
     def folder_state(self, path):
         return self._state
 
+    def which(self, program):   # a machine with gcc, whatever this one has
+        return "/usr/bin/gcc" if program == "gcc" else None
+
 
 def checks_for(result, env=None, simulated=False):
     dev = result.primary
@@ -167,3 +170,42 @@ def test_fused_nf4_kernel_compiles_or_doctor_says_what_qlora_loses(monkeypatch):
     assert qlora.nf4_kernel
     checks = run_checks(dev, r, qlora, FakeEnv())
     assert next(x for x in checks if x.name == "fused NF4 kernel").status == "fail" and exit_code(checks) == 1
+
+
+class NoCompilerEnv(FakeEnv):
+    def __init__(self, found=(), env=None):
+        super().__init__(env=env)
+        self.found = set(found)
+
+    def which(self, program):
+        return f"/usr/bin/{program}" if program in self.found else None
+
+
+@pytest.mark.parametrize("found,env,status", [((), {}, "fail"), (("gcc",), {}, "ok"), (("clang",), {}, "ok"),
+                                              (("gcc",), {"CC": "cc-missing"}, "fail"),
+                                              (("cc-custom",), {"CC": "cc-custom"}, "ok")])
+def test_a_plan_with_triton_kernels_needs_a_c_compiler(found, env, status):
+    """Triton builds each kernel's launcher with $CC, else gcc, else clang: an A100 plan (Triton log-prob
+    kernel, compiled decode step) fails the check without one, naming what to install or turn off."""
+    from edgerl.doctor import exit_code
+    result = fake_probe("A100")
+    dev = result.primary
+    p = plan(dev, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128))
+    assert p.kernel_backend == "triton"
+    checks = {c.name: c for c in run_checks(dev, result, p, NoCompilerEnv(found, env))}
+    c = checks["C compiler"]
+    assert c.status == status, c
+    if status == "fail":
+        assert "cc-missing" in c.detail if env else "no gcc or clang" in c.detail
+        assert "apt install gcc" in c.fix and "plan.kernel_backend=torch" in c.fix
+        assert exit_code(list(checks.values())) == 1
+    else:
+        assert c.detail.startswith("/usr/bin/")
+
+
+def test_a_plan_without_triton_does_not_ask_for_a_c_compiler():
+    result = fake_probe("P40")
+    dev = result.primary
+    p = plan(dev, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128))
+    assert p.kernel_backend == "torch" and not p.rollout_compile
+    assert "C compiler" not in {c.name for c in run_checks(dev, result, p, NoCompilerEnv())}
