@@ -134,11 +134,21 @@ class Calibration:
     # every edgerl run of docs/benchmarks.md section 10 (TRL's process: 0.78 GiB); 1.30 GiB before a
     # one-process run stopped creating an NCCL communicator. hardware.md gives 300-600 MiB for a bare
     # context on older stacks. The measured figure (with 32 MiB to spare) is used everywhere: a plan
-    # that leaves too much is safe, one that leaves too little runs out of memory, and since the
-    # allocator is capped at the budget less this, too much also starves the allocator, which then
-    # returns its cache to the driver and maps it again, again and again, near its cap.
+    # that leaves too much is safe, one that leaves too little runs out of memory; and since the
+    # allocator is capped at the budget less this, too much also leaves the allocator less room than
+    # the plan counted (a budgeted run was slower at that cap: section 10.2).
     cuda_context: int = 880 * MiB
+    # An NCCL communicator's buffers, also outside the allocator: one-process edgerl runs that created
+    # one held 1.28-1.30 GiB outside it, those that did not 0.82-0.83 GiB (docs/benchmarks.md sections
+    # 9.2 and 10.2). Counted when the plan runs on several processes, which create one; with more
+    # GPUs NCCL may hold more (not measured: no multi-GPU machine has run edgerl yet).
+    nccl: int = 490 * MiB
     activation_factor: float = 1.0   # scales the activation formula
+
+    def outside_allocator(self, processes: int) -> int:
+        """Device memory a process holds outside torch's allocator: the context, and NCCL's buffers
+        when it is one of several processes."""
+        return self.cuda_context + (self.nccl if processes > 1 else 0)
     fragmentation: float = 0.10      # share of transient memory lost to allocator fragmentation
 
 
@@ -252,7 +262,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         return int(full * cal.activation_factor)
 
     logits = s.logprob_chunk * m.vocab_size * s.logit_bytes
-    ctx = cal.cuda_context if s.cuda else 0
+    ctx = cal.outside_allocator(s.shards) if s.cuda else 0
     frag = cal.fragmentation
 
     # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating

@@ -71,15 +71,16 @@ def load(config: Optional[Path] = None, sets: Sequence[SetItem] = (), resume: Op
     return cfg, point
 
 
-def _device_for(target: Target, cfg: Config) -> tuple[Any, str]:
+def _device_for(target: Target, cfg: Config, processes: int = 1) -> tuple[Any, str]:
     """The torch device to train on, and how its memory is capped: a profile emulated on a bigger GPU
     gets the profile's memory, and `plan.memory_gib` is a budget the run keeps, not only one it plans
-    for (its allocator gets the budget less the CUDA context, which lives outside the allocator)."""
+    for (its allocator gets the budget less what lives outside the allocator: the CUDA context, and
+    NCCL's buffers when the run has several processes)."""
     import torch
     real = target.real
     if not target.simulated:
         device = torch.device("cuda", real.index) if real.is_cuda else torch.device("cpu")
-        budget = _budget_share(cfg, real) if real.is_cuda else None
+        budget = _budget_share(cfg, real, processes) if real.is_cuda else None
         if budget is None:
             return device, ""
         torch.cuda.set_per_process_memory_fraction(budget, real.index)
@@ -95,8 +96,9 @@ def _device_for(target: Target, cfg: Config) -> tuple[Any, str]:
         raise ConfigError(f"--profile {cfg.run.profile} has {dev.total_memory / 2**30:.1f} GiB, more than this "
                           f"{real.name} ({real.total_memory / 2**30:.1f} GiB): a bigger GPU cannot be emulated")
     # The cap covers torch's allocator; the CUDA context lives outside it, as on the real card.
-    share = min(1.0, max(0.01, (dev.total_memory - DEFAULT_CALIBRATION.cuda_context) / real.total_memory))
-    budget = _budget_share(cfg, real)
+    outside = DEFAULT_CALIBRATION.outside_allocator(processes)
+    share = min(1.0, max(0.01, (dev.total_memory - outside) / real.total_memory))
+    budget = _budget_share(cfg, real, processes)
     torch.cuda.set_per_process_memory_fraction(min(share, budget or 1.0), real.index)
     return torch.device("cuda", real.index), (
         f"emulating {dev.describe()} on {real.describe()}: memory capped at {share:.1%} of this GPU, the "
@@ -104,15 +106,17 @@ def _device_for(target: Target, cfg: Config) -> tuple[Any, str]:
         + (f"; {_budget_note(cfg, budget, real)}" if budget is not None and budget < share else ""))
 
 
-def _budget_share(cfg: Config, real: Any) -> Optional[float]:
+def _budget_share(cfg: Config, real: Any, processes: int = 1) -> Optional[float]:
     """plan.memory_gib as a share of this GPU for torch's allocator (None when unset)."""
     gib = cfg.plan.memory_gib
     if gib is None:
         return None
-    allocator = gib * 2**30 - DEFAULT_CALIBRATION.cuda_context
+    outside = DEFAULT_CALIBRATION.outside_allocator(processes)
+    allocator = gib * 2**30 - outside
     if allocator <= 0:
-        raise ConfigError(f"plan.memory_gib={gib:g} leaves nothing for training: the CUDA context alone takes about "
-                          f"{DEFAULT_CALIBRATION.cuda_context / 2**30:.2f} GiB outside torch's allocator; raise it")
+        what = "the CUDA context" + (" and NCCL's buffers" if processes > 1 else "")
+        raise ConfigError(f"plan.memory_gib={gib:g} leaves nothing for training: {what} alone take about "
+                          f"{outside / 2**30:.2f} GiB outside torch's allocator; raise it")
     return min(1.0, allocator / real.total_memory)
 
 
@@ -152,7 +156,7 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     if not rank.main:
         log = _quiet
     target = resolve_target(cfg.run.profile, probe_fn=probe_fn, index=rank.local)
-    device, emulation = _device_for(target, cfg)
+    device, emulation = _device_for(target, cfg, rank.world)
     init_distributed(device)
     plan = plan_for(cfg, target, model_spec(cfg), world_size=rank.world)
     apply_env(plan, device)

@@ -419,7 +419,6 @@ class Trainer:
             self.session.close()
         return self.run_dir
 
-
     @contextlib.contextmanager
     def _profiled(self, step: int):
         """Record `step` with torch's profiler when it is run.profile_step; every rank writes its own

@@ -58,3 +58,23 @@ def test_the_cpu_ignores_the_budget(caps):
     device, note = _device_for(resolve_target(probe_fn=lambda: fake_probe(None, torch_cuda=None)),
                                _cfg("plan.memory_gib=6"))
     assert device.type == "cpu" and caps == [] and note == ""
+
+
+def test_several_processes_leave_room_for_nccls_buffers(caps):
+    """Under torchrun each process holds NCCL's buffers outside the allocator as well: the cap is the
+    budget less both, and the plan counts both."""
+    import dataclasses
+    from edgerl.modelspec import CATALOGUE
+    from edgerl.plan import plan
+    from edgerl.task import Task
+    target = resolve_target(probe_fn=lambda: fake_probe("A100"))
+    total = target.real.total_memory
+    _device_for(target, _cfg("plan.memory_gib=6"), processes=2)
+    cal = DEFAULT_CALIBRATION
+    assert caps == [pytest.approx((6 * GiB - cal.cuda_context - cal.nccl) / total)]
+    assert cal.outside_allocator(1) == cal.cuda_context and cal.outside_allocator(2) == cal.cuda_context + cal.nccl
+    task = Task(prompt_len=128, response_len=128)
+    one = plan(target.device, CATALOGUE["qwen2.5-0.5b"], task)
+    two = plan(target.device, CATALOGUE["qwen2.5-0.5b"], dataclasses.replace(task, world_size=2))
+    assert one.memory.phases["update"]["CUDA context"] == cal.cuda_context
+    assert two.memory.phases["update"]["CUDA context"] == cal.cuda_context + cal.nccl
