@@ -7,8 +7,8 @@ memory, where the eager step makes about 30 kernels and 24 bytes of temporaries 
 2M-element chunk.
 
 Random bits: Philox-4x32 (10 rounds) keyed by the step's 64-bit seed, counter = (element index low
-32 bits, high 32 bits, 0, 0); its four 32-bit outputs give the 16-bit fields of the first moment,
-the second moment and the weight. The element index counts from the start of the local shard
+32 bits, high 32 bits, 0, 0); the low 16 bits of three of its four 32-bit outputs round the first
+moment, the second moment and the weight. The element index counts from the start of the local shard
 (`offset` is where the given piece starts), so a shard stepped whole and one streamed through in
 pieces draw the same bits.
 
