@@ -88,7 +88,7 @@ GROUPS: dict[str, Group] = {
     "qwen14b-p40": Group("qwen14b", "p40", tuple(QLORA), None, steps=3),
 }
 SMOKE_DEFAULT = ["362m-bf16", "qwen7b-p40"]
-SMOKE_FRONTIER = ("2", "trl")   # a GPU run refuses a budget under its CUDA context (about 1.3 GiB)
+SMOKE_FRONTIER = ("2", "trl")   # a GPU run refuses a budget under its CUDA context (880 MiB)
 
 
 # ------------------------------------------------------------------------------------- TRL's side

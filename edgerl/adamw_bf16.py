@@ -320,12 +320,13 @@ class AdamWBF16(torch.optim.Optimizer):
                 tensors = [local_tensor(state[n]) for n in names]
                 w, g = local_tensor(p), local_tensor(p.grad)
                 key = (index, _shard(p), int(state["step"]))
+                args = dict(hp, step=key[-1])
                 if self.step_device is not None and w.device.type == "cpu":
                     tensors = self._pinned(state, names, tensors)
-                    self._stream(w, g, tensors, key, dict(hp, step=key[-1]))
+                    self._stream(w, g, tensors, key, args)
                     streamed = True
                 else:
-                    self._step_tensors(w, g, tensors, key, dict(hp, step=key[-1]))
+                    self._step_tensors(w, g, tensors, key, args)
         if streamed and self.step_device.type == "cuda":
             torch.cuda.current_stream(self.step_device).synchronize()  # the copies back into host memory
         return loss

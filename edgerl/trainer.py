@@ -141,7 +141,7 @@ class Trainer:
                                dist.get_world_size(), seed=t.seed, fused=(p.kernel_backend == "triton") if cuda else None,
                                step_device=self.device if p.param_offload and cuda else None)
         # the state waits in host memory between updates unless FSDP2 already keeps it there
-        offload = StateOffload(optim, p.optimizer_offload and not p.param_offload, self.device.type == "cuda")
+        offload = StateOffload(optim, p.optimizer_offload and not p.param_offload, cuda)
         return Learner(name, model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(self.cfg)), offload)
 
     @property

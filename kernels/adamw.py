@@ -42,12 +42,8 @@ def adamw_bf16_step(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.
             raise ValueError("the fused bf16 AdamW step takes contiguous tensors of one size on one device")
     if n == 0:
         return
-    grid = (triton_cdiv(n, mod.BLOCK),)
+    grid = (-(-n // mod.BLOCK),)
     mod.adamw_bf16_kernel[grid](
         w, g, m, v, comp if comp is not None else w, n, offset, seed,
         1.0 - beta1, beta2, 1.0 - beta2, eps, 1.0 - lr * weight_decay, lr / (1 - beta1 ** step),
         math.sqrt(1 - beta2 ** step), KAHAN=comp is not None, BLOCK=mod.BLOCK)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
