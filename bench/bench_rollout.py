@@ -13,6 +13,8 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
     graph_fused_sdpa          decode attention as one scaled_dot_product_attention call
     graph_fused_compile       + torch.compile'd decoder layers inside the graph (CC >= 7.0), auto attention
     graph_fused_sdpa_compile  compiled, SDPA
+    graph_fused_triton        decode attention as edgerl's Triton kernel (only the columns each row sees)
+    graph_fused_triton_compile  compiled, Triton decode attention
 
 Per variant: ms per decode step (median over the decode steps of --reps calls, CUDA events), decode
 tokens/s (rows / step time), share of the bandwidth bound (a step reads every weight once: weight
@@ -37,6 +39,7 @@ whether the graph survived a weight sync, and the correctness checks:
     python bench/bench_rollout.py --out bench_rollout.json       # H200: ~3-4 minutes
     python bench/bench_rollout.py --smoke                         # tiny shapes on the CPU, no compile
     python bench/bench_rollout.py --smoke --variants hf_generate,graph_fused_compile   # compile on the CPU
+    TRITON_INTERPRET=1 python bench/bench_rollout.py --smoke --variants hf_generate,graph_fused_triton
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ VARIANTS = {   # engine keyword arguments; hf_generate has none
     "graph_fused_compile": dict(cuda_graphs=True, projections="fused", compile_step=True),
     "graph_fused_sdpa_compile": dict(cuda_graphs=True, projections="fused", decode_attention="sdpa",
                                      compile_step=True),
+    "graph_fused_triton": dict(cuda_graphs=True, projections="fused", decode_attention="triton"),
+    "graph_fused_triton_compile": dict(cuda_graphs=True, projections="fused", decode_attention="triton",
+                                       compile_step=True),
 }
 
 
@@ -177,10 +183,19 @@ def step_kernels(engine, width: int, rows: int = 0) -> list:
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def count_kernels(engine, width: int) -> int:
-    """CUDA kernels launched by one eager decode step, copies and fills left out."""
-    return sum(1 for e in step_kernels(engine, width)
-               if "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+def count_kernels(engine, width: int) -> tuple[int, float, list]:
+    """CUDA kernels launched by one eager decode step (copies and fills left out), their summed device
+    time in microseconds (no launch gaps: compare with the captured step's time), and the 12 kernel
+    names taking the most of it: [name, launches, total us]."""
+    kernels = [e for e in step_kernels(engine, width)
+               if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        row = by_name.setdefault(e.name[:90], [e.name[:90], 0, 0.0])
+        row[1] += 1
+        row[2] += e.time_range.elapsed_us()
+    top = sorted(by_name.values(), key=lambda r: -r[2])[:12]
+    return len(kernels), round(sum(r[2] for r in by_name.values()), 1), [[n, c, round(t, 1)] for n, c, t in top]
 
 
 def run_static(args, model, ids, kw, rec, cuda) -> list[list[int]]:
@@ -211,7 +226,8 @@ def run_static(args, model, ids, kw, rec, cuda) -> list[list[int]]:
         rec["graph_pool_mib"] = round(mem["graph_pool"] / 2**20, 1)
         if cuda and args.count_kernels:
             try:
-                rec["kernels_per_step"] = count_kernels(engine, ids.shape[1])
+                rec["kernels_per_step"], rec["kernel_us_per_step"], rec["top_kernels"] = \
+                    count_kernels(engine, ids.shape[1])
             except Exception as e:   # the profiler is a nicety; the timing stands without it
                 rec["kernels_per_step"] = f"not counted: {type(e).__name__}: {e}"[:200]
         # Keeping the graph: an in-place weight sync, then a short generate of the same mode.
@@ -357,7 +373,7 @@ def main(argv=None) -> int:
         args.configs, args.rows, args.prompt_len, args.new_tokens, args.hf_tokens = "tiny:fp32,tiny:bf16", 4, 8, 12, 6
         args.vocab, args.reps = 300, 1
         if args.variants == ",".join(VARIANTS):
-            args.variants = ",".join(v for v in VARIANTS if "compile" not in v)
+            args.variants = ",".join(v for v in VARIANTS if "compile" not in v and "triton" not in v)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

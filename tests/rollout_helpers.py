@@ -94,3 +94,42 @@ def next_token_logits(model, prompts, responses) -> list[torch.Tensor]:
         logits = model(input_ids=ids).logits[0].float()
         out.append(logits[len(p) - 1:len(p) - 1 + len(r)])
     return out
+
+
+def decode_attention_reference(q, k, v, start, col, scale: float) -> torch.Tensor:
+    """The decode step's attention in float64, row by row and head by head: query head g of KV head h
+    attends to columns start[b]..col of that KV head. q (B, KVH, G, D); k, v (B, KVH, S, D)."""
+    B, KVH, G, D = q.shape
+    out = torch.zeros((B, KVH, G, D), dtype=torch.float64)
+    last = int(col[0])
+    for b in range(B):
+        first = int(start[b])
+        for h in range(KVH):
+            keys = k[b, h, first:last + 1].double().cpu()
+            values = v[b, h, first:last + 1].double().cpu()
+            for g in range(G):
+                scores = keys @ q[b, h, g].double().cpu() * scale
+                out[b, h, g] = torch.softmax(scores, 0) @ values
+    return out
+
+
+def decode_attention_cases(device) -> list[tuple]:
+    """(name, q, k, v, start, col, tolerance) cases for the decode-attention kernel: grouped heads (G 1, 3,
+    4, 20: padded to 16 and to 32), head sizes 16 to 128, caches not a whole number of blocks, windows of
+    one column, whole blocks and block edges, every dtype. The tolerance is absolute, over outputs bounded
+    by the values' largest magnitude (about 4): tight in fp32, a few 16-bit steps otherwise, where one
+    column too many or too few moves a one-to-five-column window by about 0.1 or more."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 2, 3, 64, 80), (2, 4, 1, 32, 144), (2, 1, 20, 16, 64), (4, 2, 4, 128, 128)]
+    cases = []
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
+        for B, KVH, G, D, S in shapes:
+            q, k, v = (torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+                       for shape in ((B, KVH, G, D), (B, KVH, S, D), (B, KVH, S, D)))
+            for last, starts in ((S - 1, [0, 5, 63, S - 1]), (63, [63, 62, 60, 59]), (64, [64, 0, 30, 61])):
+                if last >= S:
+                    continue
+                start = torch.tensor(starts[:B], dtype=torch.long, device=device)
+                col = torch.tensor([last], dtype=torch.long, device=device)
+                cases.append((f"{str(dtype)[6:]}-B{B}-KVH{KVH}-G{G}-D{D}-S{S}-col{last}", q, k, v, start, col, tol))
+    return cases

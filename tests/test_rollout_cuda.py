@@ -10,8 +10,8 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine
-from rollout_helpers import (PROMPTS, next_token_logits, perturbed, recompute_logprobs, tiny_llama, tiny_qwen2,
-                             with_lora)
+from rollout_helpers import (PROMPTS, decode_attention_cases, decode_attention_reference, next_token_logits,
+                             perturbed, recompute_logprobs, tiny_llama, tiny_qwen2, with_lora)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 
@@ -41,7 +41,8 @@ needs_compile = pytest.mark.skipif(torch.cuda.is_available() and bool(compile_re
                                    reason=compile_reason() if torch.cuda.is_available() else "requires CUDA")
 
 
-@pytest.mark.parametrize("projections,attention", [("fused", "bmm"), ("modules", "bmm"), ("fused", "sdpa")])
+@pytest.mark.parametrize("projections,attention", [("fused", "bmm"), ("modules", "bmm"), ("fused", "sdpa"),
+                                                    pytest.param("fused", "triton", marks=needs_compile)])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_graph_greedy_equals_eager_and_hf_fp32(name, projections, attention):
     model = BUILD[name](device="cuda")
@@ -199,11 +200,12 @@ def test_step_times_with_cuda_events():
 
 
 @needs_compile
+@pytest.mark.parametrize("attention", ["auto", "triton"])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_compiled_graph_equals_eager_and_hf_fp32(name):
+def test_compiled_graph_equals_eager_and_hf_fp32(name, attention):
     torch._dynamo.reset()
     model = BUILD[name](device="cuda")
-    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True)
+    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True, decode_attention=attention)
     eager = StaticCacheEngine(model, 8, 128, cuda_graphs=False)
     got = graph.generate(PROMPTS, 2, greedy(40))
     assert got.info["captures"] == 1
@@ -217,10 +219,11 @@ def test_compiled_graph_equals_eager_and_hf_fp32(name):
 
 
 @needs_compile
-def test_compiled_graph_sampled_logprobs_bf16():
+@pytest.mark.parametrize("attention", ["auto", "triton"])
+def test_compiled_graph_sampled_logprobs_bf16(attention):
     torch._dynamo.reset()
     model = tiny_llama(dtype=torch.bfloat16, device="cuda")
-    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True)
+    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True, decode_attention=attention)
     params = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, eos_token_ids=(7,))
     out = graph.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
     ref = recompute_logprobs(model, out.prompt_ids, out.response_ids, 0.8)
@@ -235,3 +238,17 @@ def test_compiled_graph_sampled_logprobs_bf16():
 def test_compile_refused_below_cc_7():
     with pytest.raises(ValueError, match="compute capability >= 7.0"):
         StaticCacheEngine(tiny_llama(device="cuda"), 8, 64, cuda_graphs=True, compile_step=True)
+
+
+DA_CASES = decode_attention_cases("cuda") if torch.cuda.is_available() else []
+
+
+@needs_compile
+@pytest.mark.parametrize("case", DA_CASES, ids=[c[0] for c in DA_CASES])
+def test_decode_attention_kernel_equals_the_float64_reference(case):
+    from edgerl.kernels.decode_attention import decode_attention
+    _, q, k, v, start, col, tol = case
+    scale = q.shape[-1] ** -0.5
+    got = decode_attention(q, k, v, start, col, scale)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert (got.double().cpu() - decode_attention_reference(q, k, v, start, col, scale)).abs().max() <= tol

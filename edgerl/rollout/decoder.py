@@ -156,7 +156,8 @@ class StaticDecoder:
     projections: 'auto' (fused where every projection is a plain nn.Linear), 'fused' or 'modules'
     (see `projections.py`). attention: how a decode step attends, 'bmm' (baddbmm, softmax, bmm: plain
     kernels every GPU has), 'sdpa' (one scaled_dot_product_attention call, its fused kernel where the
-    device has one) or 'auto': bmm in fp32, sdpa in 16 bits. A 16-bit baddbmm rounds the scores to 16
+    device has one), 'triton' (edgerl's decode-attention kernel, `kernels/decode_attention.py`: reads
+    only the columns each row sees; CUDA CC >= 7.0 with triton) or 'auto': bmm in fp32, sdpa in 16 bits. A 16-bit baddbmm rounds the scores to 16
     bits before the softmax, where HF's SDPA forward (what training runs) keeps them in fp32: measured on
     the H200 in bf16 (docs/benchmarks.md), bmm agreed with HF's argmax on 54-60% of tokens, sdpa on
     76-83%, as HF generate itself does (83-87%)."""
@@ -165,8 +166,8 @@ class StaticDecoder:
                  projections: str = "auto", attention: str = "auto") -> None:
         model = _unwrap(model)
         check_supported(model, max_seq_len)
-        if attention not in ("auto", "bmm", "sdpa"):
-            raise ValueError(f"attention must be 'auto', 'bmm' or 'sdpa', got {attention!r}")
+        if attention not in ("auto", "bmm", "sdpa", "triton"):
+            raise ValueError(f"attention must be 'auto', 'bmm', 'sdpa' or 'triton', got {attention!r}")
         if attention == "auto":
             attention = "bmm" if model.model.embed_tokens.weight.dtype == torch.float32 else "sdpa"
         cfg = model.config
@@ -207,6 +208,13 @@ class StaticDecoder:
         half = self.head_dim // 2
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.cols = torch.arange(self.cache_len, device=self.device)       # (S,)
+        self.attend = None
+        if attention == "triton":
+            from ..kernels.decode_attention import attention_op, unavailable_reason
+            why = unavailable_reason(self.device, self.head_dim, self.dtype)
+            if why:
+                raise ValueError(f"decode attention 'triton' cannot run here: {why}; use 'sdpa' or 'bmm'")
+            self.attend = attention_op()   # the op itself: a compiled layer calls it without a module lookup
         self.cache: torch.Tensor | None = None
         self.layer_step = self._decode_layer     # the engine swaps in a compiled one under compile_step
         self.compiled = False
@@ -264,7 +272,8 @@ class StaticDecoder:
     def _decode_layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, bias, col):
         """x: (B, hidden) residual stream; d: the previous layer's MLP output, not yet added (None for the
         first layer), so a compiled layer fuses that add with this layer's norm. kv: this layer's cache
-        (2, B, KVH, S, D); cos, sin: (B, 1, D); bias: additive mask; col: (1,). Returns (x, d)."""
+        (2, B, KVH, S, D); cos, sin: (B, 1, D); bias: additive mask (the rows' start columns (B,) for
+        'triton' attention, which masks by them); col: (1,). Returns (x, d)."""
         if d is not None:
             x = x + d
         B = x.shape[0]
@@ -272,9 +281,10 @@ class StaticDecoder:
         self._rotate(qkv, cos, sin)
         # k and v sit side by side after q: one copy puts both in the cache column.
         kv.index_copy_(3, col, qkv[:, self.q_width:].view(B, 2, self.n_kv, 1, self.head_dim).transpose(0, 1))
-        if self.attention == "sdpa":   # q (B, KVH, G, D): each KV head attends for its G query heads
+        if self.attention in ("sdpa", "triton"):   # q (B, KVH, G, D): each KV head attends for its G query heads
             q = qkv[:, :self.q_width].view(B, self.n_kv, self.group, self.head_dim)
-            o = _sdpa(q, kv[0], kv[1], bias, self.scaling, False)
+            o = (self.attend(q, kv[0], kv[1], bias, col, self.scaling) if self.attend is not None
+                 else _sdpa(q, kv[0], kv[1], bias, self.scaling, False))
         else:   # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G)
             BK, S, D = B * self.n_kv, self.cache_len, self.head_dim
             q = qkv[:, :self.q_width].reshape(BK, self.group, D)                        # (B*KVH, G, D)
@@ -326,10 +336,12 @@ class StaticDecoder:
         B, S = tok.shape[0], self.cache_len
         pos = col - start                                                               # (B,)
         cos, sin = F.embedding(pos, self.cos)[:, None], F.embedding(pos, self.sin)[:, None]   # (B, 1, D)
-        hidden = (self.cols[None, :] < start[:, None]) | (self.cols[None, :] > col)     # (B, S)
-        # One additive mask for all layers, so each layer's scores are a single baddbmm.
-        zero = torch.zeros((), device=tok.device, dtype=self.dtype)
-        bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                  # (B, 1, 1, S)
+        if self.attend is not None:   # the kernel masks by the rows' start columns itself
+            bias = start
+        else:   # one additive mask for all layers, so each layer's scores are a single baddbmm
+            hidden = (self.cols[None, :] < start[:, None]) | (self.cols[None, :] > col)     # (B, S)
+            zero = torch.zeros((), device=tok.device, dtype=self.dtype)
+            bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                  # (B, 1, 1, S)
         if self.attention == "bmm":
             bias = bias.expand(B, self.n_kv, 1, S).reshape(B * self.n_kv, 1, S)         # (B*KVH, 1, S)
         x, d = self.embed(tok), None

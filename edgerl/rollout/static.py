@@ -72,7 +72,8 @@ def _enable_compile(dec: StaticDecoder, device: torch.device) -> None:
     one compilation serves every layer (a whole-step graph unrolls every layer and compiles for far
     longer). Inductor
     fuses the elementwise work between the matmuls (residual add + norm, rotary + cache write,
-    softmax, activation x up) into a few generated kernels."""
+    softmax, activation x up) into a few generated kernels. (Inductor's max-autotune, Triton matmul
+    templates timed against cuBLAS, made the step slower: docs/benchmarks.md section 11.)"""
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if cc is not None and cc < (7, 0):
         raise ValueError(f"compile_step needs CUDA compute capability >= 7.0: Inductor generates Triton kernels "
@@ -101,8 +102,8 @@ class StaticCacheEngine:
     generated at once (the plan's rollout batch); max_seq_len: prompt + response tokens a row may
     reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
     (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
-    each). decode_attention: 'auto' | 'bmm' | 'sdpa' (`StaticDecoder`; auto: bmm in fp32, sdpa in 16
-    bits). compile_step: torch.compile each
+    each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' (`StaticDecoder`; auto: bmm in fp32,
+    sdpa in 16 bits). compile_step: torch.compile each
     decoder layer of the decode step (elementwise fusion; CUDA CC >= 7.0, fused projections; the
     compiled step is what a CUDA graph captures); off by default, never chosen on the CPU.
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).

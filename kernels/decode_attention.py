@@ -1,0 +1,77 @@
+"""Launcher for the decode-step attention kernel (kernels/_triton_decode_attention.py); triton is
+imported only here. The kernel is registered as a torch custom op, so a torch.compile'd decoder layer
+calls it as one opaque kernel and a CUDA graph captures it."""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernel_module():
+    """The kernel's module, imported on first use (raises ImportError without triton)."""
+    return importlib.import_module("._triton_decode_attention", __package__)
+
+
+def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> Optional[str]:
+    """Why the kernel cannot run for this device, head size and dtype, or None if it can."""
+    if not hasattr(torch.library, "custom_op"):
+        return f"torch {torch.__version__} has no torch.library.custom_op (torch >= 2.4 has)"
+    if dtype not in DTYPES:
+        return f"{dtype} is not one of the kernel's dtypes (bf16, fp16, fp32)"
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"head size {head_dim} is not a power of two in [16, 256]"
+    try:
+        interpreted = kernel_module().INTERPRETED
+    except ImportError as e:
+        return f"triton does not import ({e}); install it with `pip install triton`"
+    if device.type == "cuda":
+        return "Triton needs CC >= 7.0" if torch.cuda.get_device_capability(device) < (7, 0) else None
+    if not interpreted:
+        return f"tensors are on {device}, not CUDA (TRITON_INTERPRET=1 before import runs Triton's CPU interpreter)"
+    return None
+
+
+_OP = None
+
+
+def attention_op():
+    """The kernel as a torch custom op, registered on first use: opaque to torch.compile (Inductor calls
+    it as an extern kernel and does not re-parse its Triton source), with a fake for shape propagation.
+    A compiled caller should hold the op itself (this lookup imports a module, which Dynamo skips)."""
+    global _OP
+    if _OP is None:
+        mod = kernel_module()
+
+        @torch.library.custom_op("edgerl::decode_attention", mutates_args=())
+        def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
+                                col: torch.Tensor, scale: float) -> torch.Tensor:
+            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+                raise ValueError("decode_attention needs contiguous last dimensions of q, k and v")
+            B, KVH, G, D = q.shape
+            o = torch.empty((B, KVH, G, D), device=q.device, dtype=q.dtype)
+            mod.decode_attention_kernel[(B * KVH,)](
+                q, k, v, o, start, col, scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                KVH=KVH, G=G, GP=max(16, 1 << (G - 1).bit_length()), D=D, BLOCK=mod.BLOCK_S,
+                IEEE=q.dtype == torch.float32, UPCAST=mod.INTERPRETED and q.dtype != torch.float32)
+            return o
+
+        @decode_attention_op.register_fake
+        def _(q, k, v, start, col, scale):
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+        _OP = decode_attention_op
+    return _OP
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, col: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of one new token per row over a static KV cache. q: (B, KVH, G, D), the G query heads
+    of each KV head (query head h uses KV head h // G, as HF's repeat_kv); k, v: (B, KVH, S, D) with
+    contiguous last dims; start: (B,) int64, the first column row b sees; col: (1,) int64, the last
+    (the new token's own column, already written). Returns (B, KVH, G, D) in q's dtype: softmax(q k^T
+    * scale) v over columns start[b]..col, scores and softmax in fp32."""
+    return attention_op()(q, k, v, start, col, scale)
