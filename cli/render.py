@@ -14,6 +14,7 @@ from ..plan import Plan
 STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
 LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout engine",
           "cuda_graphs": "CUDA graphs", "rollout_compile": "compiled decode step",
+          "decode_attention": "decode attention",
           "nf4_kernel": "fused NF4 decode kernel",
           "kernel_backend": "log-prob kernel", "kernel_tiles": "kernel tiles",
           "logprob_chunk": "log-prob chunk", "grad_checkpointing": "grad checkpointing",

@@ -149,6 +149,9 @@ class PlanOverrides:
                                         "graph (hf engine; CC >= 8.0, triton and a C compiler)")
     nf4_kernel: Optional[bool] = F(None, "the rollout's decode step multiplies by an NF4 base through edgerl's fused "
                                    "kernel (compiled with NVRTC) instead of bitsandbytes' dequantize + matmul")
+    decode_attention: Optional[Literal["sdpa", "bmm", "triton"]] = F(
+        None, "how the hf engine's decode step attends over its KV cache: edgerl's Triton kernel (CC >= 8.0), "
+        "SDPA, or baddbmm/softmax/bmm")
     kernel_backend: Optional[Literal["torch", "triton"]] = F(None, "log-prob kernel backend")
     grad_checkpointing: Optional[bool] = F(None, "recompute activations in the backward pass")
     param_offload: Optional[bool] = F(None, "keep parameters in host memory (FSDP2 CPU offload)")

@@ -186,6 +186,10 @@ def sdpa_backends(dev: Device, dtype: str) -> list[str]:
 FA2_CC = ((8, 0), (9, 0))
 
 
+# Measured on an H200 with torch 2.11 and cuDNN 9.19 (bench/bench_attention.py, docs/benchmarks.md section 11).
+CUDNN_SDPA_SETUP = "it sets up each new sequence length anew, 0.1-2.3 s for a forward and backward on an H200"
+
+
 def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
     half = dtype.compute in ("fp16", "bf16")
     has = dev.software.has("flash_attn")
@@ -206,11 +210,13 @@ def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tu
     if dev.cc < (8, 0):
         return "sdpa", (f"{dev.sm}: FlashAttention-2 needs sm_80; SDPA's memory-efficient backend serves "
                         f"{dtype.compute} from sm_50 and never materialises the score matrix")
+    backends = (f"SDPA's own flash backend serves {dtype.compute} batches without padding and its memory-efficient "
+                f"one those with (cuDNN's is switched off: {CUDNN_SDPA_SETUP})")
     if possible:
         return "sdpa", (f"{dev.sm}: flash_attn {dev.software.version('flash_attn')} is installed but its builds for "
                         "Blackwell are not known to this table (--set plan.attention=flash_attention_2 to try it); "
-                        f"SDPA's own flash backend serves {dtype.compute}")
-    return "sdpa", f"{dev.sm}: flash_attn is not installed; SDPA's own flash backend serves {dtype.compute}"
+                        + backends)
+    return "sdpa", f"{dev.sm}: flash_attn is not installed; " + backends
 
 
 def vllm_support(dev: Device, dtype: DtypePolicy) -> tuple[bool, str]:
@@ -327,6 +333,44 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
     return True, (f"compiled decoder layers inside the CUDA graph (Inductor fuses the elementwise work between "
                   f"the matmuls): measured {COMPILE_GAIN} faster per decode step on an H200 in bf16; the first "
                   "rollout compiles for a few seconds; plan.rollout_compile=false turns it off")
+
+
+# Measured on an H200 in bf16, 16 rows x 256 new tokens after 64 prompt tokens (docs/benchmarks.md section 11):
+# the compiled decode step with edgerl's attention kernel against SDPA's memory-efficient kernel.
+DECODE_ATTENTION_GAIN = "1.44x at 360M (1.30 against 1.88 ms), 1.25x at 1.7B (1.92 against 2.40 ms)"
+
+
+def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str,
+                          forced: Optional[str]) -> tuple[str, str]:
+    """How the hf engine's decode step attends over its KV cache: edgerl's Triton kernel
+    (kernels/decode_attention.py: one program per row and KV head, reading only the columns that row
+    sees) in 16 bits from CC 8.0 with triton (Triton's README supports 8.0 and up; measured on sm_90);
+    else SDPA in 16 bits and baddbmm/softmax/bmm in fp32, where the fp32 scores are HF's own."""
+    half = dtype.compute in ("fp16", "bf16")
+    head = model.hd
+    if not dev.is_cuda:
+        why_not = "no CUDA device"
+    elif dev.cc < (8, 0):
+        why_not = f"{dev.sm}: Triton supports CC 8.0 and up"
+    elif not dev.software.has("triton"):
+        why_not = "triton is not installed"
+    elif head & (head - 1) or not 16 <= head <= 256:
+        why_not = f"head size {head} is not a power of two in [16, 256]"
+    else:
+        why_not = ""
+    if forced == "triton" and why_not:
+        raise PlanError(f"plan.decode_attention=triton is not possible: {why_not}; use sdpa or bmm")
+    if forced:
+        return forced, f"asked for with plan.decode_attention={forced}"
+    if engine != "hf":
+        return ("sdpa" if half else "bmm"), f"the {engine} engine attends its own way (this setting is the hf engine's)"
+    if not half:
+        return "bmm", "fp32: baddbmm, softmax and bmm over the masked cache (plain kernels every GPU has)"
+    if why_not:
+        return "sdpa", f"SDPA over the masked cache ({why_not} for edgerl's decode-attention kernel)"
+    return "triton", (f"edgerl's decode-attention kernel reads only the cache columns each row sees (SDPA's kernels "
+                      f"read every column, masked): measured {DECODE_ATTENTION_GAIN} faster per decode step on an "
+                      "H200; plan.decode_attention=sdpa turns it off")
 
 
 # Measured on an H200 (docs/benchmarks.md section 8): a decode step of 16 rows over 4 NF4 layers with

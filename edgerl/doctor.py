@@ -207,6 +207,8 @@ def check_c_compiler(dev: Device, env: Environment, plan: Optional[Plan]) -> Opt
                                                    else ""))
     if plan.rollout_compile:
         uses.append("the compiled decode step")
+    if plan.decode_attention == "triton" and plan.rollout_engine == "hf":
+        uses.append("the decode-attention kernel")
     if not uses:
         return None
     cc = env.env.get("CC")
@@ -217,7 +219,7 @@ def check_c_compiler(dev: Device, env: Environment, plan: Optional[Plan]) -> Opt
     return _c("C compiler", "fail", f"{missing}; Triton builds each kernel's launcher with one the first time it runs, "
               f"so {' and '.join(uses)} would stop the run at its first step",
               "install gcc (apt install gcc, dnf install gcc) or set CC to a C compiler; or run without Triton: "
-              "--set plan.kernel_backend=torch --set plan.rollout_compile=false")
+              "--set plan.kernel_backend=torch --set plan.rollout_compile=false --set plan.decode_attention=sdpa")
 
 
 def run_checks(dev: Device, probe: ProbeResult, plan: Optional[Plan], env: Optional[Environment] = None,

@@ -14,7 +14,8 @@ from typing import Any, Optional
 from .decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_support, bnb_support, choose_logprob_chunk,
                         quant_support, logit_bytes, lora_targets, optimizer_reason,
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
-                        pick_nf4_kernel, pick_reward_model_dtype, pick_rollout, pick_rollout_compile,
+                        pick_decode_attention, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout,
+                        pick_rollout_compile,
                         rollout_share_reason, transfer_note)
 from .device import GiB, Device
 from .dtypes import nbytes
@@ -36,6 +37,7 @@ class Plan:
     rollout_engine: str
     cuda_graphs: bool
     rollout_compile: bool                # the hf engine's decode step compiled (torch.compile)
+    decode_attention: str                # how the hf engine's decode step attends: triton, sdpa or bmm
     nf4_kernel: bool                     # the decode step's NF4 matmuls through edgerl's fused kernel
     kernel_backend: str
     kernel_tiles: Optional[dict[str, Any]]
@@ -58,7 +60,8 @@ class Plan:
     headroom: int
     reasons: dict[str, str] = field(default_factory=dict)
 
-    DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "rollout_compile", "nf4_kernel",
+    DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "rollout_compile", "decode_attention",
+                 "nf4_kernel",
                  "kernel_backend", "kernel_tiles", "logprob_chunk", "grad_checkpointing", "swap_models",
                  "optimizer_offload", "param_offload", "optimizer", "lora", "base_dtype", "reward_model_dtype",
                  "micro_batch", "score_micro_batch", "rollout_batch", "rollout_resident", "rollout_memory_share",
@@ -210,6 +213,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         reasons["rollout_memory_share"] = rollout_share_reason(engine)
     compiled, reasons["rollout_compile"] = pick_rollout_compile(device, engine, graphs, s.rollout_from_actor,
                                                               o.get("rollout_compile"))
+    decode_attention, reasons["decode_attention"] = pick_decode_attention(device, dtype, model, engine,
+                                                                          o.get("decode_attention"))
     fused_nf4, reasons["nf4_kernel"] = pick_nf4_kernel(device, dtype, base, engine, o.get("nf4_kernel"))
     env, reasons["env"] = pick_env(device)
     lora_info = None
@@ -217,7 +222,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         lora_info = {"rank": task.lora_rank, "alpha": task.lora_alpha, "targets": list(lora_targets_),
                      "params": lora_params}
     return Plan(device=device, model=model, task=task, dtype=dtype, attention=attention, rollout_engine=engine,
-                cuda_graphs=graphs, rollout_compile=compiled, nf4_kernel=fused_nf4, kernel_backend=backend,
+                cuda_graphs=graphs, rollout_compile=compiled, decode_attention=decode_attention,
+                nf4_kernel=fused_nf4, kernel_backend=backend,
                 kernel_tiles=tiles, logprob_chunk=chunk,
                 grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
                 optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,

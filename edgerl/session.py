@@ -146,6 +146,17 @@ def apply_env(plan: Plan, device: Any) -> None:
             setter(value)
 
 
+def apply_switches(plan: Plan, device: Any) -> None:
+    """Process-wide torch switches the plan relies on. On CUDA with SDPA attention: cuDNN's SDPA backend
+    off (torch then takes flash, or the memory-efficient kernel where a batch has padding). cuDNN builds
+    an execution plan for every new sequence length, measured at 0.1 to 2.3 s per new length for a
+    forward and backward on an H200 (bench/bench_attention.py, docs/benchmarks.md section 11), and a
+    GRPO batch's length changes from step to step."""
+    if device.type == "cuda" and plan.attention == "sdpa":
+        import torch
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log: Callable[[str], None] = print,
             probe_fn: Optional[Callable[[], Any]] = None) -> Session:
     """A session ready for `Trainer(session)`. Raises a user error (edgerl.errors) for anything the
@@ -160,6 +171,7 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     init_distributed(device)
     plan = plan_for(cfg, target, model_spec(cfg), world_size=rank.world)
     apply_env(plan, device)
+    apply_switches(plan, device)
 
     out = Path(cfg.run.out_dir).expanduser() if cfg.run.out_dir else \
         Path("runs") / f"{Path(cfg.model.path).name}-{time.strftime('%Y%m%d-%H%M%S')}"

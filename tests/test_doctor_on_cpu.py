@@ -198,6 +198,7 @@ def test_a_plan_with_triton_kernels_needs_a_c_compiler(found, env, status):
     if status == "fail":
         assert "cc-missing" in c.detail if env else "no gcc or clang" in c.detail
         assert "apt install gcc" in c.fix and "plan.kernel_backend=torch" in c.fix
+        assert "the decode-attention kernel" in c.detail and "plan.decode_attention=sdpa" in c.fix
         assert exit_code(list(checks.values())) == 1
     else:
         assert c.detail.startswith("/usr/bin/")
@@ -207,5 +208,5 @@ def test_a_plan_without_triton_does_not_ask_for_a_c_compiler():
     result = fake_probe("P40")
     dev = result.primary
     p = plan(dev, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128))
-    assert p.kernel_backend == "torch" and not p.rollout_compile
+    assert p.kernel_backend == "torch" and not p.rollout_compile and p.decode_attention != "triton"
     assert "C compiler" not in {c.name for c in run_checks(dev, result, p, NoCompilerEnv())}

@@ -71,6 +71,53 @@ def test_rollout_compile_from_cc8_with_triton_on_the_hf_engine_only(key, libs, c
             plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True})
 
 
+# device, extra libs -> decode attention, words the reason must hold
+DECODE_ATTENTION = [
+    ("H100", {}, "triton", "reads only the cache columns each row sees"),
+    ("3090", {}, "triton", "measured"),
+    ("H100", {"triton": None}, "sdpa", "triton is not installed"),
+    ("T4", {}, "sdpa", "Triton supports CC 8.0 and up"),
+    ("P40", {}, "bmm", "fp32"),
+    ("A100", {"vllm": "0.10.1"}, "sdpa", "the vllm engine"),
+    (None, {}, "bmm", "fp32"),
+]
+
+
+@pytest.mark.parametrize("key,libs,attention,words", DECODE_ATTENTION)
+def test_decode_attention_is_the_triton_kernel_in_16_bits_from_cc8(key, libs, attention, words):
+    dev = fake_probe(key, **libs).primary
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    assert p.decode_attention == attention and words in p.reasons["decode_attention"]
+    off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "sdpa"})
+    assert off.decode_attention == "sdpa" and "asked for" in off.reasons["decode_attention"]
+    if attention != "triton" and key not in ("A100",):
+        with pytest.raises(PlanError, match="plan.decode_attention=triton is not possible"):
+            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "triton"})
+
+
+def test_decode_attention_needs_a_power_of_two_head_size():
+    dev = fake_probe("H100").primary
+    odd = dataclasses.replace(CATALOGUE["qwen2.5-0.5b"], head_dim=96)
+    p = plan(dev, odd, SMALL)
+    assert p.decode_attention == "sdpa" and "head size 96 is not a power of two" in p.reasons["decode_attention"]
+
+
+def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():
+    import torch
+    from edgerl.session import apply_switches
+    p = plan(fake_probe("H100").primary, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    assert p.attention == "sdpa" and "cuDNN's is switched off" in p.reasons["attention"]
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        apply_switches(p, torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        apply_switches(p, torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 # device, base dtype -> fused NF4 decode kernel, words the reason must hold
 NF4_KERNEL = [
     ("P40", "nf4", True, "measured 2.1x per decode step"),

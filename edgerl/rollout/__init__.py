@@ -122,12 +122,12 @@ def _static(plan, ctx: EngineContext) -> RolloutEngine:
             fused = f"{n} NF4 layers decode through the fused kernel" + "".join(
                 f"; {k} left to bitsandbytes: {why}" for why, k in left.items())
         engine = StaticCacheEngine(ctx.actor.lm, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs,
-                                   projections="modules", note=why)
+                                   projections="modules", decode_attention=plan.decode_attention, note=why)
         return ActorWeights(engine, ctx.actor, plan.rollout_resident, fused)
     copy = _inference_copy(plan, ctx)
     try:
         engine = StaticCacheEngine(copy, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs,
-                                   compile_step=plan.rollout_compile, note=why)
+                                   compile_step=plan.rollout_compile, decode_attention=plan.decode_attention, note=why)
     except ValueError as e:
         if not plan.rollout_compile or isinstance(e, UnsupportedModel):
             raise
