@@ -590,7 +590,8 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
     res["ranks"] = [json.loads(Path(f"{spec['out']}.rank{r}.json").read_text())
                     for r in range(1, nproc) if Path(f"{spec['out']}.rank{r}.json").exists()]
     res["log"] = str(work / f"{name}.log")
-    return summarise_edgerl(res, folder.get("plan_json"))
+    profiled = [int(x.split("=", 1)[1]) for x in spec["sets"] if x.startswith("run.profile_step=")]
+    return summarise_edgerl(res, folder.get("plan_json"), profiled[-1] if profiled else 0)
 
 
 PLAN_KEYS = ("dtype", "attention", "kernel_backend", "optimizer", "lora", "base_dtype", "grad_checkpointing",
@@ -598,13 +599,16 @@ PLAN_KEYS = ("dtype", "attention", "kernel_backend", "optimizer", "lora", "base_
              "rollout_batch", "cuda_graphs")
 
 
-def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over steps 2..N, peaks over all steps, the plan's estimate and its error."""
+def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], profiled: int = 0) -> dict[str, Any]:
+    """Medians over steps 2..N (less the step `profiled`, which torch's profiler slows), peaks over all
+    steps, the plan's estimate and its error."""
     rows = res.pop("rows", []) or []
     out = {k: v for k, v in res.items() if k not in ("logs",)}
     out["steps_done"] = len(rows)
     out["step_s"] = [r.get("perf/step_s") for r in rows]
-    timed = rows[1:] or rows
+    timed = [r for i, r in enumerate(rows[1:], start=2) if i != profiled] or rows[1:] or rows
+    if profiled:
+        out["profiled_step"] = f"step {profiled}: left out of the medians (the profiler slows it)"
     if rows:
         tokens = [r.get("response/length_mean", 0) * r.get("batch/sequences", 0) for r in timed]
         out["sequences_per_step"] = rows[-1].get("batch/sequences")

@@ -58,6 +58,11 @@ def test_summary_of_an_edgerl_run_skips_step_one_and_compares_the_estimate():
     out = bl.summarise_edgerl({"status": "ok", "rows": rows, "memory_end": {"outside_allocator_gib": 1.0}}, plan_json)
     assert out["median_step_s"] == 2.5 and out["tokens_per_s"] == pytest.approx(16 * 256 / 2.5)
     assert out["peak_reserved_gib"] == 7.0 and out["measured_gib"] == 8.0 and out["estimate_error"] == 0.0
+    # a profiled step is left out of the medians (its time is the profiler's too), its peaks are not
+    rows = [dict(r) for r in rows] + [{**rows[1], "step": 4, "perf/step_s": 2.2}]
+    out = bl.summarise_edgerl({"status": "ok", "rows": rows}, plan_json, profiled=3)
+    assert out["median_step_s"] == pytest.approx(2.1) and "step 3" in out["profiled_step"]
+    assert out["peak_reserved_gib"] == 7.0
 
 
 def test_frontier_items_and_the_resume_verdicts():
