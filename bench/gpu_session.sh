@@ -32,8 +32,9 @@
 # run.profile_step=3: the step's profile table comes back in logs.tar.gz); OPTIM_PARAMS: optim's size (M); TESTS_K: -k of tests-optim
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
-#   rollout-bf16 240  bench_rollout's bf16 configs only, the main variants (ROLLOUT_VARIANTS), HF generate's own
-#                   agreement as the bar
+#   rollout-bf16 240  bench_rollout's bf16 configs only, the main variants (ROLLOUT_VARIANTS; default: HF generate,
+#                   the plain graph, compiled with SDPA and with the Triton attention the plan picks), HF
+#                   generate's own agreement as the bar
 #   edgerl-17b 200  bench_vs_trl 1.7b-bf16, edgerl's side only at FRONTIER_17B GiB (default 18.46: TRL's memory
 #                   measured in section 10.2 of docs/benchmarks.md), no TRL run
 #   recheck 420    edgerl's QLoRA runs, the 362M frontier at given budgets (FRONTIER) and four memory checks
@@ -92,7 +93,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         kernels-bf16) echo "python3 bench/bench_logprobs.py --dtypes bf16 --out $OUT/bench_logprobs_bf16$x.json" ;;
         kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;
         rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
-        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_bmm,graph_fused_compile} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
+        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_sdpa_compile,graph_fused_triton_compile} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
         fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
         *) return 1 ;;

@@ -210,8 +210,10 @@ def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tu
     if dev.cc < (8, 0):
         return "sdpa", (f"{dev.sm}: FlashAttention-2 needs sm_80; SDPA's memory-efficient backend serves "
                         f"{dtype.compute} from sm_50 and never materialises the score matrix")
-    backends = (f"SDPA's own flash backend serves {dtype.compute} batches without padding and its memory-efficient "
-                f"one those with (cuDNN's is switched off: {CUDNN_SDPA_SETUP})")
+    backends = ((f"SDPA's own flash backend serves {dtype.compute} batches without padding and its memory-efficient "
+                 "one those with" if half else
+                 f"SDPA's memory-efficient backend serves {dtype.compute} (its flash backend takes 16 bits only)")
+                + f"; cuDNN's SDPA backend is switched off: {CUDNN_SDPA_SETUP}")
     if possible:
         return "sdpa", (f"{dev.sm}: flash_attn {dev.software.version('flash_attn')} is installed but its builds for "
                         "Blackwell are not known to this table (--set plan.attention=flash_attention_2 to try it); "

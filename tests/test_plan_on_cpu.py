@@ -106,7 +106,7 @@ def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():
     import torch
     from edgerl.session import apply_switches
     p = plan(fake_probe("H100").primary, CATALOGUE["qwen2.5-0.5b"], SMALL)
-    assert p.attention == "sdpa" and "cuDNN's is switched off" in p.reasons["attention"]
+    assert p.attention == "sdpa" and "cuDNN's SDPA backend is switched off" in p.reasons["attention"]
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)

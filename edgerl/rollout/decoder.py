@@ -157,10 +157,10 @@ class StaticDecoder:
     (see `projections.py`). attention: how a decode step attends, 'bmm' (baddbmm, softmax, bmm: plain
     kernels every GPU has), 'sdpa' (one scaled_dot_product_attention call, its fused kernel where the
     device has one), 'triton' (edgerl's decode-attention kernel, `kernels/decode_attention.py`: reads
-    only the columns each row sees; CUDA CC >= 7.0 with triton) or 'auto': bmm in fp32, sdpa in 16 bits. A 16-bit baddbmm rounds the scores to 16
-    bits before the softmax, where HF's SDPA forward (what training runs) keeps them in fp32: measured on
-    the H200 in bf16 (docs/benchmarks.md), bmm agreed with HF's argmax on 54-60% of tokens, sdpa on
-    76-83%, as HF generate itself does (83-87%)."""
+    only the columns each row sees; CUDA CC >= 7.0 with triton) or 'auto': bmm in fp32, sdpa in 16
+    bits. A 16-bit baddbmm rounds the scores to 16 bits before the softmax, where HF's SDPA forward
+    (what training runs) keeps them in fp32: measured on the H200 in bf16 (docs/benchmarks.md), bmm
+    agreed with HF's argmax on 54-60% of tokens, sdpa on 76-83%, as HF generate itself does (83-87%)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  projections: str = "auto", attention: str = "auto") -> None:
