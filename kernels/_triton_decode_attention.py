@@ -1,9 +1,11 @@
 """The rollout's decode-step attention as one Triton kernel. Imported only when it runs.
 
 One program per (row, KV head): it loads the G query heads that share the KV head, walks the cached
-columns the row may see, [start[row], col], in blocks of BLOCK_S with an online softmax (fp32 scores,
-running max and sum), and writes the G output heads. The bounds are read from device tensors, so
-the kernel reads only the columns a row needs and a captured CUDA graph replays it at every column.
+columns the row may see, [start[row], col], in blocks of BLOCK columns (`tiles.DECODE_BLOCK_S`) with
+an online softmax (fp32 scores, running max and sum), and writes the G output heads. The bounds are
+read from device tensors, so the kernel reads only the columns a row needs and a captured CUDA graph
+replays it at every column. The launcher picks the pipeline depth that fits the device's shared
+memory (`tiles.decode_attention_stages`).
 SDPA's memory-efficient kernel, which the decode step called before, tiles 64 queries for the one
 token each head has and reads every column of the static cache, masked (docs/benchmarks.md).
 
@@ -16,7 +18,6 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_S = 64
 
 
 @triton.jit

@@ -3,10 +3,13 @@ imported only here. The kernel is registered as a torch custom op, so a torch.co
 calls it as one opaque kernel and a CUDA graph captures it."""
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Optional
 
 import torch
+
+from .tiles import DECODE_BLOCK_S, decode_attention_smem, decode_attention_stages, group_pad
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -16,8 +19,24 @@ def kernel_module():
     return importlib.import_module("._triton_decode_attention", __package__)
 
 
-def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> Optional[str]:
-    """Why the kernel cannot run for this device, head size and dtype, or None if it can."""
+def _smem_limit(device: torch.device) -> int:
+    index = torch.device(device).index
+    return _smem_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def stages_for(device: torch.device, head_dim: int, dtype: torch.dtype, group: int) -> Optional[int]:
+    """The kernel's pipeline depth on this CUDA device (`tiles.decode_attention_stages`), None if even
+    one stage needs more shared memory than a block may have."""
+    return decode_attention_stages(_smem_limit(device), head_dim, dtype.itemsize, group_pad(group))
+
+
+def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, group: int = 1) -> Optional[str]:
+    """Why the kernel cannot run for this device, head size, dtype and query heads per KV head, or None."""
     if not hasattr(torch.library, "custom_op"):
         return f"torch {torch.__version__} has no torch.library.custom_op (torch >= 2.4 has)"
     if dtype not in DTYPES:
@@ -29,7 +48,17 @@ def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) 
     except ImportError as e:
         return f"triton does not import ({e}); install it with `pip install triton`"
     if device.type == "cuda":
-        return "Triton needs CC >= 7.0" if torch.cuda.get_device_capability(device) < (7, 0) else None
+        cc = torch.cuda.get_device_capability(device)
+        if cc < (7, 0):
+            return "Triton needs CC >= 7.0"
+        if dtype == torch.bfloat16 and cc < (8, 0):
+            return "bf16 products need CC >= 8.0"
+        if stages_for(device, head_dim, dtype, group) is None:
+            need = decode_attention_smem(head_dim, dtype.itemsize, group_pad(group), 1)
+            return (f"its blocks of {DECODE_BLOCK_S} cache columns at head size {head_dim} in {dtype} need "
+                    f"{need // 1024} KB of shared memory per block, more than this GPU's "
+                    f"{_smem_limit(device) // 1024} KB")
+        return None
     if not interpreted:
         return f"tensors are on {device}, not CUDA (TRITON_INTERPRET=1 before import runs Triton's CPU interpreter)"
     return None
@@ -53,10 +82,14 @@ def attention_op():
                 raise ValueError("decode_attention needs contiguous last dimensions of q, k and v")
             B, KVH, G, D = q.shape
             o = torch.empty((B, KVH, G, D), device=q.device, dtype=q.dtype)
+            # the pipeline depth that fits the device's shared memory (the interpreter has none to fit)
+            stages = 1 if mod.INTERPRETED else stages_for(q.device, D, q.dtype, G)
+            if stages is None:
+                raise ValueError(f"decode_attention: {unavailable_reason(q.device, D, q.dtype, G)}")
             mod.decode_attention_kernel[(B * KVH,)](
                 q, k, v, o, start, col, scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                KVH=KVH, G=G, GP=max(16, 1 << (G - 1).bit_length()), D=D, BLOCK=mod.BLOCK_S,
-                IEEE=q.dtype == torch.float32, UPCAST=mod.INTERPRETED and q.dtype != torch.float32)
+                KVH=KVH, G=G, GP=group_pad(G), D=D, BLOCK=DECODE_BLOCK_S, IEEE=q.dtype == torch.float32,
+                UPCAST=mod.INTERPRETED and q.dtype != torch.float32, num_stages=stages)
             return o
 
         @decode_attention_op.register_fake

@@ -163,3 +163,34 @@ def choose_chunk(n_tokens: int, vocab: int, budget_bytes: int, *, bytes_per_logi
     if budget_bytes < 1 or bytes_per_logit < 1:
         raise ValueError(f"budget_bytes={budget_bytes}, bytes_per_logit={bytes_per_logit}: both must be >= 1")
     return max(1, min(n_tokens, budget_bytes // (vocab * bytes_per_logit)))
+
+
+# ---- the decode-step attention kernel (kernels/_triton_decode_attention.py) ---------------------------------
+
+DECODE_BLOCK_S = 64   # cache columns per loop iteration
+
+
+def decode_attention_smem(head_dim: int, dtype_bytes: int, group_pad: int, num_stages: int) -> int:
+    """Shared memory (bytes) one program of the decode-attention kernel needs, an upper bound: the
+    pipelined loop's K and V blocks (DECODE_BLOCK_S x head_dim each; Triton keeps num_stages - 1 pairs
+    on sm_80-sm_90 for this kernel's mma, one K block without pipelining), and the query tile and the
+    softmax weights' layout conversion ((group_pad + 32) x head_dim) with 4 KB to spare.
+    tests/test_tiles_on_cpu.py compiles the kernel for sm_80/86/90 and checks Triton's own figure
+    against this one."""
+    block = DECODE_BLOCK_S * head_dim * dtype_bytes
+    buffers = 2 * (num_stages - 1) if num_stages >= 2 else 1
+    return buffers * block + (group_pad + 32) * head_dim * dtype_bytes + 4096
+
+
+def decode_attention_stages(smem_per_block_optin: int, head_dim: int, dtype_bytes: int,
+                            group_pad: int) -> int | None:
+    """The deepest pipeline (3, 2 or 1 stages) whose shared memory fits the device, or None."""
+    for stages in (3, 2, 1):
+        if decode_attention_smem(head_dim, dtype_bytes, group_pad, stages) <= smem_per_block_optin:
+            return stages
+    return None
+
+
+def group_pad(group: int) -> int:
+    """Query heads per KV head padded to a power of two >= 16 (tl.dot's least size)."""
+    return max(16, _next_pow2(group))

@@ -102,6 +102,17 @@ def test_decode_attention_needs_a_power_of_two_head_size():
     assert p.decode_attention == "sdpa" and "head size 96 is not a power of two" in p.reasons["decode_attention"]
 
 
+def test_decode_attention_kernel_must_fit_the_shared_memory():
+    """fp32 blocks at head size 256 do not fit an sm_86 block's 99 KB at any pipeline depth: forcing the
+    kernel there is refused at planning time, not at the first decode step; on an H100 it fits."""
+    wide = dataclasses.replace(CATALOGUE["qwen2.5-0.5b"], head_dim=256)
+    forced = {"dtype": "fp32", "decode_attention": "triton"}
+    with pytest.raises(PlanError, match="needs more shared memory per block than this GPU's 99 KB"):
+        plan(fake_probe("3090").primary, wide, SMALL, forced)
+    assert plan(fake_probe("H100").primary, wide, SMALL, forced).decode_attention == "triton"
+    assert plan(fake_probe("3090").primary, wide, SMALL).decode_attention == "triton"   # bf16 fits there
+
+
 def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():
     import torch
     from edgerl.session import apply_switches

@@ -94,10 +94,10 @@ def test_choose_chunk_bounds_the_temporaries():
             assert (c + 1) * v * bpl > budget
 
 
-def _compile_shared(configs):
+def _compile_shared(configs, *mode):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "triton_compile_smem.py"), json.dumps(configs)],
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "triton_compile_smem.py"), *mode, json.dumps(configs)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -124,3 +124,32 @@ def test_estimate_bounds_what_triton_allocates_when_compiling_the_kernels():
             # for bf16 on sm_90, where the wgmma pipeline allocates all num_stages buffers.
             if cc == 90 and dt == "bf16":
                 assert t.smem_bytes <= 2 * got[kernel], (cc, dt, t, got)
+
+
+# (cc, shared memory per block, opt-in): A100, A10/3090 (sm_86; sm_89 compiles to the same sizes), H100/H200
+DECODE_TARGETS = ((80, 166912), (86, 101376), (90, 232448))
+
+
+def test_decode_attention_stages_fit_what_triton_allocates():
+    """The decode-attention kernel compiled for real targets with the pipeline depth the launcher picks
+    for each head size, dtype and group: Triton's metadata.shared fits under the estimate, which fits
+    under the target's shared memory; where no depth fits, the launcher refuses (a forced fp32 kernel at
+    head size 256 on sm_86) rather than fail at the first decode step."""
+    from edgerl.kernels.tiles import decode_attention_smem, decode_attention_stages, group_pad
+    cases = []
+    # 16-bit at every head size (fp16 compiles to bf16's sizes), fp32 (forced) at the large ones; groups
+    # of 7 (Qwen2.5) and 20 (padded to 32)
+    shapes = [("bf16", 2, 64, 7), ("bf16", 2, 128, 7), ("bf16", 2, 256, 20), ("fp32", 4, 128, 20), ("fp32", 4, 256, 7)]
+    for cc, smem in DECODE_TARGETS:
+        for dtype, elt, head_dim, group in shapes:
+            stages = decode_attention_stages(smem, head_dim, elt, group_pad(group))
+            if stages is None:
+                assert (cc, dtype, head_dim) == (86, "fp32", 256)
+                continue
+            cases.append((cc, smem, dtype, elt, head_dim, group, stages))
+    assert {c[6] for c in cases if c[0] == 90 and c[2] == "bf16" and c[4] <= 128} == {3}   # as measured on the H200
+    assert any(c[6] < 3 for c in cases if c[0] == 86)   # a smaller depth where the big one does not fit
+    got = _compile_shared([[cc, dtype, hd, group, stages] for cc, _, dtype, _, hd, group, stages in cases], "decode")
+    for (cc, smem, dtype, elt, head_dim, group, stages), shared in zip(cases, got):
+        estimate = decode_attention_smem(head_dim, elt, group_pad(group), stages)
+        assert 0 < shared <= estimate <= smem, (cc, dtype, head_dim, group, stages, shared, estimate)

@@ -211,7 +211,7 @@ class StaticDecoder:
         self.attend = None
         if attention == "triton":
             from ..kernels.decode_attention import attention_op, unavailable_reason
-            why = unavailable_reason(self.device, self.head_dim, self.dtype)
+            why = unavailable_reason(self.device, self.head_dim, self.dtype, self.group)
             if why:
                 raise ValueError(f"decode attention 'triton' cannot run here: {why}; use 'sdpa' or 'bmm'")
             self.attend = attention_op()   # the op itself: a compiled layer calls it without a module lookup
