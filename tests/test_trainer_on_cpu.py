@@ -227,3 +227,12 @@ def test_a_negative_profile_step_is_refused(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match=r"run.profile_step"):
         make_trainer(tiny_llama, tmp_path / "run", "run.profile_step=-1")
     assert not (tmp_path / "run").exists()
+
+
+def test_prepare_applies_the_plans_torch_switches(tiny_llama, tmp_path, monkeypatch):
+    """session.prepare sets the plan's process-wide switches (cuDNN's SDPA off on CUDA) for every run."""
+    from edgerl import session
+    seen = []
+    monkeypatch.setattr(session, "apply_switches", lambda plan, device: seen.append((plan.attention, device.type)))
+    make_trainer(tiny_llama, tmp_path / "run", "train.steps=1")
+    assert seen == [("sdpa", "cpu")]
