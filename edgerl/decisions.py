@@ -348,7 +348,7 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
     (kernels/decode_attention.py: one program per row and KV head, reading only the columns that row
     sees) in 16 bits from CC 8.0 with triton (Triton's README supports 8.0 and up; measured on sm_90);
     else SDPA in 16 bits and baddbmm/softmax/bmm in fp32, where the fp32 scores are HF's own."""
-    from .kernels.tiles import decode_attention_stages, group_pad  # pure: no torch or triton import
+    from .kernels.tiles import decode_attention_head_reason, decode_attention_stages, group_pad  # pure
     half = dtype.compute in ("fp16", "bf16")
     head = model.hd
     if not dev.is_cuda:
@@ -357,8 +357,8 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
         why_not = f"{dev.sm}: Triton supports CC 8.0 and up"
     elif not dev.software.has("triton"):
         why_not = "triton is not installed"
-    elif head & (head - 1) or not 16 <= head <= 256:
-        why_not = f"head size {head} is not a power of two in [16, 256]"
+    elif head_why := decode_attention_head_reason(head):
+        why_not = head_why
     elif decode_attention_stages(dev.smem_per_block_optin, head, 2 if half else 4,
                                  group_pad(model.num_heads // model.num_kv_heads)) is None:
         why_not = (f"head size {head} in {dtype.compute} needs more shared memory per block than this GPU's "

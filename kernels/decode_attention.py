@@ -3,13 +3,14 @@ imported only here. The kernel is registered as a torch custom op, so a torch.co
 calls it as one opaque kernel and a CUDA graph captures it."""
 from __future__ import annotations
 
-import functools
 import importlib
 from typing import Optional
 
 import torch
 
-from .tiles import DECODE_BLOCK_S, decode_attention_smem, decode_attention_stages, group_pad
+from .tiles import (DECODE_BLOCK_S, decode_attention_head_reason, decode_attention_smem, decode_attention_stages,
+                    group_pad)
+from .triton_impl import _device_limits
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -20,13 +21,8 @@ def kernel_module():
 
 
 def _smem_limit(device: torch.device) -> int:
-    index = torch.device(device).index
-    return _smem_of(torch.cuda.current_device() if index is None else index)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    """Shared memory per block (opt-in) of a CUDA device, as the log-prob launchers read it."""
+    return _device_limits(torch.device(device))[0]
 
 
 def stages_for(device: torch.device, head_dim: int, dtype: torch.dtype, group: int) -> Optional[int]:
@@ -41,8 +37,8 @@ def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, 
         return f"torch {torch.__version__} has no torch.library.custom_op (torch >= 2.4 has)"
     if dtype not in DTYPES:
         return f"{dtype} is not one of the kernel's dtypes (bf16, fp16, fp32)"
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        return f"head size {head_dim} is not a power of two in [16, 256]"
+    if (why := decode_attention_head_reason(head_dim)) is not None:
+        return why
     try:
         interpreted = kernel_module().INTERPRETED
     except ImportError as e:

@@ -170,6 +170,13 @@ def choose_chunk(n_tokens: int, vocab: int, budget_bytes: int, *, bytes_per_logi
 DECODE_BLOCK_S = 64   # cache columns per loop iteration
 
 
+def decode_attention_head_reason(head_dim: int) -> str | None:
+    """Why the kernel cannot take this head size (tl.arange needs a power of two), or None."""
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"head size {head_dim} is not a power of two in [16, 256]"
+    return None
+
+
 def decode_attention_smem(head_dim: int, dtype_bytes: int, group_pad: int, num_stages: int) -> int:
     """Shared memory (bytes) one program of the decode-attention kernel needs, an upper bound: the
     pipelined loop's K and V blocks (DECODE_BLOCK_S x head_dim each; Triton keeps num_stages - 1 pairs
