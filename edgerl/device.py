@@ -139,6 +139,7 @@ class Device:
     fp16_native: bool = True                   # false on sm_50/sm_52: no fp16 arithmetic units at all
     integrated: bool = False                   # shares memory with the host (Jetson)
     memory_bandwidth_gbs: Optional[float] = None
+    fp32_tflops: Optional[float] = None        # fp32 (CUDA-core) matmul rate from the profile's datasheet row
     pcie_gen: Optional[int] = None
     pcie_gen_max: Optional[int] = None
     pcie_width: Optional[int] = None

@@ -193,6 +193,6 @@ def device_from_profile(p: Profile, software: Software, host_memory: int) -> Dev
     dev = gpu_from_capability(
         p.display, p.cc, p.memory_bytes, host_memory, software, sm_count=p.sm_count,
         smem_per_block_optin=p.smem_per_block_optin, tensor_cores=p.tensor_cores,
-        memory_bandwidth_gbs=p.memory_bandwidth_gbs, integrated=p.integrated or None,
+        memory_bandwidth_gbs=p.memory_bandwidth_gbs, fp32_tflops=p.fp32_tflops, integrated=p.integrated or None,
         pcie_gen=p.pcie_gen, pcie_gen_max=p.pcie_gen, pcie_width=p.pcie_width, pcie_width_max=p.pcie_width)
     return replace(dev, source="profile", profile=p.name, note=f"profile {p.name}: {p.summary()}")

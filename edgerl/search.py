@@ -29,32 +29,89 @@ class Found:
     setting: Setting
     memory: MemoryEstimate
     stage: str
+    micro: Optional["MicroCost"] = None    # how micro-batches were costed (None: per halving)
 
 
-def candidates(stages: list[Stage], mini: int, forced_mb: Optional[int]) -> list[tuple[Stage, int, bool]]:
+def candidates(stages: list[Stage], mini: int, forced_mb: Optional[int],
+               micro: Optional["MicroCost"] = None) -> list[tuple[Stage, int, bool]]:
     """(stage, micro-batch, last resort) in order of their estimated slowdown (moves.STAGE_COST): the
-    first that fits is the fastest setting that fits. Micro-batches below 4 sequences leave the GPU
-    idle, so they are tried only in the most frugal stage."""
+    first that fits is the fastest setting that fits. Without `micro` each halving of the micro-batch
+    costs MICRO_HALVING_COST and micro-batches below 4 sequences, which leave the GPU idle, are tried
+    only in the most frugal stage. With it (an fp32 update on a card whose rates are known) a
+    micro-batch costs its extra micro-steps' fixed time, and any that fills the GPU may come first."""
     small = min(mini, 4)
     out = []
     for i, st in enumerate(stages):
         last = i == len(stages) - 1
         for mb in ([forced_mb] if forced_mb else divisors_desc(mini)):
-            if mb < small and not last and not forced_mb:
+            idle = mb < small and not (micro and micro.fills(mb))
+            if idle and not last and not forced_mb:
                 break
-            halvings = math.log2(mini / mb)
-            out.append((st.cost() + MICRO_HALVING_COST * halvings + (1.0 if mb < small else 0.0), i, mb, st))
+            slower = micro.cost(mini, mb) if micro else MICRO_HALVING_COST * math.log2(mini / mb)
+            out.append((st.cost() + slower + (1.0 if idle else 0.0), i, mb, st))
     return [(st, mb, i == len(stages) - 1) for _, i, mb, st in sorted(out, key=lambda c: c[:3])]
+
+
+# One micro-step's fixed time beside its matmuls: host launches of eager PyTorch (forward and backward,
+# some 60 kernels of ~8 us per layer) and, over a quantized base, dequantizing every weight to the
+# compute dtype once in the forward and once in the backward (written, then read by the matmul).
+LAUNCH_S_PER_LAYER = 0.5e-3
+# The update's share of a step, the scale of moves.STAGE_COST (checkpointing's 0.17 is a third of it)
+UPDATE_SHARE = 0.5
+QUANT_CODE_BYTES = {"nf4": 0.5, "int8": 1.0}   # read per weight when dequantizing (scales left out)
+TILE = 128          # rows and columns of one matmul tile (cuBLAS's large fp32 tiles)
+FILL_WAVES = 2      # tiles per SM below which a micro-batch's matmuls leave SMs idle
+
+
+@dataclass(frozen=True)
+class MicroCost:
+    """What a micro-batch costs an fp32 update, from the card's fp32 rate and bandwidth: one more
+    micro-step's fixed time as a share of a step (`per_step`), and the tokens and width that decide
+    whether its matmuls fill the GPU."""
+    per_step: float
+    tokens_per_sequence: int
+    hidden: int
+    sm_count: int
+    tflops: float
+    bandwidth_gbs: float
+
+    def cost(self, mini: int, mb: int) -> float:
+        return (mini // mb - 1) * self.per_step
+
+    def fills(self, mb: int) -> bool:
+        tiles = math.ceil(mb * self.tokens_per_sequence / TILE) * math.ceil(self.hidden / TILE)
+        return tiles >= FILL_WAVES * self.sm_count
+
+
+def micro_cost(device: Device, model: ModelSpec, task: Task, s: Setting) -> Optional[MicroCost]:
+    """MicroCost for an fp32 update on a CUDA card whose fp32 rate, bandwidth and SM count are known
+    (its profile, or `edgerl doctor --bench`); None otherwise (MICRO_HALVING_COST per halving). In
+    16 bits tensor cores make the matmuls several times faster than any table here says."""
+    measured = device.measured
+    flops = (measured.fp32_tflops if measured else None) or device.fp32_tflops
+    bandwidth = (measured.memory_gbs if measured else None) or device.memory_bandwidth_gbs
+    if not device.is_cuda or s.compute_bytes != 4 or not flops or not bandwidth or not device.sm_count:
+        return None
+    params, tokens = model.n_params(), task.prompt_len + task.response_len
+    # forward and backward: 2 + 4 flops per weight and token, 2 + 2 where the base is frozen (LoRA)
+    compute = (4 if s.lora_params else 6) * params * task.local_mini * tokens / (flops * 1e12)
+    fixed = model.num_layers * LAUNCH_S_PER_LAYER
+    if not s.lora_params:   # full fine-tuning: each micro-step adds its fp32 gradients into .grad
+        fixed += params * 3 * 4 / (bandwidth * 1e9)
+    if s.base_quant:
+        fixed += 2 * params * (2 * s.compute_bytes + QUANT_CODE_BYTES[s.base_quant]) / (bandwidth * 1e9)
+    return MicroCost(UPDATE_SHARE * fixed / compute, tokens, model.hidden_size, device.sm_count, flops, bandwidth)
 
 
 HOST_USABLE = 0.8   # of the host's RAM, for offloaded state: the OS, the data and other processes keep the rest
 
 
 def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
-            cal: Calibration, host_memory: int, stages: list[Stage]) -> tuple[Optional[Found], list[str]]:
+            cal: Calibration, host_memory: int, stages: list[Stage],
+            micro: Optional[MicroCost] = None) -> tuple[Optional[Found], list[str]]:
     tried: list[str] = []
     usable = host_memory * HOST_USABLE
-    for stage, mb, _ in candidates(stages, task.local_mini, forced.get("micro_batch")):
+    for stage, mb, _ in candidates(stages, task.local_mini, forced.get("micro_batch"), micro):
         values = stage.knobs()
         if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
             continue
@@ -65,7 +122,7 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
         host = mem.host_needed * task.world_size
         host_ok = host <= usable
         if mem.fits and host_ok:
-            return Found(s, mem, stage.name), tried
+            return Found(s, mem, stage.name, micro), tried
         tried.append(f"{stage.name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
                      + ("" if host_ok else f", host RAM {fmt_bytes(host)} over the {fmt_bytes(int(usable))} usable "
                         f"({HOST_USABLE:.0%} of {fmt_bytes(host_memory)})"))

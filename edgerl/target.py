@@ -53,7 +53,7 @@ def resolve_target(gpu: Optional[str] = None, gpu_spec: Optional[str] = None,
     dev = result.devices[index]
     prof = match_profile(dev)
     if prof is not None:
-        dev = replace(dev, profile=prof.name)
+        dev = replace(dev, profile=prof.name, fp32_tflops=dev.fp32_tflops or prof.fp32_tflops)
     return Target(dev, result, False, prof, index)
 
 
