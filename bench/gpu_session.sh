@@ -84,10 +84,10 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         optim) echo "python3 bench/bench_adamw_bf16.py --device cuda --params ${OPTIM_PARAMS:-1700} --host-params 362 --reps 5 --out $OUT/bench_adamw_bf16$x.json" ;;
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
-        tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py" ;;
+        tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py tests/test_packing_cuda.py 2>&1 | tee $OUT/tests_train$x.log | tail -30" ;;
         tests-optim) echo "python3 -m pytest -q -p no:cacheprovider tests/test_adamw_bf16_cuda.py tests/test_train_cuda.py ${TESTS_K:+-k \"$TESTS_K\"} 2>&1 | tee $OUT/tests_optim$x.log | tail -30" ;;
-        tests) echo "python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -40" ;;
-        checks) echo "timeout -k 5 260 python3 -m pytest -q -p no:cacheprovider -x --timeout 240 tests/test_train_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -30;
+        tests) echo "python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_train_cuda.py tests/test_packing_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -40" ;;
+        checks) echo "timeout -k 5 260 python3 -m pytest -q -p no:cacheprovider -x --timeout 240 tests/test_train_cuda.py tests/test_packing_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -30;
               timeout -k 5 60 python3 -m edgerl.measure --json --pageable --budget 40 > $OUT/measure$x.json;
               python3 bench/bench_rollout.py --reps 2 --budget-s $(( b - 330 )) --out $OUT/bench_rollout$x.json" ;;
         kernels-bf16) echo "python3 bench/bench_logprobs.py --dtypes bf16 --out $OUT/bench_logprobs_bf16$x.json" ;;

@@ -22,6 +22,7 @@ LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout
           "param_offload": "param offload", "optimizer": "optimizer", "lora": "LoRA", "base_dtype": "LoRA base dtype",
           "reward_model_dtype": "reward model dtype", "rollout_resident": "rollout engine resident",
           "micro_batch": "micro-batch", "score_micro_batch": "scoring micro-batch",
+          "share_prompts": "shared prompts",
           "rollout_batch": "rollout batch", "rollout_memory_share": "rollout memory share", "env": "environment"}
 
 

@@ -152,6 +152,8 @@ class PlanOverrides:
     decode_attention: Optional[Literal["sdpa", "bmm", "triton"]] = F(
         None, "how the hf engine's decode step attends over its KV cache: edgerl's Triton kernel (CC >= 8.0), "
         "SDPA, or baddbmm/softmax/bmm")
+    share_prompts: Optional[bool] = F(None, "the trainer's forward passes compute a prompt its samples share once "
+                                      "per micro-batch")
     kernel_backend: Optional[Literal["torch", "triton"]] = F(None, "log-prob kernel backend")
     grad_checkpointing: Optional[bool] = F(None, "recompute activations in the backward pass")
     param_offload: Optional[bool] = F(None, "keep parameters in host memory (FSDP2 CPU offload)")

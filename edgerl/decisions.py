@@ -15,6 +15,7 @@ from .device import GiB, MiB, Device
 from .dtypes import nbytes
 from .errors import PlanError
 from .modelspec import ModelSpec
+from .task import Task
 
 
 @dataclass(frozen=True)
@@ -411,6 +412,36 @@ def pick_nf4_kernel(dev: Device, dtype: DtypePolicy, base: Optional[str], engine
     return True, (f"one kernel reads the 4-bit codes once for up to {NF4_KERNEL_ROWS} rows (bitsandbytes writes and "
                   f"reads an fp32 copy of each weight): measured {NF4_KERNEL_GAIN}; compiled for this GPU with "
                   "NVRTC when training starts; plan.nf4_kernel=false turns it off")
+
+
+PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention keywords on (tests/test_packing_on_cpu.py)
+
+
+def pick_share_prompts(attention: str, model: ModelSpec, task: Task, micro_batch: int, score_micro_batch: int,
+                       forced: Optional[bool]) -> tuple[bool, str]:
+    """Whether the trainer's forward passes compute each distinct prompt of a micro-batch once
+    (`edgerl.packing`): a GRPO group's samples share their prompt."""
+    hard = ""
+    if attention != "sdpa":
+        hard = f"attention {attention}: packing runs through SDPA"
+    elif model.model_type not in PACKED_TYPES:
+        hard = f"{model.model_type} is not one of the checked decoders ({', '.join(PACKED_TYPES)})"
+    elif model.sliding_window:
+        hard = "the model attends through a sliding window"
+    asked = _asked("share_prompts", forced, hard)
+    if asked:
+        return asked
+    W, R = task.prompt_len, task.response_len
+
+    def saved(m: int) -> str:
+        n = min(task.samples_per_prompt, m)
+        return f"{1.0 - (W + n * R) / (n * (W + R)):.0%} with {n} per micro-batch" if n > 1 else "none"
+
+    if hard or min(task.samples_per_prompt, max(micro_batch, score_micro_batch)) < 2:
+        return False, f"every row holds its own prompt: {hard or 'no two samples of a prompt share a micro-batch'}"
+    return True, (f"a micro-batch computes each prompt once for its samples, which attend to its keys; tokens saved "
+                  f"per forward at {W} + {R} tokens: scoring {saved(score_micro_batch)}, update {saved(micro_batch)}; "
+                  "plan.share_prompts=false turns it off")
 
 
 def pick_kernels(dev: Device, dtype: DtypePolicy, model: ModelSpec,

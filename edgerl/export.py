@@ -21,7 +21,7 @@ def pinned_config(cfg: Config, p: Plan, profile: Optional[str]) -> Config:
     po = dataclasses.replace(
         cfg.plan, dtype=p.dtype.compute, attention=p.attention, rollout_engine=p.rollout_engine,
         cuda_graphs=p.cuda_graphs, rollout_compile=p.rollout_compile, decode_attention=p.decode_attention,
-        nf4_kernel=p.nf4_kernel,
+        nf4_kernel=p.nf4_kernel, share_prompts=p.share_prompts,
         kernel_backend=p.kernel_backend,
         grad_checkpointing=p.grad_checkpointing,
         param_offload=p.param_offload, optimizer_offload=p.optimizer_offload, optimizer=p.optimizer,

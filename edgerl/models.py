@@ -29,6 +29,7 @@ from torch import nn
 from .errors import ModelError
 from .dtypes import torch_dtype, with_dtype
 from .kernels import Tiles, token_logprobs_and_entropy
+from .packing import install, pack, packed_index, plan_layout
 from .memory import fmt_bytes
 from .plan import Plan
 
@@ -99,14 +100,24 @@ class PolicyHead(nn.Module):
         self.backend = plan.kernel_backend
         self.chunk = plan.logprob_chunk
         self.tiles = Tiles(**plan.kernel_tiles) if plan.kernel_tiles else None
+        self.share_prompts = plan.share_prompts
+        if self.share_prompts:
+            install()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
                 start: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, attention_mask: (B, L); targets (B, T) are input_ids[:, start + 1 : start + 1 + T].
         Returns log-probs and entropy (B, T) in fp32 for the positions predicting `targets`."""
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: count from the first token
-        out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
-        hidden = out.last_hidden_state[:, start:start + targets.shape[1]]
+        lay = plan_layout(input_ids, attention_mask, start + 1) if self.share_prompts else None
+        if lay is None:
+            out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+            hidden = out.last_hidden_state[:, start:start + targets.shape[1]]
+        else:   # each distinct prompt once (edgerl/packing.py)
+            out = self.lm.model(input_ids=pack(lay, input_ids), attention_mask=lay.sentinel,
+                                position_ids=pack(lay, pos), use_cache=False, edgerl_layout=lay)
+            where = packed_index(lay, input_ids.device)[:, start:start + targets.shape[1]]
+            hidden = out.last_hidden_state[0][where]
         logp, ent = token_logprobs_and_entropy(hidden, self.lm.lm_head.weight, targets, temperature,
                                                backend=self.backend, chunk=self.chunk, tiles=self.tiles)
         return logp.clone(), ent.clone()  # FSDP2 hooks the outputs' backward; views would lose the hook

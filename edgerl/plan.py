@@ -14,7 +14,7 @@ from typing import Any, Optional
 from .decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_support, bnb_support, choose_logprob_chunk,
                         quant_support, logit_bytes, lora_targets, optimizer_reason,
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
-                        pick_decode_attention, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout,
+                        pick_decode_attention, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout, pick_share_prompts,
                         pick_rollout_compile,
                         rollout_share_reason, transfer_note)
 from .device import GiB, Device
@@ -22,8 +22,8 @@ from .dtypes import nbytes
 from .errors import ModelSpecError, PlanError
 from .memory import DEFAULT_CALIBRATION, OPTIMIZERS, Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
 from .modelspec import ModelSpec
-from .moves import STAGES, TASK_MOVES, stages_for
-from .search import Config, Found, configs, search
+from .moves import STAGE_COST, STAGES, TASK_MOVES, stages_for
+from .search import Config, Found, configs, micro_cost, search
 from .task import Task
 
 
@@ -39,6 +39,7 @@ class Plan:
     rollout_compile: bool                # the hf engine's decode step compiled (torch.compile)
     decode_attention: str                # how the hf engine's decode step attends: triton, sdpa or bmm
     nf4_kernel: bool                     # the decode step's NF4 matmuls through edgerl's fused kernel
+    share_prompts: bool                  # a micro-batch's forward computes each distinct prompt once
     kernel_backend: str
     kernel_tiles: Optional[dict[str, Any]]
     logprob_chunk: int
@@ -64,7 +65,7 @@ class Plan:
                  "nf4_kernel",
                  "kernel_backend", "kernel_tiles", "logprob_chunk", "grad_checkpointing", "swap_models",
                  "optimizer_offload", "param_offload", "optimizer", "lora", "base_dtype", "reward_model_dtype",
-                 "micro_batch", "score_micro_batch", "rollout_batch", "rollout_resident", "rollout_memory_share",
+                 "micro_batch", "score_micro_batch", "share_prompts", "rollout_batch", "rollout_resident", "rollout_memory_share",
                  "env")
 
     def value(self, key: str) -> Any:
@@ -175,7 +176,9 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     for config in configs(device, task, base_dtype, bool(o.get("base_dtype"))):
         bf16_ok = bf16_state_support(device, config.lora)[0]
         stages = stages_for(forced_opt, bnb_ok, bf16_ok, config.param_offload, forced["rollout_resident"])
-        found, tried = search(model, task, setting(config), budget, forced, calibration, host, stages)
+        base = setting(config)
+        found, tried = search(model, task, base, budget, forced, calibration, host, stages,
+                              micro_cost(device, model, task, base))
         attempts.append((config, found, tried))
         if found:
             break
@@ -216,6 +219,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     decode_attention, reasons["decode_attention"] = pick_decode_attention(device, dtype, model, engine,
                                                                           o.get("decode_attention"))
     fused_nf4, reasons["nf4_kernel"] = pick_nf4_kernel(device, dtype, base, engine, o.get("nf4_kernel"))
+    packed, reasons["share_prompts"] = pick_share_prompts(attention, model, task, s.micro_batch, s.score_micro_batch,
+                                                          o.get("share_prompts"))
     env, reasons["env"] = pick_env(device)
     lora_info = None
     if use_lora:
@@ -223,7 +228,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
                      "params": lora_params}
     return Plan(device=device, model=model, task=task, dtype=dtype, attention=attention, rollout_engine=engine,
                 cuda_graphs=graphs, rollout_compile=compiled, decode_attention=decode_attention,
-                nf4_kernel=fused_nf4, kernel_backend=backend,
+                nf4_kernel=fused_nf4, share_prompts=packed, kernel_backend=backend,
                 kernel_tiles=tiles, logprob_chunk=chunk,
                 grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
                 optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,
@@ -277,8 +282,15 @@ def _memory_reasons(reasons: dict[str, str], found: Found, task: Task, device: D
     budget = fmt_bytes(mem.budget)
     fits = f"estimate {fmt_bytes(mem.total)} (peak in {mem.peak_phase}) of a {budget} budget"
     first = found.stage in (STAGES[0].name, STAGES[1].name)
-    reasons["grad_checkpointing"] = (f"not needed: {fits}" if not s.grad_checkpointing else
-                                     f"on: without it the update does not fit with a useful micro-batch; {fits}")
+    micro = found.micro
+    split = micro is not None and s.micro_batch < task.local_mini
+    if s.grad_checkpointing:
+        reasons["grad_checkpointing"] = f"on: without it the update does not fit with a useful micro-batch; {fits}"
+    elif split:
+        reasons["grad_checkpointing"] = (f"off: micro-batches of {s.micro_batch} cost less here than recomputing "
+                                         f"the forward (~{STAGE_COST['grad_checkpointing']:.0%} of a step); {fits}")
+    else:
+        reasons["grad_checkpointing"] = f"not needed: {fits}"
     ref_bytes = model.n_params() * s.compute_bytes if s.reference else 0
     state_bytes = (lora_params or model.n_params()) * OPTIMIZERS[s.optimizer].state
     where = "on the GPU" if device.is_cuda else "in memory"   # the CPU has no device memory apart from the host's
@@ -292,8 +304,17 @@ def _memory_reasons(reasons: dict[str, str], found: Found, task: Task, device: D
                                 f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
                                 "layers stream over PCIe (slow, but it fits)" + transfer_note(device, mem.host_needed))
     per_gpu = " per GPU" if task.world_size > 1 else ""
-    reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
-                              f"mini-batch ({task.local_mini}{per_gpu}) that fits" + ("" if first else f" after {found.stage}"))
+    if micro is not None:
+        reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward{per_gpu}: each micro-step "
+                                  f"beyond the first adds ~{micro.per_step:.1%} of a step on this card (launches"
+                                  + (", dequantizing the base" if s.base_quant else "")
+                                  + f" against fp32 matmuls at its {micro.tflops:g} TFLOP/s and "
+                                  f"{micro.bandwidth_gbs:g} GB/s); the setting with the smallest estimated "
+                                  f"slowdown that fits" + ("" if first else f": {found.stage}"))
+    else:
+        reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
+                                  f"mini-batch ({task.local_mini}{per_gpu}) that fits"
+                                  + ("" if first else f" after {found.stage}"))
     kept = sum(mem.phases["update"].get(k, 0) for k in ("generation weights", "KV cache", "graph pool"))
     held = ("KV cache and CUDA graphs (the weights are the actor's own)" if s.rollout_from_actor
             else "weights, KV cache and CUDA graphs")

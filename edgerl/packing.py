@@ -1,0 +1,131 @@
+"""Shared prompts: a micro-batch's forward computes each distinct prompt once.
+
+A GRPO group's samples share their prompt, so a micro-batch of B rows (prompt width W, response
+width R) holds G <= B distinct prompts. Packed, the forward runs on one row of G*W + B*R tokens
+instead of B*(W+R): every projection and MLP sees each prompt token once. Attention keeps its
+per-sequence meaning: each prompt attends causally within itself; each response attends to its
+group's prompt keys, then causally to its own. The answer is the unpacked forward's, up to rounding:
+`tests/test_packing_on_cpu.py` checks log-probs and gradients against it.
+
+HF models route attention through `AttentionInterface`: `install()` registers a wrapper under
+"sdpa" that attends packed rows (which carry an `edgerl_layout` keyword) and hands every other call
+to the original SDPA function unchanged. A packed forward passes `Layout.sentinel` as its 4-D
+attention mask, which HF passes through as it is; a model whose layers do not hand the keyword on
+to attention would reach the wrapper with the sentinel and no layout, and that is an error, never a
+silently wrong answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+_ORIGINAL = {}
+
+
+@dataclass
+class Layout:
+    """Where a packed row's tokens come from. Row i of the micro-batch is group `group_of[i]`'s prompt
+    (packed at [g*W, (g+1)*W)) followed by its own response (at [G*W + i*R, G*W + (i+1)*R))."""
+    groups: int
+    width: int                   # prompt columns W (left-padded)
+    rows: int                    # B
+    resp: int                    # response columns R
+    group_of: torch.Tensor       # (B,) long
+    prompt_keys: torch.Tensor    # (G, W) bool: real prompt tokens
+    resp_keys: torch.Tensor      # (B, R) bool: real response tokens
+    sentinel: torch.Tensor       # (1, 1, 1, 1): the 4-D mask a packed forward passes
+
+    @property
+    def tokens(self) -> int:
+        return self.groups * self.width + self.rows * self.resp
+
+
+def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> Optional[Layout]:
+    """The layout of rows (B, W + R) whose first `width` columns are the prompt; None when no two rows
+    share a prompt (packing would save nothing)."""
+    B = input_ids.shape[0]
+    key = torch.cat([input_ids[:, :width], attention_mask[:, :width].to(input_ids.dtype)], 1)
+    uniq, group_of = torch.unique(key, dim=0, return_inverse=True)
+    G = uniq.shape[0]
+    if G == B:
+        return None
+    first = torch.full((G,), B, dtype=torch.long, device=input_ids.device)
+    first.scatter_reduce_(0, group_of, torch.arange(B, device=input_ids.device), "amin")
+    mask = attention_mask.bool()
+    return Layout(G, width, B, input_ids.shape[1] - width, group_of, mask[first, :width], mask[:, width:],
+                  torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device))
+
+
+def packed_index(lay: Layout, device: torch.device) -> torch.Tensor:
+    """(B, W + R): the packed position of every column of every row."""
+    cols = torch.arange(lay.width + lay.resp, device=device)
+    prompt = lay.group_of[:, None] * lay.width + cols[None, :lay.width]
+    resp = lay.groups * lay.width + torch.arange(lay.rows, device=device)[:, None] * lay.resp + cols[None, :lay.resp]
+    return torch.cat([prompt, resp], 1)
+
+
+def pack(lay: Layout, rows: torch.Tensor) -> torch.Tensor:
+    """(B, W + R, ...) per-row values -> (1, G*W + B*R, ...): each group's prompt once, then the responses."""
+    first = torch.zeros(lay.groups, dtype=torch.long, device=rows.device)
+    first.scatter_(0, lay.group_of, torch.arange(lay.rows, device=rows.device))   # any row of the group
+    return torch.cat([rows[first, :lay.width].flatten(0, 1), rows[:, lay.width:].flatten(0, 1)], 0)[None]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: Optional[float],
+            dropout: float) -> torch.Tensor:
+    if k.shape[1] != q.shape[1]:   # grouped-query attention: each KV head serves q.shape[1] / k.shape[1] heads
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, scale: Optional[float],
+                     dropout: float = 0.0) -> torch.Tensor:
+    """q (1, H, T, D), k and v (1, KVH, T, D) of a packed row -> (1, T, H, D), HF's attention output layout.
+    A padding query sees itself as well, so its (unused) row stays finite, as the rollout's prefill does."""
+    G, W, B, R = lay.groups, lay.width, lay.rows, lay.resp
+    GW, dev = G * W, q.device
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = t[0, :, :GW].unflatten(1, (G, W)).transpose(0, 1)          # (G, h, W, D)
+        r = t[0, :, GW:].unflatten(1, (B, R)).transpose(0, 1)          # (B, h, R, D)
+        return p, r
+
+    (qp, qr), (kp, kr), (vp, vr) = split(q), split(k), split(v)
+    eye_w, eye_r = torch.eye(W, dtype=torch.bool, device=dev), torch.eye(R, dtype=torch.bool, device=dev)
+    causal_w, causal_r = eye_w.new_ones(W, W).tril(), eye_r.new_ones(R, R).tril()
+    allowed_p = (causal_w & lay.prompt_keys[:, None, :]) | eye_w                       # (G, W, W)
+    op = _attend(qp, kp, vp, allowed_p[:, None], scale, dropout)
+    own = (causal_r & lay.resp_keys[:, None, :]) | eye_r                              # (B, R, R)
+    allowed_r = torch.cat([lay.prompt_keys[lay.group_of][:, None, :].expand(B, R, W), own], -1)
+    g = lay.group_of
+    orr = _attend(qr, torch.cat([kp[g], kr], 2), torch.cat([vp[g], vr], 2), allowed_r[:, None], scale, dropout)
+    out = torch.cat([op.transpose(0, 1).flatten(1, 2), orr.transpose(0, 1).flatten(1, 2)], 1)   # (H, T, D)
+    return out.permute(1, 0, 2)[None].contiguous()
+
+
+def _sdpa_or_packed(module, query, key, value, attention_mask, *args, edgerl_layout: Optional[Layout] = None,
+                    **kwargs):
+    if edgerl_layout is None:
+        if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-2:] == (1, 1) \
+                and query.shape[-2] > 1:
+            raise RuntimeError(
+                f"{type(module).__name__} did not hand edgerl's packing layout on to its attention function; "
+                "this model cannot share prompts: set plan.share_prompts=false")
+        return _ORIGINAL["sdpa"](module, query, key, value, attention_mask, *args, **kwargs)
+    dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
+    return packed_attention(query, key, value, edgerl_layout, kwargs.get("scaling"), dropout), None
+
+
+def install() -> None:
+    """Register the packing-aware SDPA function with transformers (once per process). Calls without a
+    layout reach transformers' own SDPA function unchanged."""
+    if "sdpa" in _ORIGINAL:
+        return
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    _ORIGINAL["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    AttentionInterface.register("sdpa", _sdpa_or_packed)
