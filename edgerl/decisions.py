@@ -417,17 +417,22 @@ def pick_nf4_kernel(dev: Device, dtype: DtypePolicy, base: Optional[str], engine
 PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention keywords on (tests/test_packing_on_cpu.py)
 
 
+def share_blocker(attention: str, model: ModelSpec) -> str:
+    """Why prompts cannot be shared for this model and attention ('' when they can)."""
+    if attention != "sdpa":
+        return f"attention {attention}: packing runs through SDPA"
+    if model.model_type not in PACKED_TYPES:
+        return f"{model.model_type} is not one of the checked decoders ({', '.join(PACKED_TYPES)})"
+    if model.sliding_window:
+        return "the model attends through a sliding window"
+    return ""
+
+
 def pick_share_prompts(attention: str, model: ModelSpec, task: Task, micro_batch: int, score_micro_batch: int,
                        forced: Optional[bool]) -> tuple[bool, str]:
     """Whether the trainer's forward passes compute each distinct prompt of a micro-batch once
     (`edgerl.packing`): a GRPO group's samples share their prompt."""
-    hard = ""
-    if attention != "sdpa":
-        hard = f"attention {attention}: packing runs through SDPA"
-    elif model.model_type not in PACKED_TYPES:
-        hard = f"{model.model_type} is not one of the checked decoders ({', '.join(PACKED_TYPES)})"
-    elif model.sliding_window:
-        hard = "the model attends through a sliding window"
+    hard = share_blocker(attention, model)
     asked = _asked("share_prompts", forced, hard)
     if asked:
         return asked

@@ -180,6 +180,8 @@ class Setting:
     base_quant: Optional[str] = None        # "nf4" / "int8": a quantized frozen LoRA base
     rollout_resident: bool = False  # the engine keeps its weights, KV cache and CUDA graphs between steps
     rollout_from_actor: bool = False        # the engine runs the actor's own modules: no generation copy
+    prompt_share: int = 1           # samples of a prompt a scoring forward computes it once for (edgerl/packing.py)
+    update_share: int = 1           # the same in the update (1 where shuffled mini-batches mix the groups)
     lora_input_bytes: int = 0       # per token and layer: what the fp32 copies of the adapted layers' inputs add
                                     # to the activations beside a 16-bit base (plan._lora_input_bytes)
 
@@ -214,9 +216,22 @@ class MemoryEstimate:
                 "host_bytes_needed": self.host_needed}
 
 
-def activation_bytes_per_token(m: ModelSpec, b_c: int, seq_len: int, eager: bool) -> int:
-    """Saved activations of one decoder layer for one token, without checkpointing."""
-    per = b_c * (5 * m.hidden_size + 3 * m.q_dim + 3 * m.kv_dim + 4 * m.intermediate_size)
+def packed_tokens(rows: int, share: int, prompt_len: int, response_len: int) -> int:
+    """Tokens one forward of `rows` sequences computes when each prompt's `share` samples may share it
+    (edgerl/packing.py; share 1: every row its own prompt). Micro-batches are consecutive slices of the
+    rows in rollout order, so a micro-batch spans ceil(rows / share) prompts, or one more where neither
+    divides the other."""
+    if share <= 1:
+        return rows * (prompt_len + response_len)
+    prompts = -(-rows // share) + (1 if rows % share and share % rows else 0)
+    return min(rows, prompts) * prompt_len + rows * response_len
+
+
+def activation_bytes_per_token(m: ModelSpec, b_c: int, seq_len: int, eager: bool, train: bool = True) -> int:
+    """Saved activations of one decoder layer for one token, without checkpointing. The MLP keeps three
+    intermediate-sized tensors in training (gate, up and their product: edgerl/swiglu.py recomputes
+    the SiLU) and holds four at once in a forward without gradients."""
+    per = b_c * (5 * m.hidden_size + 3 * m.q_dim + 3 * m.kv_dim + (3 if train else 4) * m.intermediate_size)
     if eager:  # eager attention keeps the (heads x L) score and probability rows per token
         per += 2 * b_c * m.num_heads * seq_len
     return per
@@ -252,7 +267,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         if s.base_quant else 0
 
     def act(tokens: int, train: bool) -> int:
-        per = activation_bytes_per_token(m, b_c, L, s.eager_attention)
+        per = activation_bytes_per_token(m, b_c, L, s.eager_attention, train)
         if not train:  # no graph is kept: one layer's intermediates at a time
             full = tokens * per
         elif s.grad_checkpointing:
@@ -282,7 +297,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     kept = {"generation weights": gen_copy, "KV cache": kv, "graph pool": s.rollout_batch * m.vocab_size * 4} \
         if s.rollout_resident else {}
 
-    score_tokens = s.score_micro_batch * L
+    score_tokens = packed_tokens(s.score_micro_batch, s.prompt_share, prompt_len, response_len)
     stream = 2 * layer_c + embed_c  # FSDP2 unshards one layer ahead in compute dtype
     if s.param_offload:  # every model streams its layers from host memory
         scorers = {"compute weights": stream, "reference weights": stream if s.reference else 0,
@@ -297,7 +312,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
              "activations": act(score_tokens, train=False), "log-prob logits": logits, "dequantization": dequant,
              **kept}
 
-    tokens = s.micro_batch * L
+    tokens = packed_tokens(s.micro_batch, s.update_share, prompt_len, response_len)
     update = {"master weights": master, "gradients": grads,
               "optimizer state": state if not s.param_offload else 0,
               "layer copies": stream, "other models": resident_off,

@@ -30,6 +30,7 @@ from .errors import ModelError
 from .dtypes import torch_dtype, with_dtype
 from .kernels import Tiles, token_logprobs_and_entropy
 from .packing import install, pack, packed_index, plan_layout
+from .swiglu import fuse_mlps
 from .memory import fmt_bytes
 from .plan import Plan
 
@@ -242,6 +243,7 @@ def build_actor(path: str, plan: Plan, device: torch.device, trust_remote_code: 
     if plan.lora:
         from .lora import apply_lora
         peft_model = apply_lora(lm, plan.lora["rank"], plan.lora["alpha"], lora_dropout, plan.lora["targets"], path)
+    fuse_mlps(decoder_layers(lm))   # SiLU-and-multiply keeps its two inputs only (edgerl/swiglu.py)
     if plan.grad_checkpointing:
         enable_checkpointing(lm)
     if not plan.param_offload:
@@ -265,6 +267,7 @@ def build_critic(path: str, plan: Plan, device: torch.device, trust_remote_code:
         from .lora import apply_lora
         apply_lora(lm, plan.lora["rank"], plan.lora["alpha"], lora_dropout, _lora_targets(lm, plan, lora_targets),
                    path)
+    fuse_mlps(decoder_layers(lm))
     if plan.grad_checkpointing:
         enable_checkpointing(lm)
     if not plan.param_offload:

@@ -16,7 +16,7 @@ from .decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_suppor
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
                         pick_decode_attention, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout, pick_share_prompts,
                         pick_rollout_compile,
-                        rollout_share_reason, transfer_note)
+                        rollout_share_reason, share_blocker, transfer_note)
 from .device import GiB, Device
 from .dtypes import nbytes
 from .errors import ModelSpecError, PlanError
@@ -158,6 +158,9 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         except ModelSpecError as e:
             raise PlanError(f"lora.target_modules: {e}") from None
 
+    # samples of a prompt whose forward passes may compute it once (the decision itself follows the search)
+    share = task.samples_per_prompt if o.get("share_prompts") is not False and not share_blocker(attention, model) else 1
+
     def setting(config: Config) -> Setting:
         quant = config.base if config.base in QUANT_BASES else None
         return Setting(
@@ -170,7 +173,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             critic=task.critic, reference=task.kl and not config.lora,
             reward_model_params=task.reward_model_params, cuda=device.is_cuda, shards=task.world_size,
             base_quant=quant, rollout_from_actor=quant is not None,
-            lora_input_bytes=_lora_input_bytes(model, lora_targets_, dtype.compute_bytes) if config.lora else 0)
+            lora_input_bytes=_lora_input_bytes(model, lora_targets_, dtype.compute_bytes) if config.lora else 0,
+            prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1)
 
     attempts: list[tuple[Config, Optional[Found], list[str]]] = []
     for config in configs(device, task, base_dtype, bool(o.get("base_dtype"))):

@@ -51,11 +51,12 @@ LossFn = Callable[[Experience, int], tuple[torch.Tensor, dict[str, float]]]
 
 def mini_batches(exp: Experience, mini: int, epochs: int, gen: torch.Generator) -> Iterator[tuple[int, Experience]]:
     """(epoch, mini-batch) for every PPO epoch; rows are reshuffled each epoch when a step holds more
-    than one mini-batch."""
+    than one mini-batch. A mini-batch keeps its rows in rollout order, so the samples of a prompt that
+    it holds sit together and a micro-batch computes their prompt once (edgerl/packing.py)."""
     for epoch in range(epochs):
         order = torch.randperm(len(exp), generator=gen) if mini < len(exp) else torch.arange(len(exp))
         for m0 in range(0, len(exp), mini):
-            yield epoch, exp.rows(order[m0:m0 + mini])
+            yield epoch, exp.rows(order[m0:m0 + mini].sort().values)
 
 
 def finite_everywhere(loss: torch.Tensor) -> bool:

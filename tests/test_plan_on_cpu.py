@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from edgerl.device import GiB, MiB, Software
-from edgerl.memory import Setting, estimate
+from edgerl.memory import packed_tokens, Setting, estimate
 from edgerl.modelspec import CATALOGUE, resolve
 from edgerl.plan import PlanError, Task, plan
 from edgerl.profiles import device_from_profile, get_profile
@@ -267,7 +267,7 @@ def test_memory_formulas_by_hand():
     u = e.phases["update"]
     assert u["master weights"] == P * 4 and u["gradients"] == P * 4 and u["optimizer state"] == P * 8
     assert u["other models"] == P * 2
-    per_layer_token = 2 * (5 * 576 + 3 * 576 + 3 * 192 + 4 * 1536)
+    per_layer_token = 2 * (5 * 576 + 3 * 576 + 3 * 192 + 3 * 1536)   # the MLP keeps gate, up, product
     assert u["activations"] == 2 * L * 30 * per_layer_token
     assert u["log-prob logits"] == 256 * 49152 * 8
     assert e.phases["rollout"]["KV cache"] == 8 * L * 2 * 30 * 192 * 2
@@ -276,6 +276,15 @@ def test_memory_formulas_by_hand():
     assert ck.phases["update"]["activations"] == 2 * L * (30 * 576 * 2 + per_layer_token)
     eager = estimate(m, dataclasses.replace(s, eager_attention=True), 100, 28, 100 * GiB)
     assert eager.phases["update"]["activations"] - u["activations"] == 2 * L * 30 * 2 * 2 * 9 * L
+    # shared prompts: a micro-batch of 2 samples of one prompt computes 100 + 2 x 28 tokens; scoring 4 rows
+    # of prompts shared by 2 computes 2 prompts
+    shared = estimate(m, dataclasses.replace(s, prompt_share=2, update_share=2), 100, 28, 100 * GiB)
+    assert shared.phases["update"]["activations"] == (100 + 2 * 28) * 30 * per_layer_token
+    no_grad = 2 * (5 * 576 + 3 * 576 + 3 * 192 + 4 * 1536)
+    assert e.phases["score"]["activations"] == 4 * L * no_grad
+    assert shared.phases["score"]["activations"] == (2 * 100 + 4 * 28) * no_grad
+    assert [packed_tokens(r, 8, 64, 256) for r in (1, 2, 3, 8, 12, 16)] == [
+        320, 64 + 512, 2 * 64 + 768, 64 + 2048, 3 * 64 + 12 * 256, 2 * 64 + 4096]   # 12: up to 3 prompts
 
 
 def test_no_fit_says_what_would_fit():
