@@ -38,6 +38,8 @@ class Layout:
     prompt_keys: torch.Tensor    # (G, W) bool: real prompt tokens
     resp_keys: torch.Tensor      # (B, R) bool: real response tokens
     sentinel: torch.Tensor       # (1, 1, 1, 1): the 4-D mask a packed forward passes
+    allowed_prompt: Optional[torch.Tensor] = None   # (G, 1, W, W) bool, built once for every layer
+    allowed_resp: Optional[torch.Tensor] = None     # (B, 1, R, W + R) bool
 
     @property
     def tokens(self) -> int:
@@ -56,8 +58,23 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: in
     first = torch.full((G,), B, dtype=torch.long, device=input_ids.device)
     first.scatter_reduce_(0, group_of, torch.arange(B, device=input_ids.device), "amin")
     mask = attention_mask.bool()
-    return Layout(G, width, B, input_ids.shape[1] - width, group_of, mask[first, :width], mask[:, width:],
-                  torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device))
+    lay = Layout(G, width, B, input_ids.shape[1] - width, group_of, mask[first, :width], mask[:, width:],
+                 torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device))
+    lay.allowed_prompt, lay.allowed_resp = _masks(lay)
+    return lay
+
+
+def _masks(lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each query sees. A prompt query: the real keys of its prompt up to itself. A response query:
+    its group's real prompt keys, then its own real keys up to itself. A padding query sees itself as
+    well, so its (unused) row stays finite, as the rollout's prefill does."""
+    W, R, B, dev = lay.width, lay.resp, lay.rows, lay.group_of.device
+    eye_w, eye_r = torch.eye(W, dtype=torch.bool, device=dev), torch.eye(R, dtype=torch.bool, device=dev)
+    causal_w, causal_r = eye_w.new_ones(W, W).tril(), eye_r.new_ones(R, R).tril()
+    prompt = (causal_w & lay.prompt_keys[:, None, :]) | eye_w                          # (G, W, W)
+    own = (causal_r & lay.resp_keys[:, None, :]) | eye_r                               # (B, R, R)
+    resp = torch.cat([lay.prompt_keys[lay.group_of][:, None, :].expand(B, R, W), own], -1)
+    return prompt[:, None], resp[:, None]
 
 
 def packed_index(lay: Layout, device: torch.device) -> torch.Tensor:
@@ -84,10 +101,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, scale: Optional[float],
                      dropout: float = 0.0) -> torch.Tensor:
-    """q (1, H, T, D), k and v (1, KVH, T, D) of a packed row -> (1, T, H, D), HF's attention output layout.
-    A padding query sees itself as well, so its (unused) row stays finite, as the rollout's prefill does."""
+    """q (1, H, T, D), k and v (1, KVH, T, D) of a packed row -> (1, T, H, D), HF's attention output layout:
+    each prompt attends within itself, each response to its group's prompt keys and its own (`_masks`)."""
     G, W, B, R = lay.groups, lay.width, lay.rows, lay.resp
-    GW, dev = G * W, q.device
+    GW = G * W
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p = t[0, :, :GW].unflatten(1, (G, W)).transpose(0, 1)          # (G, h, W, D)
@@ -95,14 +112,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Lay
         return p, r
 
     (qp, qr), (kp, kr), (vp, vr) = split(q), split(k), split(v)
-    eye_w, eye_r = torch.eye(W, dtype=torch.bool, device=dev), torch.eye(R, dtype=torch.bool, device=dev)
-    causal_w, causal_r = eye_w.new_ones(W, W).tril(), eye_r.new_ones(R, R).tril()
-    allowed_p = (causal_w & lay.prompt_keys[:, None, :]) | eye_w                       # (G, W, W)
-    op = _attend(qp, kp, vp, allowed_p[:, None], scale, dropout)
-    own = (causal_r & lay.resp_keys[:, None, :]) | eye_r                              # (B, R, R)
-    allowed_r = torch.cat([lay.prompt_keys[lay.group_of][:, None, :].expand(B, R, W), own], -1)
+    op = _attend(qp, kp, vp, lay.allowed_prompt, scale, dropout)
     g = lay.group_of
-    orr = _attend(qr, torch.cat([kp[g], kr], 2), torch.cat([vp[g], vr], 2), allowed_r[:, None], scale, dropout)
+    orr = _attend(qr, torch.cat([kp[g], kr], 2), torch.cat([vp[g], vr], 2), lay.allowed_resp, scale, dropout)
     out = torch.cat([op.transpose(0, 1).flatten(1, 2), orr.transpose(0, 1).flatten(1, 2)], 1)   # (H, T, D)
     return out.permute(1, 0, 2)[None].contiguous()
 

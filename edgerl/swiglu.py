@@ -5,8 +5,8 @@ silu(gate(x)) and up(x) for the product, three intermediate-sized tensors per to
 LoRA adapter on down_proj keeps the product as well, a fourth). `SiluMul` keeps gate(x) and up(x)
 and recomputes the SiLU in the backward (elementwise, no matmul), as Liger's and Unsloth's SwiGLU
 kernels do: one intermediate-sized tensor fewer per token and layer, about a fifth of a layer's
-activations at the 7B widths. The backward computes in fp32 and rounds once, as PyTorch's SiLU
-backward does. `tests/test_swiglu_on_cpu.py` checks the gradients against autograd's.
+activations at the 7B widths. The backward runs the kernels autograd runs (PyTorch's SiLU backward),
+so its gradients are autograd's: `tests/test_swiglu_on_cpu.py`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ class SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        wide = torch.promote_types(gate.dtype, torch.float32)   # fp32 for 16-bit inputs, float64 stays
-        g, u, d = gate.to(wide), up.to(wide), grad.to(wide)
-        sig = torch.sigmoid(g)
-        silu = g * sig
-        d_gate = d * u * sig * (1 + g * (1 - sig))
-        return d_gate.to(gate.dtype), (d * silu).to(up.dtype)
+        # PyTorch's own SiLU backward kernel (what autograd runs): computes in fp32 for 16-bit inputs and
+        # rounds once, in one kernel
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return d_gate, grad * F.silu(gate)
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
