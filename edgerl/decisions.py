@@ -415,6 +415,10 @@ def pick_nf4_kernel(dev: Device, dtype: DtypePolicy, base: Optional[str], engine
 
 
 PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention keywords on (tests/test_packing_on_cpu.py)
+# Below this width the packed attention's extra kernels cost more than the prompt tokens save: on an H200
+# in bf16 (docs/benchmarks.md section 12) a 362M step (hidden 960) took 0.95 s packed against 0.75 s,
+# a 1.7B step (2048) 0.98 against 1.08 s.
+PACK_MIN_HIDDEN = 2048
 
 
 def share_blocker(attention: str, model: ModelSpec) -> str:
@@ -436,6 +440,10 @@ def pick_share_prompts(attention: str, model: ModelSpec, task: Task, micro_batch
     asked = _asked("share_prompts", forced, hard)
     if asked:
         return asked
+    if not hard and model.hidden_size < PACK_MIN_HIDDEN:
+        return False, (f"every row holds its own prompt: at hidden size {model.hidden_size} (under "
+                       f"{PACK_MIN_HIDDEN}) the packed attention's extra kernels cost more than the shared "
+                       "prompt tokens save (measured on an H200); plan.share_prompts=true turns it on")
     W, R = task.prompt_len, task.response_len
 
     def saved(m: int) -> str:

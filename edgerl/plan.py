@@ -16,7 +16,7 @@ from .decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_suppor
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
                         pick_decode_attention, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout, pick_share_prompts,
                         pick_rollout_compile,
-                        rollout_share_reason, share_blocker, transfer_note)
+                        rollout_share_reason, share_blocker, transfer_note, PACK_MIN_HIDDEN)
 from .device import GiB, Device
 from .dtypes import nbytes
 from .errors import ModelSpecError, PlanError
@@ -159,7 +159,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             raise PlanError(f"lora.target_modules: {e}") from None
 
     # samples of a prompt whose forward passes may compute it once (the decision itself follows the search)
-    share = task.samples_per_prompt if o.get("share_prompts") is not False and not share_blocker(attention, model) else 1
+    packable = not share_blocker(attention, model) and (o.get("share_prompts") or model.hidden_size >= PACK_MIN_HIDDEN)
+    share = task.samples_per_prompt if packable and o.get("share_prompts") is not False else 1
 
     def setting(config: Config) -> Setting:
         quant = config.base if config.base in QUANT_BASES else None
@@ -178,7 +179,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
 
     attempts: list[tuple[Config, Optional[Found], list[str]]] = []
     for config in configs(device, task, base_dtype, bool(o.get("base_dtype"))):
-        bf16_ok = bf16_state_support(device, config.lora)[0]
+        # bf16 weights only where the compute is bf16: plan.dtype=fp32 keeps fp32 weights
+        bf16_ok = bf16_state_support(device, config.lora)[0] and dtype.compute == "bf16"
         stages = stages_for(forced_opt, bnb_ok, bf16_ok, config.param_offload, forced["rollout_resident"])
         base = setting(config)
         found, tried = search(model, task, base, budget, forced, calibration, host, stages,
