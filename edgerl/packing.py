@@ -137,7 +137,11 @@ def install() -> None:
     layout reach transformers' own SDPA function unchanged."""
     if "sdpa" in _ORIGINAL:
         return
-    from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     _ORIGINAL["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    AttentionInterface.register("sdpa", _sdpa_or_packed)
+    try:
+        from transformers import AttentionInterface
+    except ImportError:   # transformers before AttentionInterface: the registry is a plain dict
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _sdpa_or_packed
+    else:
+        AttentionInterface.register("sdpa", _sdpa_or_packed)
