@@ -421,14 +421,23 @@ PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention ke
 PACK_MIN_HIDDEN = 2048
 
 
-def share_blocker(attention: str, model: ModelSpec) -> str:
-    """Why prompts cannot be shared for this model and attention ('' when they can)."""
+def share_blocker(attention: str, model: ModelSpec, forced: Optional[bool]) -> str:
+    """Why the trainer's forward passes will not share prompts for this model and attention ('' when
+    they will): impossible (not SDPA, an unchecked decoder, a sliding window), not worth it (under
+    PACK_MIN_HIDDEN unless forced on), or turned off (plan.share_prompts=false). The plan's memory
+    model and its decision both read this."""
     if attention != "sdpa":
         return f"attention {attention}: packing runs through SDPA"
     if model.model_type not in PACKED_TYPES:
         return f"{model.model_type} is not one of the checked decoders ({', '.join(PACKED_TYPES)})"
     if model.sliding_window:
         return "the model attends through a sliding window"
+    if forced is False:
+        return "asked for with plan.share_prompts=false"
+    if forced is None and model.hidden_size < PACK_MIN_HIDDEN:
+        return (f"at hidden size {model.hidden_size} (under {PACK_MIN_HIDDEN}) the packed attention's extra "
+                "kernels cost more than the shared prompt tokens save (measured on an H200); "
+                "plan.share_prompts=true turns it on")
     return ""
 
 
@@ -436,22 +445,18 @@ def pick_share_prompts(attention: str, model: ModelSpec, task: Task, micro_batch
                        forced: Optional[bool]) -> tuple[bool, str]:
     """Whether the trainer's forward passes compute each distinct prompt of a micro-batch once
     (`edgerl.packing`): a GRPO group's samples share their prompt."""
-    hard = share_blocker(attention, model)
-    asked = _asked("share_prompts", forced, hard)
+    asked = _asked("share_prompts", forced, share_blocker(attention, model, forced=True))   # what no setting helps
     if asked:
         return asked
-    if not hard and model.hidden_size < PACK_MIN_HIDDEN:
-        return False, (f"every row holds its own prompt: at hidden size {model.hidden_size} (under "
-                       f"{PACK_MIN_HIDDEN}) the packed attention's extra kernels cost more than the shared "
-                       "prompt tokens save (measured on an H200); plan.share_prompts=true turns it on")
+    why_not = share_blocker(attention, model, forced)
+    if why_not or min(task.samples_per_prompt, max(micro_batch, score_micro_batch)) < 2:
+        return False, f"every row holds its own prompt: {why_not or 'no two samples of a prompt share a micro-batch'}"
     W, R = task.prompt_len, task.response_len
 
     def saved(m: int) -> str:
         n = min(task.samples_per_prompt, m)
         return f"{1.0 - (W + n * R) / (n * (W + R)):.0%} with {n} per micro-batch" if n > 1 else "none"
 
-    if hard or min(task.samples_per_prompt, max(micro_batch, score_micro_batch)) < 2:
-        return False, f"every row holds its own prompt: {hard or 'no two samples of a prompt share a micro-batch'}"
     return True, (f"a micro-batch computes each prompt once for its samples, which attend to its keys; tokens saved "
                   f"per forward at {W} + {R} tokens: scoring {saved(score_micro_batch)}, update {saved(micro_batch)}; "
                   "plan.share_prompts=false turns it off")

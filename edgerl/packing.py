@@ -35,6 +35,7 @@ class Layout:
     rows: int                    # B
     resp: int                    # response columns R
     group_of: torch.Tensor       # (B,) long
+    first_row: torch.Tensor      # (G,) long: the first row of each group (where its prompt is read)
     prompt_keys: torch.Tensor    # (G, W) bool: real prompt tokens
     resp_keys: torch.Tensor      # (B, R) bool: real response tokens
     sentinel: torch.Tensor       # (1, 1, 1, 1): the 4-D mask a packed forward passes
@@ -58,7 +59,7 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: in
     first = torch.full((G,), B, dtype=torch.long, device=input_ids.device)
     first.scatter_reduce_(0, group_of, torch.arange(B, device=input_ids.device), "amin")
     mask = attention_mask.bool()
-    lay = Layout(G, width, B, input_ids.shape[1] - width, group_of, mask[first, :width], mask[:, width:],
+    lay = Layout(G, width, B, input_ids.shape[1] - width, group_of, first, mask[first, :width], mask[:, width:],
                  torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device))
     lay.allowed_prompt, lay.allowed_resp = _masks(lay)
     return lay
@@ -87,9 +88,7 @@ def packed_index(lay: Layout, device: torch.device) -> torch.Tensor:
 
 def pack(lay: Layout, rows: torch.Tensor) -> torch.Tensor:
     """(B, W + R, ...) per-row values -> (1, G*W + B*R, ...): each group's prompt once, then the responses."""
-    first = torch.zeros(lay.groups, dtype=torch.long, device=rows.device)
-    first.scatter_(0, lay.group_of, torch.arange(lay.rows, device=rows.device))   # any row of the group
-    return torch.cat([rows[first, :lay.width].flatten(0, 1), rows[:, lay.width:].flatten(0, 1)], 0)[None]
+    return torch.cat([rows[lay.first_row, :lay.width].flatten(0, 1), rows[:, lay.width:].flatten(0, 1)], 0)[None]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: Optional[float],

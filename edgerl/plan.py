@@ -16,7 +16,7 @@ from .decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_suppor
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
                         pick_decode_attention, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout, pick_share_prompts,
                         pick_rollout_compile,
-                        rollout_share_reason, share_blocker, transfer_note, PACK_MIN_HIDDEN)
+                        rollout_share_reason, share_blocker, transfer_note)
 from .device import GiB, Device
 from .dtypes import nbytes
 from .errors import ModelSpecError, PlanError
@@ -159,8 +159,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             raise PlanError(f"lora.target_modules: {e}") from None
 
     # samples of a prompt whose forward passes may compute it once (the decision itself follows the search)
-    packable = not share_blocker(attention, model) and (o.get("share_prompts") or model.hidden_size >= PACK_MIN_HIDDEN)
-    share = task.samples_per_prompt if packable and o.get("share_prompts") is not False else 1
+    share = 1 if share_blocker(attention, model, o.get("share_prompts")) else task.samples_per_prompt
 
     def setting(config: Config) -> Setting:
         quant = config.base if config.base in QUANT_BASES else None
