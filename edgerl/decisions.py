@@ -14,6 +14,7 @@ from typing import Any, Optional
 from .device import GiB, MiB, Device
 from .dtypes import nbytes
 from .errors import PlanError
+from .memory import packed_tokens
 from .modelspec import ModelSpec
 from .task import Task
 
@@ -453,9 +454,10 @@ def pick_share_prompts(attention: str, model: ModelSpec, task: Task, micro_batch
         return False, f"every row holds its own prompt: {why_not or 'no two samples of a prompt share a micro-batch'}"
     W, R = task.prompt_len, task.response_len
 
-    def saved(m: int) -> str:
+    def saved(m: int) -> str:   # the memory model's count of the tokens a packed forward computes
         n = min(task.samples_per_prompt, m)
-        return f"{1.0 - (W + n * R) / (n * (W + R)):.0%} with {n} per micro-batch" if n > 1 else "none"
+        share = 1.0 - packed_tokens(m, task.samples_per_prompt, W, R) / (m * (W + R))
+        return f"{share:.0%} with {n} per micro-batch" if n > 1 else "none"
 
     return True, (f"a micro-batch computes each prompt once for its samples, which attend to its keys; tokens saved "
                   f"per forward at {W} + {R} tokens: scoring {saved(score_micro_batch)}, update {saved(micro_batch)}; "
