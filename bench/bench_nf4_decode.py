@@ -77,13 +77,16 @@ def kernels(engine, rows: int, width: int) -> list[dict]:
     """One eager decode step's CUDA kernels grouped by name, the most time first."""
     from bench_rollout import step_kernels
     by = defaultdict(lambda: [0, 0.0])
-    for e in step_kernels(engine, width, rows):
+    events = step_kernels(engine, width, rows)
+    seq = [[e.name[:70], round(e.device_time_total, 1)] for e in events[:45]]   # launch order, us
+    for e in events:
         by[e.name[:90]][0] += 1
         by[e.name[:90]][1] += e.device_time_total / 1e3
     total = sum(v[1] for v in by.values())
     rows_ = sorted(({"kernel": k, "calls": v[0], "ms": round(v[1], 3), "share": round(v[1] / total, 3)}
                     for k, v in by.items()), key=lambda r: -r["ms"])
-    return [{"total_kernel_ms": round(total, 3), "kernels": sum(v[0] for v in by.values())}] + rows_[:25]
+    return [{"total_kernel_ms": round(total, 3), "kernels": sum(v[0] for v in by.values()),
+             "sequence": seq}] + rows_[:25]
 
 
 def part(mod, inp, compute, bandwidth: float) -> dict:
@@ -141,6 +144,7 @@ def graph_ms(fn, reps: int = 50) -> float:
 def row_sweep(model, args, compute) -> list[dict]:
     """bitsandbytes' forward against the fused kernel, each timed inside a CUDA graph, on layer 0's
     q, k, gate and down projections for each row count of `--row-sweep`."""
+    from edgerl.kernels.nf4 import nf4_matmul
     layer = model.base_model.model.model.layers[0]
     out = []
     for name, mod in (("q_proj", layer.self_attn.q_proj), ("k_proj", layer.self_attn.k_proj),
@@ -150,9 +154,18 @@ def row_sweep(model, args, compute) -> list[dict]:
         for m in (int(r) for r in args.row_sweep.split(",")):
             x = torch.randn(m, base.in_features, device="cuda", dtype=compute)
             bnb_ms, fused_ms = graph_ms(lambda: plain.forward(base, x)), graph_ms(lambda: base(x))
-            out.append({"proj": name, "shape": [base.out_features, base.in_features], "rows": m,
-                        "bnb_ms": round(bnb_ms, 4), "fused_ms": round(fused_ms, 4),
-                        "speedup": round(bnb_ms / fused_ms, 2)})
+            rec = {"proj": name, "shape": [base.out_features, base.in_features], "rows": m,
+                   "bnb_ms": round(bnb_ms, 4), "fused_ms": round(fused_ms, 4), "speedup": round(bnb_ms / fused_ms, 2)}
+            if args.split_sweep:   # the kernel with K split into each of these many parts
+                w, st = base.weight.data, base.weight.quant_state
+                rec["ms_by_splits"] = {s: round(graph_ms(lambda s=s: nf4_matmul(x, w, st, splits=s)), 4)
+                                       for s in (int(v) for v in args.split_sweep.split(","))}
+            # the projection's LoRA adapter inside the kernel, against what it cost as its own cuBLAS matmul
+            ab = (mod.lora_A["default"].weight.detach(), mod.lora_B["default"].weight.detach(), 0.5)
+            w, st = base.weight.data, base.weight.quant_state
+            rec["fused_with_lora_ms"] = round(graph_ms(lambda: nf4_matmul(x, w, st, lora=ab)), 4)
+            rec["x_at_cublas_ms"] = round(graph_ms(lambda: torch.nn.functional.linear(x.float(), ab[0])), 4)
+            out.append(rec)
     return out
 
 
@@ -181,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s for the floor (H200 copy: ~4.0e12)")
     ap.add_argument("--kernel", default="on", choices=["on", "off"], help="also time the fused NF4 kernel")
     ap.add_argument("--row-sweep", default="1,4,16,32,64", help="row counts for the kernel against bitsandbytes")
+    ap.add_argument("--split-sweep", default="", help="also time the kernel at each of these K splits (e.g. 1,2,4,7)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -207,7 +221,7 @@ def main(argv=None) -> int:
         fused["greedy_tokens_equal_share"] = round(sum(a == b for ra, rb in zip(tokens, ftokens)
                                                        for a, b in zip(ra, rb)) / max(sum(map(len, tokens)), 1), 3)
         fused["speedup_vs_bnb"] = round(result["graph_step_ms"] / fused["graph_step_ms"], 2)
-        fused["profile_eager_step"] = kernels(fengine, args.rows, args.prompt_len)[:8]
+        fused["profile_eager_step"] = kernels(fengine, args.rows, args.prompt_len)
         fused["parts_layer0"] = parts(model, args, compute)
         fused["row_sweep"] = row_sweep(model, args, compute)
         result["fused_kernel"] = fused

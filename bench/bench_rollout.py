@@ -183,10 +183,11 @@ def step_kernels(engine, width: int, rows: int = 0) -> list:
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def count_kernels(engine, width: int) -> tuple[int, float, list]:
+def count_kernels(engine, width: int) -> tuple[int, float, list, list]:
     """CUDA kernels launched by one eager decode step (copies and fills left out), their summed device
-    time in microseconds (no launch gaps: compare with the captured step's time), and the 12 kernel
-    names taking the most of it: [name, launches, total us]."""
+    time in microseconds (no launch gaps: compare with the captured step's time), the 12 kernel
+    names taking the most of it: [name, launches, total us], and the first 40 kernels in launch order
+    ([name, us]: the embedding and the first layers, to read one layer's kernels off)."""
     kernels = [e for e in step_kernels(engine, width)
                if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     by_name: dict[str, list] = {}
@@ -195,7 +196,9 @@ def count_kernels(engine, width: int) -> tuple[int, float, list]:
         row[1] += 1
         row[2] += e.time_range.elapsed_us()
     top = sorted(by_name.values(), key=lambda r: -r[2])[:12]
-    return len(kernels), round(sum(r[2] for r in by_name.values()), 1), [[n, c, round(t, 1)] for n, c, t in top]
+    seq = [[e.name[:70], round(e.time_range.elapsed_us(), 1)] for e in kernels[:40]]
+    return (len(kernels), round(sum(r[2] for r in by_name.values()), 1), [[n, c, round(t, 1)] for n, c, t in top],
+            seq)
 
 
 def run_static(args, model, ids, kw, rec, cuda) -> list[list[int]]:
@@ -226,7 +229,7 @@ def run_static(args, model, ids, kw, rec, cuda) -> list[list[int]]:
         rec["graph_pool_mib"] = round(mem["graph_pool"] / 2**20, 1)
         if cuda and args.count_kernels:
             try:
-                rec["kernels_per_step"], rec["kernel_us_per_step"], rec["top_kernels"] = \
+                rec["kernels_per_step"], rec["kernel_us_per_step"], rec["top_kernels"], rec["kernel_sequence"] = \
                     count_kernels(engine, ids.shape[1])
             except Exception as e:   # the profiler is a nicety; the timing stands without it
                 rec["kernels_per_step"] = f"not counted: {type(e).__name__}: {e}"[:200]

@@ -90,10 +90,10 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
     needed = plan is not None and plan.nf4_kernel
     if not dev.is_cuda or simulated or not (needed or dev.software.has("bitsandbytes")):
         return None
-    from .kernels.nf4 import SOURCE, mm_name
+    from .kernels.nf4 import SOURCE, decode_kernels
     from .kernels.nvrtc import KernelUnavailable, compile_cubin
     try:
-        compile_cubin(SOURCE, [mm_name()], dev.cc)
+        compile_cubin(SOURCE, decode_kernels(), dev.cc)
     except (KernelUnavailable, OSError, AttributeError) as e:
         then = ("training with this plan stops at its start" if needed else
                 "a QLoRA plan in fp32 needs plan.nf4_kernel=false here (bitsandbytes' own matmul, slower)")

@@ -8,7 +8,7 @@ whose forward sends inputs of at most `rows` rows, outside autograd, to the fuse
 everything else (training, scoring, prefill) to bitsandbytes as before. The kernel computes the same
 fp32 products as bitsandbytes' fp32 path, summed in another order. The peft LoRA layer around each
 such layer becomes a `DecodeLoraLinear4bit`, which in the same decode steps adds its adapter inside
-the kernel (one small matmul for x A^T; the rest joins the kernel's last sum).
+the kernel (x A^T as more rows of the weight, scale (x A^T) B^T in the kernel's last sum).
 
 The plan decides (`decisions.pick_nf4_kernel`, `plan.nf4_kernel`); `enable` compiles the kernel for
 the device first, so a machine where NVRTC cannot build it fails at the start of training with one
@@ -58,12 +58,14 @@ def _decode_class(base: type) -> type:
 
 def _lora_class(wrapper: type) -> type:
     """A subclass of peft's LoRA layer over a 4-bit base (cached) whose forward, when its base takes the
-    kernel and one plain LoRA adapter is active, adds the adapter inside the kernel: x A^T is one small
-    matmul and scale (x A^T) B^T joins the kernel's last sum, where peft runs five more kernels (a clone
-    of the base output, B, the scale, the add, a cast) on each projection of each layer."""
+    kernel and one plain LoRA adapter is active, computes the adapter inside the kernel: x A^T with the
+    weight's own rows, scale (x A^T) B^T in its last sum, where peft runs six more kernels (A, B, a clone
+    of the base output, the scale, the add, a cast) on each projection of each layer. (x A^T as a cuBLAS
+    matmul of its own took 13% of a 7B decode step on an H200: docs/benchmarks.md section 13.)"""
     cls = _classes.get(wrapper)
     if cls is not None:
         return cls
+    from .kernels.nf4 import MAX_RANK
 
     def adapter(self):
         if self.disable_adapters or self.merged:
@@ -77,7 +79,7 @@ def _lora_class(wrapper: type) -> type:
         if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
             return None
         A, B = self.lora_A[a].weight, self.lora_B[a].weight
-        if A.dtype != torch.float32 or B.dtype != torch.float32:
+        if A.dtype != torch.float32 or B.dtype != torch.float32 or A.shape[0] > MAX_RANK:
             return None
         return A, B, self.scaling[a]
 
@@ -86,8 +88,7 @@ def _lora_class(wrapper: type) -> type:
         if not args and not kwargs and type(base).__name__ == "DecodeLinear4bit" and base.takes(x):
             ab = adapter(self)
             if ab is not None:
-                t = torch.nn.functional.linear(x.to(torch.float32), ab[0])
-                return base.fused(x, (t, ab[1], ab[2]))
+                return base.fused(x, ab)
         return wrapper.forward(self, x, *args, **kwargs)
 
     cls = _classes[wrapper] = type("DecodeLoraLinear4bit", (wrapper,), {
@@ -114,7 +115,9 @@ def check_kernel(device: torch.device) -> None:
         w = torch.randn(40, 256, generator=g).to(device)
         packed, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
         x = torch.randn(3, 256, generator=g).to(device)
+        a, b = torch.randn(4, 256, generator=g).to(device), torch.randn(40, 4, generator=g).to(device)
         got, want = nf4_matmul(x, packed, state), reference(x, packed, state)
+        got_l, want_l = nf4_matmul(x, packed, state, lora=(a, b, 0.5)), reference(x, packed, state, lora=(a, b, 0.5))
         torch.cuda.synchronize(device)
     except torch.cuda.OutOfMemoryError:
         raise
@@ -122,8 +125,8 @@ def check_kernel(device: torch.device) -> None:
         raise TrainingError(f"the plan decodes through the fused NF4 kernel, which cannot run here: "
                             f"{type(e).__name__}: {str(e).strip()[:400]} (set plan.nf4_kernel=false to use "
                             "bitsandbytes' own matmul)") from None
-    err = (got - want).abs().max().item()
-    if not err <= 1e-4 * max(want.abs().max().item(), 1.0):
+    err = max((got - want).abs().max().item(), (got_l - want_l).abs().max().item())
+    if not err <= 1e-4 * max(want.abs().max().item(), want_l.abs().max().item(), 1.0):
         raise TrainingError(f"the fused NF4 kernel disagrees with its reference on "
                             f"{torch.cuda.get_device_name(device)} (max error {err:.3g}); set plan.nf4_kernel=false "
                             "and report this GPU")

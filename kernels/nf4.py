@@ -20,8 +20,9 @@ the steps of 64 along K. Each warp stages its own 64 columns of x in shared memo
 all lanes then read at the same address (a broadcast), so one staged value feeds R x 32 multiply-adds.
 Partial sums stay in registers (R x MT a lane) and meet in shared memory at the end (32 MT KB at most,
 within the 48 KB a Pascal block may use). K is also split across blocks where that fills the GPU's
-waves better (`_splits`), and a second small kernel then adds the fp32 partials. A LoRA adapter's
-output can join the last sum (`lora=`). A first version (a warp per 8 K-chunked rows, x chunks behind
+waves better (`_splits`), and a second small kernel then adds the fp32 partials. A LoRA adapter
+(`lora=`) rides along: its A as r more rows of the weight in fp32 (x A^T summed with the rest), and
+scale * (x A^T) B^T joins the second kernel's sum; no kernel of its own. A first version (a warp per 8 K-chunked rows, x chunks behind
 a block barrier) reached a fifth of the H200's fp32 matmul rate at 16 rows, barely ahead of
 bitsandbytes; this one 46% (docs/benchmarks.md section 8).
 
@@ -39,6 +40,7 @@ from .nvrtc import KernelUnavailable, blocks_per_sm, load
 
 MAX_ROWS_PER_BLOCK = 16
 WARPS = 8
+MAX_RANK = 256   # a LoRA adapter's rank the kernels take (nf4_sum stages x A^T in 256 floats of shared memory)
 
 SOURCE = r"""
 typedef unsigned char u8;
@@ -57,30 +59,41 @@ __device__ __forceinline__ void st(b16* p, float f) {   // round to nearest even
   unsigned u = __float_as_uint(f);
   p->v = (f != f) ? (u16)0x7fc0 : (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
 
-// A LoRA adapter's share of one output: scale * (x A^T)[m, :] . B[n, :], with x A^T computed beforehand.
-__device__ __forceinline__ float lora(const float* t, const float* b, int rank, double scale) {
-  float s = 0.f;
-  for (int j = 0; j < rank; ++j) s = fmaf(t[j], b[j], s);
-  return (float)scale * s;
+// A warp's 64 columns of the MT rows of x from column k, into its shared-memory stage (zeros past row M).
+template <typename T, int MT>
+__device__ __forceinline__ void stage_x(float* xs, const T* __restrict__ x, int M, int K, int m0, int k, int lane) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    const int gm = m0 + m;
+    const T* xr = x + (long long)gm * K + k;
+    xs[m * 64 + lane] = gm < M ? ld(xr + lane) : 0.f;
+    xs[m * 64 + 32 + lane] = gm < M ? ld(xr + 32 + lane) : 0.f;
+  }
 }
 
 // Block: 8 warps, 32 R rows of W (lane l of the warp owns rows n0 + 32 r + l), MT rows of x, the K steps
 // (64 codes each) of split blockIdx.z; warp w takes every 8th step. x is staged per warp (no block barrier
 // in the loop) and read by all lanes at one address (a broadcast). The warps' partial sums meet in shared
-// memory at the end; with more than one split, each split writes fp32 partials that nf4_sum adds up.
+// memory at the end; with more than one split, or a LoRA adapter, each split writes fp32 partials (rows of
+// `wsn` columns) that nf4_sum adds up.
+// A LoRA adapter's x A^T rides along as `rank` more rows of W, in fp32: the blocks past the weight's last
+// (blockIdx.x >= N tiles) multiply by rows of A (r, K) instead of decoded codes and write their partials
+// in columns N.. of the same rows, which nf4_sum adds up before it multiplies by B. A separate kernel for
+// x A^T (cuBLAS: a split-K GEMM and its reduction) cost 10 us per projection, 13% of a 7B decode step.
 template <typename T, int MT, int R>
 __global__ void __launch_bounds__(256) nf4_mm(
     const T* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ qabs,
     const float* __restrict__ abs2, const float* __restrict__ code2, const float* __restrict__ offp,
     const float* __restrict__ absf, const float* __restrict__ code, const T* __restrict__ bias,
     T* __restrict__ y, float* __restrict__ ws, int M, int N, int K, int lbs, int lbs2, int nested,
-    int has_bias, int steps_per_split, const float* __restrict__ lt, const float* __restrict__ lb, int rank,
-    double lscale) {
+    int has_bias, int steps_per_split, const float* __restrict__ la, int rank, int wsn) {
   __shared__ __align__(16) float sm[8 * MT * 64];   // x stages; then the partial sums (R <= 2 fits)
   __shared__ float c2[256];
   __shared__ float c16[16];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n0 = blockIdx.x * 32 * R, m0 = blockIdx.y * MT;
+  const int wtiles = (N + 32 * R - 1) / (32 * R);
+  const bool atile = blockIdx.x >= wtiles;   // this block multiplies by rows of A
+  const int n0 = (atile ? blockIdx.x - wtiles : blockIdx.x) * 32 * R, m0 = blockIdx.y * MT;
   const int s0 = blockIdx.z * steps_per_split, s1 = min(K >> 6, s0 + steps_per_split);
   if (nested) c2[tid] = code2[tid];
   if (tid < 16) c16[tid] = code[tid];
@@ -92,61 +105,89 @@ __global__ void __launch_bounds__(256) nf4_mm(
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
   float* xs = sm + warp * MT * 64;
-  for (int s = s0 + warp; s < s1; s += 8) {
-    const int k = s << 6;
-    uint4 raw[R][2];
-    float scale[R];
+  if (atile) {   // rows of A in fp32, 4 columns at a time: a loop of its own, so the codes' loop keeps its registers
+    for (int s = s0 + warp; s < s1; s += 8) {
+      const int k = s << 6;
+      __syncwarp();
+      stage_x<T, MT>(xs, x, M, K, m0, k, lane);
+      __syncwarp();
+#pragma unroll 1
+      for (int jc = 0; jc < 16; jc += 4) {   // four float4 loads per row in flight, then their products
+        float4 av[4][R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int n = n0 + 32 * r + lane;
-      if (n < N) {
-        const long long flat = (long long)n * K + k;
-        const uint4* p = (const uint4*)(w + (flat >> 1));
-        raw[r][0] = p[0];
-        raw[r][1] = p[1];
-        const long long b = flat >> lbs;
-        scale[r] = nested ? c2[qabs[b]] * abs2[b >> lbs2] + off : absf[b];
-      } else {
-        raw[r][0] = make_uint4(0, 0, 0, 0);
-        raw[r][1] = raw[r][0];
-        scale[r] = 0.f;
-      }
-    }
-    __syncwarp();
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      const int gm = m0 + m;
-      const T* xr = x + (long long)gm * K + k;
-      xs[m * 64 + lane] = gm < M ? ld(xr + lane) : 0.f;
-      xs[m * 64 + 32 + lane] = gm < M ? ld(xr + 32 + lane) : 0.f;
-    }
-    __syncwarp();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float wv[R][32];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const unsigned q4[4] = {raw[r][h].x, raw[r][h].y, raw[r][h].z, raw[r][h].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const unsigned q = (q4[i] >> (8 * b)) & 0xffu;
-            wv[r][8 * i + 2 * b] = c16[q >> 4] * scale[r];
-            wv[r][8 * i + 2 * b + 1] = c16[q & 15u] * scale[r];
-          }
-      }
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float4 a = *(const float4*)&xs[m * 64 + 32 * h + 4 * j];
+        for (int q = 0; q < 4; ++q)
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            float t = acc[r][m];
-            t = fmaf(wv[r][4 * j], a.x, t); t = fmaf(wv[r][4 * j + 1], a.y, t);
-            t = fmaf(wv[r][4 * j + 2], a.z, t); t = fmaf(wv[r][4 * j + 3], a.w, t);
-            acc[r][m] = t;
+            const int jr = n0 + 32 * r + lane;
+            av[q][r] = jr < rank ? *(const float4*)&la[(long long)jr * K + k + 4 * (jc + q)]
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            const float4 a = *(const float4*)&xs[m * 64 + 4 * (jc + q)];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              float t = acc[r][m];
+              t = fmaf(av[q][r].x, a.x, t); t = fmaf(av[q][r].y, a.y, t);
+              t = fmaf(av[q][r].z, a.z, t); t = fmaf(av[q][r].w, a.w, t);
+              acc[r][m] = t;
+            }
+          }
+      }
+    }
+  } else {
+    for (int s = s0 + warp; s < s1; s += 8) {
+      const int k = s << 6;
+      uint4 raw[R][2];
+      float scale[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int n = n0 + 32 * r + lane;
+        if (n < N) {
+          const long long flat = (long long)n * K + k;
+          const uint4* p = (const uint4*)(w + (flat >> 1));
+          raw[r][0] = p[0];
+          raw[r][1] = p[1];
+          const long long b = flat >> lbs;
+          scale[r] = nested ? c2[qabs[b]] * abs2[b >> lbs2] + off : absf[b];
+        } else {
+          raw[r][0] = make_uint4(0, 0, 0, 0);
+          raw[r][1] = raw[r][0];
+          scale[r] = 0.f;
+        }
+      }
+      __syncwarp();
+      stage_x<T, MT>(xs, x, M, K, m0, k, lane);
+      __syncwarp();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float wv[R][32];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const unsigned q4[4] = {raw[r][h].x, raw[r][h].y, raw[r][h].z, raw[r][h].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              const unsigned q = (q4[i] >> (8 * b)) & 0xffu;
+              wv[r][8 * i + 2 * b] = c16[q >> 4] * scale[r];
+              wv[r][8 * i + 2 * b + 1] = c16[q & 15u] * scale[r];
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float4 a = *(const float4*)&xs[m * 64 + 32 * h + 4 * j];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              float t = acc[r][m];
+              t = fmaf(wv[r][4 * j], a.x, t); t = fmaf(wv[r][4 * j + 1], a.y, t);
+              t = fmaf(wv[r][4 * j + 2], a.z, t); t = fmaf(wv[r][4 * j + 3], a.w, t);
+              acc[r][m] = t;
+            }
           }
         }
       }
@@ -158,35 +199,48 @@ __global__ void __launch_bounds__(256) nf4_mm(
 #pragma unroll
     for (int m = 0; m < MT; ++m) sm[(warp * MT + m) * 32 * R + 32 * r + lane] = acc[r][m];
   __syncthreads();
+  const int lim = atile ? rank : N, col = atile ? N : 0;
   for (int o = tid; o < 32 * R * MT; o += 256) {
     const int m = o / (32 * R), rr = o - m * 32 * R, n = n0 + rr, gm = m0 + m;
-    if (n >= N || gm >= M) continue;
+    if (n >= lim || gm >= M) continue;
     float v = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) v += sm[(i * MT + m) * 32 * R + rr];
-    if (gridDim.z == 1) {
+    if (gridDim.z == 1 && !rank) {
       if (has_bias) v += ld(bias + n);
-      if (rank) v += lora(lt + (long long)gm * rank, lb + (long long)n * rank, rank, lscale);
       st(y + (long long)gm * N + n, v);
     } else {
-      ws[((long long)blockIdx.z * M + gm) * N + n] = v;
+      ws[((long long)blockIdx.z * M + gm) * wsn + col + n] = v;
     }
   }
 }
 
+// The partial sums of the splits added up, the bias, and a LoRA adapter's share scale * t B[n]^T, with
+// t = x A^T summed from its own partials (columns N.. of the workspace) into shared memory first. Block:
+// 256 output columns of one row m of x.
 template <typename T>
 __global__ void __launch_bounds__(256) nf4_sum(const float* __restrict__ ws, const T* __restrict__ bias,
                                                T* __restrict__ y, int M, int N, int splits, int has_bias,
-                                               const float* __restrict__ lt, const float* __restrict__ lb,
-                                               int rank, double lscale) {
-  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
-  if (i >= (long long)M * N) return;
+                                               const float* __restrict__ lb, int rank, double lscale, int wsn) {
+  __shared__ float t[256];
+  const int m = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
+  if (threadIdx.x < rank) {
+    float v = 0.f;
+    for (int s = 0; s < splits; ++s) v += ws[((long long)s * M + m) * wsn + N + threadIdx.x];
+    t[threadIdx.x] = v;
+  }
+  __syncthreads();
+  if (n >= N) return;
   float v = 0.f;
-  for (int s = 0; s < splits; ++s) v += ws[(long long)s * M * N + i];
-  const int n = (int)(i % N);
+  for (int s = 0; s < splits; ++s) v += ws[((long long)s * M + m) * wsn + n];
   if (has_bias) v += ld(bias + n);
-  if (rank) v += lora(lt + (i / N) * rank, lb + (long long)n * rank, rank, lscale);
-  st(y + i, v);
+  if (rank) {
+    const float* b = lb + (long long)n * rank;
+    float l = 0.f;
+    for (int j = 0; j < rank; ++j) l = fmaf(t[j], b[j], l);
+    v += (float)lscale * l;
+  }
+  st(y + (long long)m * N + n, v);
 }
 """
 
@@ -221,6 +275,12 @@ def mm_name(dtype: torch.dtype = torch.float32, rows: int = MAX_ROWS_PER_BLOCK, 
     """The instantiation of `nf4_mm` for x in `dtype`, a tile of `rows` rows of x and `rows_of_w` rows of W
     per lane (what `nf4_matmul` launches; the defaults are a decode step's, which the doctor compiles)."""
     return f"nf4_mm<{_TYPES[dtype]}, {rows}, {rows_of_w}>"
+
+
+def decode_kernels(dtype: torch.dtype = torch.float32) -> list[str]:
+    """Every instantiation a decode step in `dtype` launches (what the doctor compiles)."""
+    t = _TYPES[dtype]
+    return [mm_name(dtype), f"nf4_sum<{t}>"]
 
 
 def _kernel(name: str, device: torch.device):
@@ -271,11 +331,13 @@ def weight_unsupported(packed: torch.Tensor, state: Any) -> str:
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None,
-               lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
+               lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
+               splits: Optional[int] = None) -> torch.Tensor:
     """x (..., K) @ W.T (+ bias) for a bitsandbytes NF4 weight W (N, K): `packed` its uint8 codes,
     `state` its QuantState. Returns (..., N) in x's dtype. Any number of rows; meant for a few.
-    lora = (t, B, scale): adds scale * t @ B.T before the result is rounded, with t = x A^T (M, r) and
-    B (N, r), both fp32: a LoRA adapter's output, as peft adds it, without its own kernels."""
+    lora = (A, B, scale): adds scale * (x A^T) B^T before the result is rounded, with A (r, K) and B (N, r)
+    in fp32 and r <= MAX_RANK: a LoRA adapter's output, as peft adds it, inside the same two kernels.
+    splits: how many parts K is split into (default: `_splits`' choice; the benchmark sweeps it)."""
     why = unsupported(x, packed, state)
     if why:
         raise ValueError(f"nf4_matmul: {why}")
@@ -285,12 +347,23 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
+    la, lb, rank, scale = x2, x2, 0, 0.0
+    if lora is not None:
+        la, lb, scale = lora[0].contiguous(), lora[1].contiguous(), float(lora[2])
+        if la.data_ptr() % 16:   # the kernel reads A's rows 16 bytes at a time
+            la = la.clone()
+        rank = la.shape[0]
+        if la.dtype != torch.float32 or lb.dtype != torch.float32 or la.shape != (rank, k) or lb.shape != (n, rank) \
+                or not 0 < rank <= MAX_RANK:
+            raise ValueError(f"nf4_matmul: lora needs fp32 A (r, {k}) and B ({n}, r) with 0 < r <= {MAX_RANK}, got "
+                             f"{lora[0].dtype} {tuple(lora[0].shape)} and {lora[1].dtype} {tuple(lora[1].shape)}")
     mt = _rows_tile(m)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     r = _rows_of_w(n)
     kern = _kernel(mm_name(x.dtype, mt, r), x.device)
-    blocks = -(-n // (32 * r)) * -(-m // mt)
-    splits = _splits(blocks, k // 64, sms * kern.slots_per_sm)
+    tiles = -(-n // (32 * r)) + -(-rank // (32 * r))   # the weight's rows, then A's
+    blocks = tiles * -(-m // mt)
+    splits = _splits(blocks, k // 64, sms * kern.slots_per_sm) if splits is None else max(1, min(splits, k // 64))
     per_split = -(-(k // 64) // splits)
     splits = -(-(k // 64) // per_split)
     code = state.code.to(device=x.device, dtype=torch.float32)
@@ -300,21 +373,15 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
     else:
         qabs, abs2, code2, off, absf, lbs2 = packed, code, code, code, state.absmax.float(), 0
     b = bias.to(x.dtype).contiguous() if bias is not None else x2
-    lt, lb, rank, scale = x2, x2, 0, 0.0
-    if lora is not None:
-        lt, lb, scale = lora[0].reshape(m, -1).contiguous(), lora[1].contiguous(), float(lora[2])
-        rank = lt.shape[1]
-        if lt.dtype != torch.float32 or lb.dtype != torch.float32 or lb.shape != (n, rank):
-            raise ValueError(f"nf4_matmul: lora needs fp32 t ({m}, r) and B ({n}, r), got {lora[0].dtype} "
-                             f"{tuple(lora[0].shape)} and {lora[1].dtype} {tuple(lora[1].shape)}")
-    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    wsn = n + rank   # a workspace row: the weight's outputs, then x A^T
+    ws = torch.empty((splits, m, wsn), dtype=torch.float32, device=x.device) if splits > 1 or rank else y
     kern(
-        grid=(-(-n // (32 * r)), -(-m // mt), splits), block=(WARPS * 32, 1, 1),
+        grid=(tiles, -(-m // mt), splits), block=(WARPS * 32, 1, 1),
         args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
-              int(bool(state.nested)), int(bias is not None), per_split, lt, lb, rank, scale])
-    if splits > 1:
-        _kernel(f"nf4_sum<{_TYPES[x.dtype]}>", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
-                                           args=[ws, b, y, m, n, splits, int(bias is not None), lt, lb, rank, scale])
+              int(bool(state.nested)), int(bias is not None), per_split, la, rank, wsn])
+    if splits > 1 or rank:
+        _kernel(f"nf4_sum<{_TYPES[x.dtype]}>", x.device)(grid=(-(-n // 256), m, 1), block=(256, 1, 1),
+                                           args=[ws, b, y, m, n, splits, int(bias is not None), lb, rank, scale, wsn])
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -340,10 +407,10 @@ def reference(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[
     if bias is not None:
         y = y + bias.to(x.dtype).float()
     if lora is not None:
-        t, b, scale = lora
-        y = y + scale * (t.reshape(y.shape[:-1] + (-1,)).float() @ b.float().T)
+        a, b, scale = lora
+        y = y + scale * ((x.float() @ a.float().T) @ b.float().T)
     return y.to(x.dtype)
 
 
-__all__ = ["KernelUnavailable", "MAX_ROWS_PER_BLOCK", "dequantize_reference", "nf4_matmul", "reference",
+__all__ = ["KernelUnavailable", "MAX_ROWS_PER_BLOCK", "MAX_RANK", "dequantize_reference", "nf4_matmul", "reference",
            "input_unsupported", "unsupported", "weight_unsupported"]

@@ -155,7 +155,7 @@ def test_fused_nf4_kernel_compiles_or_doctor_says_what_qlora_loses(monkeypatch):
     monkeypatch.setattr(nvrtc, "compile_cubin", lambda src, names, cc: seen.append((names, cc)) or (b"", {}))
     r = fake_probe("P40", bitsandbytes="0.50.2")
     c = checks_for(r)["fused NF4 kernel"]
-    assert c.status == "ok" and "sm_61" in c.detail and seen == [(["nf4_mm<float, 16, 2>"], (6, 1))]
+    assert c.status == "ok" and "sm_61" in c.detail and seen == [(["nf4_mm<float, 16, 2>", "nf4_sum<float>"], (6, 1))]
     assert "fused NF4 kernel" not in checks_for(r, simulated=True)   # a simulated GPU: NVRTC here is not its
     assert "fused NF4 kernel" not in checks_for(fake_probe("P40"))   # no bitsandbytes: no NF4 base to serve
 

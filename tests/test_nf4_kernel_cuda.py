@@ -95,16 +95,21 @@ def test_enable_sends_few_rows_without_autograd_to_the_kernel_and_the_rest_to_bi
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,m", [(64, 256, 1), (3584, 3584, 16)])   # one split; several (the sum kernel adds it)
-def test_kernel_adds_a_lora_adapter(dtype, n, k, m):
+@pytest.mark.parametrize("n,k,m,rank", [(64, 256, 1, 8), (3584, 3584, 16, 16), (513, 1024, 3, 65), (40, 512, 17, 200),
+                                        (512, 3584, 16, 1)])
+def test_kernel_adds_a_lora_adapter(dtype, n, k, m, rank):
+    """x A^T computed as more rows of the weight (one tile of A's rows, or several: rank 65 and 200 at two
+    rows of W per lane or one), then scale (x A^T) B^T in the sum kernel; one or several row tiles of x."""
     packed, state = quantized(n, k)
     x = torch.randn(m, k, device="cuda").to(dtype)
-    t, b = torch.randn(m, 8, device="cuda"), torch.randn(n, 8, device="cuda")
+    a, b = torch.randn(rank, k, device="cuda") / k ** 0.5, torch.randn(n, rank, device="cuda")
     bias = torch.randn(n, device="cuda").to(dtype)
-    got = nf4_matmul(x, packed, state, bias, (t, b, 0.5)).float()
-    want = reference(x, packed, state, bias, (t, b, 0.5)).float()
+    got = nf4_matmul(x, packed, state, bias, (a, b, 0.5)).float()
+    want = reference(x, packed, state, bias, (a, b, 0.5)).float()
     grow = k ** 0.5 if dtype == torch.float32 else 1
     assert (got - want).abs().max().item() <= TOL[dtype] * want.abs().max().item() * grow
+    with pytest.raises(ValueError, match="lora needs fp32 A"):
+        nf4_matmul(x, packed, state, bias, (a.T.contiguous(), b, 0.5))
 
 
 def test_peft_layers_over_nf4_decode_through_the_kernel_as_peft_computes():
@@ -136,3 +141,16 @@ def test_peft_layers_over_nf4_decode_through_the_kernel_as_peft_computes():
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     quant_decode.disable(net)
     assert type(net.base_model.model.up).__name__ == "Linear4bit"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 56])
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_every_split_of_k_gives_the_same_sums(splits, with_lora):
+    """The benchmark sweeps the split count; every count, with and without an adapter (one split with an
+    adapter still goes through the workspace and the sum kernel), gives the reference's result."""
+    packed, state = quantized(1000, 3584)
+    x = torch.randn(16, 3584, device="cuda")
+    lora = (torch.randn(8, 3584, device="cuda") / 60, torch.randn(1000, 8, device="cuda"), 0.5) if with_lora else None
+    got = nf4_matmul(x, packed, state, lora=lora, splits=splits)
+    want = reference(x, packed, state, lora=lora)
+    assert (got - want).abs().max().item() <= TOL[torch.float32] * want.abs().max().item() * 3584 ** 0.5

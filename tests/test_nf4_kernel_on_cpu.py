@@ -92,7 +92,7 @@ def test_decode_layer_sends_only_few_rows_outside_autograd_in_its_compute_dtype_
 
 def test_lora_layer_adds_its_adapter_inside_the_kernel_as_peft_adds_it(monkeypatch):
     """peft's LoRA layer over the 4-bit base, with the kernel replaced by its CPU reference: the fused
-    path (x A^T, then scale * t B^T inside the kernel) equals peft's own forward."""
+    path (x A^T and scale * (x A^T) B^T inside the kernel) equals peft's own forward."""
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
     import edgerl.kernels.nf4 as k

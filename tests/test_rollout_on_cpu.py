@@ -438,3 +438,34 @@ def test_bf16_prefill_uses_the_models_own_rotary_frequencies(cast):
     torch.testing.assert_close(got, ref, atol=0.02 * float(ref.std()), rtol=0)
     out = eng.generate(ids.tolist(), 1, greedy(8))
     assert out.response_ids == HFGenerateEngine(model, 3).generate(ids.tolist(), 1, greedy(8)).response_ids
+
+
+def test_a_prompt_shared_by_several_rows_is_prefilled_once():
+    """GRPO's samples of one prompt: the prompt's cache columns are computed in its first row and copied to
+    the others; every row's cache equals a prefill of all rows, and the output equals HF generate."""
+    model = tiny_llama()
+    eng = static(model, max_batch=8)
+    seen = []
+    real = eng.dec.prefill
+    eng.dec.prefill = lambda ids, start, rows=None: seen.append(ids.shape[0]) or real(ids, start, rows)
+    prompts = [PROMPTS[1], PROMPTS[0]]
+    got = eng.generate(prompts, 4, greedy(6))
+    assert seen == [2]
+    assert got.response_ids == HFGenerateEngine(model, 8).generate(prompts, 4, greedy(6)).response_ids
+    # the cache after a prefill of every row, no sharing
+    rows = [p for p in prompts for _ in range(4)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
+    plain = static(model, max_batch=8)
+    plain.dec.allocate()
+    plain.dec.prefill(ids, torch.tensor([width - len(p) for p in rows]))
+    shared = static(model, max_batch=8)
+    shared.generate(prompts, 4, greedy(1))   # one token: the cache holds the prefill only
+    torch.testing.assert_close(shared.dec.cache[:, :, :8, :, :width], plain.dec.cache[:, :, :8, :, :width],
+                               rtol=1e-5, atol=1e-6)
+    # rows in any order: a prompt's samples need not be next to each other
+    mixed = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    seen.clear()
+    out = eng.generate(mixed, 1, greedy(6))
+    assert seen == [3]
+    assert out.response_ids == HFGenerateEngine(model, 8).generate(mixed, 1, greedy(6)).response_ids

@@ -298,11 +298,13 @@ class StaticDecoder:
 
     # ---- prefill and decode -----------------------------------------------------------------------
 
-    def prefill(self, ids: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, start: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """ids: (B, W) left-padded prompts; start: (B,) first real column. Writes cache columns [0, W)
-        of rows [0, B) and returns the fp32 logits of the last column, (B, vocab). Runs eagerly."""
+        of cache rows `rows` (B,) (default: rows [0, B)) and returns the fp32 logits of the last column,
+        (B, vocab). Runs eagerly."""
         B, W = ids.shape
         assert self.cache is not None and B <= self.max_batch and W <= self.max_seq_len
+        dst = slice(0, B) if rows is None else rows
         H, KVH, D = self.n_heads, self.n_kv, self.head_dim
         cols = self.cols[:W]
         pos = (cols[None, :] - start[:, None]).clamp(min=0)                     # (B, W)
@@ -318,12 +320,18 @@ class StaticDecoder:
             self._rotate(qkv, cos, sin)
             q = qkv[..., :self.q_width].view(B, W, H, D).transpose(1, 2)         # (B, H, W, D)
             kvn = qkv[..., self.q_width:].view(B, W, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, W, D)
-            self.cache[i, :, :B, :, :W] = kvn
+            self.cache[i, :, dst, :, :W] = kvn
             k, v = kvn[0], kvn[1]
             o = _sdpa(q, k, v, allowed, self.scaling, self.group > 1)
             x = x + proj.o(o.transpose(1, 2).reshape(B, W, -1))
             x = x + self._mlp_in(x, proj, ln2, eps2)
         return self._logits(x[:, -1])
+
+    def copy_rows(self, src: list[int], dst: list[int], width: int) -> None:
+        """Cache columns [0, width) of row src[i] into row dst[i], for every layer (the prompt a group of
+        samples shares, computed once)."""
+        for a, b in zip(src, dst):
+            self.cache[:, :, b, :, :width] = self.cache[:, :, a, :, :width]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = _rms_norm(x, self.final_norm.weight, self.final_norm.variance_epsilon)
