@@ -22,9 +22,9 @@ Partial sums stay in registers (R x MT a lane) and meet in shared memory at the 
 within the 48 KB a Pascal block may use). K is also split across blocks where that fills the GPU's
 waves better (`_splits`), and a second small kernel then adds the fp32 partials. A LoRA adapter
 (`lora=`) rides along: its A as r more rows of the weight in fp32 (x A^T summed with the rest), and
-scale * (x A^T) B^T joins the second kernel's sum; no kernel of its own. A first version (a warp per 8 K-chunked rows, x chunks behind
-a block barrier) reached a fifth of the H200's fp32 matmul rate at 16 rows, barely ahead of
-bitsandbytes; this one 46% (docs/benchmarks.md section 8).
+scale * (x A^T) B^T joins the second kernel's sum; no kernel of its own (docs/benchmarks.md section 13).
+A first version (a warp per 8 K-chunked rows, x chunks behind a block barrier) reached a fifth of the
+H200's fp32 matmul rate at 16 rows, barely ahead of bitsandbytes; this one 46% (section 8).
 
 Compiled at run time with NVRTC (`nvrtc.py`) for the GPU's own architecture: CC 6.0 and up with a
 CUDA 12 torch, 7.5 and up with CUDA 13.
@@ -40,6 +40,7 @@ from .nvrtc import KernelUnavailable, blocks_per_sm, load
 
 MAX_ROWS_PER_BLOCK = 16
 WARPS = 8
+MAX_ROWS = 65535   # rows of x one call takes: nf4_sum's grid has a block row per row of x
 MAX_RANK = 256   # a LoRA adapter's rank the kernels take (nf4_sum stages x A^T in 256 floats of shared memory)
 
 SOURCE = r"""
@@ -344,6 +345,8 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
     n, k = tuple(state.shape)
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"nf4_matmul: {m} rows; the kernels take at most {MAX_ROWS} (a decode step has a few)")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
