@@ -27,6 +27,7 @@ Groups (TRL first, so that its measured memory can set edgerl's budgets; then ed
                adapter in bf16 under a quantized base (its own choice), edgerl in fp32
   llama8b-t4   QLoRA at Llama-3.1-8B widths (4096, 32 layers, 32/8, MLP 14336) under T4 emulation;
                TRL in bf16 compute (what runs; peers.md), then TRL with fp16=True as a T4 user sets it
+  llama8b-p40  the Llama-3.1-8B widths under P40 emulation, as qwen7b-p40 (fp32 compute on both sides)
   qwen14b-p40  QLoRA at Qwen2.5-14B widths (5120, 48 layers, 40/8, MLP 13824), edgerl only
   A budget caps edgerl's allocator at it less the CUDA context (edgerl.session), as a user's run would be.
   The QLoRA groups with a TRL side also run edgerl at TRL's device memory (--frontier-qlora, default trl):
@@ -85,6 +86,8 @@ GROUPS: dict[str, Group] = {
                         frontier=("trl",)),
     "llama8b-t4": Group("llama8b", "t4", tuple(QLORA), Trl("bf16", cap="t4", qlora=True),
                         (Trl("fp16", cap="t4", qlora=True, tag="trl-fp16"),), steps=3, frontier=("trl",)),
+    "llama8b-p40": Group("llama8b", "p40", tuple(QLORA), Trl("fp32", cap="p40", qlora=True), steps=3,
+                         frontier=("trl",)),
     "qwen14b-p40": Group("qwen14b", "p40", tuple(QLORA), None, steps=3),
 }
 SMOKE_DEFAULT = ["362m-bf16", "qwen7b-p40"]

@@ -22,7 +22,7 @@
 #   measure 90      python -m edgerl.measure --json --pageable
 #   trl-frontier 480  bench_vs_trl 362m-bf16 (TRL, edgerl on the whole GPU and at each --frontier budget)
 #   trl-17b 300     bench_vs_trl 1.7b-bf16;   trl-p40 360: 362m-p40 and 1.7b-p40
-#   trl-qwen7b 330, trl-llama8b 360, trl-qwen14b 240: the QLoRA groups; trl-qlora 560: all three
+#   trl-qwen7b 330, trl-llama8b 360, trl-llama8b-p40 360, trl-qwen14b 240: the QLoRA groups; trl-qlora 560: all three
 #   trl-core 560, trl 560: several groups at once (more than one call holds; the budget stops them)
 #   memory 400      bench_memory;   multi 480: bench_multi (two GPUs)
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
@@ -75,6 +75,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         trl-core) echo "$vs --only 362m-bf16 362m-p40 1.7b-bf16 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-qwen7b) echo "$vs --only qwen7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-llama8b) echo "$vs --only llama8b-t4 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-llama8b-p40) echo "$vs --only llama8b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-qwen14b) echo "$vs --only qwen14b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         trl-qlora) echo "$vs --only qwen7b-p40 llama8b-t4 qwen14b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         qlora) echo "$vs --only qwen7b-p40 llama8b-t4:edgerl --out $OUT/bench_vs_trl$x.json" ;;
@@ -107,7 +108,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
 limit_of() {
     case $1 in
         info) echo 60 ;; quick) echo 200 ;; measure) echo 90 ;; trl-frontier) echo 480 ;; trl-17b) echo 300 ;;
-        trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-qwen14b) echo 240 ;;
+        trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
