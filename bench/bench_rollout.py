@@ -15,6 +15,8 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
     graph_fused_sdpa_compile  compiled, SDPA
     graph_fused_triton        decode attention as edgerl's Triton kernel (only the columns each row sees)
     graph_fused_triton_compile  compiled, Triton decode attention
+    graph_fused_triton_rope   the Triton kernel doing the rotary embedding and the cache write too
+    graph_fused_triton_rope_compile  compiled, that kernel
 
 Per variant: ms per decode step (median over the decode steps of --reps calls, CUDA events), decode
 tokens/s (rows / step time), share of the bandwidth bound (a step reads every weight once: weight
@@ -82,6 +84,9 @@ VARIANTS = {   # engine keyword arguments; hf_generate has none
     "graph_fused_triton": dict(cuda_graphs=True, projections="fused", decode_attention="triton"),
     "graph_fused_triton_compile": dict(cuda_graphs=True, projections="fused", decode_attention="triton",
                                        compile_step=True),
+    "graph_fused_triton_rope": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope"),
+    "graph_fused_triton_rope_compile": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope",
+                                            compile_step=True),
 }
 
 

@@ -367,8 +367,8 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
                    f"{dev.smem_per_block_optin // 1024} KB")
     else:
         why_not = ""
-    if forced == "triton" and why_not:
-        raise PlanError(f"plan.decode_attention=triton is not possible: {why_not}; use sdpa or bmm")
+    if forced in ("triton", "triton_rope") and why_not:
+        raise PlanError(f"plan.decode_attention={forced} is not possible: {why_not}; use sdpa or bmm")
     if forced:
         return forced, f"asked for with plan.decode_attention={forced}"
     if engine != "hf":

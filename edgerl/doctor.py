@@ -207,7 +207,7 @@ def check_c_compiler(dev: Device, env: Environment, plan: Optional[Plan]) -> Opt
                                                    else ""))
     if plan.rollout_compile:
         uses.append("the compiled decode step")
-    if plan.decode_attention == "triton" and plan.rollout_engine == "hf":
+    if plan.decode_attention in ("triton", "triton_rope") and plan.rollout_engine == "hf":
         uses.append("the decode-attention kernel")
     if not uses:
         return None

@@ -37,7 +37,7 @@ class Plan:
     rollout_engine: str
     cuda_graphs: bool
     rollout_compile: bool                # the hf engine's decode step compiled (torch.compile)
-    decode_attention: str                # how the hf engine's decode step attends: triton, sdpa or bmm
+    decode_attention: str                # how the hf engine's decode step attends: triton(_rope), sdpa or bmm
     nf4_kernel: bool                     # the decode step's NF4 matmuls through edgerl's fused kernel
     share_prompts: bool                  # a micro-batch's forward computes each distinct prompt once
     kernel_backend: str

@@ -96,6 +96,55 @@ def attention_op():
     return _OP
 
 
+_ROPE_OP = None
+
+
+def attention_rope_op():
+    """`decode_attention_rope` as a torch custom op that writes the cache in place (mutates k and v),
+    registered on first use; see `attention_op`."""
+    global _ROPE_OP
+    if _ROPE_OP is None:
+        mod = kernel_module()
+
+        @torch.library.custom_op("edgerl::decode_attention_rope", mutates_args=("k", "v"))
+        def decode_attention_rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+                                     v: torch.Tensor, start: torch.Tensor, col: torch.Tensor, scale: float,
+                                     group: int) -> torch.Tensor:
+            B, KVH, _, D = k.shape
+            if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride() or k.stride(-1) != 1 \
+                    or v.stride(-1) != 1 or qkv.shape[-1] != (group + 2) * KVH * D or qkv.dtype != k.dtype:
+                raise ValueError(f"decode_attention_rope: qkv {tuple(qkv.shape)} {qkv.dtype} must hold q, k and v "
+                                 f"of {KVH} KV heads x {group} query heads of size {D} in the cache's dtype "
+                                 f"{k.dtype}, with contiguous last dimensions of every input")
+            o = torch.empty((B, KVH, group, D), device=qkv.device, dtype=qkv.dtype)
+            stages = 1 if mod.INTERPRETED else stages_for(qkv.device, D, qkv.dtype, group)
+            if stages is None:
+                raise ValueError(f"decode_attention_rope: {unavailable_reason(qkv.device, D, qkv.dtype, group)}")
+            mod.decode_attention_rope_kernel[(B * KVH,)](
+                qkv, cos, sin, k, v, o, start, col, scale, qkv.stride(0), cos.stride(0), *k.stride()[:3],
+                *v.stride()[:3], *o.stride()[:3], QW=group * KVH * D, KVW=KVH * D, KVH=KVH, G=group,
+                GP=group_pad(group), D=D, BLOCK=DECODE_BLOCK_S, IEEE=qkv.dtype == torch.float32,
+                UPCAST=mod.INTERPRETED and qkv.dtype != torch.float32, num_stages=stages)
+            return o
+
+        @decode_attention_rope_op.register_fake
+        def _(qkv, cos, sin, k, v, start, col, scale, group):
+            return qkv.new_empty((k.shape[0], k.shape[1], group, k.shape[3]))
+
+        _ROPE_OP = decode_attention_rope_op
+    return _ROPE_OP
+
+
+def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          start: torch.Tensor, col: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    """The rotary embedding of the new token's q and k, k and v written into cache column col, and
+    `decode_attention` over the row's columns, in one kernel. qkv: (B, (group + 2) KVH D), the q/k/v
+    projection's output before rotation (q heads, then k, then v); cos, sin: (B, D) the rows' rotary
+    tables as the engine keeps them (sin carries rotate_half's sign); k, v: (B, KVH, S, D), written in
+    place. Returns (B, KVH, group, D)."""
+    return attention_rope_op()(qkv, cos, sin, k, v, start, col, scale, group)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, col: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention of one new token per row over a static KV cache. q: (B, KVH, G, D), the G query heads

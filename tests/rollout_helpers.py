@@ -133,3 +133,43 @@ def decode_attention_cases(device) -> list[tuple]:
                 col = torch.tensor([last], dtype=torch.long, device=device)
                 cases.append((f"{str(dtype)[6:]}-B{B}-KVH{KVH}-G{G}-D{D}-S{S}-col{last}", q, k, v, start, col, tol))
     return cases
+
+
+def rotate_reference(x, cos, sin):
+    """The engine's rotary embedding (`StaticDecoder._rotate`) in the tensors' dtype, op by op: x (..., D),
+    cos and sin broadcast to it, sin with rotate_half's sign folded in."""
+    half = x.shape[-1] // 2
+    r = torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + r
+
+
+def check_decode_attention_rope(case, bf16_exact: bool) -> None:
+    """The fused rotary/cache-write/attention kernel on one of `decode_attention_cases`: its cache column
+    equals the engine's rotation and write (bit for bit: the same rounding op by op; within the three
+    roundings' steps in bf16 where `bf16_exact` is False), the other columns are untouched, and its output
+    is the float64 attention over the window."""
+    from edgerl.kernels.decode_attention import decode_attention_rope
+    _, q, k, v, start, col, tol = case
+    B, KVH, G, D = q.shape
+    g = torch.Generator().manual_seed(B * D)
+    new_k, new_v = (torch.randn((B, KVH, D), generator=g).to(device=q.device, dtype=q.dtype) for _ in range(2))
+    qkv = torch.cat((q.reshape(B, -1), new_k.reshape(B, -1), new_v.reshape(B, -1)), dim=1)
+    angle = torch.rand((B, D // 2), generator=g, dtype=torch.float64) * 6
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(device=q.device, dtype=q.dtype)
+    sin = torch.cat((-angle.sin(), angle.sin()), -1).to(device=q.device, dtype=q.dtype)
+    kc, vc = k.clone(), v.clone()
+    scale = D ** -0.5
+    got = decode_attention_rope(qkv, cos, sin, kc, vc, start, col, scale, G)
+    c = int(col[0])
+    want_k = rotate_reference(new_k, cos[:, None], sin[:, None])
+    if q.dtype == torch.bfloat16 and not bf16_exact:   # each of three roundings may be a step off: 2^-8 of the operands
+        size = new_k.float().abs() + torch.cat((new_k[..., D // 2:], new_k[..., :D // 2]), -1).float().abs()
+        assert ((kc[:, :, c].float() - want_k.float()).abs() <= 2 ** -6 * size).all()
+    else:
+        assert torch.equal(kc[:, :, c], want_k)
+    assert torch.equal(vc[:, :, c], new_v)
+    others = [i for i in range(k.shape[2]) if i != c]
+    assert torch.equal(kc[:, :, others], k[:, :, others]) and torch.equal(vc[:, :, others], v[:, :, others])
+    want = decode_attention_reference(rotate_reference(q, cos[:, None, None], sin[:, None, None]), kc, vc, start,
+                                      col, scale)
+    assert got.shape == q.shape and (got.double().cpu() - want).abs().max() <= tol

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import run_cases_under_triton_interpreter
-from rollout_helpers import PROMPTS, decode_attention_cases, decode_attention_reference, tiny_llama, tiny_qwen2
+from rollout_helpers import (PROMPTS, check_decode_attention_rope, decode_attention_cases, decode_attention_reference,
+                             tiny_llama, tiny_qwen2)
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 CASES = decode_attention_cases("cpu")
@@ -29,7 +30,7 @@ def interpreted():
 def test_cases_run_under_the_interpreter():
     if INTERPRETER:
         pytest.skip("this is the interpreter process itself")
-    run_cases_under_triton_interpreter(__file__, "interp", at_least=len(CASES) + 3)
+    run_cases_under_triton_interpreter(__file__, "interp", at_least=2 * len(CASES) + 3)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["interp-" + c[0] for c in CASES])
@@ -47,23 +48,31 @@ def test_kernel_equals_the_float64_reference(interpreted, case):
         assert (wider - want).abs().max() > 4 * tol
 
 
+@pytest.mark.parametrize("case", CASES, ids=["interp-rope-" + c[0] for c in CASES])
+def test_rope_kernel_rotates_writes_the_column_and_attends(interpreted, case):
+    # The interpreter casts fp32 to bf16 by truncation (a GPU rounds to nearest, and tests/test_rollout_cuda.py
+    # checks the bf16 column bit for bit there).
+    check_decode_attention_rope(case, bf16_exact=False)
+
+
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["interp-llama", "interp-qwen2"])
 def test_engine_with_the_kernel_equals_its_sdpa_path_fp32(interpreted, build):
     from edgerl.rollout import SamplingParams, StaticCacheEngine
     model = build()
     params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95)
     runs = []
-    for attention in ("triton", "sdpa"):
+    for attention in ("triton", "triton_rope", "sdpa"):
         eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, decode_attention=attention)
         assert f"{attention} attention" in eng.describe()
         greedy = eng.generate(PROMPTS, 2, SamplingParams(max_new_tokens=20, greedy=True)).response_ids
         sampled = eng.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(3))
         runs.append((greedy, sampled))
-    (g1, s1), (g2, s2) = runs
-    assert g1 == g2 and s1.response_ids == s2.response_ids
-    lp1 = torch.tensor([x for r in s1.logprobs for x in r])
-    lp2 = torch.tensor([x for r in s2.logprobs for x in r])
-    assert torch.allclose(lp1, lp2, atol=1e-4)
+    (g2, s2) = runs[-1]
+    for g1, s1 in runs[:-1]:
+        assert g1 == g2 and s1.response_ids == s2.response_ids
+        lp1 = torch.tensor([x for r in s1.logprobs for x in r])
+        lp2 = torch.tensor([x for r in s2.logprobs for x in r])
+        assert torch.allclose(lp1, lp2, atol=1e-4)
 
 
 def test_interp_engine_refuses_a_head_size_the_kernel_lacks(interpreted):

@@ -91,8 +91,12 @@ def test_decode_attention_is_the_triton_kernel_in_16_bits_from_cc8(key, libs, at
     off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "sdpa"})
     assert off.decode_attention == "sdpa" and "asked for" in off.reasons["decode_attention"]
     if attention != "triton" and key not in ("A100",):
-        with pytest.raises(PlanError, match="plan.decode_attention=triton is not possible"):
-            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "triton"})
+        for kernel in ("triton", "triton_rope"):
+            with pytest.raises(PlanError, match=f"plan.decode_attention={kernel} is not possible"):
+                plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": kernel})
+    elif attention == "triton":   # the fused rotary variant is chosen only when asked for
+        rope = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "triton_rope"})
+        assert rope.decode_attention == "triton_rope" and "asked for" in rope.reasons["decode_attention"]
 
 
 def test_decode_attention_needs_a_power_of_two_head_size():

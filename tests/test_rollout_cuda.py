@@ -10,8 +10,8 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine
-from rollout_helpers import (PROMPTS, decode_attention_cases, decode_attention_reference, next_token_logits,
-                             perturbed, recompute_logprobs, tiny_llama, tiny_qwen2, with_lora)
+from rollout_helpers import (PROMPTS, check_decode_attention_rope, decode_attention_cases, decode_attention_reference,
+                             next_token_logits, perturbed, recompute_logprobs, tiny_llama, tiny_qwen2, with_lora)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 
@@ -200,7 +200,7 @@ def test_step_times_with_cuda_events():
 
 
 @needs_compile
-@pytest.mark.parametrize("attention", ["auto", "triton"])
+@pytest.mark.parametrize("attention", ["auto", "triton", "triton_rope"])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_compiled_graph_equals_eager_and_hf_fp32(name, attention):
     torch._dynamo.reset()
@@ -219,7 +219,7 @@ def test_compiled_graph_equals_eager_and_hf_fp32(name, attention):
 
 
 @needs_compile
-@pytest.mark.parametrize("attention", ["auto", "triton"])
+@pytest.mark.parametrize("attention", ["auto", "triton", "triton_rope"])
 def test_compiled_graph_sampled_logprobs_bf16(attention):
     torch._dynamo.reset()
     model = tiny_llama(dtype=torch.bfloat16, device="cuda")
@@ -252,3 +252,9 @@ def test_decode_attention_kernel_equals_the_float64_reference(case):
     got = decode_attention(q, k, v, start, col, scale)
     assert got.dtype == q.dtype and got.shape == q.shape
     assert (got.double().cpu() - decode_attention_reference(q, k, v, start, col, scale)).abs().max() <= tol
+
+
+@needs_compile
+@pytest.mark.parametrize("case", DA_CASES, ids=["rope-" + c[0] for c in DA_CASES])
+def test_decode_attention_rope_kernel_equals_the_engine_and_the_reference(case):
+    check_decode_attention_rope(case, bf16_exact=True)

@@ -157,7 +157,9 @@ class StaticDecoder:
     (see `projections.py`). attention: how a decode step attends, 'bmm' (baddbmm, softmax, bmm: plain
     kernels every GPU has), 'sdpa' (one scaled_dot_product_attention call, its fused kernel where the
     device has one), 'triton' (edgerl's decode-attention kernel, `kernels/decode_attention.py`: reads
-    only the columns each row sees; CUDA CC >= 7.0 with triton) or 'auto': bmm in fp32, sdpa in 16
+    only the columns each row sees; CUDA CC >= 7.0 with triton), 'triton_rope' (the same kernel doing
+    the rotary embedding, the cache write and the query's copy too: three kernels fewer per layer; not
+    measured on a GPU yet, so nothing chooses it but a caller) or 'auto': bmm in fp32, sdpa in 16
     bits. A 16-bit baddbmm rounds the scores to 16 bits before the softmax, where HF's SDPA forward
     (what training runs) keeps them in fp32: measured on the H200 in bf16 (docs/benchmarks.md), bmm
     agreed with HF's argmax on 54-60% of tokens, sdpa on 76-83%, as HF generate itself does (83-87%)."""
@@ -166,8 +168,8 @@ class StaticDecoder:
                  projections: str = "auto", attention: str = "auto") -> None:
         model = _unwrap(model)
         check_supported(model, max_seq_len)
-        if attention not in ("auto", "bmm", "sdpa", "triton"):
-            raise ValueError(f"attention must be 'auto', 'bmm', 'sdpa' or 'triton', got {attention!r}")
+        if attention not in ("auto", "bmm", "sdpa", "triton", "triton_rope"):
+            raise ValueError(f"attention must be 'auto', 'bmm', 'sdpa', 'triton' or 'triton_rope', got {attention!r}")
         if attention == "auto":
             attention = "bmm" if model.model.embed_tokens.weight.dtype == torch.float32 else "sdpa"
         cfg = model.config
@@ -209,12 +211,13 @@ class StaticDecoder:
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.cols = torch.arange(self.cache_len, device=self.device)       # (S,)
         self.attend = None
-        if attention == "triton":
-            from ..kernels.decode_attention import attention_op, unavailable_reason
+        if attention in ("triton", "triton_rope"):
+            from ..kernels.decode_attention import attention_op, attention_rope_op, unavailable_reason
             why = unavailable_reason(self.device, self.head_dim, self.dtype, self.group)
             if why:
-                raise ValueError(f"decode attention 'triton' cannot run here: {why}; use 'sdpa' or 'bmm'")
-            self.attend = attention_op()   # the op itself: a compiled layer calls it without a module lookup
+                raise ValueError(f"decode attention {attention!r} cannot run here: {why}; use 'sdpa' or 'bmm'")
+            # the op itself: a compiled layer calls it without a module lookup
+            self.attend = attention_op() if attention == "triton" else attention_rope_op()
         self.cache: torch.Tensor | None = None
         self.layer_step = self._decode_layer     # the engine swaps in a compiled one under compile_step
         self.compiled = False
@@ -278,6 +281,11 @@ class StaticDecoder:
             x = x + d
         B = x.shape[0]
         qkv = proj.qkv(_rms_norm(x, ln1, eps1))                                     # (B, N)
+        if self.attention == "triton_rope":   # rotary, the cache write and attention in one kernel
+            o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], bias, col, self.scaling,
+                            self.group)
+            x = x + proj.o(o.reshape(B, self.q_width))
+            return x, self._mlp_in(x, proj, ln2, eps2)
         self._rotate(qkv, cos, sin)
         # k and v sit side by side after q: one copy puts both in the cache column.
         kv.index_copy_(3, col, qkv[:, self.q_width:].view(B, 2, self.n_kv, 1, self.head_dim).transpose(0, 1))
