@@ -182,6 +182,7 @@ class Setting:
     rollout_from_actor: bool = False        # the engine runs the actor's own modules: no generation copy
     prompt_share: int = 1           # samples of a prompt a scoring forward computes it once for (edgerl/packing.py)
     update_share: int = 1           # the same in the update (1 where shuffled mini-batches mix the groups)
+    prefill_share: int = 1          # the same in the rollout's prefill (the static engine: edgerl/rollout/static.py)
     lora_input_bytes: int = 0       # per token and layer: what the fp32 copies of the adapted layers' inputs add
                                     # to the activations beside a 16-bit base (plan._lora_input_bytes)
 
@@ -285,7 +286,8 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     gen_copy = 0 if s.rollout_from_actor else P * b_c
     kv = s.rollout_batch * L * m.kv_bytes_per_token(b_c)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
-    prefill = s.rollout_batch * prompt_len * (4 * m.hidden_size + 3 * m.intermediate_size) * b_c
+    prefill = packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0) * (
+        4 * m.hidden_size + 3 * m.intermediate_size) * b_c
     # only the frozen reference moves between phases; the critic (FSDP2-wrapped, trained) and a
     # reward model stay on the device
     resident_off = (0 if s.swap_models else ref) + critic_state + rm

@@ -174,7 +174,9 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             reward_model_params=task.reward_model_params, cuda=device.is_cuda, shards=task.world_size,
             base_quant=quant, rollout_from_actor=quant is not None,
             lora_input_bytes=_lora_input_bytes(model, lora_targets_, dtype.compute_bytes) if config.lora else 0,
-            prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1)
+            prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1,
+            # the static engine prefills a prompt once for its samples (a quantized base always runs it)
+            prefill_share=task.samples_per_prompt if engine == "hf" or quant else 1)
 
     attempts: list[tuple[Config, Optional[Found], list[str]]] = []
     for config in configs(device, task, base_dtype, bool(o.get("base_dtype"))):

@@ -289,6 +289,24 @@ def test_memory_formulas_by_hand():
     assert shared.phases["score"]["activations"] == (2 * 100 + 4 * 28) * no_grad
     assert [packed_tokens(r, 8, 64, 256) for r in (1, 2, 3, 8, 12, 16)] == [
         320, 64 + 512, 2 * 64 + 768, 64 + 2048, 3 * 64 + 12 * 256, 2 * 64 + 4096]   # 12: up to 3 prompts
+    # the rollout's prefill: every row's prompt (hidden 576, MLP 1536, 2 bytes), or each distinct prompt
+    # once where the static engine shares it (8 rows of 4 samples each: 2 prompts)
+    per_prefill_token = (4 * 576 + 3 * 1536) * 2
+    assert e.phases["rollout"]["prefill activations"] == 8 * 100 * per_prefill_token
+    once = estimate(m, dataclasses.replace(s, prefill_share=4), 100, 28, 100 * GiB)
+    assert once.phases["rollout"]["prefill activations"] == 2 * 100 * per_prefill_token
+
+
+def test_the_plan_counts_a_shared_prefill_only_where_the_static_engine_runs():
+    dev = fake_probe("3090").primary
+    hf = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
+    generate = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_engine": "hf-generate"})
+    assert hf.rollout_engine == "hf" and generate.rollout_engine == "hf-generate"
+    rows = hf.rollout_batch
+    assert generate.rollout_batch == rows and rows % SMALL.samples_per_prompt == 0
+    a = hf.memory.phases["rollout"]["prefill activations"]
+    b = generate.memory.phases["rollout"]["prefill activations"]
+    assert b == a * SMALL.samples_per_prompt
 
 
 def test_no_fit_says_what_would_fit():
