@@ -156,13 +156,12 @@ def row_sweep(model, args, compute) -> list[dict]:
             bnb_ms, fused_ms = graph_ms(lambda: plain.forward(base, x)), graph_ms(lambda: base(x))
             rec = {"proj": name, "shape": [base.out_features, base.in_features], "rows": m,
                    "bnb_ms": round(bnb_ms, 4), "fused_ms": round(fused_ms, 4), "speedup": round(bnb_ms / fused_ms, 2)}
+            w, st = base.weight.data, base.weight.quant_state
             if args.split_sweep:   # the kernel with K split into each of these many parts
-                w, st = base.weight.data, base.weight.quant_state
                 rec["ms_by_splits"] = {s: round(graph_ms(lambda s=s: nf4_matmul(x, w, st, splits=s)), 4)
                                        for s in (int(v) for v in args.split_sweep.split(","))}
             # the projection's LoRA adapter inside the kernel, against what it cost as its own cuBLAS matmul
             ab = (mod.lora_A["default"].weight.detach(), mod.lora_B["default"].weight.detach(), 0.5)
-            w, st = base.weight.data, base.weight.quant_state
             rec["fused_with_lora_ms"] = round(graph_ms(lambda: nf4_matmul(x, w, st, lora=ab)), 4)
             rec["x_at_cublas_ms"] = round(graph_ms(lambda: torch.nn.functional.linear(x.float(), ab[0])), 4)
             out.append(rec)

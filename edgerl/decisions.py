@@ -384,8 +384,8 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
 
 # Measured on an H200 (docs/benchmarks.md sections 8 and 13): a decode step of 16 rows over the 28 NF4
 # layers with LoRA at the Qwen2.5-7B widths, fp32 compute, 34.4 ms with bitsandbytes and peft, 13.35 ms
-# with the fused kernel (the adapters inside it); per projection it wins up to 32 rows in fp32 (1.4-3.2x at 32, 1.0x at 64). In fp16 the
-# H200's tensor-core GEMM on the dequantized weight is about as fast as the kernel's fp32 multiply-adds
+# with the fused kernel (the adapters inside it); per projection it wins up to 32 rows in fp32 (1.4-3.2x
+# at 32, 1.0x at 64). In fp16 the H200's tensor-core GEMM on the dequantized weight is about as fast as the kernel's fp32 multiply-adds
 # (0.8-1.2x at 16 rows), so 16-bit compute keeps bitsandbytes unless asked.
 NF4_KERNEL_GAIN = "2.6x per decode step at the Qwen2.5-7B widths in fp32, 16 rows, on an H200"
 NF4_KERNEL_ROWS = 32

@@ -60,6 +60,17 @@ def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, 
     return None
 
 
+def _launch_options(mod, name: str, device: torch.device, head_dim: int, dtype: torch.dtype, kv_heads: int,
+                    group: int) -> dict:
+    """The compile-time constants and pipeline depth both kernels launch with: the deepest pipeline
+    that fits the device's shared memory (the interpreter has none to fit)."""
+    stages = 1 if mod.INTERPRETED else stages_for(device, head_dim, dtype, group)
+    if stages is None:
+        raise ValueError(f"{name}: {unavailable_reason(device, head_dim, dtype, group)}")
+    return dict(KVH=kv_heads, G=group, GP=group_pad(group), D=head_dim, BLOCK=DECODE_BLOCK_S,
+                IEEE=dtype == torch.float32, UPCAST=mod.INTERPRETED and dtype != torch.float32, num_stages=stages)
+
+
 _OP = None
 
 
@@ -77,15 +88,11 @@ def attention_op():
             if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
                 raise ValueError("decode_attention needs contiguous last dimensions of q, k and v")
             B, KVH, G, D = q.shape
+            opts = _launch_options(mod, "decode_attention", q.device, D, q.dtype, KVH, G)
             o = torch.empty((B, KVH, G, D), device=q.device, dtype=q.dtype)
-            # the pipeline depth that fits the device's shared memory (the interpreter has none to fit)
-            stages = 1 if mod.INTERPRETED else stages_for(q.device, D, q.dtype, G)
-            if stages is None:
-                raise ValueError(f"decode_attention: {unavailable_reason(q.device, D, q.dtype, G)}")
             mod.decode_attention_kernel[(B * KVH,)](
                 q, k, v, o, start, col, scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                KVH=KVH, G=G, GP=group_pad(G), D=D, BLOCK=DECODE_BLOCK_S, IEEE=q.dtype == torch.float32,
-                UPCAST=mod.INTERPRETED and q.dtype != torch.float32, num_stages=stages)
+                **opts)
             return o
 
         @decode_attention_op.register_fake
@@ -116,15 +123,11 @@ def attention_rope_op():
                 raise ValueError(f"decode_attention_rope: qkv {tuple(qkv.shape)} {qkv.dtype} must hold q, k and v "
                                  f"of {KVH} KV heads x {group} query heads of size {D} in the cache's dtype "
                                  f"{k.dtype}, with contiguous last dimensions of every input")
+            opts = _launch_options(mod, "decode_attention_rope", qkv.device, D, qkv.dtype, KVH, group)
             o = torch.empty((B, KVH, group, D), device=qkv.device, dtype=qkv.dtype)
-            stages = 1 if mod.INTERPRETED else stages_for(qkv.device, D, qkv.dtype, group)
-            if stages is None:
-                raise ValueError(f"decode_attention_rope: {unavailable_reason(qkv.device, D, qkv.dtype, group)}")
             mod.decode_attention_rope_kernel[(B * KVH,)](
                 qkv, cos, sin, k, v, o, start, col, scale, qkv.stride(0), cos.stride(0), *k.stride()[:3],
-                *v.stride()[:3], *o.stride()[:3], QW=group * KVH * D, KVW=KVH * D, KVH=KVH, G=group,
-                GP=group_pad(group), D=D, BLOCK=DECODE_BLOCK_S, IEEE=qkv.dtype == torch.float32,
-                UPCAST=mod.INTERPRETED and qkv.dtype != torch.float32, num_stages=stages)
+                *v.stride()[:3], *o.stride()[:3], QW=group * KVH * D, KVW=KVH * D, **opts)
             return o
 
         @decode_attention_rope_op.register_fake

@@ -284,25 +284,30 @@ class StaticDecoder:
         if self.attention == "triton_rope":   # rotary, the cache write and attention in one kernel
             o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], bias, col, self.scaling,
                             self.group)
-            x = x + proj.o(o.reshape(B, self.q_width))
-            return x, self._mlp_in(x, proj, ln2, eps2)
+        else:
+            o = self._attend_cache(qkv, kv, cos, sin, bias, col)
+        x = x + proj.o(o.reshape(B, self.q_width))
+        return x, self._mlp_in(x, proj, ln2, eps2)
+
+    def _attend_cache(self, qkv, kv, cos, sin, bias, col):
+        """The new token's rotary embedding, its k and v written into cache column col, and attention over
+        the cache (sdpa, triton or bmm). Returns the output heads, (B, KVH, G, D) or (B*KVH, G, D)."""
+        B = qkv.shape[0]
         self._rotate(qkv, cos, sin)
         # k and v sit side by side after q: one copy puts both in the cache column.
         kv.index_copy_(3, col, qkv[:, self.q_width:].view(B, 2, self.n_kv, 1, self.head_dim).transpose(0, 1))
         if self.attention in ("sdpa", "triton"):   # q (B, KVH, G, D): each KV head attends for its G query heads
             q = qkv[:, :self.q_width].view(B, self.n_kv, self.group, self.head_dim)
-            o = (self.attend(q, kv[0], kv[1], bias, col, self.scaling) if self.attend is not None
-                 else _sdpa(q, kv[0], kv[1], bias, self.scaling, False))
-        else:   # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G)
-            BK, S, D = B * self.n_kv, self.cache_len, self.head_dim
-            q = qkv[:, :self.q_width].reshape(BK, self.group, D)                        # (B*KVH, G, D)
-            s = torch.baddbmm(bias, q, kv[0].reshape(BK, S, D).transpose(1, 2), alpha=self.scaling)
-            # HF: softmax in fp32, then cast. A 16-bit softmax computes in fp32 and rounds once: the same
-            # values, one kernel fewer.
-            p = torch.softmax(s, -1, dtype=torch.float32 if s.dtype == torch.float32 else None)
-            o = torch.bmm(p, kv[1].reshape(BK, S, D))                                   # (B*KVH, G, D)
-        x = x + proj.o(o.reshape(B, self.q_width))
-        return x, self._mlp_in(x, proj, ln2, eps2)
+            return (self.attend(q, kv[0], kv[1], bias, col, self.scaling) if self.attend is not None
+                    else _sdpa(q, kv[0], kv[1], bias, self.scaling, False))
+        # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G)
+        BK, S, D = B * self.n_kv, self.cache_len, self.head_dim
+        q = qkv[:, :self.q_width].reshape(BK, self.group, D)                            # (B*KVH, G, D)
+        s = torch.baddbmm(bias, q, kv[0].reshape(BK, S, D).transpose(1, 2), alpha=self.scaling)
+        # HF: softmax in fp32, then cast. A 16-bit softmax computes in fp32 and rounds once: the same
+        # values, one kernel fewer.
+        p = torch.softmax(s, -1, dtype=torch.float32 if s.dtype == torch.float32 else None)
+        return torch.bmm(p, kv[1].reshape(BK, S, D))                                    # (B*KVH, G, D)
 
     # ---- prefill and decode -----------------------------------------------------------------------
 

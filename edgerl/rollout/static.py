@@ -201,18 +201,18 @@ class StaticCacheEngine:
         """The prompts' KV cache and last-column logits (B, V). A prompt that several rows share (a GRPO
         group's samples) is computed once, in its first row, and its cache columns are copied to the
         others: a group of 8 samples prefills 8 times fewer tokens."""
-        s, first, inv = self._state, {}, []
-        for p in chunk:
-            inv.append(first.setdefault(tuple(p), len(first)))
+        s, first = self._state, {}
+        src = [first.setdefault(tuple(p), b) for b, p in enumerate(chunk)]   # each row's prompt's first row
         if len(first) == B:
             return self.dec.prefill(ids.to(self.device), s.start[:B])
-        rows = [inv.index(u) for u in range(len(first))]          # each distinct prompt's first row
+        rows = list(first.values())                                            # ascending: first occurrences
         idx = torch.tensor(rows, dtype=torch.long)
-        logits = self.dec.prefill(ids[idx].to(self.device), s.start[:B][idx.to(self.device)],
-                                  rows=idx.to(self.device))
-        dup = [b for b in range(B) if rows[inv[b]] != b]
-        self.dec.copy_rows([rows[inv[b]] for b in dup], dup, width)
-        return logits[torch.tensor(inv, device=logits.device)]
+        on_dev = idx.to(self.device)
+        logits = self.dec.prefill(ids[idx].to(self.device), s.start[:B][on_dev], rows=on_dev)
+        dup = [b for b in range(B) if src[b] != b]
+        self.dec.copy_rows([src[b] for b in dup], dup, width)
+        slot = {r: i for i, r in enumerate(rows)}
+        return logits[torch.tensor([slot[r] for r in src], device=logits.device)]
 
     def _emit(self, logits: torch.Tensor, mode: _Mode) -> None:
         """Sample from logits (B, V), record token and log-prob at `step`, update done/tok/step in place."""
