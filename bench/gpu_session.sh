@@ -35,7 +35,7 @@
 #   tests-nf4 120   tests/test_nf4_kernel_cuda.py
 #   nf4-decode 200  bench_nf4_decode: the QLoRA fp32 decode step at the Qwen2.5-7B widths, NF4_LAYERS (28) layers
 #   rollout-bf16 240  bench_rollout's bf16 configs only, the main variants (ROLLOUT_VARIANTS; default: HF generate,
-#                   the plain graph, compiled with SDPA and with the Triton attention the plan picks), HF
+#                   the plain graph, compiled with SDPA, with the Triton attention and with its rotary form, which the plan picks), HF
 #                   generate's own agreement as the bar
 #   edgerl-17b 200  bench_vs_trl 1.7b-bf16, edgerl's side only at FRONTIER_17B GiB (default 18.46: TRL's memory
 #                   measured in section 10.2 of docs/benchmarks.md), no TRL run
@@ -98,7 +98,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;
         rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
-        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_sdpa_compile,graph_fused_triton_compile} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
+        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_sdpa_compile,graph_fused_triton_compile,graph_fused_triton_rope_compile} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
         fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
         *) return 1 ;;

@@ -150,9 +150,9 @@ class PlanOverrides:
     nf4_kernel: Optional[bool] = F(None, "the rollout's decode step multiplies by an NF4 base through edgerl's fused "
                                    "kernel (compiled with NVRTC) instead of bitsandbytes' dequantize + matmul")
     decode_attention: Optional[Literal["sdpa", "bmm", "triton", "triton_rope"]] = F(
-        None, "how the hf engine's decode step attends over its KV cache: edgerl's Triton kernel (CC >= 8.0), "
-        "the same kernel doing the rotary embedding and the cache write too (triton_rope; not yet measured on "
-        "a GPU, chosen only when asked for), SDPA, or baddbmm/softmax/bmm")
+        None, "how the hf engine's decode step attends over its KV cache: edgerl's Triton kernel doing the rotary "
+        "embedding and the cache write too (triton_rope; CC >= 8.0), the kernel alone (triton), SDPA, or "
+        "baddbmm/softmax/bmm")
     share_prompts: Optional[bool] = F(None, "the trainer's forward passes compute a prompt its samples share once "
                                       "per micro-batch")
     kernel_backend: Optional[Literal["torch", "triton"]] = F(None, "log-prob kernel backend")

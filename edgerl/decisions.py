@@ -340,15 +340,18 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
 
 
 # Measured on an H200 in bf16, 16 rows x 256 new tokens after 64 prompt tokens (docs/benchmarks.md section 11):
-# the compiled decode step with edgerl's attention kernel against SDPA's memory-efficient kernel.
+# the compiled decode step with edgerl's attention kernel against SDPA's memory-efficient kernel; and
+# (section 14) the kernel that also rotates q and k and writes the cache column against the plain kernel.
 DECODE_ATTENTION_GAIN = "1.44x at 360M (1.30 against 1.88 ms), 1.25x at 1.7B (1.92 against 2.40 ms)"
+DECODE_ROPE_GAIN = "1.11x at 360M (1.18 against 1.30 ms), 1.06x at 1.7B (1.81 against 1.92 ms)"
 
 
 def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str,
                           forced: Optional[str]) -> tuple[str, str]:
     """How the hf engine's decode step attends over its KV cache: edgerl's Triton kernel
     (kernels/decode_attention.py: one program per row and KV head, reading only the columns that row
-    sees) in 16 bits from CC 8.0 with triton (Triton's README supports 8.0 and up; measured on sm_90);
+    sees; its triton_rope form also rotates q and k and writes the cache column) in 16 bits from CC 8.0
+    with triton (Triton's README supports 8.0 and up; measured on sm_90);
     else SDPA in 16 bits and baddbmm/softmax/bmm in fp32, where the fp32 scores are HF's own."""
     from .kernels.tiles import decode_attention_head_reason, decode_attention_stages, group_pad  # pure
     half = dtype.compute in ("fp16", "bf16")
@@ -377,9 +380,11 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
         return "bmm", "fp32: baddbmm, softmax and bmm over the masked cache (plain kernels every GPU has)"
     if why_not:
         return "sdpa", f"SDPA over the masked cache ({why_not} for edgerl's decode-attention kernel)"
-    return "triton", (f"edgerl's decode-attention kernel reads only the cache columns each row sees (SDPA's kernels "
-                      f"read every column, masked): measured {DECODE_ATTENTION_GAIN} faster per decode step on an "
-                      "H200; plan.decode_attention=sdpa turns it off")
+    return "triton_rope", (f"edgerl's decode-attention kernel reads only the cache columns each row sees (SDPA's "
+                           f"kernels read every column, masked): measured {DECODE_ATTENTION_GAIN} faster per decode "
+                           f"step on an H200; it also rotates q and k and writes the new cache column (three kernels "
+                           f"fewer per layer, the same values bit for bit): {DECODE_ROPE_GAIN} more; "
+                           "plan.decode_attention=triton keeps the rotation separate, =sdpa turns both off")
 
 
 # Measured on an H200 (docs/benchmarks.md sections 8 and 13): a decode step of 16 rows over the 28 NF4

@@ -19,6 +19,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -89,13 +90,21 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, col_ptr, scal
 
 
 @triton.jit
-def _rotate(x, xr, cos, sin, DT: tl.constexpr):
+def _rotate(x, xr, cos, sin, DT: tl.constexpr, PLAIN: tl.constexpr):
     """Rotary embedding as the engine's eager ops compute it (`StaticDecoder._rotate`): x * cos +
     rotate_half(x) * sin, xr = rotate_half(x) (loaded with the halves swapped), sin with rotate_half's
-    sign folded in; each product and the sum rounded to DT, the compute dtype."""
-    a = (x.to(tl.float32) * cos.to(tl.float32)).to(DT).to(tl.float32)
-    r = (xr.to(tl.float32) * sin.to(tl.float32)).to(DT).to(tl.float32)
-    return (a + r).to(DT)
+    sign folded in; each product and the sum rounded to DT, the compute dtype. On the GPU the products
+    and the sum are libdevice's round-to-nearest ops, which the compiler may not contract: written as
+    plain ops, Triton fuses the 16-bit round trips away into one fma.rn.bf16x2 (fp32: an FFMA), a rounding
+    step off the engine's k in about a quarter of the elements. PLAIN (the interpreter, which has no
+    libdevice) computes with plain ops."""
+    if PLAIN:
+        a = (x.to(tl.float32) * cos.to(tl.float32)).to(DT).to(tl.float32)
+        r = (xr.to(tl.float32) * sin.to(tl.float32)).to(DT).to(tl.float32)
+        return (a + r).to(DT)
+    a = libdevice.mul_rn(x.to(tl.float32), cos.to(tl.float32)).to(DT).to(tl.float32)
+    r = libdevice.mul_rn(xr.to(tl.float32), sin.to(tl.float32)).to(DT).to(tl.float32)
+    return libdevice.add_rn(a, r).to(DT)
 
 
 @triton.jit
@@ -103,12 +112,13 @@ def decode_attention_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr,
                                  s_qkv, s_cos, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g,
                                  QW: tl.constexpr, KVW: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                                  GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                                 UPCAST: tl.constexpr):
+                                 UPCAST: tl.constexpr, PLAIN: tl.constexpr):
     """The decode step's rotary embedding, cache write and attention in one kernel. qkv (B, QW + 2 KVW):
     the row's q, k and v projections, not yet rotated; cos, sin (B, D): the row's rotary tables (sin
     with rotate_half's sign folded in); k and v (B, KVH, S, D): the cache, whose column col[0] this
     kernel writes (k rotated, v as is) before it attends over start[b] .. col[0], that column read back
-    after a block barrier. Else as `decode_attention_kernel`."""
+    after a block barrier. PLAIN (the interpreter): `_rotate` without libdevice. Else as
+    `decode_attention_kernel`."""
     pid = tl.program_id(0)
     b = pid // KVH
     h = pid % KVH
@@ -121,14 +131,14 @@ def decode_attention_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr,
     cos = tl.load(cos_ptr + b * s_cos + d)
     sin = tl.load(sin_ptr + b * s_cos + d)
     kb = row + QW + h * D
-    k_new = _rotate(tl.load(kb + d), tl.load(kb + dr), cos, sin, DT)
+    k_new = _rotate(tl.load(kb + d), tl.load(kb + dr), cos, sin, DT, PLAIN)
     tl.store(k_ptr + b * sk_b + h * sk_h + col * sk_s + d, k_new)
     tl.store(v_ptr + b * sv_b + h * sv_h + col * sv_s + d, tl.load(row + QW + KVW + h * D + d))
     g = tl.arange(0, GP)
     qb = row + (h * G + g[:, None]) * D
     live = g[:, None] < G
     q = _rotate(tl.load(qb + d[None, :], mask=live, other=0.0), tl.load(qb + dr[None, :], mask=live, other=0.0),
-                cos[None, :], sin[None, :], DT)
+                cos[None, :], sin[None, :], DT, PLAIN)
     if UPCAST:
         q = q.to(tl.float32)
     tl.debug_barrier()   # the column just written is read back below by other threads of the block

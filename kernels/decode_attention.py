@@ -127,7 +127,8 @@ def attention_rope_op():
             o = torch.empty((B, KVH, group, D), device=qkv.device, dtype=qkv.dtype)
             mod.decode_attention_rope_kernel[(B * KVH,)](
                 qkv, cos, sin, k, v, o, start, col, scale, qkv.stride(0), cos.stride(0), *k.stride()[:3],
-                *v.stride()[:3], *o.stride()[:3], QW=group * KVH * D, KVW=KVH * D, **opts)
+                *v.stride()[:3], *o.stride()[:3], QW=group * KVH * D, KVW=KVH * D, PLAIN=mod.INTERPRETED,
+                **opts)
             return o
 
         @decode_attention_rope_op.register_fake

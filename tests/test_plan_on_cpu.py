@@ -73,8 +73,8 @@ def test_rollout_compile_from_cc8_with_triton_on_the_hf_engine_only(key, libs, c
 
 # device, extra libs -> decode attention, words the reason must hold
 DECODE_ATTENTION = [
-    ("H100", {}, "triton", "reads only the cache columns each row sees"),
-    ("3090", {}, "triton", "measured"),
+    ("H100", {}, "triton_rope", "reads only the cache columns each row sees"),
+    ("3090", {}, "triton_rope", "rotates q and k and writes the new cache column"),
     ("H100", {"triton": None}, "sdpa", "triton is not installed"),
     ("T4", {}, "sdpa", "Triton supports CC 8.0 and up"),
     ("P40", {}, "bmm", "fp32"),
@@ -84,19 +84,19 @@ DECODE_ATTENTION = [
 
 
 @pytest.mark.parametrize("key,libs,attention,words", DECODE_ATTENTION)
-def test_decode_attention_is_the_triton_kernel_in_16_bits_from_cc8(key, libs, attention, words):
+def test_decode_attention_is_the_triton_kernel_with_rotary_in_16_bits_from_cc8(key, libs, attention, words):
     dev = fake_probe(key, **libs).primary
     p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
     assert p.decode_attention == attention and words in p.reasons["decode_attention"]
     off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "sdpa"})
     assert off.decode_attention == "sdpa" and "asked for" in off.reasons["decode_attention"]
-    if attention != "triton" and key not in ("A100",):
+    if attention != "triton_rope" and key not in ("A100",):
         for kernel in ("triton", "triton_rope"):
             with pytest.raises(PlanError, match=f"plan.decode_attention={kernel} is not possible"):
                 plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": kernel})
-    elif attention == "triton":   # the fused rotary variant is chosen only when asked for
-        rope = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "triton_rope"})
-        assert rope.decode_attention == "triton_rope" and "asked for" in rope.reasons["decode_attention"]
+    elif attention == "triton_rope":   # the kernel without the rotary part, when asked for
+        plain = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "triton"})
+        assert plain.decode_attention == "triton" and "asked for" in plain.reasons["decode_attention"]
 
 
 def test_decode_attention_needs_a_power_of_two_head_size():
@@ -114,7 +114,7 @@ def test_decode_attention_kernel_must_fit_the_shared_memory():
     with pytest.raises(PlanError, match="needs more shared memory per block than this GPU's 99 KB"):
         plan(fake_probe("3090").primary, wide, SMALL, forced)
     assert plan(fake_probe("H100").primary, wide, SMALL, forced).decode_attention == "triton"
-    assert plan(fake_probe("3090").primary, wide, SMALL).decode_attention == "triton"   # bf16 fits there
+    assert plan(fake_probe("3090").primary, wide, SMALL).decode_attention == "triton_rope"   # bf16 fits there
 
 
 def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():
