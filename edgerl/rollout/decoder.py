@@ -158,11 +158,11 @@ class StaticDecoder:
     kernels every GPU has), 'sdpa' (one scaled_dot_product_attention call, its fused kernel where the
     device has one), 'triton' (edgerl's decode-attention kernel, `kernels/decode_attention.py`: reads
     only the columns each row sees; CUDA CC >= 7.0 with triton), 'triton_rope' (the same kernel doing
-    the rotary embedding, the cache write and the query's copy too: three kernels fewer per layer; not
-    measured on a GPU yet, so nothing chooses it but a caller) or 'auto': bmm in fp32, sdpa in 16
-    bits. A 16-bit baddbmm rounds the scores to 16 bits before the softmax, where HF's SDPA forward
-    (what training runs) keeps them in fp32: measured on the H200 in bf16 (docs/benchmarks.md), bmm
-    agreed with HF's argmax on 54-60% of tokens, sdpa on 76-83%, as HF generate itself does (83-87%)."""
+    the rotary embedding, the cache write and the query's copy too: three kernels fewer per layer, the
+    plan's choice where the kernel runs) or 'auto': bmm in fp32, sdpa in 16 bits. A 16-bit baddbmm
+    rounds the scores to 16 bits before the softmax, where HF's SDPA forward (what training runs) keeps
+    them in fp32: measured on the H200 in bf16 (docs/benchmarks.md), bmm agreed with HF's argmax on
+    54-60% of tokens, sdpa on 76-83%, as HF generate itself does (83-87%)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  projections: str = "auto", attention: str = "auto") -> None:

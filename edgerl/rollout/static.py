@@ -102,10 +102,10 @@ class StaticCacheEngine:
     generated at once (the plan's rollout batch); max_seq_len: prompt + response tokens a row may
     reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
     (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
-    each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' (`StaticDecoder`; auto: bmm in fp32,
-    sdpa in 16 bits). compile_step: torch.compile each
-    decoder layer of the decode step (elementwise fusion; CUDA CC >= 7.0, fused projections; the
-    compiled step is what a CUDA graph captures); off by default, never chosen on the CPU.
+    each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' | 'triton_rope' (`StaticDecoder`; auto:
+    bmm in fp32, sdpa in 16 bits). compile_step: torch.compile each decoder layer of the decode step
+    (elementwise fusion; CUDA CC >= 7.0, fused projections; the compiled step is what a CUDA graph
+    captures); off by default, never chosen on the CPU.
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
 
     Lifetime: the KV cache and static buffers are allocated by the first `generate`, a graph is
