@@ -35,8 +35,8 @@
 #   tests-nf4 120   tests/test_nf4_kernel_cuda.py
 #   nf4-decode 200  bench_nf4_decode: the QLoRA fp32 decode step at the Qwen2.5-7B widths, NF4_LAYERS (28) layers
 #   rollout-bf16 240  bench_rollout's bf16 configs only, the main variants (ROLLOUT_VARIANTS; default: HF generate,
-#                   the plain graph, compiled with SDPA, with the Triton attention and with its rotary form, which the plan picks), HF
-#                   generate's own agreement as the bar
+#                   the plain graph, compiled with SDPA, with the Triton attention and with its rotary form, which
+#                   the plan picks), HF generate's own agreement as the bar
 #   edgerl-17b 200  bench_vs_trl 1.7b-bf16, edgerl's side only at FRONTIER_17B GiB (default 18.46: TRL's memory
 #                   measured in section 10.2 of docs/benchmarks.md), no TRL run
 #   recheck 420    edgerl's QLoRA runs, the 362M frontier at given budgets (FRONTIER) and four memory checks
