@@ -119,10 +119,12 @@ def attention_rope_op():
                                      group: int) -> torch.Tensor:
             B, KVH, _, D = k.shape
             if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride() or k.stride(-1) != 1 \
-                    or v.stride(-1) != 1 or qkv.shape[-1] != (group + 2) * KVH * D or qkv.dtype != k.dtype:
+                    or v.stride(-1) != 1 or qkv.shape != (B, (group + 2) * KVH * D) or qkv.dtype != k.dtype \
+                    or cos.shape != (B, D) or sin.shape != cos.shape or v.shape != k.shape:
                 raise ValueError(f"decode_attention_rope: qkv {tuple(qkv.shape)} {qkv.dtype} must hold q, k and v "
-                                 f"of {KVH} KV heads x {group} query heads of size {D} in the cache's dtype "
-                                 f"{k.dtype}, with contiguous last dimensions of every input")
+                                 f"of {KVH} KV heads x {group} query heads of size {D} for each of the cache's {B} "
+                                 f"rows in its dtype {k.dtype}, cos and sin ({B}, {D}), with contiguous last "
+                                 "dimensions of every input")
             opts = _launch_options(mod, "decode_attention_rope", qkv.device, D, qkv.dtype, KVH, group)
             o = torch.empty((B, KVH, group, D), device=qkv.device, dtype=qkv.dtype)
             mod.decode_attention_rope_kernel[(B * KVH,)](

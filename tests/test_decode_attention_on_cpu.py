@@ -75,6 +75,22 @@ def test_engine_with_the_kernel_equals_its_sdpa_path_fp32(interpreted, build):
         assert torch.allclose(lp1, lp2, atol=1e-4)
 
 
+def test_interp_rope_kernel_refuses_inputs_of_the_wrong_rows(interpreted):
+    """The kernel launches one program per cache row: a qkv or rotary table with fewer rows than the
+    cache would be read past its end, so the op refuses it before launching."""
+    from edgerl.kernels.decode_attention import decode_attention_rope
+    B, KVH, G, D, S = 3, 2, 2, 16, 32
+    k, v = torch.zeros((B, KVH, S, D)), torch.zeros((B, KVH, S, D))
+    cos, sin = torch.ones((B, D)), torch.zeros((B, D))
+    start, col = torch.zeros(B, dtype=torch.long), torch.tensor([4])
+    qkv = torch.randn((B, (G + 2) * KVH * D))
+    assert decode_attention_rope(qkv, cos, sin, k, v, start, col, D ** -0.5, G).shape == (B, KVH, G, D)
+    for bad in (dict(qkv=qkv[:2]), dict(cos=cos[:2], sin=sin[:2])):
+        args = dict(qkv=qkv, cos=cos, sin=sin) | bad
+        with pytest.raises(ValueError, match="for each of the cache's 3 rows"):
+            decode_attention_rope(args["qkv"], args["cos"], args["sin"], k, v, start, col, D ** -0.5, G)
+
+
 def test_interp_engine_refuses_a_head_size_the_kernel_lacks(interpreted):
     from edgerl.rollout import StaticCacheEngine
     model = tiny_llama(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)   # head size 24
