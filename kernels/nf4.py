@@ -40,7 +40,8 @@ from .nvrtc import KernelUnavailable, blocks_per_sm, load
 
 MAX_ROWS_PER_BLOCK = 16
 WARPS = 8
-MAX_ROWS = 65535   # rows of x one call takes: nf4_sum's grid has a block row per row of x
+SUM_ROWS = 4       # rows of x per block of nf4_sum (the source's SUM_ROWS)
+MAX_ROWS = 65535   # rows of x one call takes (nf4_mm's grid has a block row per 16 rows, nf4_sum per 4)
 MAX_RANK = 256   # a LoRA adapter's rank the kernels take (nf4_sum stages x A^T in 256 floats of shared memory)
 
 SOURCE = r"""
@@ -218,30 +219,70 @@ __global__ void __launch_bounds__(256) nf4_mm(
 
 // The partial sums of the splits added up, the bias, and a LoRA adapter's share scale * t B[n]^T, with
 // t = x A^T summed from its own partials (columns N.. of the workspace) into shared memory first. Block:
-// 256 output columns of one row m of x.
+// 256 output columns of SUM_ROWS rows of x. A thread reads its column's row of B once, four floats at a
+// time, for all its rows (the first version, a block per row reading B one float at a time, waited on
+// those loads in turn: 10 us per call at N = 14336). Every output's sum runs in the same order as before:
+// the splits in turn, the bias, then scale * sum_j t[j] B[n, j] over j in turn.
+#define SUM_ROWS 4
 template <typename T>
 __global__ void __launch_bounds__(256) nf4_sum(const float* __restrict__ ws, const T* __restrict__ bias,
                                                T* __restrict__ y, int M, int N, int splits, int has_bias,
                                                const float* __restrict__ lb, int rank, double lscale, int wsn) {
-  __shared__ float t[256];
-  const int m = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
-  if (threadIdx.x < rank) {
+  __shared__ __align__(16) float t[SUM_ROWS * 256];
+  const int m0 = blockIdx.y * SUM_ROWS, n = blockIdx.x * 256 + threadIdx.x;
+  for (int i = threadIdx.x; i < SUM_ROWS * rank; i += 256) {
+    const int m = i / rank, j = i - m * rank;
     float v = 0.f;
-    for (int s = 0; s < splits; ++s) v += ws[((long long)s * M + m) * wsn + N + threadIdx.x];
-    t[threadIdx.x] = v;
+    if (m0 + m < M)
+      for (int s = 0; s < splits; ++s) v += ws[((long long)s * M + m0 + m) * wsn + N + j];
+    t[m * 256 + j] = v;
   }
   __syncthreads();
   if (n >= N) return;
-  float v = 0.f;
-  for (int s = 0; s < splits; ++s) v += ws[((long long)s * M + m) * wsn + n];
-  if (has_bias) v += ld(bias + n);
+  float v[SUM_ROWS], l[SUM_ROWS];
+#pragma unroll
+  for (int m = 0; m < SUM_ROWS; ++m) {
+    v[m] = 0.f;
+    l[m] = 0.f;
+  }
+  for (int s = 0; s < splits; ++s) {
+#pragma unroll
+    for (int m = 0; m < SUM_ROWS; ++m)
+      if (m0 + m < M) v[m] += ws[((long long)s * M + m0 + m) * wsn + n];
+  }
   if (rank) {
     const float* b = lb + (long long)n * rank;
-    float l = 0.f;
-    for (int j = 0; j < rank; ++j) l = fmaf(t[j], b[j], l);
-    v += (float)lscale * l;
+    const bool vec = (rank & 3) == 0;   // then B's rows are 16-byte aligned (cudaMalloc'd, rank a multiple of 4)
+    for (int j = 0; j < rank; j += 4) {
+      float4 bv;
+      if (vec) {
+        bv = *(const float4*)&b[j];
+      } else {
+        bv.x = b[j];
+        bv.y = j + 1 < rank ? b[j + 1] : 0.f;
+        bv.z = j + 2 < rank ? b[j + 2] : 0.f;
+        bv.w = j + 3 < rank ? b[j + 3] : 0.f;
+      }
+#pragma unroll
+      for (int m = 0; m < SUM_ROWS; ++m) {
+        const float* tm = t + m * 256 + j;
+        float a = fmaf(tm[0], bv.x, l[m]);
+        if (j + 1 < rank) a = fmaf(tm[1], bv.y, a);
+        if (j + 2 < rank) a = fmaf(tm[2], bv.z, a);
+        if (j + 3 < rank) a = fmaf(tm[3], bv.w, a);
+        l[m] = a;
+      }
+    }
   }
-  st(y + (long long)m * N + n, v);
+  const float hb = has_bias ? ld(bias + n) : 0.f;
+#pragma unroll
+  for (int m = 0; m < SUM_ROWS; ++m) {
+    if (m0 + m >= M) break;
+    float o = v[m];
+    if (has_bias) o += hb;
+    if (rank) o += (float)lscale * l[m];
+    st(y + (long long)(m0 + m) * N + n, o);
+  }
 }
 """
 
@@ -353,8 +394,10 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
     la, lb, rank, scale = x2, x2, 0, 0.0
     if lora is not None:
         la, lb, scale = lora[0].contiguous(), lora[1].contiguous(), float(lora[2])
-        if la.data_ptr() % 16:   # the kernel reads A's rows 16 bytes at a time
+        if la.data_ptr() % 16:   # the kernels read A's rows (and B's) 16 bytes at a time
             la = la.clone()
+        if lb.data_ptr() % 16:
+            lb = lb.clone()
         rank = la.shape[0]
         if la.dtype != torch.float32 or lb.dtype != torch.float32 or la.shape != (rank, k) or lb.shape != (n, rank) \
                 or not 0 < rank <= MAX_RANK:
@@ -383,7 +426,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
         args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
               int(bool(state.nested)), int(bias is not None), per_split, la, rank, wsn])
     if splits > 1 or rank:
-        _kernel(f"nf4_sum<{_TYPES[x.dtype]}>", x.device)(grid=(-(-n // 256), m, 1), block=(256, 1, 1),
+        _kernel(f"nf4_sum<{_TYPES[x.dtype]}>", x.device)(grid=(-(-n // 256), -(-m // SUM_ROWS), 1), block=(256, 1, 1),
                                            args=[ws, b, y, m, n, splits, int(bias is not None), lb, rank, scale, wsn])
     return y.reshape(*x.shape[:-1], n)
 
