@@ -11,7 +11,9 @@ P40 plan runs). It reports, per layer of one decode step of `--rows` rows:
 - the bandwidth floor of the same work (4-bit reads, the dequantized weight written and read once);
 - with `--kernel` (default on, nf4 only): the same step and parts through edgerl's fused NF4 kernel
   (`edgerl.quant_decode`), its agreement with bitsandbytes, and both timed inside CUDA graphs over
-  `--row-sweep` rows on four projections.
+  `--row-sweep` rows on four projections;
+- with `--cuda-layer` (default on, fp32): the fused-kernel step again with decode attention 'cuda' (the
+  fp32 layer kernels of `kernels/decode_cuda.py`) against 'bmm', its greedy tokens against bmm's.
 
     python bench/bench_nf4_decode.py [--shape qwen7b] [--layers 4] [--rows 16] [--compute fp32] [--out F]
 
@@ -168,10 +170,10 @@ def row_sweep(model, args, compute) -> list[dict]:
     return out
 
 
-def engine_step(model, args, ids, params) -> dict:
+def engine_step(model, args, ids, params, attention: str = "auto") -> dict:
     from edgerl.rollout import StaticCacheEngine
     engine = StaticCacheEngine(model, args.rows, args.prompt_len + args.new_tokens, cuda_graphs=True,
-                               projections="modules", time_steps=True)
+                               projections="modules", decode_attention=attention, time_steps=True)
     engine.generate(ids.tolist(), 1, params)
     t0 = time.perf_counter()
     out = engine.generate(ids.tolist(), 1, params)
@@ -194,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", default="on", choices=["on", "off"], help="also time the fused NF4 kernel")
     ap.add_argument("--row-sweep", default="1,4,16,32,64", help="row counts for the kernel against bitsandbytes")
     ap.add_argument("--split-sweep", default="", help="also time the kernel at each of these K splits (e.g. 1,2,4,7)")
+    ap.add_argument("--cuda-layer", default="on", choices=["on", "off"],
+                    help="also time the step with decode attention 'cuda' (the fp32 CUDA C layer kernels)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -224,6 +228,15 @@ def main(argv=None) -> int:
         fused["parts_layer0"] = parts(model, args, compute)
         fused["row_sweep"] = row_sweep(model, args, compute)
         result["fused_kernel"] = fused
+        del fengine
+        if args.compute == "fp32" and args.cuda_layer == "on":   # the fp32 layer kernels of kernels/decode_cuda.py
+            layer = engine_step(model, args, ids, params, "cuda")
+            lengine, ltokens = layer.pop("engine"), layer.pop("tokens")
+            layer["greedy_tokens_equal_share_vs_bmm"] = round(sum(a == b for ra, rb in zip(ftokens, ltokens)
+                                                                  for a, b in zip(ra, rb)) / max(sum(map(len, ftokens)), 1), 3)
+            layer["speedup_vs_bmm"] = round(fused["graph_step_ms"] / layer["graph_step_ms"], 3)
+            layer["profile_eager_step"] = kernels(lengine, args.rows, args.prompt_len)
+            result["fused_kernel_cuda_layer"] = layer
     result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     text = json.dumps(result, indent=1)
     print(text)

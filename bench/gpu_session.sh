@@ -32,7 +32,7 @@
 # run.profile_step=3: the step's profile table comes back in logs.tar.gz); OPTIM_PARAMS: optim's size (M); TESTS_K: -k of tests-optim
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
-#   tests-nf4 120   tests/test_nf4_kernel_cuda.py
+#   tests-nf4 120   tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py (the NVRTC kernels)
 #   nf4-decode 200  bench_nf4_decode: the QLoRA fp32 decode step at the Qwen2.5-7B widths, NF4_LAYERS (28) layers
 #   rollout-bf16 240  bench_rollout's bf16 configs only, the main variants (ROLLOUT_VARIANTS; default: HF generate,
 #                   the plain graph, compiled with SDPA, with the Triton attention and with its rotary form, which
@@ -87,10 +87,10 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         optim) echo "python3 bench/bench_adamw_bf16.py --device cuda --params ${OPTIM_PARAMS:-1700} --host-params 362 --reps 5 --out $OUT/bench_adamw_bf16$x.json" ;;
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
-        tests-nf4) echo "python3 -m pytest -q -p no:cacheprovider tests/test_nf4_kernel_cuda.py 2>&1 | tee $OUT/tests_nf4$x.log | tail -30" ;;
+        tests-nf4) echo "python3 -m pytest -q -p no:cacheprovider tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py 2>&1 | tee $OUT/tests_nf4$x.log | tail -30" ;;
         tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py tests/test_packing_cuda.py 2>&1 | tee $OUT/tests_train$x.log | tail -30" ;;
         tests-optim) echo "python3 -m pytest -q -p no:cacheprovider tests/test_adamw_bf16_cuda.py tests/test_train_cuda.py ${TESTS_K:+-k \"$TESTS_K\"} 2>&1 | tee $OUT/tests_optim$x.log | tail -30" ;;
-        tests) echo "python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_train_cuda.py tests/test_packing_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -40" ;;
+        tests) echo "python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_train_cuda.py tests/test_packing_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py tests/test_decode_cuda_kernels_cuda.py tests/test_nf4_kernel_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -40" ;;
         checks) echo "timeout -k 5 260 python3 -m pytest -q -p no:cacheprovider -x --timeout 240 tests/test_train_cuda.py tests/test_packing_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -30;
               timeout -k 5 60 python3 -m edgerl.measure --json --pageable --budget 40 > $OUT/measure$x.json;
               python3 bench/bench_rollout.py --reps 2 --budget-s $(( b - 330 )) --out $OUT/bench_rollout$x.json" ;;

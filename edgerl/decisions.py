@@ -344,18 +344,27 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
 # (section 14) the kernel that also rotates q and k and writes the cache column against the plain kernel.
 DECODE_ATTENTION_GAIN = "1.44x at 360M (1.30 against 1.88 ms), 1.25x at 1.7B (1.92 against 2.40 ms)"
 DECODE_ROPE_GAIN = "1.11x at 360M (1.18 against 1.30 ms), 1.06x at 1.7B (1.81 against 1.92 ms)"
+# fp32, 16 rows, the Llama-3.1-8B widths over an NF4 base with LoRA (docs/benchmarks.md section 15)
+DECODE_CUDA_GAIN = "TODO"
 
 
 def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str,
-                          forced: Optional[str]) -> tuple[str, str]:
+                          forced: Optional[str], compiled: bool = False) -> tuple[str, str]:
     """How the hf engine's decode step attends over its KV cache: edgerl's Triton kernel
     (kernels/decode_attention.py: one program per row and KV head, reading only the columns that row
     sees; its triton_rope form also rotates q and k and writes the cache column) in 16 bits from CC 8.0
-    with triton (Triton's README supports 8.0 and up; measured on sm_90);
-    else SDPA in 16 bits and baddbmm/softmax/bmm in fp32, where the fp32 scores are HF's own."""
-    from .kernels.tiles import decode_attention_head_reason, decode_attention_stages, group_pad  # pure
+    with triton (Triton's README supports 8.0 and up; measured on sm_90); in fp32 on any CUDA GPU
+    edgerl's CUDA C layer kernels (kernels/decode_cuda.py, NVRTC: Pascal has no Triton), unless the
+    step is compiled (Inductor fuses that work itself); else SDPA in 16 bits and baddbmm/softmax/bmm in fp32."""
+    from .kernels.tiles import (decode_attention_head_reason, decode_attention_stages, decode_cuda_shape_reason,
+                                group_pad)  # pure
     half = dtype.compute in ("fp16", "bf16")
     head = model.hd
+    cuda_why = ("no CUDA device" if not dev.is_cuda else f"{dtype.compute} compute: the kernels compute in fp32"
+                if half else "the decode step is compiled (Inductor fuses the layer's elementwise work)" if compiled
+                else decode_cuda_shape_reason(head, model.num_heads // model.num_kv_heads) or "")
+    if forced == "cuda" and cuda_why:
+        raise PlanError(f"plan.decode_attention=cuda is not possible: {cuda_why}; use bmm or sdpa")
     if not dev.is_cuda:
         why_not = "no CUDA device"
     elif dev.cc < (8, 0):
@@ -376,8 +385,15 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
         return forced, f"asked for with plan.decode_attention={forced}"
     if engine != "hf":
         return ("sdpa" if half else "bmm"), f"the {engine} engine attends its own way (this setting is the hf engine's)"
+    if not half and cuda_why:
+        return "bmm", f"fp32: baddbmm, softmax and bmm over the masked cache (edgerl's CUDA C layer kernels: {cuda_why})"
     if not half:
-        return "bmm", "fp32: baddbmm, softmax and bmm over the masked cache (plain kernels every GPU has)"
+        return "cuda", (f"fp32: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU) rotate q and k, write the cache "
+                        f"column and attend over the columns each row sees in one kernel, and add the residual with "
+                        f"each RMS norm and SiLU * up in three more (about 18 kernels fewer per layer than baddbmm, "
+                        f"softmax and bmm over the masked cache and torch's elementwise ops): measured "
+                        f"{DECODE_CUDA_GAIN} per decode step on an H200; compiled when the rollout starts; "
+                        "plan.decode_attention=bmm turns them off")
     if why_not:
         return "sdpa", f"SDPA over the masked cache ({why_not} for edgerl's decode-attention kernel)"
     return "triton_rope", (f"edgerl's decode-attention kernel reads only the cache columns each row sees (SDPA's "

@@ -104,6 +104,22 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
               "4-bit weights once" + (" (this plan uses it)" if needed else ""))
 
 
+def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> Optional[Check]:
+    """Whether NVRTC compiles the fp32 decode-layer kernels (kernels/decode_cuda.py) this plan's rollout uses."""
+    if plan is None or plan.decode_attention != "cuda" or plan.rollout_engine != "hf" or not dev.is_cuda or simulated:
+        return None
+    from .kernels.decode_cuda import SOURCE, kernel_names
+    from .kernels.nvrtc import KernelUnavailable, compile_cubin
+    try:
+        compile_cubin(SOURCE, kernel_names(plan.model.num_heads // plan.model.num_kv_heads, plan.model.hd), dev.cc)
+    except (KernelUnavailable, OSError, AttributeError) as e:
+        return _c("decode-layer kernels", "fail", f"NVRTC cannot compile them for {dev.sm}: {e}; the rollout would "
+                  "stop at its start", "torch's CUDA wheels bring NVRTC (nvidia-cuda-nvrtc); reinstall torch from its "
+                  "CUDA index, or set plan.decode_attention=bmm")
+    return _c("decode-layer kernels", "ok", f"NVRTC compiles them for {dev.sm}: the fp32 decode step attends over "
+              "the columns each row sees and fuses its elementwise work (this plan uses them)")
+
+
 def check_host_ram(dev: Device, plan: Optional[Plan]) -> Check:
     need = plan.memory.host_needed if plan else 0
     have = dev.host_memory_available or dev.host_memory
@@ -158,5 +174,6 @@ def plan_checks(dev: Device, plan: Optional[Plan], simulated: bool) -> list[Opti
     return [check_bf16(dev), check_precision(dev, dtype, why),
             check_attention(dev, c["attention"][0], c["attention"][1], dtype.compute),
             check_kernel(dev, *c["kernel_backend"]), check_vllm(dev, dtype), check_bnb(dev),
-            check_nf4_kernel(dev, plan, simulated), check_host_ram(dev, plan), check_ecc(dev, plan, simulated),
+            check_nf4_kernel(dev, plan, simulated), check_decode_kernels(dev, plan, simulated),
+            check_host_ram(dev, plan), check_ecc(dev, plan, simulated),
             check_measured(dev)]

@@ -37,7 +37,7 @@ class Plan:
     rollout_engine: str
     cuda_graphs: bool
     rollout_compile: bool                # the hf engine's decode step compiled (torch.compile)
-    decode_attention: str                # how the hf engine's decode step attends: triton(_rope), sdpa or bmm
+    decode_attention: str                # how the hf engine's decode step attends: triton(_rope), cuda, sdpa or bmm
     nf4_kernel: bool                     # the decode step's NF4 matmuls through edgerl's fused kernel
     share_prompts: bool                  # a micro-batch's forward computes each distinct prompt once
     kernel_backend: str
@@ -224,7 +224,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     compiled, reasons["rollout_compile"] = pick_rollout_compile(device, engine, graphs, s.rollout_from_actor,
                                                               o.get("rollout_compile"))
     decode_attention, reasons["decode_attention"] = pick_decode_attention(device, dtype, model, engine,
-                                                                          o.get("decode_attention"))
+                                                                          o.get("decode_attention"), compiled)
     fused_nf4, reasons["nf4_kernel"] = pick_nf4_kernel(device, dtype, base, engine, o.get("nf4_kernel"))
     packed, reasons["share_prompts"] = pick_share_prompts(attention, model, task, s.micro_batch, s.score_micro_batch,
                                                           o.get("share_prompts"))

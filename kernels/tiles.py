@@ -201,3 +201,18 @@ def decode_attention_stages(smem_per_block_optin: int, head_dim: int, dtype_byte
 def group_pad(group: int) -> int:
     """Query heads per KV head padded to a power of two >= 16 (tl.dot's least size)."""
     return max(16, _next_pow2(group))
+
+
+# kernels/decode_cuda.py (the fp32 decode layer in CUDA C): 256 threads share a head's columns in the
+# P V product (256 / D of them per dimension), and the softmax gives each query head of a KV head a warp.
+DECODE_CUDA_HEAD_DIMS = (32, 64, 128, 256)
+DECODE_CUDA_MAX_GROUP = 8
+
+
+def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
+    """Why the CUDA C decode kernels cannot take this head size and query heads per KV head (None: they can)."""
+    if head_dim not in DECODE_CUDA_HEAD_DIMS:
+        return f"head size {head_dim} is not one of {', '.join(map(str, DECODE_CUDA_HEAD_DIMS))}"
+    if not 1 <= group <= DECODE_CUDA_MAX_GROUP:
+        return f"{group} query heads per KV head (at most {DECODE_CUDA_MAX_GROUP})"
+    return None

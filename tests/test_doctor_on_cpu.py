@@ -26,8 +26,17 @@ def checks_for(result, env=None, simulated=False):
     return {c.name: c for c in run_checks(dev, result, p, env or FakeEnv(), simulated=simulated)}
 
 
+@pytest.fixture
+def nvrtc_compiles(monkeypatch):
+    """NVRTC as a CUDA build of torch brings it (this CPU build has none): every compile succeeds."""
+    import edgerl.kernels.nvrtc as nvrtc
+    seen = []
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda src, names, cc: seen.append((names, cc)) or (b"", {}))
+    return seen
+
+
 @pytest.mark.parametrize("key", list(GPUS))
-def test_healthy_machine_passes(key):
+def test_healthy_machine_passes(key, nvrtc_compiles):
     arch = CU126_ARCH
     checks = checks_for(fake_probe(key, arch=arch))
     assert checks["driver and NVML"].status == "ok"
@@ -148,14 +157,13 @@ def test_narrow_pcie_link_warns():
     assert checks_for(r)["PCIe link"].status == "warn"
 
 
-def test_fused_nf4_kernel_compiles_or_doctor_says_what_qlora_loses(monkeypatch):
+def test_fused_nf4_kernel_compiles_or_doctor_says_what_qlora_loses(monkeypatch, nvrtc_compiles):
     import dataclasses
     import edgerl.kernels.nvrtc as nvrtc
-    seen = []
-    monkeypatch.setattr(nvrtc, "compile_cubin", lambda src, names, cc: seen.append((names, cc)) or (b"", {}))
+    seen = nvrtc_compiles
     r = fake_probe("P40", bitsandbytes="0.50.2")
     c = checks_for(r)["fused NF4 kernel"]
-    assert c.status == "ok" and "sm_61" in c.detail and seen == [(["nf4_mm<float, 16, 2>", "nf4_sum<float>"], (6, 1))]
+    assert c.status == "ok" and "sm_61" in c.detail and (["nf4_mm<float, 16, 2>", "nf4_sum<float>"], (6, 1)) in seen
     assert "fused NF4 kernel" not in checks_for(r, simulated=True)   # a simulated GPU: NVRTC here is not its
     assert "fused NF4 kernel" not in checks_for(fake_probe("P40"))   # no bitsandbytes: no NF4 base to serve
 
@@ -210,3 +218,21 @@ def test_a_plan_without_triton_does_not_ask_for_a_c_compiler():
     p = plan(dev, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128))
     assert p.kernel_backend == "torch" and not p.rollout_compile and p.decode_attention not in ("triton", "triton_rope")
     assert "C compiler" not in {c.name for c in run_checks(dev, result, p, NoCompilerEnv())}
+
+
+def test_decode_layer_kernels_compile_or_doctor_names_the_setting(monkeypatch, nvrtc_compiles):
+    """An fp32 plan's rollout decodes through the CUDA C layer kernels: the doctor compiles the ones the model
+    needs (SmolLM2-135M: 3 query heads per KV head of size 64) for the GPU, and fails naming the setting."""
+    import edgerl.kernels.nvrtc as nvrtc
+    r = fake_probe("P40")
+    c = checks_for(r)["decode-layer kernels"]
+    assert c.status == "ok" and "sm_61" in c.detail
+    assert (["add_rms_norm<float>", "silu_mul<float>", "rope_attend<3, 64>"], (6, 1)) in nvrtc_compiles
+    assert "decode-layer kernels" not in checks_for(r, simulated=True)
+    assert "decode-layer kernels" not in checks_for(fake_probe("3090"))   # bf16: the Triton kernel instead
+
+    def broken(src, names, cc):
+        raise nvrtc.KernelUnavailable("no NVRTC library found")
+    monkeypatch.setattr(nvrtc, "compile_cubin", broken)
+    c = checks_for(r)["decode-layer kernels"]
+    assert c.status == "fail" and "no NVRTC library found" in c.detail and "plan.decode_attention=bmm" in c.fix

@@ -1,6 +1,7 @@
 """plan() table-driven over fake devices, the memory search, overrides, and the no-fit message."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -77,9 +78,9 @@ DECODE_ATTENTION = [
     ("3090", {}, "triton_rope", "rotates q and k and writes the new cache column"),
     ("H100", {"triton": None}, "sdpa", "triton is not installed"),
     ("T4", {}, "sdpa", "Triton supports CC 8.0 and up"),
-    ("P40", {}, "bmm", "fp32"),
+    ("P40", {}, "cuda", "CUDA C layer kernels"),
     ("A100", {"vllm": "0.10.1"}, "sdpa", "the vllm engine"),
-    (None, {}, "bmm", "fp32"),
+    (None, {}, "bmm", "no CUDA device"),
 ]
 
 
@@ -90,7 +91,10 @@ def test_decode_attention_is_the_triton_kernel_with_rotary_in_16_bits_from_cc8(k
     assert p.decode_attention == attention and words in p.reasons["decode_attention"]
     off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "sdpa"})
     assert off.decode_attention == "sdpa" and "asked for" in off.reasons["decode_attention"]
-    if attention != "triton_rope" and key not in ("A100",):
+    if attention != "cuda" and key not in ("A100",):   # fp32 only, CUDA only
+        with pytest.raises(PlanError, match="plan.decode_attention=cuda is not possible"):
+            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "cuda"})
+    if attention not in ("triton_rope", "cuda") and key not in ("A100",):
         for kernel in ("triton", "triton_rope"):
             with pytest.raises(PlanError, match=f"plan.decode_attention={kernel} is not possible"):
                 plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": kernel})
@@ -410,3 +414,24 @@ def test_vllm_share_converts_an_emulated_profiles_share_to_this_gpu(monkeypatch)
     got = vllm_share(p40, torch.device("cuda", 0))
     assert got * real == pytest.approx(p40.rollout_memory_share * p40.device.total_memory)   # the same bytes
     assert vllm_share(p40, torch.device("cpu")) == p40.rollout_memory_share
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(head_dim=96), "head size 96 is not one of 32, 64, 128, 256"),
+    (dict(num_heads=32, num_kv_heads=2, head_dim=64), "16 query heads per KV head (at most 8)"),
+])
+def test_fp32_decode_layer_kernels_take_the_usual_heads_and_say_why_not(change, why):
+    dev = fake_probe("P40").primary
+    odd = dataclasses.replace(CATALOGUE["qwen2.5-0.5b"], **change)
+    p = plan(dev, odd, SMALL)
+    assert p.decode_attention == "bmm" and why in p.reasons["decode_attention"]
+    with pytest.raises(PlanError, match=re.escape(f"plan.decode_attention=cuda is not possible: {why}")):
+        plan(dev, odd, SMALL, {"decode_attention": "cuda"})
+
+
+def test_fp32_decode_layer_kernels_leave_a_compiled_step_to_inductor():
+    dev = fake_probe("H100").primary
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32"})
+    assert p.rollout_compile and p.decode_attention == "bmm" and "compiled" in p.reasons["decode_attention"]
+    off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32", "rollout_compile": False})
+    assert off.decode_attention == "cuda"

@@ -469,3 +469,30 @@ def test_a_prompt_shared_by_several_rows_is_prefilled_once():
     out = eng.generate(mixed, 1, greedy(6))
     assert seen == [3]
     assert out.response_ids == HFGenerateEngine(model, 8).generate(mixed, 1, greedy(6)).response_ids
+
+
+@pytest.mark.parametrize("projections", ["fused", "modules"])
+def test_qkv_parts_are_the_columns_of_qkv(projections):
+    model = tiny_qwen2()   # q/k/v biases
+    eng = StaticCacheEngine(model, 2, 32, cuda_graphs=False, projections=projections)
+    proj, h = eng.dec.proj[0], torch.randn(3, 64)
+    parts = proj.qkv_parts(h)
+    assert [p.shape[-1] for p in parts] == [64, 32, 32]
+    assert torch.equal(torch.cat(parts, -1), proj.qkv(h))
+
+
+def test_cuda_decode_attention_off_cuda_is_refused_with_the_reason():
+    from edgerl.rollout.decoder import DecodeKernelUnavailable
+    with pytest.raises(DecodeKernelUnavailable, match="decode attention 'cuda' cannot run here: tensors are on cpu"):
+        StaticCacheEngine(tiny_llama(), 2, 32, cuda_graphs=False, decode_attention="cuda")
+    with pytest.raises(ValueError, match="attention must be one of .*'cuda', got 'nvrtc'"):
+        StaticCacheEngine(tiny_llama(), 2, 32, cuda_graphs=False, decode_attention="nvrtc")
+
+
+def test_a_decode_kernel_that_cannot_run_stops_training_naming_the_setting():
+    import types
+    from edgerl.errors import TrainingError
+    from edgerl.rollout import _static_engine
+    plan = types.SimpleNamespace(cuda_graphs=False, decode_attention="cuda")
+    with pytest.raises(TrainingError, match=r"cannot run here: tensors are on cpu.*set plan.decode_attention=bmm"):
+        _static_engine(plan, tiny_llama(), 2, 32)

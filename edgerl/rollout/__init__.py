@@ -108,6 +108,17 @@ def _inference_copy(plan, ctx: EngineContext) -> torch.nn.Module:
     return build_inference_copy(ctx.model_path, plan, ctx.device, ctx.trust_remote_code)
 
 
+def _static_engine(plan, model: torch.nn.Module, rows: int, max_seq_len: int, **kw) -> StaticCacheEngine:
+    """The static engine, or a one-line TrainingError naming the plan setting when its decode kernel cannot
+    run on this machine (the plan sees the GPU, not whether NVRTC or triton works on it)."""
+    from .decoder import DecodeKernelUnavailable
+    try:
+        return StaticCacheEngine(model, rows, max_seq_len, cuda_graphs=plan.cuda_graphs,
+                                 decode_attention=plan.decode_attention, **kw)
+    except DecodeKernelUnavailable as e:
+        raise TrainingError(f"{e} (set plan.decode_attention=bmm in fp32, sdpa in 16 bits)") from None
+
+
 def _static(plan, ctx: EngineContext) -> RolloutEngine:
     from ..models import quantized_base
     why = plan.reasons.get("cuda_graphs", "")
@@ -121,13 +132,13 @@ def _static(plan, ctx: EngineContext) -> RolloutEngine:
             n, left = enable(ctx.actor.lm, NF4_KERNEL_ROWS)   # compiles and checks the kernel first (one-line error)
             fused = f"{n} NF4 layers decode through the fused kernel" + "".join(
                 f"; {k} left to bitsandbytes: {why}" for why, k in left.items())
-        engine = StaticCacheEngine(ctx.actor.lm, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs,
-                                   projections="modules", decode_attention=plan.decode_attention, note=why)
+        engine = _static_engine(plan, ctx.actor.lm, plan.rollout_batch, ctx.max_seq_len, projections="modules",
+                                note=why)
         return ActorWeights(engine, ctx.actor, plan.rollout_resident, fused)
     copy = _inference_copy(plan, ctx)
     try:
-        engine = StaticCacheEngine(copy, plan.rollout_batch, ctx.max_seq_len, cuda_graphs=plan.cuda_graphs,
-                                   compile_step=plan.rollout_compile, decode_attention=plan.decode_attention, note=why)
+        engine = _static_engine(plan, copy, plan.rollout_batch, ctx.max_seq_len, compile_step=plan.rollout_compile,
+                                note=why)
     except ValueError as e:
         if not plan.rollout_compile or isinstance(e, UnsupportedModel):
             raise

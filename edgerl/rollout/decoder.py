@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from .projections import make_projections
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+ATTENTIONS = ("auto", "bmm", "sdpa", "triton", "triton_rope", "cuda")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at init
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_GQA = _TORCH >= (2, 5)  # `enable_gqa=` of scaled_dot_product_attention
@@ -52,6 +53,10 @@ def _repeat(kv: torch.Tensor, q: torch.Tensor, gqa: bool) -> torch.Tensor:
 
 class UnsupportedModel(ValueError):
     """The static engine cannot run this model; the factory falls back to HF generate and says why."""
+
+
+class DecodeKernelUnavailable(ValueError):
+    """The decode-attention kernel asked for cannot run here (the message says why)."""
 
 
 def check_supported(model: torch.nn.Module, max_seq_len: int) -> None:
@@ -159,7 +164,10 @@ class StaticDecoder:
     device has one), 'triton' (edgerl's decode-attention kernel, `kernels/decode_attention.py`: reads
     only the columns each row sees; CUDA CC >= 7.0 with triton), 'triton_rope' (the same kernel doing
     the rotary embedding, the cache write and the query's copy too: three kernels fewer per layer, the
-    plan's choice where the kernel runs) or 'auto': bmm in fp32, sdpa in 16 bits. A 16-bit baddbmm
+    plan's choice where the kernel runs), 'cuda' (fp32, any CUDA GPU NVRTC builds for, Pascal included:
+    `kernels/decode_cuda.py` does the rotary embedding, the cache write and attention over the columns
+    each row sees in one kernel, and the layer's residual adds with its RMS norms and SiLU * up in
+    three more, about 18 kernels fewer per layer) or 'auto': bmm in fp32, sdpa in 16 bits. A 16-bit baddbmm
     rounds the scores to 16 bits before the softmax, where HF's SDPA forward (what training runs) keeps
     them in fp32: measured on the H200 in bf16 (docs/benchmarks.md), bmm agreed with HF's argmax on
     54-60% of tokens, sdpa on 76-83%, as HF generate itself does (83-87%)."""
@@ -168,8 +176,8 @@ class StaticDecoder:
                  projections: str = "auto", attention: str = "auto") -> None:
         model = _unwrap(model)
         check_supported(model, max_seq_len)
-        if attention not in ("auto", "bmm", "sdpa", "triton", "triton_rope"):
-            raise ValueError(f"attention must be 'auto', 'bmm', 'sdpa', 'triton' or 'triton_rope', got {attention!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTIONS))}, got {attention!r}")
         if attention == "auto":
             attention = "bmm" if model.model.embed_tokens.weight.dtype == torch.float32 else "sdpa"
         cfg = model.config
@@ -192,6 +200,7 @@ class StaticDecoder:
         if len(acts) != 1:
             raise UnsupportedModel(f"layers use different activations ({acts}); the static engine needs one")
         self.act = layers[0].mlp.act_fn   # one object for every layer, so a compiled layer is compiled once
+        self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
         self.embed, self.final_norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
         self.norms = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
@@ -215,11 +224,20 @@ class StaticDecoder:
             from ..kernels.decode_attention import attention_op, attention_rope_op, unavailable_reason
             why = unavailable_reason(self.device, self.head_dim, self.dtype, self.group)
             if why:
-                raise ValueError(f"decode attention {attention!r} cannot run here: {why}; use 'sdpa' or 'bmm'")
+                raise DecodeKernelUnavailable(f"decode attention {attention!r} cannot run here: {why}; use 'sdpa' or "
+                                              "'bmm'")
             # the op itself: a compiled layer calls it without a module lookup
             self.attend = attention_op() if attention == "triton" else attention_rope_op()
+        elif attention == "cuda":
+            from ..kernels import decode_cuda
+            why = decode_cuda.unavailable_reason(self.device, self.head_dim, self.dtype, self.group)
+            if why:
+                raise DecodeKernelUnavailable(f"decode attention 'cuda' cannot run here: {why}; use 'bmm' or 'sdpa'")
+            self.kernels = decode_cuda
+            self.attend = decode_cuda.rope_attend
         self.cache: torch.Tensor | None = None
-        self.layer_step = self._decode_layer     # the engine swaps in a compiled one under compile_step
+        # the engine swaps in a compiled one under compile_step
+        self.layer_step = self._decode_layer_cuda if attention == "cuda" else self._decode_layer
         self.compiled = False
 
     # ---- memory and weights ---------------------------------------------------------------------
@@ -288,6 +306,18 @@ class StaticDecoder:
             o = self._attend_cache(qkv, kv, cos, sin, bias, col)
         x = x + proj.o(o.reshape(B, self.q_width))
         return x, self._mlp_in(x, proj, ln2, eps2)
+
+    def _decode_layer_cuda(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
+        """`_decode_layer` through `kernels/decode_cuda.py` (attention 'cuda', fp32): the residual add and
+        norm in one kernel, q, k and v straight from their projections into the rotary + cache write +
+        attention kernel, the second add and norm in one, SiLU * up in one."""
+        k, B = self.kernels, x.shape[0]
+        x, h = k.add_rms_norm(x, d, ln1, eps1)
+        q, kk, v = proj.qkv_parts(h)
+        o = k.rope_attend(q, kk, v, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, self.scaling)
+        x, h = k.add_rms_norm(x, proj.o(o), ln2, eps2)
+        gate, up = proj.gate_up(h)
+        return x, proj.down(k.silu_mul(gate, up) if self.silu else self.act(gate) * up)
 
     def _attend_cache(self, qkv, kv, cos, sin, bias, col):
         """The new token's rotary embedding, its k and v written into cache column col, and attention over

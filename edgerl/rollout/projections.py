@@ -15,7 +15,7 @@ The static decoder calls, per layer, `qkv(h)`, `o(x)`, `gate_up(h)` and `down(x)
   works: a peft LoRA layer over a bitsandbytes 4-bit `Linear4bit`, a quantized layer, a plain one.
 
 `qkv` returns q, k and v side by side in one tensor (B, L, (H + 2 KVH) D), in that order, in both
-implementations: the decoder rotates q and k in one pass over the first (H + KVH) D columns and
+implementations (`qkv_parts` the three apart, for a kernel that reads them where they are): the decoder rotates q and k in one pass over the first (H + KVH) D columns and
 writes k and v to the cache with one copy of the last 2 KVH D columns.
 """
 
@@ -138,6 +138,10 @@ class FusedProjections:
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.qkv_w, self.qkv_b)
 
+    def qkv_parts(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v as column views of the one fused output (no copy)."""
+        return self.qkv(h).split([p.shape[0] for p in self._qkv_p], dim=-1)
+
     def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gu = F.linear(h, self.gu_w, self.gu_b)
         return gu[..., :self.inter], gu[..., self.inter:]
@@ -171,7 +175,10 @@ class ModuleProjections:
         return [t for m in self._all for t in m.parameters()]
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.cat((self.q_proj(h), self.k_proj(h), self.v_proj(h)), dim=-1)
+        return torch.cat(self.qkv_parts(h), dim=-1)
+
+    def qkv_parts(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
 
     def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_proj(h), self.up_proj(h)

@@ -82,6 +82,9 @@ def _enable_compile(dec: StaticDecoder, device: torch.device) -> None:
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         raise ValueError("compile_step needs triton (Inductor's GPU code generator), which is not installed; "
                          "use compile_step=False")
+    if dec.attention == "cuda":
+        raise ValueError("compile_step cannot fuse decode attention 'cuda' (its NVRTC kernels are opaque to "
+                         "Inductor and already fuse the layer's elementwise work); use one or the other")
     if dec.proj[0].kind != "fused":
         raise ValueError(f"compile_step is implemented for fused projections only ({dec.proj_note}); "
                          "use compile_step=False")
@@ -102,8 +105,8 @@ class StaticCacheEngine:
     generated at once (the plan's rollout batch); max_seq_len: prompt + response tokens a row may
     reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
     (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
-    each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' | 'triton_rope' (`StaticDecoder`; auto:
-    bmm in fp32, sdpa in 16 bits). compile_step: torch.compile each decoder layer of the decode step
+    each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' | 'triton_rope' | 'cuda' (`StaticDecoder`;
+    auto: bmm in fp32, sdpa in 16 bits). compile_step: torch.compile each decoder layer of the decode step
     (elementwise fusion; CUDA CC >= 7.0, fused projections; the compiled step is what a CUDA graph
     captures); off by default, never chosen on the CPU.
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).

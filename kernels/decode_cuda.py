@@ -1,0 +1,369 @@
+"""A decode step's work between its matmuls, in three CUDA C kernels (NVRTC): for GPUs without Triton.
+
+In fp32 (what a P40, P100 or GTX 10-series plan computes in) the static engine's decode layer ran about
+18 small kernels besides its matmuls: the residual add, the RMS norm and its scale (twice), the
+rotary embedding (a concatenation and three elementwise ops), the cache write, baddbmm, softmax and
+bmm over the whole masked cache, SiLU and the product with up. A decode step of 16 rows is bound by
+the number of its kernels, not by their arithmetic, and Pascal has no Triton to fuse them
+(`torch.compile` needs CC 7.0). These kernels do the same work in three per layer (four with the
+norm's second use):
+
+- `add_rms_norm`: x + d (the previous sublayer's output) and w * rms_norm(x + d), one block per row;
+- `rope_attend`: the rotary embedding of the G query heads of one KV head and of its new key, the key
+  and value written into cache column `col`, and attention over the columns [start[b], col] that row
+  sees (not the whole masked cache), one block per row and KV head; softmax in blocks of 256 columns
+  with a running maximum, so any cache length fits in 16 KB of shared memory;
+- `silu_mul`: SiLU(gate) * up.
+
+fp32 only. The elementwise products and sums round where the eager ops do (no contraction into FMAs,
+so the cache column is bit for bit what `_rotate` and `index_copy_` write); the dot products, the
+norm's mean and the softmax's sums run in another order than cuBLAS and torch's reductions, so those
+agree to rounding. `reference_*` are the same formulas in plain torch in float64, slowly; the CUDA
+tests compare the kernels with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .nvrtc import KernelUnavailable, load
+from .tiles import DECODE_CUDA_HEAD_DIMS as HEAD_DIMS, DECODE_CUDA_MAX_GROUP as MAX_GROUP
+from .tiles import decode_cuda_shape_reason as shape_reason
+
+THREADS = 256   # the kernels' blocks; rope_attend's softmax takes 256 cache columns at a time (one per thread)
+
+SOURCE = r"""
+// Scalars are int or double: the launcher (torch.cuda._utils) passes a Python int as a C int and a float
+// as a C double.
+#define NEG_INF __int_as_float(0xff800000)
+
+// HF's rotary: y[d] = x[d] cos[d] + x[d +- D/2] sin'[d] (sin' carries rotate_half's sign), each product
+// and the sum rounded, as the eager mul_ / add_ do.
+__device__ __forceinline__ float rot(const float* x, const float* c, const float* s, int d, int half) {
+  const int j = d < half ? d + half : d - half;
+  return __fadd_rn(__fmul_rn(x[d], c[d]), __fmul_rn(x[j], s[d]));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// One block of 256 threads per row: xo = x + d (when has_d), y = w * ((x + d) * rsqrt(mean((x + d)^2) + eps)).
+template <typename T>
+__global__ void __launch_bounds__(256) add_rms_norm(const T* __restrict__ x, const T* __restrict__ d,
+                                                    const T* __restrict__ w, T* __restrict__ xo,
+                                                    T* __restrict__ y, int H, double eps, int has_d) {
+  __shared__ float part[8];
+  const int tid = threadIdx.x;
+  const long long base = (long long)blockIdx.x * H;
+  float ss = 0.f;
+#pragma unroll 8
+  for (int i = tid; i < H; i += 256) {   // unrolled: the loads of one thread in flight together
+    float v = x[base + i];
+    if (has_d) { v = __fadd_rn(v, d[base + i]); xo[base + i] = v; }
+    ss = fmaf(v, v, ss);
+  }
+  ss = warp_sum(ss);
+  if ((tid & 31) == 0) part[tid >> 5] = ss;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) t += part[i];
+  const float r = rsqrtf(t / (float)H + (float)eps);
+#pragma unroll 8
+  for (int i = tid; i < H; i += 256) {   // x + d once more (the same rounding), not read back from xo
+    const float v = has_d ? __fadd_rn(x[base + i], d[base + i]) : (float)x[base + i];
+    y[base + i] = __fmul_rn(w[i], __fmul_rn(v, r));
+  }
+}
+
+// y (M, W) = SiLU(g) * u for g and u with row strides gs and us (views into a wider output).
+template <typename T>
+__global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T* __restrict__ u,
+                                                T* __restrict__ y, int M, int W, int gs, int us) {
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (i >= (long long)M * W) return;
+  const long long m = i / W, c = i - m * W;   // row strides as 64-bit products below
+  const float a = g[m * gs + c];
+  y[i] = __fmul_rn(a / (1.0f + expf(-a)), u[m * us + c]);
+}
+
+// One block of 256 threads per (row b, KV head h): rotate the G query heads h G .. h G + G - 1 into shared
+// memory, write the rotated key and the value into cache column col, then attend over the columns
+// [start[b], col] in tiles of 256 (a thread per column for the scores; THREADS / D threads per head
+// dimension for P V, each over every (THREADS / D)-th column), with a running maximum across tiles.
+// q, k, v: rows of the step's projections (row strides sq, sk, sv); cos, sin: (B, D); kc, vc: this layer's
+// cache (B, KVH, S, D), read and written (not __restrict__: the new column is read back after a barrier);
+// o: (B, KVH G D).
+template <int G, int D>
+__global__ void __launch_bounds__(256) rope_attend(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    int sq, int sk, int sv, const float* __restrict__ cs, const float* __restrict__ sn,
+    float* kc, float* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    float* __restrict__ o, int KVH, int S, double scale_d) {
+  constexpr int T = 256, TS = 256, P = T / D, HALF = D / 2;
+  __shared__ __align__(16) float qs[G * D];
+  __shared__ __align__(16) float sc[G * TS];   // scores, then exp(score - max); at the end the parts' sums
+  __shared__ float mrow[G], lrow[G], arow[G];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = blockIdx.x / KVH, h = blockIdx.x - b * KVH;
+  const int col = (int)colp[0], lo = (int)start[b];
+  const float scale = (float)scale_d;
+  const float* c = cs + (long long)b * D;
+  const float* s = sn + (long long)b * D;
+  const long long cache = ((long long)b * KVH + h) * S * D;
+  float* kr = kc + cache;
+  float* vr = vc + cache;
+  for (int i = tid; i < G * D; i += T) {
+    const int g = i / D;
+    qs[i] = rot(q + (long long)b * sq + (long long)(h * G + g) * D, c, s, i - g * D, HALF);
+  }
+  if (tid < D) {
+    kr[(long long)col * D + tid] = rot(k + (long long)b * sk + (long long)h * D, c, s, tid, HALF);
+    vr[(long long)col * D + tid] = v[(long long)b * sv + (long long)h * D + tid];
+  }
+  if (tid < G) { mrow[tid] = NEG_INF; lrow[tid] = 0.f; }
+  __syncthreads();
+  const int d = tid % D, part = tid / D;
+  float acc[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) acc[g] = 0.f;
+  for (int t0 = lo; t0 <= col; t0 += TS) {
+    const int p = t0 + tid;
+    if (p <= col) {
+      float dot[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) dot[g] = 0.f;
+      const float4* kp = (const float4*)(kr + (long long)p * D);
+#pragma unroll 8
+      for (int j = 0; j < D / 4; ++j) {
+        const float4 kv = kp[j];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float4 qv = *(const float4*)&qs[g * D + 4 * j];
+          dot[g] = fmaf(qv.x, kv.x, dot[g]); dot[g] = fmaf(qv.y, kv.y, dot[g]);
+          dot[g] = fmaf(qv.z, kv.z, dot[g]); dot[g] = fmaf(qv.w, kv.w, dot[g]);
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) sc[g * TS + tid] = dot[g] * scale;
+    } else {
+#pragma unroll
+      for (int g = 0; g < G; ++g) sc[g * TS + tid] = NEG_INF;
+    }
+    __syncthreads();
+    if (warp < G) {   // warp g: this tile's maximum, exp(score - max) in place, their sum
+      const int g = warp;
+      float mx = NEG_INF;
+#pragma unroll
+      for (int i = lane; i < TS; i += 32) mx = fmaxf(mx, sc[g * TS + i]);
+      mx = warp_max(mx);
+      const float mnew = fmaxf(mrow[g], mx);   // finite: every tile holds column t0 <= col
+      float sum = 0.f;
+#pragma unroll
+      for (int i = lane; i < TS; i += 32) {
+        const float e = expf(sc[g * TS + i] - mnew);
+        sc[g * TS + i] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        const float a = expf(mrow[g] - mnew);
+        arow[g] = a;
+        lrow[g] = lrow[g] * a + sum;
+        mrow[g] = mnew;
+      }
+    }
+    __syncthreads();
+    const int n = min(TS, col - t0 + 1);
+#pragma unroll
+    for (int g = 0; g < G; ++g) acc[g] *= arow[g];
+#pragma unroll 4
+    for (int i = part; i < n; i += P) {
+      const float vv = vr[(long long)(t0 + i) * D + d];
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[g] = fmaf(sc[g * TS + i], vv, acc[g]);
+    }
+    __syncthreads();   // the next tile overwrites sc
+  }
+  if (P > 1) {
+    if (part > 0) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) sc[((part - 1) * G + g) * D + d] = acc[g];
+    }
+    __syncthreads();
+    if (part > 0) return;
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      for (int r = 1; r < P; ++r) acc[g] += sc[((r - 1) * G + g) * D + d];
+  }
+  float* out = o + ((long long)b * KVH + h) * G * D;
+#pragma unroll
+  for (int g = 0; g < G; ++g) out[g * D + d] = acc[g] / lrow[g];
+}
+"""
+
+_cache: dict[tuple, Any] = {}
+
+
+def _kernel(name: str, device: torch.device):
+    key = (name, device.index)
+    k = _cache.get(key)
+    if k is None:
+        k = _cache[key] = load(SOURCE, [name], device)[name]
+    return k
+
+
+def attend_name(group: int, head_dim: int) -> str:
+    return f"rope_attend<{group}, {head_dim}>"
+
+
+def kernel_names(group: int, head_dim: int) -> list[str]:
+    """Every instantiation a decode step with this head layout launches."""
+    return ["add_rms_norm<float>", "silu_mul<float>", attend_name(group, head_dim)]
+
+
+def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, group: int) -> Optional[str]:
+    """Why the kernels cannot run here (None: they compile and load for this device)."""
+    if device.type != "cuda":
+        return f"tensors are on {device}, not a CUDA device"
+    if dtype != torch.float32:
+        return f"{dtype}: the kernels compute in fp32 only"
+    why = shape_reason(head_dim, group)
+    if why:
+        return why
+    try:
+        for n in kernel_names(group, head_dim):
+            _kernel(n, device)
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def _rows(t: torch.Tensor, width: int, what: str) -> int:
+    """The row stride of a (B, >= width) fp32 CUDA tensor whose rows are contiguous."""
+    if t.dim() != 2 or t.shape[1] < width or t.stride(1) != 1 or t.stride(0) >= 2**31 or t.dtype != torch.float32 \
+            or not t.is_cuda:
+        raise ValueError(f"decode kernels: {what} must be a CUDA fp32 (rows, >= {width}) tensor with contiguous rows, "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+    return t.stride(0)
+
+
+def add_rms_norm(x: torch.Tensor, d: Optional[torch.Tensor], weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, weight * rms_norm(x + d)) for x, d (B, H) fp32 (d None: (x, weight * rms_norm(x)))."""
+    B, H = x.shape
+    x = x.contiguous()
+    d = d.contiguous() if d is not None else None
+    if (d is not None and d.shape != x.shape) or weight.shape != (H,) or x.dtype != torch.float32:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype}, d {None if d is None else tuple(d.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    xo = torch.empty_like(x) if d is not None else x
+    y = torch.empty_like(x)
+    _kernel("add_rms_norm<float>", x.device)(grid=(B, 1, 1), block=(THREADS, 1, 1),
+                                             args=[x, d if d is not None else x, weight.contiguous(), xo, y, H,
+                                                   float(eps), int(d is not None)])
+    return xo, y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for (B, W) fp32 rows (views into a wider tensor are fine)."""
+    M, W = gate.shape
+    if up.shape != gate.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    gs, us = _rows(gate, W, "gate"), _rows(up, W, "up")
+    y = torch.empty((M, W), dtype=gate.dtype, device=gate.device)
+    if M * W:
+        _kernel("silu_mul<float>", gate.device)(grid=(-(-M * W // THREADS), 1, 1), block=(THREADS, 1, 1),
+                                                args=[gate, up, y, M, W, gs, us])
+    return y
+
+
+def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, col: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """One decode step's attention for B rows: q (B, >= H D), k and v (B, >= KVH D) (views of the
+    projections' output are fine), cos and sin (B, D) (sin with rotate_half's sign), the layer's cache
+    k_cache and v_cache (B, KVH, S, D) (column col[0] is written), start (B,) each row's first column.
+    Returns (B, H D) fp32: the G = H / KVH query heads of KV head h are heads h G .. h G + G - 1."""
+    B, KVH, S, D = k_cache.shape
+    if v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous() \
+            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
+        raise ValueError(f"rope_attend: the caches must be contiguous fp32 (B, KVH, S, D), got {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
+    H = q.shape[1] // D if q.dim() == 2 else 0
+    group = H // KVH
+    why = shape_reason(D, group)
+    if why or H != group * KVH or q.shape[0] != B:
+        raise ValueError(f"rope_attend: q {tuple(q.shape)} against a cache of {KVH} KV heads of size {D} for {B} rows"
+                         + (f": {why}" if why else ""))
+    sq, sk, sv = _rows(q, H * D, "q"), _rows(k, KVH * D, "k"), _rows(v, KVH * D, "v")
+    for t, what in ((k, "k"), (v, "v")):
+        if t.shape[0] != B:
+            raise ValueError(f"rope_attend: {what} has {t.shape[0]} rows, the cache {B}")
+    for t, what in ((cos, "cos"), (sin, "sin")):
+        if tuple(t.shape) != (B, D) or not t.is_contiguous() or t.dtype != torch.float32:
+            raise ValueError(f"rope_attend: {what} must be contiguous fp32 ({B}, {D}), got {t.dtype} {tuple(t.shape)}")
+    if start.dtype != torch.int64 or tuple(start.shape) != (B,) or col.dtype != torch.int64 or col.numel() != 1:
+        raise ValueError(f"rope_attend: start must be int64 ({B},) and col int64 (1,), got {start.dtype} "
+                         f"{tuple(start.shape)} and {col.dtype} {tuple(col.shape)}")
+    o = torch.empty((B, H * D), dtype=torch.float32, device=q.device)
+    if B:
+        _kernel(attend_name(group, D), q.device)(
+            grid=(B * KVH, 1, 1), block=(THREADS, 1, 1),
+            args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start.contiguous(), col, o, KVH, S,
+                  float(scale)])
+    return o
+
+
+# ---- the same, slowly (float64), for the tests ---------------------------------------------------------
+
+def reference_add_rms_norm(x, d, weight, eps):
+    xo = x.double() + (d.double() if d is not None else 0)
+    y = weight.double() * xo * torch.rsqrt(xo.pow(2).mean(-1, keepdim=True) + eps)
+    return xo, y
+
+
+def reference_silu_mul(gate, up):
+    g = gate.double()
+    return g / (1 + torch.exp(-g)) * up.double()
+
+
+def reference_rope_attend(q, k, v, cos, sin, k_cache, v_cache, start, col, scale):
+    """Returns (o (B, H D), the rotated new key (B, KVH, D)), and writes column col of the caches as the
+    kernel does (the rotation in fp32, rounded per op, as the engine's `_rotate`)."""
+    B, KVH, S, D = k_cache.shape
+    H = q.shape[1] // D
+    G, half, c = H // KVH, D // 2, int(col[0])
+
+    def rot(x):   # (B, n, D) fp32
+        r = torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+        return x * cos[:, None] + r
+    qr = rot(q[:, :H * D].reshape(B, H, D))
+    kr = rot(k[:, :KVH * D].reshape(B, KVH, D))
+    k_cache[:, :, c] = kr
+    v_cache[:, :, c] = v[:, :KVH * D].reshape(B, KVH, D)
+    o = torch.empty(B, H, D, dtype=torch.float64, device=q.device)
+    for b in range(B):
+        lo = int(start[b])
+        for hq in range(H):
+            keys = k_cache[b, hq // G, lo:c + 1].double()
+            vals = v_cache[b, hq // G, lo:c + 1].double()
+            p = torch.softmax(scale * (keys @ qr[b, hq].double()), 0)
+            o[b, hq] = p @ vals
+    return o.reshape(B, H * D), kr
+
+
+__all__ = ["HEAD_DIMS", "KernelUnavailable", "MAX_GROUP", "add_rms_norm", "kernel_names", "reference_add_rms_norm",
+           "reference_rope_attend", "reference_silu_mul", "rope_attend", "shape_reason", "silu_mul",
+           "unavailable_reason"]

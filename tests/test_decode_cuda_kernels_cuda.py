@@ -1,0 +1,145 @@
+"""The fp32 decode-layer kernels (kernels/decode_cuda.py, NVRTC) against float64 references, and the static
+engine through them against HF and against its own baddbmm path, on a CUDA GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine
+from rollout_helpers import PROMPTS, recompute_logprobs, tiny_llama, with_lora
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+
+
+def kernels():
+    from edgerl.kernels import decode_cuda
+    why = decode_cuda.unavailable_reason(torch.device("cuda"), 64, torch.float32, 1)
+    if why:
+        pytest.fail(f"the decode kernels do not build on this GPU: {why}")
+    return decode_cuda
+
+
+@pytest.mark.parametrize("rows,width", [(1, 64), (16, 960), (3, 4096), (5, 3584), (2, 4097)])
+@pytest.mark.parametrize("with_d", [True, False])
+def test_add_rms_norm_equals_the_reference(rows, width, with_d):
+    k = kernels()
+    g = torch.Generator(device="cuda").manual_seed(rows * width)
+    x = torch.randn(rows, width, device="cuda", generator=g) * 3
+    d = torch.randn(rows, width, device="cuda", generator=g) if with_d else None
+    w = torch.randn(width, device="cuda", generator=g)
+    xo, y = k.add_rms_norm(x, d, w, 1e-5)
+    rxo, ry = k.reference_add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(xo, x + d if with_d else x)   # the residual add rounds as torch's does
+    torch.testing.assert_close(y.double(), ry, rtol=2e-6, atol=2e-6)
+    # and as the engine's eager path computes it
+    want = w * torch.nn.functional.rms_norm(xo, (width,), eps=1e-5)
+    torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows,width,wide", [(16, 14336, True), (3, 100, False), (1, 1, False)])
+def test_silu_mul_equals_the_reference_and_torch(rows, width, wide):
+    k = kernels()
+    g = torch.Generator(device="cuda").manual_seed(width)
+    both = torch.randn(rows, 2 * width, device="cuda", generator=g) * 4
+    gate, up = (both[:, :width], both[:, width:]) if wide else (both[:, :width].contiguous(),
+                                                               both[:, width:].contiguous())
+    y = k.silu_mul(gate, up)
+    torch.testing.assert_close(y.double(), k.reference_silu_mul(gate, up), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-7)
+
+
+CASES = [   # rows, KV heads, query heads per KV head, head size, cache length, column written
+    (4, 2, 2, 32, 64, 40),
+    (16, 8, 4, 128, 336, 300),    # the Llama-3.1-8B head layout, two softmax tiles
+    (3, 1, 8, 64, 1040, 1030),    # five tiles
+    (2, 4, 7, 128, 80, 9),
+    (5, 2, 1, 256, 32, 31),
+    (2, 3, 3, 64, 528, 257),      # a second tile of one column
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_rope_attend_equals_the_reference_and_writes_the_engines_cache_column(case):
+    B, KVH, G, D, S, col = case
+    k = kernels()
+    g = torch.Generator(device="cuda").manual_seed(S + col)
+    H = KVH * G
+    qkv = torch.randn(B, (H + 2 * KVH) * D, device="cuda", generator=g)   # the parts as views of one output
+    q, kk, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    ang = torch.rand(B, D // 2, device="cuda", generator=g) * 6
+    cos = torch.cat((ang.cos(), ang.cos()), -1)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1)
+    kc = torch.randn(B, KVH, S, D, device="cuda", generator=g)
+    vc = torch.randn(B, KVH, S, D, device="cuda", generator=g)
+    start = torch.randint(0, col + 1, (B,), device="cuda", generator=g)
+    start[0] = 0
+    start[-1] = col   # a row that sees only the new column
+    colt = torch.tensor([col], device="cuda")
+    rk, rv = kc.clone(), vc.clone()
+    want, _ = k.reference_rope_attend(q, kk, v, cos, sin, rk, rv, start, colt, D ** -0.5)
+    o = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, D ** -0.5)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)   # the new column bit for bit, every other one untouched
+    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_attend_refuses_inputs_it_would_misread():
+    k = kernels()
+    kc = torch.zeros(2, 2, 16, 64, device="cuda")
+    q, kv = torch.zeros(2, 4 * 64, device="cuda"), torch.zeros(2, 2 * 64, device="cuda")
+    cs, start, col = torch.zeros(2, 64, device="cuda"), torch.zeros(2, dtype=torch.long, device="cuda"), \
+        torch.tensor([3], device="cuda")
+    with pytest.raises(ValueError, match="k has 1 rows, the cache 2"):
+        k.rope_attend(q, kv[:1], kv, cs, cs, kc, kc.clone(), start, col, 0.1)
+    with pytest.raises(ValueError, match="cos must be contiguous fp32"):
+        k.rope_attend(q, kv, kv, cs[:, :32], cs, kc, kc.clone(), start, col, 0.1)
+    with pytest.raises(ValueError, match="head size 48"):
+        k.rope_attend(q, kv, kv, cs, cs, torch.zeros(2, 2, 16, 48, device="cuda"),
+                      torch.zeros(2, 2, 16, 48, device="cuda"), start, col, 0.1)
+
+
+def wide_llama(**kw):
+    """Heads of 32 (G = 2) or 64 (G = 4): sizes the kernels take (the tests' usual tiny llama has 16)."""
+    fields = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    return tiny_llama(device="cuda", **{**fields, **kw})
+
+
+def greedy(n):
+    return SamplingParams(max_new_tokens=n, greedy=True)
+
+
+@pytest.mark.parametrize("projections", ["fused", "modules"])
+@pytest.mark.parametrize("shape", [{}, dict(num_attention_heads=2, num_key_value_heads=1, hidden_size=128)],
+                         ids=["d32g2", "d64g2"])
+def test_engine_through_the_kernels_equals_hf_and_the_bmm_path(projections, shape):
+    model = wide_llama(**shape)
+    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections=projections, decode_attention="cuda")
+    bmm = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections=projections, decode_attention="bmm")
+    assert engine.dec.attention == "cuda" and "cuda attention" in engine.describe()
+    got = engine.generate(PROMPTS, 2, greedy(40))
+    assert got.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(40)).response_ids
+    assert got.response_ids == bmm.generate(PROMPTS, 2, greedy(40)).response_ids
+    eager = StaticCacheEngine(model, 8, 300, cuda_graphs=False, projections=projections, decode_attention="cuda")
+    assert eager.generate(PROMPTS, 2, greedy(40)).response_ids == got.response_ids
+
+
+def test_engine_sampled_logprobs_through_the_kernels_match_the_full_forward_past_a_softmax_tile():
+    """280 new tokens: the later steps attend over more than one tile of 256 columns."""
+    model = with_lora(wide_llama(max_position_embeddings=512))
+    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections="modules", decode_attention="cuda")
+    params = SamplingParams(max_new_tokens=280, temperature=0.8, top_p=0.95)
+    out = engine.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
+    assert max(len(r) for r in out.response_ids) == 280
+    ref = recompute_logprobs(model, out.prompt_ids, out.response_ids, 0.8)
+    got = torch.tensor([x for row in out.logprobs for x in row])
+    want = torch.tensor([x for row in ref for x in row])
+    diff = (got - want).abs()
+    assert diff.max() <= 1e-4 and diff.mean() <= 1e-5, (diff.max(), diff.mean())
+
+
+def test_engine_refuses_cuda_attention_outside_fp32_and_with_a_compiled_step():
+    with pytest.raises(ValueError, match="fp32 only"):
+        StaticCacheEngine(wide_llama().to(torch.bfloat16), 2, 64, cuda_graphs=True, decode_attention="cuda")
+    if torch.cuda.get_device_capability() >= (7, 0):
+        with pytest.raises(ValueError, match="compile_step cannot fuse decode attention 'cuda'"):
+            StaticCacheEngine(wide_llama(), 2, 64, cuda_graphs=True, decode_attention="cuda", compile_step=True)
