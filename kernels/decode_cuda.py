@@ -58,17 +58,19 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// One block of 256 threads per row: xo = x + d (when has_d), y = w * ((x + d) * rsqrt(mean((x + d)^2) + eps)).
+// One block of 1024 threads per row (a few values each: a decode step has few rows, and 256 threads per row
+// took 4.8 us at width 4096 on an H200, waiting on their loads): xo = x + d (when has_d),
+// y = w * ((x + d) * rsqrt(mean((x + d)^2) + eps)).
 template <typename T>
-__global__ void __launch_bounds__(256) add_rms_norm(const T* __restrict__ x, const T* __restrict__ d,
+__global__ void __launch_bounds__(1024) add_rms_norm(const T* __restrict__ x, const T* __restrict__ d,
                                                     const T* __restrict__ w, T* __restrict__ xo,
                                                     T* __restrict__ y, int H, double eps, int has_d) {
-  __shared__ float part[8];
+  __shared__ float part[32];
   const int tid = threadIdx.x;
   const long long base = (long long)blockIdx.x * H;
   float ss = 0.f;
-#pragma unroll 8
-  for (int i = tid; i < H; i += 256) {   // unrolled: the loads of one thread in flight together
+#pragma unroll 4
+  for (int i = tid; i < H; i += 1024) {   // unrolled: the loads of one thread in flight together
     float v = x[base + i];
     if (has_d) { v = __fadd_rn(v, d[base + i]); xo[base + i] = v; }
     ss = fmaf(v, v, ss);
@@ -78,10 +80,10 @@ __global__ void __launch_bounds__(256) add_rms_norm(const T* __restrict__ x, con
   __syncthreads();
   float t = 0.f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) t += part[i];
+  for (int i = 0; i < 32; ++i) t += part[i];
   const float r = rsqrtf(t / (float)H + (float)eps);
-#pragma unroll 8
-  for (int i = tid; i < H; i += 256) {   // x + d once more (the same rounding), not read back from xo
+#pragma unroll 4
+  for (int i = tid; i < H; i += 1024) {   // x + d once more (the same rounding), not read back from xo
     const float v = has_d ? __fadd_rn(x[base + i], d[base + i]) : (float)x[base + i];
     y[base + i] = __fmul_rn(w[i], __fmul_rn(v, r));
   }
@@ -270,7 +272,7 @@ def add_rms_norm(x: torch.Tensor, d: Optional[torch.Tensor], weight: torch.Tenso
                          f"weight {tuple(weight.shape)}")
     xo = torch.empty_like(x) if d is not None else x
     y = torch.empty_like(x)
-    _kernel("add_rms_norm<float>", x.device)(grid=(B, 1, 1), block=(THREADS, 1, 1),
+    _kernel("add_rms_norm<float>", x.device)(grid=(B, 1, 1), block=(1024, 1, 1),
                                              args=[x, d if d is not None else x, weight.contiguous(), xo, y, H,
                                                    float(eps), int(d is not None)])
     return xo, y

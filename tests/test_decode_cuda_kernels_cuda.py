@@ -105,7 +105,7 @@ def wide_llama(**kw):
 
 
 def greedy(n):
-    return SamplingParams(max_new_tokens=n, greedy=True)
+    return SamplingParams(max_new_tokens=n, greedy=True, eos_token_ids=(2,))   # HF generate stops at the model's EOS
 
 
 @pytest.mark.parametrize("projections", ["fused", "modules"])
