@@ -387,7 +387,8 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
     if engine != "hf":
         return ("sdpa" if half else "bmm"), f"the {engine} engine attends its own way (this setting is the hf engine's)"
     if not half and cuda_why:
-        return "bmm", f"fp32: baddbmm, softmax and bmm over the masked cache (edgerl's CUDA C layer kernels: {cuda_why})"
+        return "bmm", (f"fp32: baddbmm, softmax and bmm over the masked cache (edgerl's CUDA C layer kernels: "
+                       f"{cuda_why})")
     if not half:
         return "cuda", (f"fp32: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU) rotate q and k, write the cache "
                         f"column and attend over the columns each row sees in one kernel, and add the residual with "

@@ -15,8 +15,9 @@ The static decoder calls, per layer, `qkv(h)`, `o(x)`, `gate_up(h)` and `down(x)
   works: a peft LoRA layer over a bitsandbytes 4-bit `Linear4bit`, a quantized layer, a plain one.
 
 `qkv` returns q, k and v side by side in one tensor (B, L, (H + 2 KVH) D), in that order, in both
-implementations (`qkv_parts` the three apart, for a kernel that reads them where they are): the decoder rotates q and k in one pass over the first (H + KVH) D columns and
-writes k and v to the cache with one copy of the last 2 KVH D columns.
+implementations (`qkv_parts` the three apart, for a kernel that reads them where they are): the
+decoder rotates q and k in one pass over the first (H + KVH) D columns and writes k and v to the
+cache with one copy of the last 2 KVH D columns.
 """
 
 from __future__ import annotations
