@@ -1,0 +1,61 @@
+"""The fp32 decode-layer kernels' references (kernels/decode_cuda.py) against the rollout tests' own float64
+attention and rotary helpers, and the decoder's 'cuda' layer wired to those references against its bmm
+layer, on the CPU (the kernels themselves need CUDA: tests/test_decode_cuda_kernels_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgerl.kernels import decode_cuda
+from edgerl.rollout import SamplingParams, StaticCacheEngine
+from rollout_helpers import PROMPTS, decode_attention_reference, rotate_reference, tiny_llama
+
+
+@pytest.mark.parametrize("B,KVH,G,D,S,col", [(3, 2, 2, 32, 40, 30), (2, 1, 8, 64, 300, 290), (1, 3, 1, 128, 8, 0)])
+def test_rope_attend_reference_is_the_rotation_the_cache_write_and_the_windowed_attention(B, KVH, G, D, S, col):
+    g = torch.Generator().manual_seed(S)
+    H = KVH * G
+    q, k, v = (torch.randn(B, n * D, generator=g) for n in (H, KVH, KVH))
+    ang = torch.rand(B, D // 2, generator=g) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((-ang.sin(), ang.sin()), -1)
+    kc, vc = torch.randn(B, KVH, S, D, generator=g), torch.randn(B, KVH, S, D, generator=g)
+    start = torch.randint(0, col + 1, (B,), generator=g)
+    colt = torch.tensor([col])
+    k0, v0 = kc.clone(), vc.clone()
+    o, kr = decode_cuda.reference_rope_attend(q, k, v, cos, sin, kc, vc, start, colt, D ** -0.5)
+    assert torch.equal(kr, rotate_reference(k.view(B, KVH, D), cos[:, None], sin[:, None]))
+    assert torch.equal(kc[:, :, col], kr) and torch.equal(vc[:, :, col], v.view(B, KVH, D))
+    others = [i for i in range(S) if i != col]
+    assert torch.equal(kc[:, :, others], k0[:, :, others]) and torch.equal(vc[:, :, others], v0[:, :, others])
+    qr = rotate_reference(q.view(B, KVH, G, D), cos[:, None, None], sin[:, None, None])
+    want = decode_attention_reference(qr, kc, vc, start, colt, D ** -0.5)
+    torch.testing.assert_close(o, want.reshape(B, H * D), rtol=1e-6, atol=1e-6)
+
+
+def test_norm_and_silu_references():
+    g = torch.Generator().manual_seed(0)
+    x, d, w = torch.randn(4, 96, generator=g), torch.randn(4, 96, generator=g), torch.randn(96, generator=g)
+    xo, y = decode_cuda.reference_add_rms_norm(x, d, w, 1e-6)
+    torch.testing.assert_close(xo, (x + d).double())
+    want = w * torch.nn.functional.rms_norm(x + d, (96,), eps=1e-6)
+    torch.testing.assert_close(y.float(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(decode_cuda.reference_silu_mul(x, d).float(), torch.nn.functional.silu(x) * d)
+
+
+@pytest.mark.parametrize("projections", ["fused", "modules"])
+def test_the_cuda_layer_wired_to_the_references_decodes_as_the_bmm_layer(monkeypatch, projections):
+    """The decoder's 'cuda' layer (`_decode_layer_cuda`: which tensors go to which kernel, in what order)
+    with each kernel replaced by its reference in fp32: the same greedy tokens as the baddbmm layer."""
+    monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(decode_cuda, "add_rms_norm",
+                        lambda x, d, w, eps: tuple(t.float() for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
+    monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).float())
+    monkeypatch.setattr(decode_cuda, "rope_attend",
+                        lambda *a: decode_cuda.reference_rope_attend(*a)[0].float())
+    model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    params = SamplingParams(max_new_tokens=24, greedy=True)
+    cuda = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, decode_attention="cuda")
+    assert cuda.dec.layer_step == cuda.dec._decode_layer_cuda
+    bmm = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, decode_attention="bmm")
+    assert cuda.generate(PROMPTS, 2, params).response_ids == bmm.generate(PROMPTS, 2, params).response_ids
