@@ -247,8 +247,8 @@ def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, 
     try:
         for n in kernel_names(group, head_dim):
             _kernel(n, device)
-    except KernelUnavailable as e:
-        return str(e)
+    except (KernelUnavailable, RuntimeError, OSError) as e:   # no NVRTC, an arch it cannot build, a failed load
+        return f"{type(e).__name__}: {str(e).strip()[:400]}"
     return None
 
 
