@@ -24,11 +24,11 @@ tests compare the kernels with them.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from .nvrtc import KernelUnavailable, load
+from .nvrtc import KernelUnavailable, kernel
 from .tiles import DECODE_CUDA_HEAD_DIMS as HEAD_DIMS, DECODE_CUDA_MAX_GROUP as MAX_GROUP
 from .tiles import decode_cuda_shape_reason as shape_reason
 
@@ -215,15 +215,8 @@ __global__ void __launch_bounds__(256) rope_attend(
 }
 """
 
-_cache: dict[tuple, Any] = {}
-
-
 def _kernel(name: str, device: torch.device):
-    key = (name, device.index)
-    k = _cache.get(key)
-    if k is None:
-        k = _cache[key] = load(SOURCE, [name], device)[name]
-    return k
+    return kernel(SOURCE, name, device)
 
 
 def attend_name(group: int, head_dim: int) -> str:

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from .nvrtc import KernelUnavailable, blocks_per_sm, load
+from .nvrtc import KernelUnavailable, blocks_per_sm, kernel
 
 MAX_ROWS_PER_BLOCK = 16
 WARPS = 8
@@ -287,7 +287,6 @@ __global__ void __launch_bounds__(256) nf4_sum(const float* __restrict__ ws, con
 """
 
 _TYPES = {torch.float32: "float", torch.float16: "h16", torch.bfloat16: "b16"}
-_cache: dict[tuple, Any] = {}
 
 
 def _rows_tile(m: int) -> int:
@@ -326,12 +325,9 @@ def decode_kernels(dtype: torch.dtype = torch.float32) -> list[str]:
 
 
 def _kernel(name: str, device: torch.device):
-    key = (name, device.index)
-    k = _cache.get(key)
-    if k is None:
-        k = load(SOURCE, [name], device)[name]
+    k = kernel(SOURCE, name, device)
+    if not hasattr(k, "slots_per_sm"):
         k.slots_per_sm = blocks_per_sm(k, WARPS * 32)
-        _cache[key] = k
     return k
 
 

@@ -93,6 +93,18 @@ def blocks_per_sm(kernel: Any, threads: int) -> int:
     return n.value if rc == 0 and n.value > 0 else 1
 
 
+_loaded: dict[tuple, Any] = {}
+
+
+def kernel(source: str, name: str, device: Any) -> Any:
+    """`load(source, [name], device)[name]`, compiled once per source, name and device and kept."""
+    key = (source, name, device.index)
+    k = _loaded.get(key)
+    if k is None:
+        k = _loaded[key] = load(source, [name], device)[name]
+    return k
+
+
 def load(source: str, names: list[str], device: Any) -> dict[str, Any]:
     """Compile `source` for `device`'s architecture and load it there; returns name -> launcher, called as
     `k(grid=(x, y, z), block=(x, y, z), args=[tensors and ints])` on the current stream."""

@@ -149,3 +149,22 @@ def test_a_kernel_that_cannot_run_stops_training_with_one_line_naming_the_settin
     with pytest.raises(TrainingError, match=r"cannot run here: KernelUnavailable: NVRTC could not compile for "
                                             r"sm_120.*set plan.nf4_kernel=false"):
         quant_decode.check_kernel(torch.device("cpu"))
+
+
+def test_kernels_are_compiled_once_per_source_name_and_device(monkeypatch):
+    """nvrtc.kernel keeps what it loaded; nf4's launcher asks the occupancy once per kernel (NVRTC and the
+    driver replaced by recorders: the compile itself needs CUDA)."""
+    import types
+    import edgerl.kernels.nvrtc as nvrtc
+    loads, occupancy = [], []
+    monkeypatch.setattr(nvrtc, "_loaded", {})
+    monkeypatch.setattr(nvrtc, "load", lambda src, names, dev: loads.append((names[0], dev.index)) or
+                        {names[0]: types.SimpleNamespace()})
+    monkeypatch.setattr(nf4, "blocks_per_sm", lambda k, threads: occupancy.append(threads) or 3)
+    dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    a = nf4._kernel("nf4_sum<float>", dev0)
+    assert nf4._kernel("nf4_sum<float>", dev0) is a and a.slots_per_sm == 3
+    assert nf4._kernel("nf4_sum<float>", dev1) is not a
+    assert nvrtc.kernel("other source", "nf4_sum<float>", dev0) is not a
+    assert loads == [("nf4_sum<float>", 0), ("nf4_sum<float>", 1), ("nf4_sum<float>", 0)]
+    assert occupancy == [256, 256]
