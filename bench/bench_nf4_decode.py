@@ -170,6 +170,11 @@ def row_sweep(model, args, compute) -> list[dict]:
     return out
 
 
+def equal_share(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of a's tokens that b has at the same place."""
+    return round(sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / max(sum(map(len, a)), 1), 3)
+
+
 def engine_step(model, args, ids, params, attention: str = "auto") -> dict:
     from edgerl.rollout import StaticCacheEngine
     engine = StaticCacheEngine(model, args.rows, args.prompt_len + args.new_tokens, cuda_graphs=True,
@@ -221,8 +226,7 @@ def main(argv=None) -> int:
         quant_decode.enable(model, NF4_KERNEL_ROWS)   # as training does
         fused = engine_step(model, args, ids, params)
         fengine, ftokens = fused.pop("engine"), fused.pop("tokens")
-        fused["greedy_tokens_equal_share"] = round(sum(a == b for ra, rb in zip(tokens, ftokens)
-                                                       for a, b in zip(ra, rb)) / max(sum(map(len, tokens)), 1), 3)
+        fused["greedy_tokens_equal_share"] = equal_share(tokens, ftokens)
         fused["speedup_vs_bnb"] = round(result["graph_step_ms"] / fused["graph_step_ms"], 2)
         fused["profile_eager_step"] = kernels(fengine, args.rows, args.prompt_len)
         fused["parts_layer0"] = parts(model, args, compute)
@@ -232,8 +236,7 @@ def main(argv=None) -> int:
         if args.compute == "fp32" and args.cuda_layer == "on":   # the fp32 layer kernels of kernels/decode_cuda.py
             layer = engine_step(model, args, ids, params, "cuda")
             lengine, ltokens = layer.pop("engine"), layer.pop("tokens")
-            layer["greedy_tokens_equal_share_vs_bmm"] = round(sum(a == b for ra, rb in zip(ftokens, ltokens)
-                                                                  for a, b in zip(ra, rb)) / max(sum(map(len, ftokens)), 1), 3)
+            layer["greedy_tokens_equal_share_vs_bmm"] = equal_share(ftokens, ltokens)
             layer["speedup_vs_bmm"] = round(fused["graph_step_ms"] / layer["graph_step_ms"], 3)
             layer["profile_eager_step"] = kernels(lengine, args.rows, args.prompt_len)
             result["fused_kernel_cuda_layer"] = layer

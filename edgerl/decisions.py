@@ -361,9 +361,14 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
                                 group_pad)  # pure
     half = dtype.compute in ("fp16", "bf16")
     head = model.hd
-    cuda_why = ("no CUDA device" if not dev.is_cuda else f"{dtype.compute} compute: the kernels compute in fp32"
-                if half else "the decode step is compiled (Inductor fuses the layer's elementwise work)" if compiled
-                else decode_cuda_shape_reason(head, model.num_heads // model.num_kv_heads) or "")
+    if not dev.is_cuda:
+        cuda_why = "no CUDA device"
+    elif half:
+        cuda_why = f"{dtype.compute} compute: the kernels compute in fp32"
+    elif compiled:
+        cuda_why = "the decode step is compiled (Inductor fuses the layer's elementwise work)"
+    else:
+        cuda_why = decode_cuda_shape_reason(head, model.num_heads // model.num_kv_heads) or ""
     if forced == "cuda" and cuda_why:
         raise PlanError(f"plan.decode_attention=cuda is not possible: {cuda_why}; use bmm or sdpa")
     if not dev.is_cuda:
