@@ -16,7 +16,9 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
     graph_fused_triton        decode attention as edgerl's Triton kernel (only the columns each row sees)
     graph_fused_triton_compile  compiled, Triton decode attention
     graph_fused_triton_rope   the Triton kernel doing the rotary embedding and the cache write too
-    graph_fused_triton_rope_compile  compiled, that kernel
+    graph_fused_triton_rope_compile  compiled, that kernel (the o and down products split-K in 16 bits, the
+                              engine's default when compiled)
+    graph_fused_triton_rope_compile_splitk0  the same without the split
 
 Per variant: ms per decode step (median over the decode steps of --reps calls, CUDA events), decode
 tokens/s (rows / step time), share of the bandwidth bound (a step reads every weight once: weight
@@ -87,6 +89,8 @@ VARIANTS = {   # engine keyword arguments; hf_generate has none
     "graph_fused_triton_rope": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope"),
     "graph_fused_triton_rope_compile": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope",
                                             compile_step=True),
+    "graph_fused_triton_rope_compile_splitk0": dict(cuda_graphs=True, projections="fused",
+                                                    decode_attention="triton_rope", compile_step=True, split_k=0),
 }
 
 

@@ -496,3 +496,45 @@ def test_a_decode_kernel_that_cannot_run_stops_training_naming_the_setting():
     plan = types.SimpleNamespace(cuda_graphs=False, decode_attention="cuda")
     with pytest.raises(TrainingError, match=r"cannot run here: tensors are on cpu.*set plan.decode_attention=bmm"):
         _static_engine(plan, tiny_llama(), 2, 32)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-untied"])
+def test_split_k_o_and_down_equal_hf_generate(name, compiled):
+    """o and down as 4 partial products over slices of their inner width, summed where they are added
+    (`StaticDecoder.set_split_k`): HF generate's greedy tokens, before and after a weight sync; compiled,
+    one compilation serves every layer (the first layer gets the embedding as partials too)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = MODELS[name]()
+    eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, compile_step=compiled, split_k=4)
+    assert "o and down split 4 ways" in eng.describe()
+    assert eng.generate(PROMPTS, 2, greedy(16)).response_ids == \
+        HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(16)).response_ids
+    source = perturbed(MODELS[name])
+    eng.sync_weights(source.state_dict().items())
+    assert eng.generate(PROMPTS, 2, greedy(16)).response_ids == \
+        HFGenerateEngine(source, 8).generate(PROMPTS, 2, greedy(16)).response_ids
+    if compiled:
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_split_k_partials_sum_to_the_product():
+    from edgerl.rollout.decoder import StaticDecoder
+    dec = StaticDecoder(tiny_llama(), 2, 32, projections="fused")
+    dec.set_split_k(4)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 128, generator=g), dec.proj[0].down_w
+    parts = dec._partials(x, w)
+    assert parts.shape == (4, 3, w.shape[0])
+    assert torch.allclose(parts.sum(0), x @ w.T, atol=1e-5)
+    assert torch.allclose(parts[1], x[:, 32:64] @ w[:, 32:64].T, atol=1e-5)   # slice i is columns [32 i, 32 i + 32)
+
+
+def test_split_k_is_off_unless_compiled_on_cuda_in_16_bits_and_refuses_what_it_cannot_split():
+    assert "split" not in StaticCacheEngine(tiny_llama(), 8, 64, cuda_graphs=False).describe()
+    with pytest.raises(ValueError, match=r"split_k=3 cannot run: inner widths \(64, 128\) do not split into 3"):
+        StaticCacheEngine(tiny_llama(), 8, 64, cuda_graphs=False, split_k=3)
+    with pytest.raises(ValueError, match="split_k=4 cannot run: it reads the fused projections"):
+        StaticCacheEngine(with_lora(tiny_llama()), 8, 64, cuda_graphs=False, split_k=4)

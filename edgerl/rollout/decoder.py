@@ -236,6 +236,7 @@ class StaticDecoder:
             self.kernels = decode_cuda
             self.attend = decode_cuda.rope_attend
         self.cache: torch.Tensor | None = None
+        self.split_k = 0   # o and down as S-way split-K products (see `set_split_k`); 0: one matmul each
         # the engine swaps in a compiled one under compile_step
         self.layer_step = self._decode_layer_cuda if attention == "cuda" else self._decode_layer
         self.compiled = False
@@ -275,6 +276,48 @@ class StaticDecoder:
             p.refuse()
         return bool(stale)
 
+    def split_k_reason(self, parts: int) -> str | None:
+        """Why the decode step's o and down products cannot run as `parts`-way split-K products, or None."""
+        if any(p.kind != "fused" for p in self.proj):
+            return f"it reads the fused projections' plain weights ({self.proj_note})"
+        if self.attention == "cuda":
+            return "decode attention 'cuda' runs its own layer kernels"
+        if any(p.o_b is not None or p.down_b is not None for p in self.proj):
+            return "the o or down projection has a bias"
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"{self.dtype} is not fp32, bf16 or fp16"
+        inner = self.proj[0].o_w.shape[1], self.proj[0].down_w.shape[1]
+        if parts < 2 or any(k % (8 * parts) for k in inner):
+            return f"inner widths {inner} do not split into {parts} parts of whole 8-element groups"
+        return None
+
+    def set_split_k(self, parts: int) -> None:
+        """The decode step's o and down products as `parts` batched products over slices of their inner
+        dimension, with fp32 partials (`torch.bmm(out_dtype=float32)` in 16 bits), summed by the kernel that
+        adds them to the residual (Inductor fuses the sum into the residual add + RMS norm): more thread
+        blocks for these short-and-wide products than cuBLAS gives them, and no split-K reduction kernel of
+        its own. The sum rounds once, where F.linear's output rounds. 0 turns it off."""
+        if parts and (why := self.split_k_reason(parts)):
+            raise ValueError(f"split_k={parts} cannot run: {why}")
+        self.split_k = parts
+
+    def _partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (B, K) @ w (N, K)^T as split_k fp32 partial products (S, B, N) over K / S slices (views, no copy)."""
+        S, (B, K), N = self.split_k, x.shape, w.shape[0]
+        a = x.view(B, S, K // S).transpose(0, 1)                                          # (S, B, K/S)
+        b = w.view(N, S, K // S).permute(1, 2, 0)                                         # (S, K/S, N)
+        return torch.bmm(a, b) if x.dtype == torch.float32 else torch.bmm(a, b, out_dtype=torch.float32)
+
+    def _plus(self, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """x + d, where d may be split-K partials (S, B, N) in fp32: summed one by one (elementwise, so a
+        compiled layer fuses the sum into the add) and rounded once to the compute dtype."""
+        if d.dim() == x.dim():
+            return x + d
+        total = d[0]
+        for i in range(1, d.shape[0]):
+            total = total + d[i]
+        return x + total.to(x.dtype)
+
     # ---- one layer --------------------------------------------------------------------------------
 
     def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -296,7 +339,7 @@ class StaticDecoder:
         (2, B, KVH, S, D); cos, sin: (B, 1, D); bias: additive mask (the rows' start columns (B,) for
         'triton' attention, which masks by them); col: (1,). Returns (x, d)."""
         if d is not None:
-            x = x + d
+            x = self._plus(x, d)
         B = x.shape[0]
         qkv = proj.qkv(_rms_norm(x, ln1, eps1))                                     # (B, N)
         if self.attention == "triton_rope":   # rotary, the cache write and attention in one kernel
@@ -304,8 +347,14 @@ class StaticDecoder:
                             self.group)
         else:
             o = self._attend_cache(qkv, kv, cos, sin, bias, col)
-        x = x + proj.o(o.reshape(B, self.q_width))
-        return x, self._mlp_in(x, proj, ln2, eps2)
+        o = o.reshape(B, self.q_width)
+        if not self.split_k:
+            x = x + proj.o(o)
+            return x, self._mlp_in(x, proj, ln2, eps2)
+        # split-K: the o partials summed into this add, the down partials into the next layer's (d)
+        x = self._plus(x, self._partials(o, proj.o_w))
+        gate, up = proj.gate_up(_rms_norm(x, ln2, eps2))
+        return x, self._partials(self.act(gate) * up, proj.down_w)
 
     def _decode_layer_cuda(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
         """`_decode_layer` through `kernels/decode_cuda.py` (attention 'cuda', fp32): the residual add and
@@ -398,6 +447,8 @@ class StaticDecoder:
         x, d = self.embed(tok), None
         if self.compiled:   # every layer call then has the same signature, so it is compiled once
             x, d = torch.zeros_like(x), x
+            if self.split_k:   # d as the later layers get it: S partials (the embedding and zeros), fp32
+                d = torch.cat((d.float()[None], d.new_zeros((self.split_k - 1,) + d.shape, dtype=torch.float32)))
         for i, proj in enumerate(self.proj):
             x, d = self.layer_step(x, d, proj, *self.norms[i], self.cache[i, :, :B], cos, sin, bias, col)
-        return self._logits(x + d)
+        return self._logits(self._plus(x, d))

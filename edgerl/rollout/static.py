@@ -30,6 +30,9 @@ from .decoder import StaticDecoder
 from .hf import load_weights
 from .sampling import sample
 
+# Split-K of the compiled 16-bit decode step's o and down products (`StaticDecoder.set_split_k`): measured on an
+# H200 at 16 rows (bench/bench_decode_gemm.py, docs/benchmarks.md section 16): 4 and 8 parts alike, 2 slower.
+SPLIT_K = 4
 CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each look is a device-to-host copy)
 
 
@@ -108,7 +111,9 @@ class StaticCacheEngine:
     each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' | 'triton_rope' | 'cuda' (`StaticDecoder`;
     auto: bmm in fp32, sdpa in 16 bits). compile_step: torch.compile each decoder layer of the decode step
     (elementwise fusion; CUDA CC >= 7.0, fused projections; the compiled step is what a CUDA graph
-    captures); off by default, never chosen on the CPU.
+    captures); off by default, never chosen on the CPU. split_k: the decode step's o and down products as that
+    many batched partial products (`StaticDecoder.set_split_k`); None: SPLIT_K when the step is compiled
+    on CUDA in 16 bits, else 0 (off).
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
 
     Lifetime: the KV cache and static buffers are allocated by the first `generate`, a graph is
@@ -123,7 +128,8 @@ class StaticCacheEngine:
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  cuda_graphs: bool, projections: str = "auto", decode_attention: str = "auto",
-                 compile_step: bool = False, time_steps: bool = False, note: str = "") -> None:
+                 compile_step: bool = False, split_k: Optional[int] = None, time_steps: bool = False,
+                 note: str = "") -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
                              f"got max_batch={max_batch}, max_seq_len={max_seq_len}")
@@ -138,6 +144,10 @@ class StaticCacheEngine:
                                "(CUDAGraph.register_generator_state); use torch >= 2.6 or cuda_graphs=False")
         if compile_step:
             _enable_compile(self.dec, self.device)
+        if split_k is None:   # where Inductor fuses the partials' sum into the residual add: compiled, 16 bits
+            split_k = SPLIT_K if (compile_step and self.device.type == "cuda" and self.dec.dtype != torch.float32
+                                  and self.dec.split_k_reason(SPLIT_K) is None) else 0
+        self.dec.set_split_k(split_k)
         self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.cuda_graphs, self.compile_step, self.time_steps = cuda_graphs, compile_step, time_steps
@@ -156,6 +166,8 @@ class StaticCacheEngine:
         mode = "static KV cache + CUDA graph decode" if self.cuda_graphs else "static KV cache, eager decode"
         if self.compile_step:
             mode += ", compiled layers"
+        if self.dec.split_k:
+            mode += f", o and down split {self.dec.split_k} ways"
         size = f"{self.max_batch} sequences x {self.max_seq_len} tokens, cache {self.dec.cache_bytes() / 2**20:.0f} MiB"
         return (f"hf engine: {mode} ({size}; {self.dec.proj_note}; {self.dec.attention} attention)"
                 + (f" ({self.note})" if self.note else ""))

@@ -1,0 +1,88 @@
+"""The decode step's projections at 16 rows, bf16, on the GPU: cuBLAS through F.linear (what the engine
+calls) against the same product with the operands swapped (W x^T, the result read transposed) and with
+the weight stored transposed, and split-K as a batched product with fp32 partials, each over as many weight copies as the model has layers (so L2 holds none),
+timed in a CUDA graph. Prints microseconds per call and the share of the bandwidth bound."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from edgerl.modelspec import CATALOGUE  # noqa: E402
+
+
+def shapes(name):
+    c = CATALOGUE[f"smollm2-{name}"].llama_config_fields()
+    h, i, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = h // heads
+    return c["num_hidden_layers"], {"qkv": (h, (heads + 2 * kv) * hd), "o": (h, h), "gate_up": (h, 2 * i),
+                                    "down": (i, h)}
+
+
+def timed(fn, n, reps=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps / n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="360m,1.7b")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    bw = 4.2e12
+    res = []
+    for name in args.models.split(","):
+        L, sh = shapes(name)
+        for proj, (K, N) in sh.items():
+            x = torch.randn(args.rows, K, device=dev, dtype=dt)
+            W = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(L)]
+            Wt = [w.t().contiguous() for w in W]
+            res_in = torch.randn(args.rows, N, device=dev, dtype=dt)
+            variants = {
+                "linear": lambda: [F.linear(x, w) for w in W],
+                "swapped": lambda: [torch.mm(w, x.t()) for w in W],
+                "w_transposed": lambda: [torch.mm(x, wt) for wt in Wt],
+                "addmm_residual": lambda: [torch.addmm(res_in, x, w.t()) for w in W],
+            }
+            for S in (2, 4, 8):   # split-K as a batched product with fp32 partials (their sum is left to the consumer)
+                if K % (8 * S):
+                    continue
+                xs = x.view(args.rows, S, K // S).transpose(0, 1)                      # (S, rows, K/S)
+                Ws = [w.view(N, S, K // S).permute(1, 2, 0) for w in W]                # (S, K/S, N), no copy
+                variants[f"splitk{S}_fp32"] = (lambda xs=xs, Ws=Ws: [torch.bmm(xs, ws, out_dtype=torch.float32)
+                                                                     for ws in Ws])
+                variants[f"splitk{S}_fp32_sum"] = (lambda xs=xs, Ws=Ws: [
+                    torch.bmm(xs, ws, out_dtype=torch.float32).sum(0).to(dt) for ws in Ws])
+            rec = dict(model=name, proj=proj, K=K, N=N, bound_us=round(K * N * 2 / bw * 1e6, 2))
+            for v, fn in variants.items():
+                rec[v + "_us"] = round(timed(fn, L), 2)
+            print(json.dumps(rec), flush=True)
+            res.append(rec)
+            W = Wt = variants = None
+            torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
