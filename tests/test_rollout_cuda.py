@@ -224,6 +224,7 @@ def test_compiled_graph_sampled_logprobs_bf16(attention):
     torch._dynamo.reset()
     model = tiny_llama(dtype=torch.bfloat16, device="cuda")
     graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True, decode_attention=attention)
+    assert "o and down split 4 ways" in graph.describe()   # the compiled 16-bit default
     params = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, eos_token_ids=(7,))
     out = graph.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
     ref = recompute_logprobs(model, out.prompt_ids, out.response_ids, 0.8)
