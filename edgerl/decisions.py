@@ -312,6 +312,8 @@ def _asked(setting: str, forced: Optional[bool], impossible: str) -> Optional[tu
 # Measured on an H200 in bf16, 16 rows (docs/benchmarks.md section 7.1): the decode step with compiled
 # layers against the plain graph, 1.37x at 360M and 1.23x at 1.7B, with the same agreement with HF.
 COMPILE_GAIN = "1.37x at 360M, 1.23x at 1.7B"
+# and (section 16.1) its o and down products split-K four ways in 16 bits, the partials summed inside the residual add
+SPLIT_K_GAIN = "1.12x at 360M, 1.06x at 1.7B"
 
 
 def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool,
@@ -335,7 +337,9 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
     if why_not:
         return False, f"not compiled: {why_not}"
     return True, (f"compiled decoder layers inside the CUDA graph (Inductor fuses the elementwise work between "
-                  f"the matmuls): measured {COMPILE_GAIN} faster per decode step on an H200 in bf16; the first "
+                  f"the matmuls): measured {COMPILE_GAIN} faster per decode step on an H200 in bf16, and in 16 bits "
+                  f"its o and down products split four ways with the partials summed inside the residual add, "
+                  f"{SPLIT_K_GAIN} more; the first "
                   "rollout compiles for a few seconds; plan.rollout_compile=false turns it off")
 
 
