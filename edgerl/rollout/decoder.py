@@ -286,6 +286,8 @@ class StaticDecoder:
             return "the o or down projection has a bias"
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"{self.dtype} is not fp32, bf16 or fp16"
+        if self.dtype != torch.float32 and "dtype" not in torch.ops.aten.bmm.overloads():
+            return f"torch {torch.__version__} has no bmm with fp32 output from 16-bit inputs (torch >= 2.8 has)"
         inner = self.proj[0].o_w.shape[1], self.proj[0].down_w.shape[1]
         if parts < 2 or any(k % (8 * parts) for k in inner):
             return f"inner widths {inner} do not split into {parts} parts of whole 8-element groups"
