@@ -331,9 +331,13 @@ class StaticDecoder:
         r.mul_(sin)
         qk.mul_(cos).add_(r)
 
-    def _mlp_in(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
+    def _mlp_hidden(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
+        """act(gate) * up of the normed rows: the down projection's input."""
         gate, up = proj.gate_up(_rms_norm(x, ln2, eps2))
-        return proj.down(self.act(gate) * up)
+        return self.act(gate) * up
+
+    def _mlp_in(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
+        return proj.down(self._mlp_hidden(x, proj, ln2, eps2))
 
     def _decode_layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, bias, col):
         """x: (B, hidden) residual stream; d: the previous layer's MLP output, not yet added (None for the
@@ -349,14 +353,11 @@ class StaticDecoder:
                             self.group)
         else:
             o = self._attend_cache(qkv, kv, cos, sin, bias, col)
+        # under split-K the o partials are summed into this add, the down partials into the next layer's (d)
         o = o.reshape(B, self.q_width)
-        if not self.split_k:
-            x = x + proj.o(o)
-            return x, self._mlp_in(x, proj, ln2, eps2)
-        # split-K: the o partials summed into this add, the down partials into the next layer's (d)
-        x = self._plus(x, self._partials(o, proj.o_w))
-        gate, up = proj.gate_up(_rms_norm(x, ln2, eps2))
-        return x, self._partials(self.act(gate) * up, proj.down_w)
+        x = self._plus(x, self._partials(o, proj.o_w) if self.split_k else proj.o(o))
+        h = self._mlp_hidden(x, proj, ln2, eps2)
+        return x, (self._partials(h, proj.down_w) if self.split_k else proj.down(h))
 
     def _decode_layer_cuda(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
         """`_decode_layer` through `kernels/decode_cuda.py` (attention 'cuda', fp32): the residual add and
