@@ -1,7 +1,10 @@
 """The decode step's projections at 16 rows, bf16, on the GPU: cuBLAS through F.linear (what the engine
 calls) against the same product with the operands swapped (W x^T, the result read transposed) and with
 the weight stored transposed, and split-K as a batched product with fp32 partials, each over as many weight copies as the model has layers (so L2 holds none),
-timed in a CUDA graph. Prints microseconds per call and the share of the bandwidth bound."""
+timed in a CUDA graph. Prints microseconds per call and the share of the bandwidth bound.
+`--triton` adds kernels/decode_linear.py's fused projections as the Triton decode layer calls them (q/k/v and
+gate/up with the RMS norm as prologue, gate/up with SiLU * up as epilogue, o and down with the residual add)
+with their default tiles, and `--sweep` times a grid of tiles around them."""
 import argparse
 import json
 import sys
@@ -42,11 +45,41 @@ def timed(fn, n, reps=20):
     return a.elapsed_time(b) * 1e3 / reps / n
 
 
+def triton_variants(variants, proj, x, W, res_in, sweep):
+    """The fused kernel as the Triton layer calls it for this projection, default tiles and (sweep) a grid."""
+    from edgerl.kernels.decode_linear import decode_linear
+    from edgerl.kernels.tiles import decode_linear_smem
+    K, dt = x.shape[1], x.dtype
+    ln = torch.ones(K, device=x.device, dtype=dt)
+    glu = proj == "gate_up"
+    # the norm's sums of squares as the Triton layer passes them: partials from the product before, one per
+    # program along its 32-column blocks; the residual products write theirs
+    ssq = torch.rand(K // 32, x.shape[0], device=x.device) * K
+    kw = (dict(norm=ln, eps=1e-5, glu=glu, sumsq=ssq) if proj in ("qkv", "gate_up")
+          else dict(residual=res_in, return_sumsq=True))
+    variants["triton_fused"] = lambda: [decode_linear(x, w, **kw) for w in W]
+    if not sweep:
+        return
+    smem = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
+    for bn in (32, 64, 128):
+        for bk in (128, 256):
+            for stages in (3, 4):
+                for split in ((1, 2, 4) if "residual" in kw else (1,)):
+                    for swap in (0, 1):
+                        if decode_linear_smem(16, bn, bk, 2, glu, stages) > smem * 3 // 4:
+                            continue
+                        t = (16, bn, bk, 4, stages, split, swap)
+                        variants[f"triton_{bn}x{bk}_s{stages}_k{split}{'_swap' if swap else ''}"] = (
+                            lambda t=t: [decode_linear(x, w, tiles=t, **kw) for w in W])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="360m,1.7b")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--triton", action="store_true", help="add the fused Triton projections")
+    ap.add_argument("--sweep", action="store_true", help="with --triton: time a grid of tiles too")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = 4.2e12
@@ -73,6 +106,8 @@ def main():
                                                                      for ws in Ws])
                 variants[f"splitk{S}_fp32_sum"] = (lambda xs=xs, Ws=Ws: [
                     torch.bmm(xs, ws, out_dtype=torch.float32).sum(0).to(dt) for ws in Ws])
+            if args.triton:
+                triton_variants(variants, proj, x, W, res_in, args.sweep)
             rec = dict(model=name, proj=proj, K=K, N=N, bound_us=round(K * N * 2 / bw * 1e6, 2))
             for v, fn in variants.items():
                 rec[v + "_us"] = round(timed(fn, L), 2)

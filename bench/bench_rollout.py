@@ -91,6 +91,8 @@ VARIANTS = {   # engine keyword arguments; hf_generate has none
                                             compile_step=True),
     "graph_fused_triton_rope_compile_splitk0": dict(cuda_graphs=True, projections="fused",
                                                     decode_attention="triton_rope", compile_step=True, split_k=0),
+    "graph_fused_triton_layers": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope",
+                                      triton_layers=True),
 }
 
 

@@ -35,11 +35,14 @@
 #   tests-nf4 120   tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py (the NVRTC kernels)
 #   nf4-decode 200  bench_nf4_decode: the QLoRA fp32 decode step at the Qwen2.5-7B widths, NF4_LAYERS (28) layers
 #   rollout-bf16 240  bench_rollout's bf16 configs only, the main variants (ROLLOUT_VARIANTS; default: HF generate,
-#                   the plain graph, compiled with SDPA, with the Triton attention and with its rotary form, which
-#                   the plan picks), HF generate's own agreement as the bar
+#                   the plain graph, compiled with SDPA, with the Triton attention and with its rotary form, and
+#                   the Triton layers, which the plan picks), HF generate's own agreement as the bar
 #   edgerl-17b 200  bench_vs_trl 1.7b-bf16, edgerl's side only at FRONTIER_17B GiB (default 18.46: TRL's memory
 #                   measured in section 10.2 of docs/benchmarks.md), no TRL run
 #   recheck 420    edgerl's QLoRA runs, the 362M frontier at given budgets (FRONTIER) and four memory checks
+#   decode-gemm 240 bench_decode_gemm.py --triton (the fused Triton projections against cuBLAS; GEMM_ARGS=--sweep
+#                   adds a grid of tiles)
+#   tests-layers 120 the CUDA tests of the Triton decode layers and their kernel
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,8 +100,10 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         kernels-bf16) echo "python3 bench/bench_logprobs.py --dtypes bf16 --out $OUT/bench_logprobs_bf16$x.json" ;;
         kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;
         rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
+        decode-gemm) echo "python3 bench/bench_decode_gemm.py --triton ${GEMM_ARGS:-} --out $OUT/bench_decode_gemm$x.json" ;;
+        tests-layers) echo "python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k 'triton_layers or decode_linear'" ;;
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
-        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_sdpa_compile,graph_fused_triton_compile,graph_fused_triton_rope_compile} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
+        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_sdpa_compile,graph_fused_triton_compile,graph_fused_triton_rope_compile,graph_fused_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
         fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
         *) return 1 ;;
@@ -111,7 +116,7 @@ limit_of() {
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
-        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
+        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
         fit) echo 300 ;; *) echo 560 ;;
     esac
 }

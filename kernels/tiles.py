@@ -216,3 +216,50 @@ def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
     if not 1 <= group <= DECODE_CUDA_MAX_GROUP:
         return f"{group} query heads per KV head (at most {DECODE_CUDA_MAX_GROUP})"
     return None
+
+
+# kernels/_triton_decode_linear.py (the decode step's projections with their elementwise work fused):
+# each program walks the inner dimension (or a slice of it) for BN output columns, so the programs' count
+# is what spreads the weight's bytes over the SMs, and the bytes each has in flight (BK x BN x stages) what
+# hides the memory's latency. The blocks are the fastest measured at 16 rows on an H200 for the 360M and
+# 1.7B shapes (`bench/bench_decode_gemm.py --triton --sweep`, docs/benchmarks.md section 17).
+
+
+def decode_linear_smem(block_m: int, block_n: int, block_k: int, dtype_bytes: int, glu: bool, stages: int) -> int:
+    """Shared memory of one program: `stages` buffers of the x block and the weight block(s)."""
+    return stages * block_k * (block_m + block_n * (2 if glu else 1)) * dtype_bytes
+
+
+def decode_linear_tiles(rows: int, n: int, k: int, dtype_bytes: int, glu: bool, sms: int,
+                        smem_per_block_optin: int, *, norm: bool = False) -> tuple[int, int, int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages, split, swap) for `rows` rows times an (n, k) weight (n: output
+    columns; under glu each program reads two weight blocks of BN rows):
+    - glu (gate/up, the norm before it): BN 32, BK 256, up to 3 stages;
+    - norm (q/k/v): BN 64, BK 256, the product computed as W x^T (swap: the weight block as the first
+      operand, 1.4x faster there);
+    - otherwise (o and down, the residual add after them): BN 32, BK 128, the inner dimension split over 4
+      or 2 programs where each slice still holds two BK blocks and the programs stay within 4 per SM.
+    Stages: the deepest of up to 4 that fits in shared memory with a quarter spare for the compiler's own
+    scratch (BK halved until 2 stages fit). fp32 (dtype_bytes 4): half the BK."""
+    bm = min(64, max(16, _next_pow2(rows)))
+    m_blocks = -(-rows // bm)
+    most, swap = 4, norm and not glu
+    if glu:
+        bn, bk, most = 32, 256, 3
+    elif norm:
+        bn, bk = 64, 256
+    else:
+        bn, bk = 32, 128
+    if dtype_bytes == 4:
+        bk //= 2
+    split = 1
+    if not (glu or norm):
+        programs = -(-n // bn) * m_blocks
+        split = next((s for s in (4, 2) if k // s >= 2 * bk and programs * s <= 4 * sms), 1)
+    room = smem_per_block_optin * 3 // 4
+    while True:
+        stages = next((s for s in (4, 3, 2) if s <= most and decode_linear_smem(bm, bn, bk, dtype_bytes, glu, s)
+                       <= room), 0)
+        if stages or bk <= 32:
+            return bm, bn, bk, 4, max(stages, 1), split, int(swap)
+        bk //= 2

@@ -234,6 +234,76 @@ def test_compiled_graph_sampled_logprobs_bf16(attention):
     assert got.shape == want.shape and diff.max() <= 0.15 and diff.mean() <= 0.03, (diff.max(), diff.mean())
 
 
+@needs_compile
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_triton_layers_graph_equals_eager_and_hf_fp32(name):
+    model = BUILD[name](device="cuda")
+    graph, eager = engines(model, decode_attention="triton_rope", triton_layers=True)
+    got = graph.generate(PROMPTS, 2, greedy(40))
+    ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(40)).response_ids
+    assert got.response_ids == eager.generate(PROMPTS, 2, greedy(40)).response_ids == ref
+    source = perturbed(lambda: BUILD[name]())
+    graph.sync_weights(source.state_dict().items())
+    again = graph.generate(PROMPTS, 2, greedy(40))
+    assert again.info["captures"] == 0
+    assert again.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(40)).response_ids
+
+
+@needs_compile
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_triton_layers_sampled_logprobs_bf16(name):
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 products need CC >= 8.0")
+    model = BUILD[name](dtype=torch.bfloat16, device="cuda")
+    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, decode_attention="triton_rope", triton_layers=True)
+    assert "Triton layers" in graph.describe()
+    params = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, eos_token_ids=(7,))
+    out = graph.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
+    ref = recompute_logprobs(model, out.prompt_ids, out.response_ids, 0.8)
+    got = torch.tensor([x for row in out.logprobs for x in row])
+    want = torch.tensor([x for row in ref for x in row])
+    diff = (got - want).abs()
+    assert got.shape == want.shape and diff.max() <= 0.15 and diff.mean() <= 0.03, (diff.max(), diff.mean())
+
+
+@needs_compile
+@pytest.mark.parametrize("kind", ["norm", "norm_bias", "glu", "residual"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_linear_kernel_rounds_as_the_torch_ops(kind, dtype):
+    """On a GPU the kernel rounds to nearest where the torch ops do: against the same ops in float64 its error
+    is no larger than theirs (up to two more units in the last place of the outputs' typical size: an output
+    near zero is a sum that cancelled, whose error is that of its terms), at the 360M shape's q/k/v width."""
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 products need CC >= 8.0")
+    from test_decode_linear_on_cpu import make, reference, run
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in make(kind, 16, 960, 1600, dtype, seed=2)]
+    got, want = run(kind, *args, None).double(), reference(kind, *args).double()
+    exact = reference(kind, *[t.double() if isinstance(t, torch.Tensor) else t for t in args])
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10) * exact.abs().clamp(min=float(exact.abs().mean()))
+    assert ((got - exact).abs() <= (want - exact).abs() + 2 * ulp).float().mean() >= 0.999
+    assert ((got - want).abs() <= 2 * ulp).float().mean() >= 0.99
+
+
+@needs_compile
+@pytest.mark.parametrize("split", [2, 4])
+def test_decode_linear_split_product_on_a_gpu(split):
+    """The split inner dimension at the 1.7B shape's down product: the same sums on every launch (the last
+    program of a tile adds the partials in slice order), within fp32 rounding of the unsplit product, and
+    its tile counters back at zero for the next launch."""
+    from edgerl.kernels import decode_linear as dl
+    from test_decode_linear_on_cpu import make
+    dtype = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
+    x, w, _, _, _, res = [t.cuda() if isinstance(t, torch.Tensor) else t for t in make("residual", 16, 8192, 2048,
+                                                                                       dtype, seed=5)]
+    one = dl.decode_linear(x, w, residual=res, tiles=(16, 16, 512, 4, 2, 1))
+    runs = [dl.decode_linear(x, w, residual=res, tiles=(16, 16, 512, 4, 2, split)) for _ in range(20)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(r, runs[0]) for r in runs)
+    assert int(dl._COUNTERS[x.device].abs().sum()) == 0
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10) * one.float().abs().clamp(min=1e-2)
+    assert ((runs[0].float() - one.float()).abs() <= ulp).float().mean() >= 0.99
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 0),
                     reason="checks the refusal on a CC < 7.0 (Pascal) GPU")
 def test_compile_refused_below_cc_7():

@@ -153,3 +153,36 @@ def test_decode_attention_stages_fit_what_triton_allocates():
     for (cc, smem, dtype, elt, head_dim, group, stages), shared in zip(cases, got):
         estimate = decode_attention_smem(head_dim, elt, group_pad(group), stages)
         assert 0 < shared <= estimate <= smem, (cc, dtype, head_dim, group, stages, shared, estimate)
+
+
+# The decode step's projections at the 360M and 1.7B widths: (k, n, glu, norm)
+DECODE_SHAPES = [(960, 1600, False, True), (960, 960, False, False), (960, 2560, True, True), (2560, 960, False, False),
+                 (2048, 6144, False, True), (2048, 2048, False, False), (2048, 8192, True, True),
+                 (8192, 2048, False, False)]
+
+
+@pytest.mark.parametrize("cc", sorted(CAPABILITIES))
+def test_decode_linear_tiles_fit_every_device(cc):
+    """Every GPU edgerl knows gets blocks that tl.dot accepts, whose buffers fit its shared memory, and a split
+    whose slices hold whole BK blocks; the products with a norm or SiLU * up are never split."""
+    from edgerl.kernels.tiles import decode_linear_smem, decode_linear_tiles
+    smem = CAPABILITIES[cc].smem_per_block_optin
+    for rows in (1, 16, 48, 200):
+        for dtype_bytes in (2, 4):
+            for k, n, glu, norm in DECODE_SHAPES:
+                bm, bn, bk, warps, stages, split, swap = decode_linear_tiles(rows, n, k, dtype_bytes, glu, 80, smem,
+                                                                             norm=norm)
+                assert min(bm, bn, bk) >= 16 and all(v & (v - 1) == 0 for v in (bm, bn, bk)) and bm >= min(rows, 64)
+                assert decode_linear_smem(bm, bn, bk, dtype_bytes, glu, stages) <= smem
+                assert split == 1 or (not (glu or norm) and k // split >= 2 * bk)
+                assert swap in (0, 1) and warps == 4
+
+
+def test_decode_linear_tiles_are_the_measured_ones_on_an_h200():
+    """The H200 rows of docs/benchmarks.md section 17 (132 SMs, 227 KB per block)."""
+    from edgerl.kernels.tiles import decode_linear_tiles
+    got = [decode_linear_tiles(16, n, k, 2, glu, 132, 232448, norm=norm)[1:] for k, n, glu, norm in DECODE_SHAPES]
+    assert got[4] == (64, 256, 4, 4, 1, 1)     # q/k/v: W x^T, one pass over the inner dimension
+    assert got[6] == (32, 256, 4, 3, 1, 0)     # gate/up: two weight blocks per program, 3 stages
+    assert got[7] == (32, 128, 4, 4, 4, 0)     # down: the 8192-wide inner dimension over 4 programs
+    assert got[1][4] == 2                      # 360M o: 960 columns hold two slices of 2 x 128

@@ -237,6 +237,7 @@ class StaticDecoder:
             self.attend = decode_cuda.rope_attend
         self.cache: torch.Tensor | None = None
         self.split_k = 0   # o and down as S-way split-K products (see `set_split_k`); 0: one matmul each
+        self.linear = None   # kernels/decode_linear.py's launcher under `set_triton_layers`
         # the engine swaps in a compiled one under compile_step
         self.layer_step = self._decode_layer_cuda if attention == "cuda" else self._decode_layer
         self.compiled = False
@@ -282,6 +283,8 @@ class StaticDecoder:
             return f"it reads the fused projections' plain weights ({self.proj_note})"
         if self.attention == "cuda":
             return "decode attention 'cuda' runs its own layer kernels"
+        if self.linear is not None:
+            return "the Triton layers add the o and down products to the residual stream inside their kernels"
         if any(p.o_b is not None or p.down_b is not None for p in self.proj):
             return "the o or down projection has a bias"
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -302,6 +305,28 @@ class StaticDecoder:
         if parts and (why := self.split_k_reason(parts)):
             raise ValueError(f"split_k={parts} cannot run: {why}")
         self.split_k = parts
+
+    def triton_layers_reason(self) -> str | None:
+        """Why the decode step's layers cannot run as `kernels/decode_linear.py`'s fused projections, or None."""
+        if any(p.kind != "fused" for p in self.proj):
+            return f"they read the fused projections' weights ({self.proj_note})"
+        if self.attention != "triton_rope":
+            return f"they run with decode attention 'triton_rope' (its rotary and cache write), not {self.attention!r}"
+        if not self.silu:
+            return "the MLP's activation is not SiLU (the kernel's gate/up epilogue computes SiLU(gate) * up)"
+        from ..kernels.decode_linear import unavailable_reason
+        return unavailable_reason(self.device, self.dtype)
+
+    def set_triton_layers(self) -> None:
+        """Run each decode layer as five kernels: the RMS norm fused into the q/k/v product, the rotary
+        attention kernel, the o product with the residual add, the norm fused into the gate/up product with
+        SiLU(gate) * up as its epilogue, and the down product with the residual add (`_decode_layer_triton`),
+        each rounded where HF's ops round. Raises ValueError with the reason where it cannot run."""
+        if why := self.triton_layers_reason():
+            raise ValueError(f"the Triton decode layers cannot run: {why}")
+        from ..kernels.decode_linear import decode_linear
+        self.linear = decode_linear
+        self.layer_step = self._decode_layer_triton
 
     def _partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x (B, K) @ w (N, K)^T as split_k fp32 partial products (S, B, N) over K / S slices (views, no copy)."""
@@ -358,6 +383,18 @@ class StaticDecoder:
         x = self._plus(x, self._partials(o, proj.o_w) if self.split_k else proj.o(o))
         h = self._mlp_hidden(x, proj, ln2, eps2)
         return x, (self._partials(h, proj.down_w) if self.split_k else proj.down(h))
+
+    def _decode_layer_triton(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
+        """`_decode_layer` as five kernels (`set_triton_layers`). Each product's epilogue adds it to the residual
+        stream itself, so d is not a product to add: it is x's rows' sums of squares as (P, B) fp32 partial
+        sums, which the products that add to the residual stream write for the norm that reads it next.
+        Returns (x, d) for the next layer."""
+        B, lin = x.shape[0], self.linear
+        qkv = lin(x, proj.qkv_w, norm=ln1, eps=eps1, bias=proj.qkv_b, sumsq=d)
+        o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, self.scaling, self.group)
+        x, ss = lin(o.view(B, self.q_width), proj.o_w, bias=proj.o_b, residual=x, return_sumsq=True)
+        h = lin(x, proj.gu_w, norm=ln2, eps=eps2, bias=proj.gu_b, glu=True, sumsq=ss)
+        return lin(h, proj.down_w, bias=proj.down_b, residual=x, return_sumsq=True)
 
     def _decode_layer_cuda(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
         """`_decode_layer` through `kernels/decode_cuda.py` (attention 'cuda', fp32): the residual add and
@@ -448,10 +485,12 @@ class StaticDecoder:
         if self.attention == "bmm":
             bias = bias.expand(B, self.n_kv, 1, S).reshape(B * self.n_kv, 1, S)         # (B*KVH, 1, S)
         x, d = self.embed(tok), None
+        if self.linear is not None:   # the Triton layers pass the rows' sums of squares along (as d)
+            d = x.float().square().sum(-1)[None]
         if self.compiled:   # every layer call then has the same signature, so it is compiled once
             x, d = torch.zeros_like(x), x
             if self.split_k:   # d as the later layers get it: S partials (the embedding and zeros), fp32
                 d = torch.cat((d.float()[None], d.new_zeros((self.split_k - 1,) + d.shape, dtype=torch.float32)))
         for i, proj in enumerate(self.proj):
             x, d = self.layer_step(x, d, proj, *self.norms[i], self.cache[i, :, :B], cos, sin, bias, col)
-        return self._logits(self._plus(x, d))
+        return self._logits(x if self.linear is not None else self._plus(x, d))

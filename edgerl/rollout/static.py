@@ -109,9 +109,11 @@ class StaticCacheEngine:
     reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
     (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
     each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' | 'triton_rope' | 'cuda' (`StaticDecoder`;
-    auto: bmm in fp32, sdpa in 16 bits). compile_step: torch.compile each decoder layer of the decode step
+    auto: bmm in fp32, sdpa in 16 bits), or 'triton_layers' (the plan's name for triton_rope with triton_layers). compile_step: torch.compile each decoder layer of the decode step
     (elementwise fusion; CUDA CC >= 7.0, fused projections; the compiled step is what a CUDA graph
-    captures); off by default, never chosen on the CPU. split_k: the decode step's o and down products as that
+    captures); off by default, never chosen on the CPU. triton_layers: each decode layer as five Triton kernels
+    with the norms, SiLU * up and residual adds fused into the projections (`StaticDecoder.set_triton_layers`;
+    fused projections, decode_attention 'triton_rope', SiLU; not with compile_step). split_k: the decode step's o and down products as that
     many batched partial products (`StaticDecoder.set_split_k`); None: SPLIT_K when the step is compiled
     on CUDA in 16 bits, else 0 (off).
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
@@ -128,11 +130,14 @@ class StaticCacheEngine:
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  cuda_graphs: bool, projections: str = "auto", decode_attention: str = "auto",
-                 compile_step: bool = False, split_k: Optional[int] = None, time_steps: bool = False,
+                 compile_step: bool = False, split_k: Optional[int] = None, triton_layers: bool = False,
+                 time_steps: bool = False,
                  note: str = "") -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
                              f"got max_batch={max_batch}, max_seq_len={max_seq_len}")
+        if decode_attention == "triton_layers":   # the plan's name for the rotary kernel between Triton projections
+            decode_attention, triton_layers = "triton_rope", True
         self.dec = StaticDecoder(model, max_batch, max_seq_len, projections=projections,
                                  attention=decode_attention)
         self.device = self.dec.device
@@ -142,6 +147,11 @@ class StaticCacheEngine:
         if cuda_graphs and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
             raise RuntimeError(f"torch {torch.__version__} has no graph-safe generator registration "
                                "(CUDAGraph.register_generator_state); use torch >= 2.6 or cuda_graphs=False")
+        if triton_layers and compile_step:
+            raise ValueError("triton_layers and compile_step are two ways to fuse the decode layers' elementwise "
+                             "work; use one")
+        if triton_layers:
+            self.dec.set_triton_layers()
         if compile_step:
             _enable_compile(self.dec, self.device)
         if split_k is None:   # where Inductor fuses the partials' sum into the residual add: compiled, 16 bits
@@ -151,6 +161,7 @@ class StaticCacheEngine:
         self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.cuda_graphs, self.compile_step, self.time_steps = cuda_graphs, compile_step, time_steps
+        self.triton_layers = triton_layers
         self.note = note
         self._gen = torch.Generator(device=self.device)
         self._state: Optional[_State] = None
@@ -168,6 +179,8 @@ class StaticCacheEngine:
             mode += ", compiled layers"
         if self.dec.split_k:
             mode += f", o and down split {self.dec.split_k} ways"
+        if self.triton_layers:
+            mode += ", Triton layers (norms, SiLU * up and residual adds inside the projections)"
         size = f"{self.max_batch} sequences x {self.max_seq_len} tokens, cache {self.dec.cache_bytes() / 2**20:.0f} MiB"
         return (f"hf engine: {mode} ({size}; {self.dec.proj_note}; {self.dec.attention} attention)"
                 + (f" ({self.note})" if self.note else ""))
