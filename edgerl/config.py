@@ -149,10 +149,11 @@ class PlanOverrides:
                                         "graph (hf engine; CC >= 8.0, triton and a C compiler)")
     nf4_kernel: Optional[bool] = F(None, "the rollout's decode step multiplies by an NF4 base through edgerl's fused "
                                    "kernel (compiled with NVRTC) instead of bitsandbytes' dequantize + matmul")
-    decode_attention: Optional[Literal["sdpa", "bmm", "triton", "triton_rope", "cuda"]] = F(
+    decode_attention: Optional[Literal["sdpa", "bmm", "triton", "triton_rope", "triton_layers", "cuda"]] = F(
         None, "how the hf engine's decode step attends over its KV cache: edgerl's Triton kernel doing the rotary "
-        "embedding and the cache write too (triton_rope; 16 bits, CC >= 8.0), the kernel alone (triton), edgerl's "
-        "CUDA C layer kernels (cuda; fp32, any CUDA GPU), SDPA, or baddbmm/softmax/bmm")
+        "embedding and the cache write too (triton_rope; 16 bits, CC >= 8.0), that kernel between Triton "
+        "projections with the norms, SiLU * up and residual adds fused in (triton_layers; not compiled), the kernel "
+        "alone (triton), edgerl's CUDA C layer kernels (cuda; fp32, any CUDA GPU), SDPA, or baddbmm/softmax/bmm")
     share_prompts: Optional[bool] = F(None, "the trainer's forward passes compute a prompt its samples share once "
                                       "per micro-batch")
     kernel_backend: Optional[Literal["torch", "triton"]] = F(None, "log-prob kernel backend")

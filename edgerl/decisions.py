@@ -316,11 +316,50 @@ COMPILE_GAIN = "1.37x at 360M, 1.23x at 1.7B"
 SPLIT_K_GAIN = "1.12x at 360M, 1.06x at 1.7B"
 
 
+# Measured on an H200 in bf16, 16 rows (docs/benchmarks.md section 17): the decode step as edgerl's Triton layers
+# (kernels/decode_linear.py: the norms, SiLU * up and residual adds inside the projections) against the compiled
+# step with its split o and down products, in the same run.
+TRITON_LAYERS_GAIN = "1.04x at 1.7B (1.631 against 1.692 ms per step, 50.1% of the bandwidth bound), 1.01x at 360M"
+
+
+def triton_layers_reason(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str, graphs: bool,
+                         quantized: bool) -> str:
+    """Why the hf engine's decode step cannot run as edgerl's Triton layers (five kernels per layer:
+    kernels/decode_linear.py's projections around the rotary decode-attention kernel), or "" where it can:
+    16 bits (fp32 runs the CUDA C kernels or the compiled step), CC 8.0 and up with triton (Triton's README;
+    measured on sm_90), the attention kernel for this head size, and a SiLU MLP (the gate/up kernel's epilogue)."""
+    from .kernels.tiles import decode_attention_head_reason, decode_attention_stages, group_pad  # pure
+    if engine != "hf" or not graphs:
+        return f"the {engine} engine without CUDA graphs" if engine == "hf" else f"the {engine} engine"
+    if quantized:
+        return "the rollout runs the actor's own quantized modules (bitsandbytes)"
+    if dtype.compute not in ("fp16", "bf16"):
+        return f"{dtype.compute} compute (the layers are measured and chosen in 16 bits)"
+    if not dev.is_cuda or dev.cc < (8, 0):
+        return f"{dev.sm}: Triton supports CC 8.0 and up" if dev.is_cuda else "no CUDA device"
+    if not dev.software.has("triton"):
+        return "triton is not installed"
+    if model.hidden_act not in ("silu", "swish"):
+        return f"the MLP's activation is {model.hidden_act}, and the gate/up kernel computes SiLU(gate) * up"
+    if why := decode_attention_head_reason(model.hd):
+        return why
+    if decode_attention_stages(dev.smem_per_block_optin, model.hd, 2, group_pad(model.num_heads // model.num_kv_heads)) \
+            is None:
+        return f"head size {model.hd} needs more shared memory per block than this GPU's {dev.smem_per_block_optin // 1024} KB"
+    return ""
+
+
 def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool,
-                         forced: Optional[bool]) -> tuple[bool, str]:
+                         forced: Optional[bool], layers_why: str = "n/a",
+                         forced_attention: Optional[str] = None) -> tuple[bool, str]:
     """Whether the hf engine compiles its decode step's layers (Inductor fuses the elementwise work between
     the matmuls; the compiled step is what the CUDA graph captures). From CC 8.0 with triton: Inductor's
-    own gate is 7.0, but Triton's README supports 8.0 and up and the gain was measured on sm_90 only."""
+    own gate is 7.0, but Triton's README supports 8.0 and up and the gain was measured on sm_90 only.
+    Not where edgerl's Triton layers run (layers_why empty: `triton_layers_reason`) and the decode attention
+    is not forced to something else: they fuse that work themselves, faster."""
+    if forced_attention == "triton_layers" and forced:
+        raise PlanError("plan.decode_attention=triton_layers and plan.rollout_compile=true are two ways to fuse the "
+                        "decode step's elementwise work; use one")
     why_not = ""
     if engine != "hf" or not graphs:
         why_not = f"the {engine} engine without CUDA graphs" if engine == "hf" else f"the {engine} engine"
@@ -336,6 +375,10 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
         return asked
     if why_not:
         return False, f"not compiled: {why_not}"
+    if not layers_why and forced_attention in (None, "triton_layers"):
+        return False, ("not compiled: edgerl's Triton decode layers fuse the norms, SiLU * up and the residual adds "
+                       "into the projections themselves (see decode attention); plan.rollout_compile=true compiles "
+                       "the step instead, with the rotary attention kernel")
     return True, (f"compiled decoder layers inside the CUDA graph (Inductor fuses the elementwise work between "
                   f"the matmuls): measured {COMPILE_GAIN} faster per decode step on an H200 in bf16, and in 16 bits "
                   f"its o and down products split four ways with the partials summed inside the residual add, "
@@ -354,13 +397,15 @@ DECODE_CUDA_GAIN = "1.07x faster at the Llama-3.1-8B widths over an NF4 base (12
 
 
 def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str,
-                          forced: Optional[str], compiled: bool = False) -> tuple[str, str]:
+                          forced: Optional[str], compiled: bool = False, layers_why: str = "n/a") -> tuple[str, str]:
     """How the hf engine's decode step attends over its KV cache: edgerl's Triton kernel
     (kernels/decode_attention.py: one program per row and KV head, reading only the columns that row
     sees; its triton_rope form also rotates q and k and writes the cache column) in 16 bits from CC 8.0
     with triton (Triton's README supports 8.0 and up; measured on sm_90); in fp32 on any CUDA GPU
     edgerl's CUDA C layer kernels (kernels/decode_cuda.py, NVRTC: Pascal has no Triton), unless the
-    step is compiled (Inductor fuses that work itself); else SDPA in 16 bits and baddbmm/softmax/bmm in fp32."""
+    step is compiled (Inductor fuses that work itself); else SDPA in 16 bits and baddbmm/softmax/bmm in fp32.
+    In 16 bits where `triton_layers_reason` is empty (layers_why) and the step is not compiled: triton_layers,
+    the rotary kernel with kernels/decode_linear.py's fused projections around it (five kernels per layer)."""
     from .kernels.tiles import (decode_attention_head_reason, decode_attention_stages, decode_cuda_shape_reason,
                                 group_pad)  # pure
     half = dtype.compute in ("fp16", "bf16")
@@ -391,8 +436,20 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
         why_not = ""
     if forced in ("triton", "triton_rope") and why_not:
         raise PlanError(f"plan.decode_attention={forced} is not possible: {why_not}; use sdpa or bmm")
+    if forced == "triton_layers" and (layers_why or compiled):
+        raise PlanError(f"plan.decode_attention=triton_layers is not possible: "
+                        f"{layers_why or 'the decode step is compiled (plan.rollout_compile=true)'}; use triton_rope "
+                        "or sdpa")
     if forced:
         return forced, f"asked for with plan.decode_attention={forced}"
+    if half and not compiled and not layers_why:
+        return "triton_layers", (f"edgerl's Triton decode layers: the rotary decode-attention kernel (reads only the "
+                                 f"cache columns each row sees) between fused projections, the RMS norms inside the "
+                                 f"q/k/v and gate/up products, SiLU * up as the gate/up product's epilogue and the "
+                                 f"residual adds inside the o and down products, five kernels per layer and no "
+                                 f"torch.compile: measured {TRITON_LAYERS_GAIN} faster per decode step than the "
+                                 "compiled step on an H200; plan.decode_attention=triton_rope with "
+                                 "plan.rollout_compile=true compiles the step instead")
     if engine != "hf":
         return ("sdpa" if half else "bmm"), f"the {engine} engine attends its own way (this setting is the hf engine's)"
     if not half and cuda_why:

@@ -207,8 +207,9 @@ def check_c_compiler(dev: Device, env: Environment, plan: Optional[Plan]) -> Opt
                                                    else ""))
     if plan.rollout_compile:
         uses.append("the compiled decode step")
-    if plan.decode_attention in ("triton", "triton_rope") and plan.rollout_engine == "hf":
-        uses.append("the decode-attention kernel")
+    if plan.decode_attention in ("triton", "triton_rope", "triton_layers") and plan.rollout_engine == "hf":
+        uses.append("the decode-attention kernel" + (" and the decode layers' projections"
+                                                      if plan.decode_attention == "triton_layers" else ""))
     if not uses:
         return None
     cc = env.env.get("CC")

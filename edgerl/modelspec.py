@@ -34,6 +34,7 @@ class ModelSpec:
     source: str = "catalogue"
     rope_type: str = "default"      # the static rollout engine implements default, linear, llama3 and yarn
     sliding_window: Optional[int] = None   # set only where the model really uses windowed attention
+    hidden_act: str = "silu"        # the MLP's activation (config.json's hidden_act)
 
     @property
     def hd(self) -> int:
@@ -165,7 +166,8 @@ def from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))),
             head_dim=int(text_cfg.get("head_dim") or 0),
             qkv_bias=bool(text_cfg.get("attention_bias", text_cfg.get("model_type") == "qwen2")),
-            max_position=int(text_cfg.get("max_position_embeddings", 4096)), source=source)
+            max_position=int(text_cfg.get("max_position_embeddings", 4096)),
+            hidden_act=str(text_cfg.get("hidden_act", "silu")), source=source)
     except KeyError as e:
         raise ModelSpecError(f"{source}: config.json lacks {e.args[0]!r}; edgerl plans for decoder-only "
                              "llama/qwen2-style models") from None

@@ -15,7 +15,7 @@ from .decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_suppor
                         quant_support, logit_bytes, lora_targets, optimizer_reason,
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
                         pick_decode_attention, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout, pick_share_prompts,
-                        pick_rollout_compile,
+                        pick_rollout_compile, triton_layers_reason,
                         rollout_share_reason, share_blocker, transfer_note)
 from .device import GiB, Device
 from .dtypes import nbytes
@@ -37,7 +37,8 @@ class Plan:
     rollout_engine: str
     cuda_graphs: bool
     rollout_compile: bool                # the hf engine's decode step compiled (torch.compile)
-    decode_attention: str                # how the hf engine's decode step attends: triton(_rope), cuda, sdpa or bmm
+    decode_attention: str                # how the hf engine's decode step attends: triton(_rope), its whole layer as
+                                         # Triton kernels (triton_layers), cuda, sdpa or bmm
     nf4_kernel: bool                     # the decode step's NF4 matmuls through edgerl's fused kernel
     share_prompts: bool                  # a micro-batch's forward computes each distinct prompt once
     kernel_backend: str
@@ -221,10 +222,13 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
         reasons["rollout_memory_share"] = f"asked for with plan.rollout_memory_share={share}"
     else:
         reasons["rollout_memory_share"] = rollout_share_reason(engine)
+    layers_why = triton_layers_reason(device, dtype, model, engine, graphs, s.rollout_from_actor)
     compiled, reasons["rollout_compile"] = pick_rollout_compile(device, engine, graphs, s.rollout_from_actor,
-                                                              o.get("rollout_compile"))
+                                                              o.get("rollout_compile"), layers_why,
+                                                              o.get("decode_attention"))
     decode_attention, reasons["decode_attention"] = pick_decode_attention(device, dtype, model, engine,
-                                                                          o.get("decode_attention"), compiled)
+                                                                          o.get("decode_attention"), compiled,
+                                                                          layers_why)
     fused_nf4, reasons["nf4_kernel"] = pick_nf4_kernel(device, dtype, base, engine, o.get("nf4_kernel"))
     packed, reasons["share_prompts"] = pick_share_prompts(attention, model, task, s.micro_batch, s.score_micro_batch,
                                                           o.get("share_prompts"))

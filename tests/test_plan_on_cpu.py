@@ -47,9 +47,9 @@ def test_decisions_per_device(key, libs, dtype, attention, kernel, engine, graph
 
 
 # device, extra libs -> compiled decode step, words the reason must hold
-COMPILE = [
-    ("3090", {}, True, "measured"),
-    ("H100", {}, True, "measured"),
+COMPILE = [   # bf16 from CC 8.0: the Triton layers fuse that work instead (fp32: test_fp32_decode_layer_kernels_...)
+    ("3090", {}, False, "Triton decode layers"),
+    ("H100", {}, False, "Triton decode layers"),
     ("H100", {"triton": None}, False, "triton is not installed"),
     ("T4", {}, False, "from CC 8.0"),
     ("V100", {}, False, "from CC 8.0"),
@@ -67,15 +67,22 @@ def test_rollout_compile_from_cc8_with_triton_on_the_hf_engine_only(key, libs, c
     assert words in p.reasons["rollout_compile"]
     off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": False})
     assert off.rollout_compile is False and "asked for" in off.reasons["rollout_compile"]
-    if not compiled:
+    if words == "Triton decode layers":   # compiling instead, when asked for: with the rotary attention kernel
+        on = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True})
+        assert on.rollout_compile and on.decode_attention == "triton_rope"
+        fp32 = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32"})
+        assert fp32.rollout_compile and "measured" in fp32.reasons["rollout_compile"]
+        with pytest.raises(PlanError, match="two ways to fuse"):
+            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True, "decode_attention": "triton_layers"})
+    elif not compiled:
         with pytest.raises(PlanError, match="plan.rollout_compile=true is not possible"):
             plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True})
 
 
 # device, extra libs -> decode attention, words the reason must hold
 DECODE_ATTENTION = [
-    ("H100", {}, "triton_rope", "reads only the cache columns each row sees"),
-    ("3090", {}, "triton_rope", "rotates q and k and writes the new cache column"),
+    ("H100", {}, "triton_layers", "reads only the cache columns each row sees"),
+    ("3090", {}, "triton_layers", "SiLU * up as the gate/up product's epilogue"),
     ("H100", {"triton": None}, "sdpa", "triton is not installed"),
     ("T4", {}, "sdpa", "Triton supports CC 8.0 and up"),
     ("P40", {}, "cuda", "CUDA C layer kernels"),
@@ -94,13 +101,35 @@ def test_decode_attention_is_the_triton_kernel_with_rotary_in_16_bits_from_cc8(k
     if attention != "cuda" and key not in ("A100",):   # fp32 only, CUDA only
         with pytest.raises(PlanError, match="plan.decode_attention=cuda is not possible"):
             plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "cuda"})
-    if attention not in ("triton_rope", "cuda") and key not in ("A100",):
-        for kernel in ("triton", "triton_rope"):
+    if attention not in ("triton_layers", "cuda") and key not in ("A100",):
+        for kernel in ("triton", "triton_rope", "triton_layers"):
             with pytest.raises(PlanError, match=f"plan.decode_attention={kernel} is not possible"):
                 plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": kernel})
-    elif attention == "triton_rope":   # the kernel without the rotary part, when asked for
-        plain = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "triton"})
-        assert plain.decode_attention == "triton" and "asked for" in plain.reasons["decode_attention"]
+    elif attention == "triton_layers":   # the kernel without the layers, or without the rotary part, when asked for
+        for kernel in ("triton", "triton_rope"):
+            plain = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": kernel})
+            assert plain.decode_attention == kernel and "asked for" in plain.reasons["decode_attention"]
+            # asked for without the layers: the plan compiles the step, as before the layers
+            assert plain.rollout_compile and "measured" in plain.reasons["rollout_compile"]
+
+
+def test_triton_layers_need_a_silu_mlp_and_16_bits():
+    dev = fake_probe("H100").primary
+    gelu = dataclasses.replace(CATALOGUE["qwen2.5-0.5b"], hidden_act="gelu_pytorch_tanh")
+    p = plan(dev, gelu, SMALL)
+    assert p.decode_attention == "triton_rope" and p.rollout_compile and "measured" in p.reasons["rollout_compile"]
+    with pytest.raises(PlanError, match="activation is gelu_pytorch_tanh"):
+        plan(dev, gelu, SMALL, {"decode_attention": "triton_layers"})
+    with pytest.raises(PlanError, match="fp32 compute"):
+        plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32", "decode_attention": "triton_layers"})
+
+
+def test_the_activation_is_read_from_the_config():
+    from edgerl.modelspec import from_hf_config
+    cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "intermediate_size": 128}
+    assert from_hf_config(cfg, "x", "test").hidden_act == "silu"   # HF's LlamaConfig default
+    assert from_hf_config({**cfg, "hidden_act": "gelu"}, "x", "test").hidden_act == "gelu"
 
 
 def test_decode_attention_needs_a_power_of_two_head_size():
@@ -118,7 +147,7 @@ def test_decode_attention_kernel_must_fit_the_shared_memory():
     with pytest.raises(PlanError, match="needs more shared memory per block than this GPU's 99 KB"):
         plan(fake_probe("3090").primary, wide, SMALL, forced)
     assert plan(fake_probe("H100").primary, wide, SMALL, forced).decode_attention == "triton"
-    assert plan(fake_probe("3090").primary, wide, SMALL).decode_attention == "triton_rope"   # bf16 fits there
+    assert plan(fake_probe("3090").primary, wide, SMALL).decode_attention == "triton_layers"   # bf16 fits there
 
 
 def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():

@@ -140,6 +140,10 @@ def _static(plan, ctx: EngineContext) -> RolloutEngine:
         engine = _static_engine(plan, copy, plan.rollout_batch, ctx.max_seq_len, compile_step=plan.rollout_compile,
                                 note=why)
     except ValueError as e:
+        if plan.decode_attention == "triton_layers" and not isinstance(e, UnsupportedModel):
+            # the plan cannot see the loaded model's layers (fusable projections, activation) or triton's import
+            raise TrainingError(f"the plan runs the rollout's decode layers as Triton kernels, and they cannot run "
+                                f"here: {e} (set plan.decode_attention=triton_rope)") from None
         if not plan.rollout_compile or isinstance(e, UnsupportedModel):
             raise
         # the plan cannot see the loaded model's layers (fusable projections) or the host's compiler
