@@ -319,7 +319,8 @@ SPLIT_K_GAIN = "1.12x at 360M, 1.06x at 1.7B"
 # Measured on an H200 in bf16, 16 rows (docs/benchmarks.md section 17): the decode step as edgerl's Triton layers
 # (kernels/decode_linear.py: the norms, SiLU * up and residual adds inside the projections) against the compiled
 # step with its split o and down products, in the same run.
-TRITON_LAYERS_GAIN = "1.04x at 1.7B (1.631 against 1.692 ms per step, 50.1% of the bandwidth bound), 1.01x at 360M"
+TRITON_LAYERS_GAIN = ("1.04-1.05x faster at 1.7B (1.631 against 1.692 ms per step and 1.639 against 1.722 in two runs, 50.1% "
+                      "and 49.2% of the bandwidth bound), the same within 1% at 360M")
 
 
 def triton_layers_reason(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str, graphs: bool,
@@ -447,8 +448,8 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
                                  f"cache columns each row sees) between fused projections, the RMS norms inside the "
                                  f"q/k/v and gate/up products, SiLU * up as the gate/up product's epilogue and the "
                                  f"residual adds inside the o and down products, five kernels per layer and no "
-                                 f"torch.compile: measured {TRITON_LAYERS_GAIN} faster per decode step than the "
-                                 "compiled step on an H200; plan.decode_attention=triton_rope with "
+                                 f"torch.compile; per decode step against the compiled step on an H200 in bf16: "
+                                 f"{TRITON_LAYERS_GAIN}; plan.decode_attention=triton_rope with "
                                  "plan.rollout_compile=true compiles the step instead")
     if engine != "hf":
         return ("sdpa" if half else "bmm"), f"the {engine} engine attends its own way (this setting is the hf engine's)"

@@ -221,8 +221,9 @@ def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
 # kernels/_triton_decode_linear.py (the decode step's projections with their elementwise work fused):
 # each program walks the inner dimension (or a slice of it) for BN output columns, so the programs' count
 # is what spreads the weight's bytes over the SMs, and the bytes each has in flight (BK x BN x stages) what
-# hides the memory's latency. The blocks are the fastest measured at 16 rows on an H200 for the 360M and
-# 1.7B shapes (`bench/bench_decode_gemm.py --triton --sweep`, docs/benchmarks.md section 17).
+# hides the memory's latency. The blocks come from a sweep at 16 rows on an H200 over the 360M and 1.7B
+# shapes (`bench/bench_decode_gemm.py --triton --sweep`, docs/benchmarks.md section 17): for each of the
+# eight products within 11% of the fastest tiles measured in the same run.
 
 
 def decode_linear_smem(block_m: int, block_n: int, block_k: int, dtype_bytes: int, glu: bool, stages: int) -> int:
