@@ -10,7 +10,7 @@ import torch
 
 from .tiles import (DECODE_BLOCK_S, decode_attention_head_reason, decode_attention_smem, decode_attention_stages,
                     group_pad)
-from .triton_impl import _device_limits
+from .triton_impl import _device_limits, kernel_device_reason
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -39,24 +39,13 @@ def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, 
         return f"{dtype} is not one of the kernel's dtypes (bf16, fp16, fp32)"
     if (why := decode_attention_head_reason(head_dim)) is not None:
         return why
-    try:
-        interpreted = kernel_module().INTERPRETED
-    except ImportError as e:
-        return f"triton does not import ({e}); install it with `pip install triton`"
-    if device.type == "cuda":
-        cc = torch.cuda.get_device_capability(device)
-        if cc < (7, 0):
-            return "Triton needs CC >= 7.0"
-        if dtype == torch.bfloat16 and cc < (8, 0):
-            return "bf16 products need CC >= 8.0"
-        if stages_for(device, head_dim, dtype, group) is None:
-            need = decode_attention_smem(head_dim, dtype.itemsize, group_pad(group), 1)
-            return (f"its blocks of {DECODE_BLOCK_S} cache columns at head size {head_dim} in {dtype} need "
-                    f"{need // 1024} KB of shared memory per block, more than this GPU's "
-                    f"{_smem_limit(device) // 1024} KB")
-        return None
-    if not interpreted:
-        return f"tensors are on {device}, not CUDA (TRITON_INTERPRET=1 before import runs Triton's CPU interpreter)"
+    if why := kernel_device_reason(kernel_module, device, dtype):
+        return why
+    if device.type == "cuda" and stages_for(device, head_dim, dtype, group) is None:
+        need = decode_attention_smem(head_dim, dtype.itemsize, group_pad(group), 1)
+        return (f"its blocks of {DECODE_BLOCK_S} cache columns at head size {head_dim} in {dtype} need "
+                f"{need // 1024} KB of shared memory per block, more than this GPU's "
+                f"{_smem_limit(device) // 1024} KB")
     return None
 
 

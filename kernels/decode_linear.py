@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from .tiles import decode_linear_tiles
-from .triton_impl import _device_limits
+from .triton_impl import _device_limits, kernel_device_reason
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -23,20 +23,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str
     """Why the kernel cannot run for this device and dtype, or None."""
     if dtype not in DTYPES:
         return f"{dtype} is not one of the kernel's dtypes (bf16, fp16, fp32)"
-    try:
-        interpreted = kernel_module().INTERPRETED
-    except ImportError as e:
-        return f"triton does not import ({e}); install it with `pip install triton`"
-    if device.type == "cuda":
-        cc = torch.cuda.get_device_capability(device)
-        if cc < (7, 0):
-            return "Triton needs CC >= 7.0"
-        if dtype == torch.bfloat16 and cc < (8, 0):
-            return "bf16 products need CC >= 8.0"
-        return None
-    if not interpreted:
-        return f"tensors are on {device}, not CUDA (TRITON_INTERPRET=1 before import runs Triton's CPU interpreter)"
-    return None
+    return kernel_device_reason(kernel_module, device, dtype)
 
 
 def decode_linear(x: torch.Tensor, w: torch.Tensor, *, norm: Optional[torch.Tensor] = None, eps: float = 0.0,

@@ -42,6 +42,26 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def kernel_device_reason(load, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a Triton kernel module (`load()` imports it; it sets INTERPRETED) cannot run on this device in
+    this dtype, or None: triton must import; on CUDA, CC >= 7.0 and bf16 products from CC 8.0; off CUDA,
+    only Triton's CPU interpreter."""
+    try:
+        interpreted = load().INTERPRETED
+    except ImportError as e:
+        return f"triton does not import ({e}); install it with `pip install triton`"
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        if cc < (7, 0):
+            return "Triton needs CC >= 7.0"
+        if dtype == torch.bfloat16 and cc < (8, 0):
+            return "bf16 products need CC >= 8.0"
+        return None
+    if not interpreted:
+        return f"tensors are on {device}, not CUDA (TRITON_INTERPRET=1 before import runs Triton's CPU interpreter)"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _device_limits(device: torch.device) -> tuple[int, tuple[int, int] | None, int]:
     """(shared memory per block opt-in, compute capability, SM count); interpreter: 48 KB, None, 1."""

@@ -94,6 +94,15 @@ def prepare_trainer(model_dir: Path, run_dir: Path, sets: list[str], resume: Pat
     return Trainer(session.prepare(cfg, point, log=lambda s: None))
 
 
+def require_interpreter(load) -> None:
+    """For a case that runs only in the TRITON_INTERPRET=1 child of `run_cases_under_triton_interpreter`: skip it
+    elsewhere, and check that the kernel module `load()` imports really is interpreted."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in the TRITON_INTERPRET=1 child process of the file's test_cases_run_under_the_interpreter")
+    pytest.importorskip("triton")
+    assert load().INTERPRETED
+
+
 def run_cases_under_triton_interpreter(test_file: str, selector: str, at_least: int) -> None:
     """Run `test_file`'s cases matching `-k selector` in a child pytest process with TRITON_INTERPRET=1
     (the interpreter must be chosen before triton is first imported, and must not leak into the other

@@ -5,12 +5,13 @@ a GPU: tests/test_rollout_cuda.py."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 import torch
 
-from conftest import run_cases_under_triton_interpreter
+from conftest import require_interpreter, run_cases_under_triton_interpreter
 from rollout_helpers import (PROMPTS, check_decode_attention_rope, decode_attention_cases, decode_attention_reference,
                              tiny_llama, tiny_qwen2)
 
@@ -20,11 +21,7 @@ CASES = decode_attention_cases("cpu")
 
 @pytest.fixture
 def interpreted():
-    if not INTERPRETER:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child process of test_cases_run_under_the_interpreter")
-    pytest.importorskip("triton")
-    from edgerl.kernels.decode_attention import kernel_module
-    assert kernel_module().INTERPRETED
+    require_interpreter(lambda: importlib.import_module("edgerl.kernels.decode_attention").kernel_module())
 
 
 def test_cases_run_under_the_interpreter():

@@ -6,13 +6,14 @@ tests/test_rollout_cuda.py."""
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_cases_under_triton_interpreter
+from conftest import require_interpreter, run_cases_under_triton_interpreter
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -25,11 +26,7 @@ CASES = [(kind, s) for kind in KINDS for s in SHAPES]
 
 @pytest.fixture
 def interpreted():
-    if not INTERPRETER:
-        pytest.skip("runs in the TRITON_INTERPRET=1 child process of test_cases_run_under_the_interpreter")
-    pytest.importorskip("triton")
-    from edgerl.kernels.decode_linear import kernel_module
-    assert kernel_module().INTERPRETED
+    require_interpreter(lambda: importlib.import_module("edgerl.kernels.decode_linear").kernel_module())
 
 
 def test_cases_run_under_the_interpreter():
