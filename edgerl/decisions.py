@@ -439,8 +439,8 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
         raise PlanError(f"plan.decode_attention={forced} is not possible: {why_not}; use sdpa or bmm")
     if forced == "triton_layers" and (layers_why or compiled):
         raise PlanError(f"plan.decode_attention=triton_layers is not possible: "
-                        f"{layers_why or 'the decode step is compiled (plan.rollout_compile=true)'}; use triton_rope "
-                        "or sdpa")
+                        f"{layers_why or 'the decode step is compiled (plan.rollout_compile=true)'}; use "
+                        + ("sdpa or bmm" if why_not else "triton_rope or sdpa"))
     if forced:
         return forced, f"asked for with plan.decode_attention={forced}"
     if half and not compiled and not layers_why:
