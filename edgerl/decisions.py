@@ -319,8 +319,8 @@ SPLIT_K_GAIN = "1.12x at 360M, 1.06x at 1.7B"
 # Measured on an H200 in bf16, 16 rows (docs/benchmarks.md section 17): the decode step as edgerl's Triton layers
 # (kernels/decode_linear.py: the norms, SiLU * up and residual adds inside the projections) against the compiled
 # step with its split o and down products, in the same run.
-TRITON_LAYERS_GAIN = ("1.04-1.05x faster at 1.7B (1.631 against 1.692 ms per step and 1.639 against 1.722 in two runs, 50.1% "
-                      "and 49.2% of the bandwidth bound), the same within 1% at 360M")
+TRITON_LAYERS_GAIN = ("1.04-1.05x faster at 1.7B (1.631 against 1.692 ms per step and 1.639 against 1.722 in two "
+                      "runs, 50.1% and 49.2% of the bandwidth bound), the same within 1% at 360M")
 
 
 def triton_layers_reason(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str, graphs: bool,
@@ -344,9 +344,10 @@ def triton_layers_reason(dev: Device, dtype: DtypePolicy, model: ModelSpec, engi
         return f"the MLP's activation is {model.hidden_act}, and the gate/up kernel computes SiLU(gate) * up"
     if why := decode_attention_head_reason(model.hd):
         return why
-    if decode_attention_stages(dev.smem_per_block_optin, model.hd, 2, group_pad(model.num_heads // model.num_kv_heads)) \
-            is None:
-        return f"head size {model.hd} needs more shared memory per block than this GPU's {dev.smem_per_block_optin // 1024} KB"
+    if decode_attention_stages(dev.smem_per_block_optin, model.hd, 2,
+                               group_pad(model.num_heads // model.num_kv_heads)) is None:
+        return (f"head size {model.hd} needs more shared memory per block than this GPU's "
+                f"{dev.smem_per_block_optin // 1024} KB")
     return ""
 
 

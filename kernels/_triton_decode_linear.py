@@ -20,11 +20,13 @@ through memory. `decode_linear_kernel` folds those into the products:
   (`x + o_proj(o)` in HF's order), and the kernel writes the new residual stream; SSQ_OUT: with each
   program's sums of squares of its block of the new rows (fp32, of the rounded values the next norm reads).
 - HAS_BIAS: the bias added to the fp32 product before it rounds (cuBLAS's epilogue does the same).
+- SWAP: the product computed as W x^T, the weight block as tl.dot's first operand (faster for q/k/v).
 
-One program per block of BN output columns and BM rows (and inner slice under SPLIT), so each weight
-element is read once, and every sum is in a fixed order (the same tokens on every run). IEEE: fp32 inputs multiply in fp32, not TF32. UPCAST (the interpreter, whose
-tl.dot misreads 16-bit inputs): 16-bit values are widened to fp32 before each product. PLAIN (the
-interpreter, which has no libdevice): plain ops for the exponential, division and square root.
+One program per block of BN output columns and BM rows (and inner slice under SPLIT), so each weight element
+is read once, and every sum is in a fixed order (the same tokens on every run). IEEE: fp32 inputs multiply
+in fp32, not TF32. UPCAST (the interpreter, whose tl.dot misreads 16-bit inputs): 16-bit values are widened
+to fp32 before each product. PLAIN (the interpreter, which has no libdevice): plain ops for the exponential,
+division and square root.
 If TRITON_INTERPRET=1 is set when triton is first imported, the kernel runs in Triton's CPU interpreter.
 """
 import os

@@ -96,16 +96,20 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []   # counters a larger launch replaced: captured graphs may still use them
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """The split products' tile counters on this device: zeros, and each launch leaves them zero (the last
     program of a tile resets its counter), so launches one after another on a stream share them. Allocated
-    outside a CUDA graph capture (a captured step's warm-up runs first), so they outlive any graph."""
+    outside a CUDA graph capture (a captured step's warm-up runs first) and never freed: a graph keeps
+    using the counters it was captured with."""
     have = _COUNTERS.get(device)
     if have is None or have.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("decode_linear: a split product's first launch is inside a CUDA graph capture; "
                                "run it once before capturing (the tile counters are allocated then)")
+        if have is not None:
+            _OUTGROWN.append(have)
         have = _COUNTERS[device] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
     return have

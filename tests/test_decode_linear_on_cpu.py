@@ -19,7 +19,8 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (rows, K, N, tiles or None): rows past one block of 16, K not a multiple of BK, N not a multiple of BN;
 # the last one computes W x^T (swap)
-SHAPES = [(3, 48, 40, None), (16, 200, 72, None), (20, 96, 48, (16, 16, 32, 4, 1, 1)), (5, 64, 100, (16, 32, 16, 4, 1, 1, 1))]
+SHAPES = [(3, 48, 40, None), (16, 200, 72, None), (20, 96, 48, (16, 16, 32, 4, 1, 1)),
+          (5, 64, 100, (16, 32, 16, 4, 1, 1, 1))]
 KINDS = ["plain", "norm", "norm_bias", "norm_sumsq", "glu", "glu_bias", "glu_sumsq", "residual"]
 CASES = [(kind, s) for kind in KINDS for s in SHAPES]
 

@@ -109,13 +109,14 @@ class StaticCacheEngine:
     reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
     (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
     each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' | 'triton_rope' | 'cuda' (`StaticDecoder`;
-    auto: bmm in fp32, sdpa in 16 bits), or 'triton_layers' (the plan's name for triton_rope with triton_layers). compile_step: torch.compile each decoder layer of the decode step
-    (elementwise fusion; CUDA CC >= 7.0, fused projections; the compiled step is what a CUDA graph
-    captures); off by default, never chosen on the CPU. triton_layers: each decode layer as five Triton kernels
-    with the norms, SiLU * up and residual adds fused into the projections (`StaticDecoder.set_triton_layers`;
-    fused projections, decode_attention 'triton_rope', SiLU; not with compile_step). split_k: the decode step's o and down products as that
-    many batched partial products (`StaticDecoder.set_split_k`); None: SPLIT_K when the step is compiled
-    on CUDA in 16 bits, else 0 (off).
+    auto: bmm in fp32, sdpa in 16 bits), or 'triton_layers' (the plan's name for triton_rope with
+    triton_layers). compile_step: torch.compile each decoder layer of the decode step (elementwise fusion;
+    CUDA CC >= 7.0, fused projections; the compiled step is what a CUDA graph captures); off by default,
+    never chosen on the CPU. triton_layers: each decode layer as five Triton kernels with the norms, SiLU * up
+    and residual adds fused into the projections (`StaticDecoder.set_triton_layers`; fused projections,
+    decode_attention 'triton_rope', SiLU; not with compile_step). split_k: the decode step's o and down
+    products as that many batched partial products (`StaticDecoder.set_split_k`); None: SPLIT_K when the step
+    is compiled on CUDA in 16 bits, else 0 (off).
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
 
     Lifetime: the KV cache and static buffers are allocated by the first `generate`, a graph is
