@@ -21,7 +21,7 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 # the last one computes W x^T (swap)
 SHAPES = [(3, 48, 40, None), (16, 200, 72, None), (20, 96, 48, (16, 16, 32, 4, 1, 1)),
           (5, 64, 100, (16, 32, 16, 4, 1, 1, 1))]
-KINDS = ["plain", "norm", "norm_bias", "norm_sumsq", "glu", "glu_bias", "glu_sumsq", "residual"]
+KINDS = ["plain", "norm", "norm_bias", "norm_sumsq", "glu", "glu_bias", "glu_sumsq", "residual", "residual_bias"]
 CASES = [(kind, s) for kind in KINDS for s in SHAPES]
 
 
@@ -46,7 +46,7 @@ def reference(kind: str, x, w, ln, eps, b, res):
     if kind.startswith("glu"):
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
-    if kind == "residual":
+    if kind.startswith("residual"):
         y = res + y
     return y
 
@@ -71,7 +71,7 @@ def run(kind, x, w, ln, eps, b, res, tiles):
     from edgerl.kernels.decode_linear import decode_linear
     normed = kind.startswith(("norm", "glu"))
     return decode_linear(x, w, norm=ln if normed else None, eps=eps, bias=b if kind.endswith("bias") else None,
-                         residual=res if kind == "residual" else None, glu=kind.startswith("glu"), tiles=tiles,
+                         residual=res if kind.startswith("residual") else None, glu=kind.startswith("glu"), tiles=tiles,
                          sumsq=sumsq_partials(x) if kind.endswith("sumsq") else None)
 
 
@@ -113,7 +113,8 @@ def test_residual_product_returns_the_new_rows_sums_of_squares(interpreted, tile
 
 
 SPLITS = [("plain", (20, 200, 48, (16, 16, 32, 4, 1, 4))), ("residual", (20, 200, 48, (16, 16, 32, 4, 1, 4))),
-          ("residual", (5, 96, 40, (16, 16, 16, 4, 1, 2))), ("plain", (3, 40, 24, (16, 16, 16, 4, 1, 4, 1)))]
+          ("residual", (5, 96, 40, (16, 16, 16, 4, 1, 2))), ("plain", (3, 40, 24, (16, 16, 16, 4, 1, 4, 1))),
+          ("residual_bias", (20, 200, 48, (16, 16, 32, 4, 1, 4)))]
 
 
 @pytest.mark.parametrize("case", SPLITS, ids=[f"interp-split-{k}-{s[0]}x{s[1]}x{s[2]}-{s[3][-1]}" for k, s in SPLITS])
