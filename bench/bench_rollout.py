@@ -19,6 +19,8 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
     graph_fused_triton_rope_compile  compiled, that kernel (the o and down products split-K in 16 bits, the
                               engine's default when compiled)
     graph_fused_triton_rope_compile_splitk0  the same without the split
+    graph_fused_triton_layers  not compiled: that kernel between kernels/decode_linear.py's projections (the
+                              norms, SiLU * up and residual adds inside them), the plan's choice in 16 bits
 
 Per variant: ms per decode step (median over the decode steps of --reps calls, CUDA events), decode
 tokens/s (rows / step time), share of the bandwidth bound (a step reads every weight once: weight

@@ -329,24 +329,35 @@ def triton_layers_reason(dev: Device, dtype: DtypePolicy, model: ModelSpec, engi
     kernels/decode_linear.py's projections around the rotary decode-attention kernel), or "" where it can:
     16 bits (fp32 runs the CUDA C kernels or the compiled step), CC 8.0 and up with triton (Triton's README;
     measured on sm_90), the attention kernel for this head size, and a SiLU MLP (the gate/up kernel's epilogue)."""
-    from .kernels.tiles import decode_attention_head_reason, decode_attention_stages, group_pad  # pure
     if engine != "hf" or not graphs:
         return f"the {engine} engine without CUDA graphs" if engine == "hf" else f"the {engine} engine"
     if quantized:
         return "the rollout runs the actor's own quantized modules (bitsandbytes)"
     if dtype.compute not in ("fp16", "bf16"):
         return f"{dtype.compute} compute (the layers are measured and chosen in 16 bits)"
-    if not dev.is_cuda or dev.cc < (8, 0):
-        return f"{dev.sm}: Triton supports CC 8.0 and up" if dev.is_cuda else "no CUDA device"
-    if not dev.software.has("triton"):
-        return "triton is not installed"
+    if why := decode_kernel_reason(dev, model, dtype.compute):
+        return why
     if model.hidden_act not in ("silu", "swish"):
         return f"the MLP's activation is {model.hidden_act}, and the gate/up kernel computes SiLU(gate) * up"
-    if why := decode_attention_head_reason(model.hd):
-        return why
-    if decode_attention_stages(dev.smem_per_block_optin, model.hd, 2,
+    return ""
+
+
+def decode_kernel_reason(dev: Device, model: ModelSpec, compute: str) -> str:
+    """Why edgerl's Triton decode-attention kernel cannot run for this model in this compute dtype here, or "":
+    CC 8.0 and up with triton (Triton's README; measured on sm_90), a head size it takes, and its blocks in
+    this GPU's shared memory."""
+    from .kernels.tiles import decode_attention_head_reason, decode_attention_stages, group_pad  # pure
+    if not dev.is_cuda:
+        return "no CUDA device"
+    if dev.cc < (8, 0):
+        return f"{dev.sm}: Triton supports CC 8.0 and up"
+    if not dev.software.has("triton"):
+        return "triton is not installed"
+    if head_why := decode_attention_head_reason(model.hd):
+        return head_why
+    if decode_attention_stages(dev.smem_per_block_optin, model.hd, 2 if compute in ("fp16", "bf16") else 4,
                                group_pad(model.num_heads // model.num_kv_heads)) is None:
-        return (f"head size {model.hd} needs more shared memory per block than this GPU's "
+        return (f"head size {model.hd} in {compute} needs more shared memory per block than this GPU's "
                 f"{dev.smem_per_block_optin // 1024} KB")
     return ""
 
@@ -408,8 +419,7 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
     step is compiled (Inductor fuses that work itself); else SDPA in 16 bits and baddbmm/softmax/bmm in fp32.
     In 16 bits where `triton_layers_reason` is empty (layers_why) and the step is not compiled: triton_layers,
     the rotary kernel with kernels/decode_linear.py's fused projections around it (five kernels per layer)."""
-    from .kernels.tiles import (decode_attention_head_reason, decode_attention_stages, decode_cuda_shape_reason,
-                                group_pad)  # pure
+    from .kernels.tiles import decode_cuda_shape_reason  # pure
     half = dtype.compute in ("fp16", "bf16")
     head = model.hd
     if not dev.is_cuda:
@@ -422,20 +432,7 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
         cuda_why = decode_cuda_shape_reason(head, model.num_heads // model.num_kv_heads) or ""
     if forced == "cuda" and cuda_why:
         raise PlanError(f"plan.decode_attention=cuda is not possible: {cuda_why}; use bmm or sdpa")
-    if not dev.is_cuda:
-        why_not = "no CUDA device"
-    elif dev.cc < (8, 0):
-        why_not = f"{dev.sm}: Triton supports CC 8.0 and up"
-    elif not dev.software.has("triton"):
-        why_not = "triton is not installed"
-    elif head_why := decode_attention_head_reason(head):
-        why_not = head_why
-    elif decode_attention_stages(dev.smem_per_block_optin, head, 2 if half else 4,
-                                 group_pad(model.num_heads // model.num_kv_heads)) is None:
-        why_not = (f"head size {head} in {dtype.compute} needs more shared memory per block than this GPU's "
-                   f"{dev.smem_per_block_optin // 1024} KB")
-    else:
-        why_not = ""
+    why_not = decode_kernel_reason(dev, model, dtype.compute)
     if forced in ("triton", "triton_rope") and why_not:
         raise PlanError(f"plan.decode_attention={forced} is not possible: {why_not}; use sdpa or bmm")
     if forced == "triton_layers" and (layers_why or compiled):

@@ -39,6 +39,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _rsqrt_mean(ss, K, eps, PLAIN: tl.constexpr):
+    """rsqrt(ss / K + eps) in fp32: 1 / RMS from the rows' sums of squares."""
+    if PLAIN:
+        return 1.0 / tl.sqrt(ss / K + eps)
+    return libdevice.rsqrt(ss / K + eps)
+
+
+@triton.jit
 def _rstd(x_ptr, rows, rmask, sx, K, eps, BK: tl.constexpr, BM: tl.constexpr, PLAIN: tl.constexpr):
     """1 / RMS of each row, in fp32: rsqrt(mean(x^2) + eps) over the K columns."""
     ss = tl.zeros([BM], tl.float32)
@@ -47,9 +55,7 @@ def _rstd(x_ptr, rows, rmask, sx, K, eps, BK: tl.constexpr, BM: tl.constexpr, PL
         a = tl.load(x_ptr + rows[:, None] * sx + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
                     other=0.0).to(tl.float32)
         ss += tl.sum(a * a, 1)
-    if PLAIN:
-        return 1.0 / tl.sqrt(ss / K + eps)
-    return libdevice.rsqrt(ss / K + eps)
+    return _rsqrt_mean(ss, K, eps, PLAIN)
 
 
 @triton.jit
@@ -57,10 +63,7 @@ def _rstd_from_partials(ssq_ptr, NB, B, rows, rmask, K, eps, NBP: tl.constexpr, 
     """1 / RMS of each row from its NB partial sums of squares (ssq (NB, B), fp32), summed in a fixed order."""
     j = tl.arange(0, NBP)
     part = tl.load(ssq_ptr + j[:, None] * B + rows[None, :], mask=(j[:, None] < NB) & rmask[None, :], other=0.0)
-    ss = tl.sum(part, 0)
-    if PLAIN:
-        return 1.0 / tl.sqrt(ss / K + eps)
-    return libdevice.rsqrt(ss / K + eps)
+    return _rsqrt_mean(tl.sum(part, 0), K, eps, PLAIN)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .tiles import decode_linear_tiles
+from .tiles import _next_pow2, decode_linear_tiles
 from .triton_impl import _device_limits, kernel_device_reason
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,10 +70,10 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, *, norm: Optional[torch.Tens
     swap = bool(tiles[6]) if len(tiles) > 6 else False
     if split > 1 and (glu or norm is not None):
         raise ValueError("decode_linear: split > 1 is for products without norm and glu")
-    ks = triton_cdiv(triton_cdiv(K, split), bk) * bk   # each slice whole BK blocks
-    split = triton_cdiv(K, ks)
+    ks = _cdiv(_cdiv(K, split), bk) * bk   # each slice whole BK blocks
+    split = _cdiv(K, ks)
     out = torch.empty((B, N), device=x.device, dtype=x.dtype)
-    grid = (triton_cdiv(N, bn), triton_cdiv(B, bm), split)
+    grid = (_cdiv(N, bn), _cdiv(B, bm), split)
     ws = torch.empty((split, B, N), device=x.device, dtype=torch.float32) if split > 1 else out
     cnt = _counters(x.device, grid[0] * grid[1]) if split > 1 else out
     ssq_out = torch.empty((grid[0], B), device=x.device, dtype=torch.float32) if return_sumsq else None
@@ -84,14 +84,14 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, *, norm: Optional[torch.Tens
         residual if residual is not None else x, out, sumsq if sumsq is not None else out,
         ssq_out if ssq_out is not None else out, ws, cnt, B, K, N, float(eps), x.stride(0), w.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), N if glu else 0, nb, ks,
-        NORM=norm is not None, SSQ_IN=sumsq is not None, NBP=max(2, 1 << (nb - 1).bit_length()), GLU=glu,
+        NORM=norm is not None, SSQ_IN=sumsq is not None, NBP=max(2, _next_pow2(nb)), GLU=glu,
         RESID=residual is not None, SSQ_OUT=return_sumsq, HAS_BIAS=bias is not None, SPLIT=split,
         BM=bm, BN=bn, BK=bk, IEEE=x.dtype == torch.float32, UPCAST=interp and x.dtype != torch.float32,
         PLAIN=interp, SWAP=swap, num_warps=warps, num_stages=1 if interp else stages)
     return (out, ssq_out) if return_sumsq else out
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
