@@ -101,7 +101,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;
         rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
         decode-gemm) echo "python3 bench/bench_decode_gemm.py --triton ${GEMM_ARGS:-} --out $OUT/bench_decode_gemm$x.json" ;;
-        tests-layers) echo "python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k 'triton_layers or decode_linear'" ;;
+        tests-layers) echo "python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k 'triton_layers or decode_linear or persistent'" ;;
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
         rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_sdpa_compile,graph_fused_triton_compile,graph_fused_triton_rope_compile,graph_fused_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;

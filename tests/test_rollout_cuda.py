@@ -264,6 +264,115 @@ def test_triton_layers_sampled_logprobs_bf16(name):
     check_sampled_logprobs_bf16(model, graph)
 
 
+def pdl_skip_reason():
+    from edgerl.kernels.decode_linear import pdl_reason
+    return pdl_reason(torch.device("cuda"))
+
+
+@needs_compile
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_triton_layers_pdl_gives_the_same_tokens_bit_for_bit(name):
+    """Programmatic dependent launch changes when the layers' kernels start, not what they compute: the same
+    tokens and log-probs, bit for bit, as the layers launched one after another, with and without the L2
+    prefetch, greedy and sampled, twice over the captured graph (and after a weight sync)."""
+    if why := pdl_skip_reason():
+        pytest.skip(why)
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95)
+    source = perturbed(lambda: BUILD[name](dtype=torch.bfloat16))
+    runs = []
+    for pdl, prefetch in ((False, True), (True, False), (True, True)):
+        model = BUILD[name](dtype=torch.bfloat16, device="cuda")   # a fresh copy: the sync below changes it
+        eng = StaticCacheEngine(model, 8, 128, cuda_graphs=True, decode_attention="triton_layers", layers_pdl=pdl,
+                                layers_prefetch=prefetch)
+        assert eng.dec.pdl == pdl and ("programmatic dependent launch" in eng.describe()) == pdl
+        out = []
+        for rep in range(2):
+            g = eng.generate(PROMPTS, 2, greedy(40))
+            s = eng.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(rep))
+            out.append((g.response_ids, g.logprobs, s.response_ids, s.logprobs))
+        eng.sync_weights(source.state_dict().items())
+        g = eng.generate(PROMPTS, 2, greedy(40))
+        assert g.info["captures"] == 0
+        out.append((g.response_ids, g.logprobs))
+        runs.append(out)
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+@needs_compile
+@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("qwen2", torch.float32),
+                                        ("llama", torch.bfloat16), ("qwen2", torch.bfloat16)])
+def test_persistent_layer_kernel_gives_the_five_kernels_tokens(name, dtype):
+    """Each layer as one persistent kernel (grid barriers between its phases): the five kernels' tokens and
+    log-probs bit for bit, greedy and sampled, replayed, and after a weight sync through the kept graph; its
+    barrier and split counters back at zero after every launch."""
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 products need CC >= 8.0")
+    from edgerl.kernels import decode_linear as dl
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95)
+    source = perturbed(lambda: BUILD[name](dtype=dtype))
+    runs = []
+    for persistent in (False, True):
+        model = BUILD[name](dtype=dtype, device="cuda")
+        eng = StaticCacheEngine(model, 8, 128, cuda_graphs=True, decode_attention="triton_layers", layers_pdl=False,
+                                layers_persistent=persistent)
+        out = []
+        for rep in range(2):
+            g = eng.generate(PROMPTS, 2, greedy(40))
+            s = eng.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(rep))
+            out.append((g.response_ids, g.logprobs, s.response_ids, s.logprobs))
+        eng.sync_weights(source.state_dict().items())
+        g = eng.generate(PROMPTS, 2, greedy(40))
+        assert g.info["captures"] == 0
+        out.append((g.response_ids, g.logprobs))
+        runs.append(out)
+        if persistent:
+            torch.cuda.synchronize()
+            assert int(dl._BARRIERS[torch.device("cuda", 0)].abs().sum()) == 0
+            assert int(dl._COUNTERS[torch.device("cuda", 0)].abs().sum()) == 0
+    assert runs[1] == runs[0]
+
+
+@needs_compile
+@pytest.mark.parametrize("kind", ["norm", "glu", "residual", "residual_split"])
+def test_decode_linear_pdl_equals_plain_launch(kind):
+    """The kernel launched with programmatic dependent launch and the L2 prefetch (whole and partial) gives
+    the plain launch's output bit for bit, in a chain of launches each reading the one before's output."""
+    if why := pdl_skip_reason():
+        pytest.skip(why)
+    from unittest import mock
+
+    from edgerl.kernels import decode_linear as dl
+    from test_decode_linear_on_cpu import make
+    base = kind.removesuffix("_split")
+    x, w, ln, eps, _, res = [t.cuda() if isinstance(t, torch.Tensor) else t
+                             for t in make(base, 16, 2048, 2048, torch.bfloat16, seed=7)]
+    kw = dict(norm=ln, eps=eps, glu=base == "glu") if base != "residual" else dict(residual=res)
+    tiles = (16, 32, 128, 4, 2, 4) if kind.endswith("split") else None
+
+    def chain(**opt):
+        y = x
+        for _ in range(6):   # each launch reads what the one before wrote
+            y = dl.decode_linear(y, w, tiles=tiles, **kw, **opt)   # (16, 2048) for every kind
+            if base == "residual":
+                kw["residual"] = y
+        torch.cuda.synchronize()
+        return y
+
+    res0 = kw.get("residual")
+    want = chain()
+    for opt in (dict(pdl=True, prefetch=False), dict(pdl=True), dict(pdl=True, partial=True)):
+        if base == "residual":
+            kw["residual"] = res0
+        if opt.pop("partial", False):   # a prefetch of only the first 64 columns of each row
+            with mock.patch.object(dl, "decode_linear_prefetch_cols", lambda *a: 64):
+                got = chain(**opt)
+        else:
+            got = chain(**opt)
+        assert torch.equal(got, want), opt
+    if kind.endswith("split"):
+        assert int(dl._COUNTERS[x.device].abs().sum()) == 0
+
+
 @needs_compile
 @pytest.mark.parametrize("kind", ["norm", "norm_bias", "glu", "residual"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
