@@ -1,9 +1,9 @@
 """One decode layer of the Triton layers at 16 rows in bf16 on the GPU: the five kernels (q/k/v, rotary
-attention, o, gate/up, down; kernels/decode_linear.py and decode_attention.py) against the same layer as one
-persistent kernel (`decode_linear.decode_layer`), each over as many weight copies as the model has layers (so
-L2 holds none), timed in a CUDA graph; the five kernels' own GPU times from the profiler; and with --sweep the
-persistent kernel with other tiles per phase. Prints microseconds per layer and the share of the bound
-(the layer's weight and cache bytes over the measured copy bandwidth)."""
+attention, o, gate/up, down; kernels/decode_linear.py and decode_attention.py) over as many weight and cache
+copies as the model has layers (so L2 holds none), timed in a CUDA graph, with each kernel's own GPU time
+from the profiler; with --sweep the rotary attention kernel alone at other column blocks, pipeline depths
+and warp counts. Prints microseconds per layer (or per attention launch) and the share of the bound (the
+bytes read over the copy bandwidth measured in the same run)."""
 import argparse
 import json
 import sys
@@ -50,16 +50,6 @@ def five(layers, x, cos, sin, start, col, group, scale):
         x, ss = decode_linear(o.view(B, -1), L["o_w"], residual=x, return_sumsq=True)
         h = decode_linear(x, L["gu_w"], norm=L["ln2"], eps=1e-5, glu=True, sumsq=ss)
         x, d = decode_linear(h, L["down_w"], residual=x, return_sumsq=True)
-    return x
-
-
-def whole(layers, x, cos, sin, start, col, group, scale, tiles=None, prefetch=True):
-    from edgerl.kernels.decode_linear import decode_layer
-    d = x.float().square().sum(-1)[None]
-    for L in layers:
-        x, d = decode_layer(x, d, L["ln1"], 1e-5, L["qkv_w"], None, cos, sin, L["kv"][0], L["kv"][1], start, col,
-                            scale, group, L["o_w"], None, L["ln2"], 1e-5, L["gu_w"], None, L["down_w"], None,
-                            tiles=tiles, prefetch=prefetch)
     return x
 
 
@@ -115,19 +105,39 @@ def bandwidth_tbs(dev):
     return 2 * a.numel() * 2 * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e12
 
 
-def sweep_tiles(name, B, sms):
-    """Persistent-kernel tiles to try: one phase changed at a time from the defaults."""
-    out = []
-    for bn in (16, 32):
-        out.append({"qkv": (16, bn, 256, 4, 3, 1, 1)})
-    for bn in (16, 64):
-        out.append({"gu": (16, bn, 128 if bn == 64 else 256, 4, 3, 1, 0)})
-    for bn, split in ((16, 1), (16, 2), (32, 4), (16, 4), (32, 8)):
-        out.append({"o": (16, bn, 128, 4, 3, split, 0)})
-        out.append({"down": (16, bn, 128, 4, 3, split, 0)})
-    out.append({"o": (16, 16, 128, 4, 3, 2, 0), "down": (16, 16, 128, 4, 3, 4, 0), "qkv": (16, 32, 256, 4, 3, 1, 1),
-                "gu": (16, 16, 256, 4, 3, 1, 0)})
-    return out
+def attention_sweep(layers, x, cos, sin, start, col, group, scale, bw, smem):
+    """The rotary attention kernel alone over the layers' caches, at other BLOCK / stages / warps."""
+    from edgerl.kernels.decode_attention import kernel_module
+    from edgerl.kernels.tiles import group_pad
+    mod = kernel_module()
+    B, n = x.shape[0], len(layers)
+    _, _, KVH, S, D = layers[0]["kv"].shape
+    qkv = torch.randn(B, (group + 2) * KVH * D, device=x.device).to(x.dtype)
+    o = torch.empty(B, KVH, group, D, device=x.device, dtype=x.dtype)
+    nbytes = 2 * B * KVH * (int(col) + 1) * D * x.element_size()
+    rows = []
+    for block in (32, 64, 128):
+        for stages in (1, 2, 3, 4):
+            need = (2 * (stages - 1) if stages >= 2 else 1) * block * D * 2 + (group_pad(group) + 32) * D * 2 + 4096
+            if need > smem:
+                continue
+            for warps in (2, 4, 8):
+                def run():
+                    for L in layers:
+                        k, v = L["kv"][0], L["kv"][1]
+                        mod.decode_attention_rope_kernel[(B * KVH,)](
+                            qkv, cos, sin, k, v, o, start, col, scale, qkv.stride(0), cos.stride(0), *k.stride()[:3],
+                            *v.stride()[:3], *o.stride()[:3], QW=group * KVH * D, KVW=KVH * D, KVH=KVH, G=group,
+                            GP=group_pad(group), D=D, BLOCK=block, IEEE=False, UPCAST=False, PLAIN=False,
+                            num_warps=warps, num_stages=stages)
+                try:
+                    us = timed(run) * 1e3 / n
+                except Exception as e:   # a configuration Triton refuses: shown, skipped
+                    print(f"  BLOCK {block} stages {stages} warps {warps}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                bound = nbytes / (bw * 1e12) * 1e6
+                rows.append(dict(block=block, stages=stages, warps=warps, us=us, of_bound=bound / us))
+    return rows
 
 
 def main():
@@ -135,7 +145,7 @@ def main():
     ap.add_argument("--models", default="360m,1.7b")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--col", type=int, default=192, help="the cache column written (the rows see 0..col)")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also the attention kernel at other configurations")
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -151,30 +161,21 @@ def main():
         n = len(layers)
         bound_us = nbytes / (bw * 1e12) * 1e6
         args = (layers, x, cos, sin, start, col, group, scale)
-        want = five(*args)
-        got, plain = whole(*args), whole(*args, prefetch=False)
-        torch.cuda.synchronize()
-        same = bool(torch.equal(want, got)) and bool(torch.equal(want, plain))
-        rows = [("five kernels", timed(lambda: five(*args)) * 1e3 / n, None),
-                ("one persistent kernel", timed(lambda: whole(*args)) * 1e3 / n, None),
-                ("one persistent kernel, no L2 prefetch", timed(lambda: whole(*args, prefetch=False)) * 1e3 / n, None)]
+        us = timed(lambda: five(*args)) * 1e3 / n
         ktimes = kernel_times(lambda: five(*args))
-        print(f"{name}: bound {bound_us:.2f} us per layer ({nbytes / 2**20:.1f} MiB); persistent == five kernels: "
-              f"{same}; five kernels' GPU times (us): " + ", ".join(f"{k} {v:.2f}" for k, v in ktimes.items()))
-        if a.sweep:
-            for t in sweep_tiles(name, a.rows, sms):
-                if time.time() - t0 > a.budget_s:
-                    print("budget spent: sweep stopped")
-                    break
-                try:
-                    rows.append((f"persistent {t}", timed(lambda: whole(*args, tiles=t)) * 1e3 / n, t))
-                except Exception as e:   # a tile set the kernel refuses or that does not compile: shown, skipped
-                    print(f"  {t}: {type(e).__name__}: {str(e)[:200]}")
-        for label, us, t in rows:
-            print(f"| {name} | {label} | {us:.2f} us | {100 * bound_us / us:.1f}% of bound |")
-            results.append(dict(model=name, variant=label, us_per_layer=us, bound_us=bound_us,
-                                tiles={k: list(v) for k, v in t.items()} if t else None))
-        results.append(dict(model=name, kernel_us=ktimes, persistent_equal=same))
+        print(f"| {name} | five kernels | {us:.2f} us per layer | {100 * bound_us / us:.1f}% of bound "
+              f"({nbytes / 2**20:.1f} MiB) | GPU time (us): " + ", ".join(f"{k} {v:.2f}" for k, v in ktimes.items())
+              + f" (sum {sum(ktimes.values()):.2f}) |")
+        results.append(dict(model=name, us_per_layer=us, bound_us=bound_us, kernel_us=ktimes))
+        if a.sweep and time.time() - t0 < a.budget_s:
+            smem = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+            sweep = sorted(attention_sweep(*args, bw, smem), key=lambda r: r["us"])
+            from edgerl.kernels.decode_attention import stages_for
+            rule = (64, stages_for(dev, layers[0]["kv"].shape[-1], torch.bfloat16, group), 4)
+            for r in sweep[:8] + [r for r in sweep if (r["block"], r["stages"], r["warps"]) == rule]:
+                print(f"|   {name} attention BLOCK {r['block']} stages {r['stages']} warps {r['warps']} | "
+                      f"{r['us']:.2f} us | {100 * r['of_bound']:.1f}% of its bound |")
+            results.append(dict(model=name, attention_sweep=sweep))
         if a.out:
             Path(a.out).write_text(json.dumps(dict(bandwidth_tbs=bw, results=results), indent=1))
 

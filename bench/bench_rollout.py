@@ -20,13 +20,7 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
                               engine's default when compiled)
     graph_fused_triton_rope_compile_splitk0  the same without the split
     graph_fused_triton_layers  not compiled: that kernel between kernels/decode_linear.py's projections (the
-                              norms, SiLU * up and residual adds inside them), the plan's choice in 16 bits;
-                              with programmatic dependent launch and the weights' L2 prefetch where the GPU
-                              has them (CC >= 9.0)
-    graph_fused_triton_layers_nopdl  the same launched one after another (no programmatic dependent launch)
-    graph_fused_triton_layers_noprefetch  programmatic dependent launch without the L2 prefetch
-    graph_fused_triton_layer_kernel  each layer's five kernels as phases of one persistent kernel (grid
-                              barriers between them)
+                              norms, SiLU * up and residual adds inside them), the plan's choice in 16 bits
 
 Per variant: ms per decode step (median over the decode steps of --reps calls, CUDA events), decode
 tokens/s (rows / step time), share of the bandwidth bound (a step reads every weight once: weight
@@ -101,13 +95,6 @@ VARIANTS = {   # engine keyword arguments; hf_generate has none
                                                     decode_attention="triton_rope", compile_step=True, split_k=0),
     "graph_fused_triton_layers": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope",
                                       triton_layers=True),
-    "graph_fused_triton_layers_nopdl": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope",
-                                            triton_layers=True, layers_pdl=False),
-    "graph_fused_triton_layer_kernel": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope",
-                                            triton_layers=True, layers_persistent=True),
-    "graph_fused_triton_layers_noprefetch": dict(cuda_graphs=True, projections="fused",
-                                                 decode_attention="triton_rope", triton_layers=True,
-                                                 layers_prefetch=False),
 }
 
 

@@ -43,6 +43,8 @@
 #   decode-gemm 240 bench_decode_gemm.py --triton (the fused Triton projections against cuBLAS; GEMM_ARGS=--sweep
 #                   adds a grid of tiles)
 #   tests-layers 120 the CUDA tests of the Triton decode layers and their kernel
+#   layer 150       bench_decode_layer: one decode layer's five Triton kernels, each one's GPU time (LAYER_ARGS=--sweep
+#                   adds the attention kernel at other configurations)
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,7 +103,8 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;
         rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
         decode-gemm) echo "python3 bench/bench_decode_gemm.py --triton ${GEMM_ARGS:-} --out $OUT/bench_decode_gemm$x.json" ;;
-        tests-layers) echo "python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k 'triton_layers or decode_linear or persistent'" ;;
+        layer) echo "python3 bench/bench_decode_layer.py ${LAYER_ARGS:-} --budget-s $(( b - 20 )) --out $OUT/bench_decode_layer$x.json" ;;
+        tests-layers) echo "python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k 'triton_layers or decode_linear'" ;;
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
         rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_sdpa_compile,graph_fused_triton_compile,graph_fused_triton_rope_compile,graph_fused_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
@@ -116,7 +119,7 @@ limit_of() {
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
-        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
+        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
         fit) echo 300 ;; *) echo 560 ;;
     esac
 }

@@ -21,8 +21,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_decode_linear import _ld, pdl_enter
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -110,20 +108,18 @@ def _rotate(x, xr, cos, sin, DT: tl.constexpr, PLAIN: tl.constexpr):
 
 
 @triton.jit
-def _ldv(ptrs, FRESH: tl.constexpr):
-    """An unmasked load; FRESH: written by another program of this launch (see `_ld`)."""
-    if FRESH:
-        return tl.load(ptrs, cache_modifier=".cg")
-    return tl.load(ptrs)
-
-
-@triton.jit
-def _attention_rope_item(pid, qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr, start_ptr, col_ptr, scale, s_qkv, s_cos,
-                         sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g, QW: tl.constexpr, KVW: tl.constexpr,
-                         KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr, FRESH: tl.constexpr):
-    """`decode_attention_rope_kernel`'s work for one (row, KV head), pid = row * KVH + head. FRESH: qkv was
-    written in this launch (the persistent layer kernel)."""
+def decode_attention_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr, start_ptr, col_ptr, scale,
+                                 s_qkv, s_cos, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g,
+                                 QW: tl.constexpr, KVW: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+                                 GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+                                 UPCAST: tl.constexpr, PLAIN: tl.constexpr):
+    """The decode step's rotary embedding, cache write and attention in one kernel. qkv (B, QW + 2 KVW):
+    the row's q, k and v projections, not yet rotated; cos, sin (B, D): the row's rotary tables (sin
+    with rotate_half's sign folded in); k and v (B, KVH, S, D): the cache, whose column col[0] this
+    kernel writes (k rotated, v as is) before it attends over start[b] .. col[0], that column read back
+    after a block barrier. PLAIN (the interpreter): `_rotate` without libdevice. Else as
+    `decode_attention_kernel`."""
+    pid = tl.program_id(0)
     b = pid // KVH
     h = pid % KVH
     start = tl.load(start_ptr + b).to(tl.int32)
@@ -135,36 +131,16 @@ def _attention_rope_item(pid, qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr, st
     cos = tl.load(cos_ptr + b * s_cos + d)
     sin = tl.load(sin_ptr + b * s_cos + d)
     kb = row + QW + h * D
-    k_new = _rotate(_ldv(kb + d, FRESH), _ldv(kb + dr, FRESH), cos, sin, DT, PLAIN)
+    k_new = _rotate(tl.load(kb + d), tl.load(kb + dr), cos, sin, DT, PLAIN)
     tl.store(k_ptr + b * sk_b + h * sk_h + col * sk_s + d, k_new)
-    tl.store(v_ptr + b * sv_b + h * sv_h + col * sv_s + d, _ldv(row + QW + KVW + h * D + d, FRESH))
+    tl.store(v_ptr + b * sv_b + h * sv_h + col * sv_s + d, tl.load(row + QW + KVW + h * D + d))
     g = tl.arange(0, GP)
     qb = row + (h * G + g[:, None]) * D
     live = g[:, None] < G
-    q = _rotate(_ld(qb + d[None, :], live, FRESH), _ld(qb + dr[None, :], live, FRESH),
+    q = _rotate(tl.load(qb + d[None, :], mask=live, other=0.0), tl.load(qb + dr[None, :], mask=live, other=0.0),
                 cos[None, :], sin[None, :], DT, PLAIN)
     if UPCAST:
         q = q.to(tl.float32)
     tl.debug_barrier()   # the column just written is read back below by other threads of the block
     _attend(q, k_ptr + b * sk_b + h * sk_h, v_ptr + b * sv_b + h * sv_h, o_ptr + b * so_b + h * so_h, start,
             col + 1, scale, sk_s, sv_s, so_g, G, GP, D, BLOCK, IEEE, UPCAST)
-
-
-@triton.jit
-def decode_attention_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr, start_ptr, col_ptr, scale,
-                                 s_qkv, s_cos, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g,
-                                 QW: tl.constexpr, KVW: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
-                                 GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
-                                 UPCAST: tl.constexpr, PLAIN: tl.constexpr, PDL: tl.constexpr = False):
-    """The decode step's rotary embedding, cache write and attention in one kernel. qkv (B, QW + 2 KVW):
-    the row's q, k and v projections, not yet rotated; cos, sin (B, D): the row's rotary tables (sin
-    with rotate_half's sign folded in); k and v (B, KVH, S, D): the cache, whose column col[0] this
-    kernel writes (k rotated, v as is) before it attends over start[b] .. col[0], that column read back
-    after a block barrier. PLAIN (the interpreter): `_rotate` without libdevice. PDL: launched with
-    programmatic dependent launch between the Triton decode layers' projections (`pdl_enter` first, as
-    theirs). Else as `decode_attention_kernel`."""
-    if PDL:
-        pdl_enter()
-    _attention_rope_item(tl.program_id(0), qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr, start_ptr, col_ptr, scale,
-                         s_qkv, s_cos, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g, QW, KVW, KVH, G, GP, D,
-                         BLOCK, IEEE, UPCAST, PLAIN, False)

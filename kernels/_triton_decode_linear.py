@@ -21,11 +21,6 @@ through memory. `decode_linear_kernel` folds those into the products:
   program's sums of squares of its block of the new rows (fp32, of the rounded values the next norm reads).
 - HAS_BIAS: the bias added to the fp32 product before it rounds (cuBLAS's epilogue does the same).
 - SWAP: the product computed as W x^T, the weight block as tl.dot's first operand (faster for q/k/v).
-- PDL: launched with programmatic dependent launch (CC >= 9.0): the kernel may start while the kernel before
-  it still runs; it waits for that kernel (`gdc_wait`, which also makes its writes visible) before it reads
-  or writes anything but the weight, then lets the kernel after it start. PF_COLS > 0: before the wait, it
-  asks the L2 cache for the first PF_COLS columns of its weight rows (one bulk prefetch per row, sm_90), so
-  the weight streams in while the kernel before finishes. The weight is read-only during decoding.
 
 One program per block of BN output columns and BM rows (and inner slice under SPLIT), so each weight element
 is read once, and every sum is in a fixed order (the same tokens on every run). IEEE: fp32 inputs multiply
@@ -41,30 +36,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-try:   # programmatic dependent launch (triton >= 3.4)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    HAS_GDC = True
-except ImportError:
-    HAS_GDC = False
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, rows, n_rows, k_lo, ncols, sw, ESZ: tl.constexpr):
-    """One bulk L2 prefetch per weight row `rows` (clamped to n_rows - 1) of columns [k_lo, k_lo + ncols):
-    addresses and sizes whole multiples of 16 bytes (the launcher checks). A hint: nothing is loaded."""
-    r = tl.minimum(rows, n_rows - 1).to(tl.int64)
-    addr = (w_ptr + r * sw + k_lo).to(tl.int64)
-    nbytes = tl.zeros_like(rows) + ncols * ESZ
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def pdl_enter():
-    """Under programmatic dependent launch: wait for the kernel before (its writes visible after), then let
-    the kernel after this one start."""
-    gdc_wait()
-    gdc_launch_dependents()
 
 
 @triton.jit
@@ -88,11 +59,10 @@ def _rstd(x_ptr, rows, rmask, sx, K, eps, BK: tl.constexpr, BM: tl.constexpr, PL
 
 
 @triton.jit
-def _rstd_from_partials(ssq_ptr, NB, B, rows, rmask, K, eps, NBP: tl.constexpr, PLAIN: tl.constexpr,
-                        FRESH: tl.constexpr):
+def _rstd_from_partials(ssq_ptr, NB, B, rows, rmask, K, eps, NBP: tl.constexpr, PLAIN: tl.constexpr):
     """1 / RMS of each row from its NB partial sums of squares (ssq (NB, B), fp32), summed in a fixed order."""
     j = tl.arange(0, NBP)
-    part = _ld(ssq_ptr + j[:, None] * B + rows[None, :], (j[:, None] < NB) & rmask[None, :], FRESH)
+    part = tl.load(ssq_ptr + j[:, None] * B + rows[None, :], mask=(j[:, None] < NB) & rmask[None, :], other=0.0)
     return _rsqrt_mean(tl.sum(part, 0), K, eps, PLAIN)
 
 
@@ -115,7 +85,7 @@ def _product(a, w_ptr, cols, cmask, kk, kmask, sw, IEEE: tl.constexpr, UPCAST: t
 @triton.jit
 def _epilogue(acc, acc_up, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, cols, cmask, B, INTER, sres, sout,
               pid_n, GLU: tl.constexpr, RESID: tl.constexpr, SSQ_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-              PLAIN: tl.constexpr, FRESH: tl.constexpr):
+              PLAIN: tl.constexpr):
     """Bias, SiLU(gate) * up, the residual add and the sums of squares of the finished fp32 product; the store."""
     DT = out_ptr.dtype.element_ty
     if HAS_BIAS:
@@ -132,7 +102,7 @@ def _epilogue(acc, acc_up, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, co
         y = (act.to(DT).to(tl.float32) * acc_up.to(DT).to(tl.float32)).to(DT)
     omask = rmask[:, None] & cmask[None, :]
     if RESID:   # HF: residual + proj(x), the product rounded first
-        r = _ld(res_ptr + rows[:, None] * sres + cols[None, :], omask, FRESH)
+        r = tl.load(res_ptr + rows[:, None] * sres + cols[None, :], mask=omask, other=0.0)
         y = (r.to(tl.float32) + y.to(tl.float32)).to(DT)
         if SSQ_OUT:
             yf = tl.where(omask, y.to(tl.float32), 0.0)
@@ -141,43 +111,46 @@ def _epilogue(acc, acc_up, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, co
 
 
 @triton.jit
-def _ld(ptrs, mask, FRESH: tl.constexpr):
-    """A masked load; FRESH: data another program of this launch wrote (the persistent layer kernel's
-    phases), read past the SM's L1 cache (.cg), which is not coherent across SMs."""
-    if FRESH:
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _linear_tile(pid_n, pid_m, pid_k, n_tiles_n, x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, ssq_in_ptr, ssq_out_ptr,
-                 ws_ptr, cnt_ptr, B, K, N, eps, sx, sw, sres, sout, INTER, NB, KS, NORM: tl.constexpr,
-                 SSQ_IN: tl.constexpr, NBP: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
-                 SSQ_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr,
-                 SWAP: tl.constexpr, FRESH: tl.constexpr):
-    """One tile of `decode_linear_kernel`: output columns block pid_n (of n_tiles_n), rows block pid_m, inner
-    slice pid_k. FRESH: x, the residual and the sums of squares were written in this launch (see `_ld`)."""
+def decode_linear_kernel(x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, ssq_in_ptr, ssq_out_ptr, ws_ptr, cnt_ptr,
+                         B, K, N, eps, sx, sw, sres, sout, INTER, NB, KS, NORM: tl.constexpr, SSQ_IN: tl.constexpr,
+                         NBP: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr, SSQ_OUT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr,
+                         SWAP: tl.constexpr):
+    """out (B, N) = epilogue(prologue(x) @ W^T). x (B, K), W (N, K) or, under GLU, (2 INTER, K) with the
+    gate's rows first; ln (K,): the norm weight (NORM); ssq_in (NB, B) fp32: the rows' partial sums of
+    squares (SSQ_IN; NBP: NB padded to a power of two); b: the bias (N,) or (2 INTER,) (HAS_BIAS); res
+    (B, N): the residual rows (RESID); ssq_out (programs along N, B) fp32 (SSQ_OUT). Last dimensions
+    contiguous; every tensor but the sums in the compute dtype.
+    SPLIT > 1 (neither NORM nor GLU): the inner dimension in SPLIT slices of KS columns (program axis 2), for
+    more programs on a product with few output columns and a long inner dimension (the down product). Each
+    program stores its fp32 partial tile in ws (SPLIT, B, N) and counts itself in its tile's counter
+    (cnt, int32, zero before the launch); the last of a tile's SPLIT programs sums the partials in slice
+    order (the same sum on every run, whichever program finishes last), runs the epilogue and sets the
+    counter back to zero for the next launch."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     DT = out_ptr.dtype.element_ty
     rows = pid_m * BM + tl.arange(0, BM)
     rmask = rows < B
     cols = pid_n * BN + tl.arange(0, BN)
     cmask = cols < N
-    k_lo = pid_k * KS
-    k_hi = tl.minimum(K, k_lo + KS)
     if NORM:
         if SSQ_IN:
-            rstd = _rstd_from_partials(ssq_in_ptr, NB, B, rows, rmask, K, eps, NBP, PLAIN, FRESH)
+            rstd = _rstd_from_partials(ssq_in_ptr, NB, B, rows, rmask, K, eps, NBP, PLAIN)
         else:
             rstd = _rstd(x_ptr, rows, rmask, sx, K, eps, BK, BM, PLAIN)
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = acc
     if GLU:
         acc_up = tl.zeros([BM, BN], tl.float32)
+    k_lo = pid_k * KS
+    k_hi = tl.minimum(K, k_lo + KS)
     for k0 in range(k_lo, k_hi, BK):
         kk = k0 + tl.arange(0, BK)
         kmask = kk < k_hi
-        a = _ld(x_ptr + rows[:, None] * sx + kk[None, :], rmask[:, None] & kmask[None, :], FRESH)
+        a = tl.load(x_ptr + rows[:, None] * sx + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if NORM:   # HF: (x * rstd) rounded, then weight * that, rounded
             a = (a.to(tl.float32) * rstd[:, None]).to(DT)
             ln = tl.load(ln_ptr + kk, mask=kmask, other=0.0)
@@ -192,51 +165,14 @@ def _linear_tile(pid_n, pid_m, pid_k, n_tiles_n, x_ptr, ln_ptr, w_ptr, b_ptr, re
         part = ws_ptr + rows[:, None] * N + cols[None, :]
         tl.store(part + pid_k * B * N, acc, mask=omask)
         tl.debug_barrier()   # every thread's store issued before the count that may let another program read it
-        tile = cnt_ptr + pid_m * n_tiles_n + pid_n
+        tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
             acc = tl.load(part, mask=omask, other=0.0, cache_modifier=".cg")
             for j in tl.static_range(1, SPLIT):
                 acc += tl.load(part + j * B * N, mask=omask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(tile, 0)
             _epilogue(acc, acc, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, cols, cmask, B, INTER, sres,
-                      sout, pid_n, GLU, RESID, SSQ_OUT, HAS_BIAS, PLAIN, FRESH)
+                      sout, pid_n, GLU, RESID, SSQ_OUT, HAS_BIAS, PLAIN)
     else:
         _epilogue(acc, acc_up, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, cols, cmask, B, INTER, sres, sout,
-                  pid_n, GLU, RESID, SSQ_OUT, HAS_BIAS, PLAIN, FRESH)
-
-
-@triton.jit
-def decode_linear_kernel(x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, ssq_in_ptr, ssq_out_ptr, ws_ptr, cnt_ptr,
-                         B, K, N, eps, sx, sw, sres, sout, INTER, NB, KS, NORM: tl.constexpr, SSQ_IN: tl.constexpr,
-                         NBP: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr, SSQ_OUT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PLAIN: tl.constexpr,
-                         SWAP: tl.constexpr, PDL: tl.constexpr = False, PF_COLS: tl.constexpr = 0,
-                         ESZ: tl.constexpr = 2):
-    """out (B, N) = epilogue(prologue(x) @ W^T). x (B, K), W (N, K) or, under GLU, (2 INTER, K) with the
-    gate's rows first; ln (K,): the norm weight (NORM); ssq_in (NB, B) fp32: the rows' partial sums of
-    squares (SSQ_IN; NBP: NB padded to a power of two); b: the bias (N,) or (2 INTER,) (HAS_BIAS); res
-    (B, N): the residual rows (RESID); ssq_out (programs along N, B) fp32 (SSQ_OUT). Last dimensions
-    contiguous; every tensor but the sums in the compute dtype.
-    SPLIT > 1 (neither NORM nor GLU): the inner dimension in SPLIT slices of KS columns (program axis 2), for
-    more programs on a product with few output columns and a long inner dimension (the down product). Each
-    program stores its fp32 partial tile in ws (SPLIT, B, N) and counts itself in its tile's counter
-    (cnt, int32, zero before the launch); the last of a tile's SPLIT programs sums the partials in slice
-    order (the same sum on every run, whichever program finishes last), runs the epilogue and sets the
-    counter back to zero for the next launch. PDL, PF_COLS (ESZ: the weight's bytes per element): see the
-    module's docstring."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if PDL:
-        cols = pid_n * BN + tl.arange(0, BN)
-        k_lo = pid_k * KS
-        if PF_COLS > 0:
-            pf = tl.minimum(tl.minimum(K, k_lo + KS) - k_lo, PF_COLS)
-            _prefetch_l2(w_ptr, cols, N, k_lo, pf, sw, ESZ)
-            if GLU:
-                _prefetch_l2(w_ptr + INTER * sw, cols, N, k_lo, pf, sw, ESZ)
-        pdl_enter()
-    _linear_tile(pid_n, pid_m, pid_k, tl.num_programs(0), x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, ssq_in_ptr,
-                 ssq_out_ptr, ws_ptr, cnt_ptr, B, K, N, eps, sx, sw, sres, sout, INTER, NB, KS, NORM, SSQ_IN, NBP, GLU,
-                 RESID, SSQ_OUT, HAS_BIAS, SPLIT, BM, BN, BK, IEEE, UPCAST, PLAIN, SWAP, False)
+                  pid_n, GLU, RESID, SSQ_OUT, HAS_BIAS, PLAIN)

@@ -105,7 +105,7 @@ def attention_rope_op():
         @torch.library.custom_op("edgerl::decode_attention_rope", mutates_args=("k", "v"))
         def decode_attention_rope_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                                      v: torch.Tensor, start: torch.Tensor, col: torch.Tensor, scale: float,
-                                     group: int, pdl: bool = False) -> torch.Tensor:
+                                     group: int) -> torch.Tensor:
             B, KVH, _, D = k.shape
             if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride() or k.stride(-1) != 1 \
                     or v.stride(-1) != 1 or qkv.shape != (B, (group + 2) * KVH * D) or qkv.dtype != k.dtype \
@@ -119,11 +119,11 @@ def attention_rope_op():
             mod.decode_attention_rope_kernel[(B * KVH,)](
                 qkv, cos, sin, k, v, o, start, col, scale, qkv.stride(0), cos.stride(0), *k.stride()[:3],
                 *v.stride()[:3], *o.stride()[:3], QW=group * KVH * D, KVW=KVH * D, PLAIN=mod.INTERPRETED,
-                PDL=pdl, **opts, **({"launch_pdl": True} if pdl else {}))
+                **opts)
             return o
 
         @decode_attention_rope_op.register_fake
-        def _(qkv, cos, sin, k, v, start, col, scale, group, pdl=False):
+        def _(qkv, cos, sin, k, v, start, col, scale, group):
             return qkv.new_empty((k.shape[0], k.shape[1], group, k.shape[3]))
 
         _ROPE_OP = decode_attention_rope_op
@@ -131,15 +131,13 @@ def attention_rope_op():
 
 
 def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          start: torch.Tensor, col: torch.Tensor, scale: float, group: int,
-                          pdl: bool = False) -> torch.Tensor:
+                          start: torch.Tensor, col: torch.Tensor, scale: float, group: int) -> torch.Tensor:
     """The rotary embedding of the new token's q and k, k and v written into cache column col, and
     `decode_attention` over the row's columns, in one kernel. qkv: (B, (group + 2) KVH D), the q/k/v
     projection's output before rotation (q heads, then k, then v); cos, sin: (B, D) the rows' rotary
     tables as the engine keeps them (sin carries rotate_half's sign); k, v: (B, KVH, S, D), written in
-    place. pdl: launched with programmatic dependent launch (`decode_linear.pdl_reason`: the caller checks).
-    Returns (B, KVH, group, D)."""
-    return attention_rope_op()(qkv, cos, sin, k, v, start, col, scale, group, pdl)
+    place. Returns (B, KVH, group, D)."""
+    return attention_rope_op()(qkv, cos, sin, k, v, start, col, scale, group)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, col: torch.Tensor,

@@ -231,27 +231,6 @@ def decode_linear_smem(block_m: int, block_n: int, block_k: int, dtype_bytes: in
     return stages * block_k * (block_m + block_n * (2 if glu else 1)) * dtype_bytes
 
 
-def decode_linear_prefetch_cols(rows: int, k_slice: int, slices: int, dtype_bytes: int, l2_bytes: int) -> int:
-    """Columns of its weight rows a `decode_linear` program asks into L2 before it waits for the kernel
-    before it (programmatic dependent launch), from the start of its slice of k_slice columns (one of
-    `slices`): the whole slice where the weight's `rows` rows of every slice take at most half the L2 cache,
-    else the most whole 64-column blocks that do (0: none), so the prefetch does not evict itself or the
-    data of the kernel still running."""
-    cols = (l2_bytes // 2) // max(1, rows * dtype_bytes * slices)
-    return k_slice if cols >= k_slice else cols // 64 * 64
-
-
-def decode_layer_prefetch(sizes: list[int], l2_bytes: int) -> list[bool]:
-    """Which of the persistent layer kernel's phases (q/k/v, attention's cache, o, gate/up, down: what each
-    reads, in bytes) it asks into L2 first: in phase order, each that still fits in half the L2 cache with
-    the ones chosen before it (a phase too large is skipped, a later smaller one may still fit)."""
-    room, out = l2_bytes // 2, []
-    for size in sizes:
-        out.append(size <= room)
-        room -= size if out[-1] else 0
-    return out
-
-
 def decode_linear_tiles(rows: int, n: int, k: int, dtype_bytes: int, glu: bool, sms: int,
                         smem_per_block_optin: int, *, norm: bool = False) -> tuple[int, int, int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages, split, swap) for `rows` rows times an (n, k) weight (n: output

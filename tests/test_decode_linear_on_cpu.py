@@ -175,25 +175,6 @@ def test_engine_with_triton_layers_equals_its_torch_layers_fp32(interpreted, bui
     assert torch.allclose(lp1, lp2, atol=1e-4)
 
 
-@pytest.mark.parametrize("build", ["tiny_llama", "tiny_qwen2"], ids=["interp-llama", "interp-qwen2"])
-def test_persistent_layer_kernel_equals_the_five_kernels(interpreted, build):
-    """The whole layer as one kernel (its phases the five kernels' tiles) gives the five kernels' tokens and
-    log-probs exactly, greedy and sampled (qwen2: the q/k/v biases)."""
-    import rollout_helpers
-    from edgerl.rollout import SamplingParams, StaticCacheEngine
-    model = getattr(rollout_helpers, build)()
-    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95)
-    runs = []
-    for persistent in (False, True):
-        eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, decode_attention="triton_layers",
-                                layers_persistent=persistent)
-        assert ("one persistent kernel per layer" in eng.describe()) == persistent
-        greedy = eng.generate(rollout_helpers.PROMPTS, 2, SamplingParams(max_new_tokens=12, greedy=True))
-        sampled = eng.generate(rollout_helpers.PROMPTS, 2, params, generator=torch.Generator().manual_seed(3))
-        runs.append((greedy.response_ids, greedy.logprobs, sampled.response_ids, sampled.logprobs))
-    assert runs[0] == runs[1]
-
-
 def test_interp_engine_refuses_triton_layers_where_they_cannot_run(interpreted):
     from rollout_helpers import tiny_llama
     from edgerl.rollout import StaticCacheEngine
@@ -209,11 +190,6 @@ def test_interp_engine_refuses_triton_layers_where_they_cannot_run(interpreted):
     with pytest.raises(ValueError, match="inside their kernels"):
         StaticCacheEngine(model, 4, 32, cuda_graphs=False, decode_attention="triton_rope", triton_layers=True,
                           split_k=2)
-    with pytest.raises(ValueError, match="programmatic dependent launch: .*CUDA feature"):
-        StaticCacheEngine(model, 4, 32, cuda_graphs=False, decode_attention="triton_rope", triton_layers=True,
-                          layers_pdl=True)
-    eng = StaticCacheEngine(model, 4, 32, cuda_graphs=False, decode_attention="triton_layers")
-    assert not eng.dec.pdl and "programmatic" not in eng.describe()   # the default where it cannot run
 
 
 def test_interp_the_plans_name_for_the_layers(interpreted):

@@ -186,19 +186,3 @@ def test_decode_linear_tiles_are_the_measured_ones_on_an_h200():
     assert got[6] == (32, 256, 4, 3, 1, 0)     # gate/up: two weight blocks per program, 3 stages
     assert got[7] == (32, 128, 4, 4, 4, 0)     # down: the 8192-wide inner dimension over 4 programs
     assert got[1][4] == 2                      # 360M o: 960 columns hold two slices of 2 x 128
-
-
-def test_decode_linear_prefetch_stays_within_half_the_l2_cache():
-    """The weight prefetched before a product waits for the kernel before it: the whole slice where every
-    program's rows of every slice fit in half the L2 cache, else whole 64-column blocks that do, else none."""
-    from edgerl.kernels.tiles import decode_linear_prefetch_cols
-    l2 = 60 * 2**20
-    assert decode_linear_prefetch_cols(1600, 960, 1, 2, l2) == 960            # 360M q/k/v: 3 MB, whole
-    assert decode_linear_prefetch_cols(960, 384, 4, 2, l2) == 384             # split 4 ways: every slice whole
-    cols = decode_linear_prefetch_cols(16384, 2048, 1, 2, l2)                 # 1.7B gate/up: 64 MiB, too much
-    assert cols % 64 == 0 and 0 < cols < 2048 and 16384 * cols * 2 <= l2 // 2 < 16384 * (cols + 64) * 2
-    assert decode_linear_prefetch_cols(2**20, 4096, 1, 2, 2**20) == 0        # not one block fits: none
-    for rows, k, slices in ((960, 2560, 2), (2048, 2048, 1), (8192, 2048, 1), (2048, 2048, 4)):
-        for b in (2, 4):
-            cols = decode_linear_prefetch_cols(rows, k, slices, b, l2)
-            assert rows * slices * cols * b <= l2 // 2 and (cols == k or cols % 64 == 0)

@@ -20,7 +20,6 @@ sits at column `start[b]`, and its position ids count from there (`column - star
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -239,8 +238,6 @@ class StaticDecoder:
         self.cache: torch.Tensor | None = None
         self.split_k = 0   # o and down as S-way split-K products (see `set_split_k`); 0: one matmul each
         self.linear = None   # kernels/decode_linear.py's launcher under `set_triton_layers`
-        self.pdl = False     # the Triton layers' programmatic dependent launch (`set_triton_layers`)
-        self.whole_layer = None   # the persistent layer kernel's launcher (`set_triton_layers(persistent=True)`)
         # the engine swaps in a compiled one under compile_step
         self.layer_step = self._decode_layer_cuda if attention == "cuda" else self._decode_layer
         self.compiled = False
@@ -320,30 +317,15 @@ class StaticDecoder:
         from ..kernels.decode_linear import unavailable_reason
         return unavailable_reason(self.device, self.dtype)
 
-    def set_triton_layers(self, pdl: bool | None = None, prefetch: bool = True, persistent: bool = False) -> None:
+    def set_triton_layers(self) -> None:
         """Run each decode layer as five kernels: the RMS norm fused into the q/k/v product, the rotary
         attention kernel, the o product with the residual add, the norm fused into the gate/up product with
         SiLU(gate) * up as its epilogue, and the down product with the residual add (`_decode_layer_triton`),
-        each rounded where HF's ops round. pdl: the five launched with programmatic dependent launch, each
-        starting while the one before finishes (and with prefetch, asking its weight into L2 meanwhile);
-        None: where the GPU can (`decode_linear.pdl_reason`). persistent: the five as phases of one kernel per
-        layer instead (`decode_linear.decode_layer`: the same tiles and results, one launch, grid barriers
-        between the phases; pdl does not apply). Raises ValueError with the reason where it cannot run."""
+        each rounded where HF's ops round. Raises ValueError with the reason where it cannot run."""
         if why := self.triton_layers_reason():
             raise ValueError(f"the Triton decode layers cannot run: {why}")
-        from ..kernels.decode_linear import decode_layer, decode_linear, pdl_reason
-        if persistent:
-            if pdl:
-                raise ValueError("the persistent layer kernel is one launch per layer: programmatic dependent "
-                                 "launch does not apply")
-            self.pdl, self.linear, self.whole_layer = False, decode_linear, decode_layer
-            self.layer_step = self._decode_layer_whole
-            return
-        why = pdl_reason(self.device)
-        if pdl and why:
-            raise ValueError(f"the Triton decode layers cannot use programmatic dependent launch: {why}")
-        self.pdl = not why if pdl is None else pdl
-        self.linear = functools.partial(decode_linear, pdl=self.pdl, prefetch=prefetch)
+        from ..kernels.decode_linear import decode_linear
+        self.linear = decode_linear
         self.layer_step = self._decode_layer_triton
 
     def _partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -409,18 +391,10 @@ class StaticDecoder:
         Returns (x, d) for the next layer."""
         B, lin = x.shape[0], self.linear
         qkv = lin(x, proj.qkv_w, norm=ln1, eps=eps1, bias=proj.qkv_b, sumsq=d)
-        o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, self.scaling, self.group,
-                        self.pdl)
+        o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, self.scaling, self.group)
         x, ss = lin(o.view(B, self.q_width), proj.o_w, bias=proj.o_b, residual=x, return_sumsq=True)
         h = lin(x, proj.gu_w, norm=ln2, eps=eps2, bias=proj.gu_b, glu=True, sumsq=ss)
         return lin(h, proj.down_w, bias=proj.down_b, residual=x, return_sumsq=True)
-
-    def _decode_layer_whole(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
-        """`_decode_layer_triton` as one persistent kernel (`set_triton_layers(persistent=True)`)."""
-        B = x.shape[0]
-        return self.whole_layer(x, d, ln1, eps1, proj.qkv_w, proj.qkv_b, cos.view(B, -1), sin.view(B, -1), kv[0],
-                                kv[1], start, col, self.scaling, self.group, proj.o_w, proj.o_b, ln2, eps2, proj.gu_w,
-                                proj.gu_b, proj.down_w, proj.down_b)
 
     def _decode_layer_cuda(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
         """`_decode_layer` through `kernels/decode_cuda.py` (attention 'cuda', fp32): the residual add and

@@ -114,10 +114,7 @@ class StaticCacheEngine:
     CUDA CC >= 7.0, fused projections; the compiled step is what a CUDA graph captures); off by default,
     never chosen on the CPU. triton_layers: each decode layer as five Triton kernels with the norms, SiLU * up
     and residual adds fused into the projections (`StaticDecoder.set_triton_layers`; fused projections,
-    decode_attention 'triton_rope', SiLU; not with compile_step); layers_pdl: their programmatic dependent
-    launch (None: where the GPU has it, CC >= 9.0; False: off, for comparison) and layers_prefetch its L2
-    prefetch of each product's weight; layers_persistent: each layer as one persistent kernel instead of five
-    (`StaticDecoder.set_triton_layers`). split_k: the decode step's o and down
+    decode_attention 'triton_rope', SiLU; not with compile_step). split_k: the decode step's o and down
     products as that many batched partial products (`StaticDecoder.set_split_k`); None: SPLIT_K when the step
     is compiled on CUDA in 16 bits, else 0 (off).
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
@@ -135,7 +132,6 @@ class StaticCacheEngine:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  cuda_graphs: bool, projections: str = "auto", decode_attention: str = "auto",
                  compile_step: bool = False, split_k: Optional[int] = None, triton_layers: bool = False,
-                 layers_pdl: Optional[bool] = None, layers_prefetch: bool = True, layers_persistent: bool = False,
                  time_steps: bool = False,
                  note: str = "") -> None:
         if max_batch < 1 or max_seq_len < 2:
@@ -156,7 +152,7 @@ class StaticCacheEngine:
             raise ValueError("triton_layers and compile_step are two ways to fuse the decode layers' elementwise "
                              "work; use one")
         if triton_layers:
-            self.dec.set_triton_layers(pdl=layers_pdl, prefetch=layers_prefetch, persistent=layers_persistent)
+            self.dec.set_triton_layers()
         if compile_step:
             _enable_compile(self.dec, self.device)
         if split_k is None:   # where Inductor fuses the partials' sum into the residual add: compiled, 16 bits
@@ -185,9 +181,7 @@ class StaticCacheEngine:
         if self.dec.split_k:
             mode += f", o and down split {self.dec.split_k} ways"
         if self.triton_layers:
-            mode += (", Triton layers (norms, SiLU * up and residual adds inside the projections"
-                     + (", programmatic dependent launch)" if self.dec.pdl else
-                        ", one persistent kernel per layer)" if self.dec.whole_layer else ")"))
+            mode += ", Triton layers (norms, SiLU * up and residual adds inside the projections)"
         size = f"{self.max_batch} sequences x {self.max_seq_len} tokens, cache {self.dec.cache_bytes() / 2**20:.0f} MiB"
         return (f"hf engine: {mode} ({size}; {self.dec.proj_note}; {self.dec.attention} attention)"
                 + (f" ({self.note})" if self.note else ""))
