@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_gemm import timed  # noqa: E402  (us per call of fn / n, in a CUDA graph)
 from edgerl.modelspec import CATALOGUE  # noqa: E402
 
 
@@ -51,26 +53,6 @@ def five(layers, x, cos, sin, start, col, group, scale):
         h = decode_linear(x, L["gu_w"], norm=L["ln2"], eps=1e-5, glu=True, sumsq=ss)
         x, d = decode_linear(h, L["down_w"], residual=x, return_sumsq=True)
     return x
-
-
-def timed(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 def kernel_times(fn, per_layer=5):
@@ -131,7 +113,7 @@ def attention_sweep(layers, x, cos, sin, start, col, group, scale, bw, smem):
                             GP=group_pad(group), D=D, BLOCK=block, IEEE=False, UPCAST=False, PLAIN=False,
                             num_warps=warps, num_stages=stages)
                 try:
-                    us = timed(run) * 1e3 / n
+                    us = timed(run, n)
                 except Exception as e:   # a configuration Triton refuses: shown, skipped
                     print(f"  BLOCK {block} stages {stages} warps {warps}: {type(e).__name__}: {str(e)[:160]}")
                     continue
@@ -149,6 +131,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_decode_layer.py times the decode layer's CUDA kernels: it needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
     t0 = time.time()
     dev = torch.device("cuda")
     bw = bandwidth_tbs(dev)
@@ -161,7 +146,7 @@ def main():
         n = len(layers)
         bound_us = nbytes / (bw * 1e12) * 1e6
         args = (layers, x, cos, sin, start, col, group, scale)
-        us = timed(lambda: five(*args)) * 1e3 / n
+        us = timed(lambda: five(*args), n)
         ktimes = kernel_times(lambda: five(*args))
         print(f"| {name} | five kernels | {us:.2f} us per layer | {100 * bound_us / us:.1f}% of bound "
               f"({nbytes / 2**20:.1f} MiB) | GPU time (us): " + ", ".join(f"{k} {v:.2f}" for k, v in ktimes.items())

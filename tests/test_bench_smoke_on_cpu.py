@@ -136,6 +136,13 @@ def test_nf4_decode_profile_says_it_needs_a_gpu():
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_decode_layer_bench_says_it_needs_a_gpu():
+    """bench_decode_layer.py times the Triton layers' CUDA kernels: without a GPU it says so and exits 2."""
+    out = subprocess.run([sys.executable, str(BENCH / "bench_decode_layer.py")], capture_output=True, text=True,
+                         env=ENV, timeout=300)
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_bench_adamw_bf16_smoke_times_every_variant(tmp_path):
     out = tmp_path / "adamw.json"
     res = subprocess.run([sys.executable, str(BENCH / "bench_adamw_bf16.py"), "--smoke", "--device", "cpu",
