@@ -131,6 +131,12 @@ def main():
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    unknown = [m for m in a.models.split(",") if f"smollm2-{m}" not in CATALOGUE]
+    if unknown:
+        known = ", ".join(n.removeprefix("smollm2-") for n in CATALOGUE if n.startswith("smollm2-"))
+        ap.error(f"--models: {', '.join(unknown)} not among the SmolLM2 shapes ({known})")
+    if a.rows < 1 or not 0 <= a.col < 512:
+        ap.error("--rows needs at least 1 and --col a column in [0, 512) (the cache holds 512)")
     if not torch.cuda.is_available():
         print("bench_decode_layer.py times the decode layer's CUDA kernels: it needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
