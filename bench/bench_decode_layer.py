@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_gemm import timed  # noqa: E402  (us per call of fn / n, in a CUDA graph)
+from edgerl.checkpoint import atomic_write_text  # noqa: E402
 from edgerl.modelspec import CATALOGUE  # noqa: E402
 
 
@@ -93,7 +94,7 @@ def attention_sweep(layers, x, cos, sin, start, col, group, scale, bw, smem):
     from edgerl.kernels.tiles import group_pad
     mod = kernel_module()
     B, n = x.shape[0], len(layers)
-    _, _, KVH, S, D = layers[0]["kv"].shape
+    _, _, KVH, _, D = layers[0]["kv"].shape
     qkv = torch.randn(B, (group + 2) * KVH * D, device=x.device).to(x.dtype)
     o = torch.empty(B, KVH, group, D, device=x.device, dtype=x.dtype)
     nbytes = 2 * B * KVH * (int(col) + 1) * D * x.element_size()
@@ -137,6 +138,8 @@ def main():
         ap.error(f"--models: {', '.join(unknown)} not among the SmolLM2 shapes ({known})")
     if a.rows < 1 or not 0 <= a.col < 512:
         ap.error("--rows needs at least 1 and --col a column in [0, 512) (the cache holds 512)")
+    if a.out and not Path(a.out).resolve().parent.is_dir():
+        ap.error(f"--out: the folder of {a.out} does not exist; create it first")
     if not torch.cuda.is_available():
         print("bench_decode_layer.py times the decode layer's CUDA kernels: it needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
@@ -168,7 +171,7 @@ def main():
                       f"{r['us']:.2f} us | {100 * r['of_bound']:.1f}% of its bound |")
             results.append(dict(model=name, attention_sweep=sweep))
         if a.out:
-            Path(a.out).write_text(json.dumps(dict(bandwidth_tbs=bw, results=results), indent=1))
+            atomic_write_text(Path(a.out), json.dumps(dict(bandwidth_tbs=bw, results=results), indent=1))
 
 
 if __name__ == "__main__":
