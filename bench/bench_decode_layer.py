@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_gemm import timed  # noqa: E402  (us per call of fn / n, in a CUDA graph)
+from bench_rollout import measure_bandwidth  # noqa: E402  (bytes/s of a device-to-device copy, best of 3)
 from edgerl.checkpoint import atomic_write_text  # noqa: E402
 from edgerl.modelspec import CATALOGUE  # noqa: E402
 
@@ -71,21 +72,6 @@ def kernel_times(fn, per_layer=5):
         ts = sorted(e.device_time for e in ev[i::per_layer])
         out[n] = ts[len(ts) // 2] if ts else None
     return out
-
-
-def bandwidth_tbs(dev):
-    a = torch.empty(2 ** 30 // 2, dtype=torch.float16, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(10):
-        b.copy_(a)
-    e1.record()
-    e1.synchronize()
-    return 2 * a.numel() * 2 * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e12
 
 
 def attention_sweep(layers, x, cos, sin, start, col, group, scale, bw, smem):
@@ -145,7 +131,7 @@ def main():
         sys.exit(2)
     t0 = time.time()
     dev = torch.device("cuda")
-    bw = bandwidth_tbs(dev)
+    bw = measure_bandwidth(dev) / 1e12   # TB/s, as bench_rollout.py measures it
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)}: copy bandwidth {bw:.2f} TB/s, {sms} SMs")
     results = []
