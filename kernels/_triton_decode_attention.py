@@ -131,14 +131,17 @@ def decode_attention_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr,
     cos = tl.load(cos_ptr + b * s_cos + d)
     sin = tl.load(sin_ptr + b * s_cos + d)
     kb = row + QW + h * D
-    k_new = _rotate(tl.load(kb + d), tl.load(kb + dr), cos, sin, DT, PLAIN)
-    tl.store(k_ptr + b * sk_b + h * sk_h + col * sk_s + d, k_new)
-    tl.store(v_ptr + b * sv_b + h * sv_h + col * sv_s + d, tl.load(row + QW + KVW + h * D + d))
+    k_raw, k_half = tl.load(kb + d), tl.load(kb + dr)
+    v_new = tl.load(row + QW + KVW + h * D + d)
     g = tl.arange(0, GP)
     qb = row + (h * G + g[:, None]) * D
     live = g[:, None] < G
-    q = _rotate(tl.load(qb + d[None, :], mask=live, other=0.0), tl.load(qb + dr[None, :], mask=live, other=0.0),
-                cos[None, :], sin[None, :], DT, PLAIN)
+    # every read of the row's q/k/v issued before the cache writes (a read after a write to memory that may be
+    # the same waits for the write's values: one more round trip through memory before the attention starts)
+    q_raw, q_half = tl.load(qb + d[None, :], mask=live, other=0.0), tl.load(qb + dr[None, :], mask=live, other=0.0)
+    tl.store(k_ptr + b * sk_b + h * sk_h + col * sk_s + d, _rotate(k_raw, k_half, cos, sin, DT, PLAIN))
+    tl.store(v_ptr + b * sv_b + h * sv_h + col * sv_s + d, v_new)
+    q = _rotate(q_raw, q_half, cos[None, :], sin[None, :], DT, PLAIN)
     if UPCAST:
         q = q.to(tl.float32)
     tl.debug_barrier()   # the column just written is read back below by other threads of the block
