@@ -15,7 +15,7 @@ through memory. `decode_linear_kernel` folds those into the products:
 - GLU: two products per program, the gate's and the up's columns (rows j and INTER + j of the fused
   gate/up weight), and the epilogue act(gate) * up with SiLU, each rounded as the torch ops round.
 - SPLIT: the inner dimension split over several programs, the last of them summing the partials in a fixed
-  order (for products with few output columns and a long inner dimension).
+  order (more programs for products with few output columns or a long inner dimension).
 - RESID: the epilogue adds the product, rounded to the compute dtype, to the residual row
   (`x + o_proj(o)` in HF's order), and the kernel writes the new residual stream; SSQ_OUT: with each
   program's sums of squares of its block of the new rows (fp32, of the rounded values the next norm reads).
@@ -122,9 +122,10 @@ def decode_linear_kernel(x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, ssq_in_p
     squares (SSQ_IN; NBP: NB padded to a power of two); b: the bias (N,) or (2 INTER,) (HAS_BIAS); res
     (B, N): the residual rows (RESID); ssq_out (programs along N, B) fp32 (SSQ_OUT). Last dimensions
     contiguous; every tensor but the sums in the compute dtype.
-    SPLIT > 1 (neither NORM nor GLU): the inner dimension in SPLIT slices of KS columns (program axis 2), for
-    more programs on a product with few output columns and a long inner dimension (the down product). Each
-    program stores its fp32 partial tile in ws (SPLIT, B, N) and counts itself in its tile's counter
+    SPLIT > 1: the inner dimension in SPLIT slices of KS columns (program axis 2), for more programs on a
+    product with few output columns or a long inner dimension (each program normalises its slice of the rows
+    under NORM). Each program stores its fp32 partial tile in ws (SPLIT, B, N), under GLU (SPLIT, B, 2 N) with
+    the up product's after the gate's, and counts itself in its tile's counter
     (cnt, int32, zero before the launch); the last of a tile's SPLIT programs sums the partials in slice
     order (the same sum on every run, whichever program finishes last), runs the epilogue and sets the
     counter back to zero for the next launch."""
@@ -162,16 +163,23 @@ def decode_linear_kernel(x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, ssq_in_p
             acc_up += _product(a, w_ptr, INTER + cols, cmask, kk, kmask, sw, IEEE, UPCAST, SWAP)
     if SPLIT > 1:
         omask = rmask[:, None] & cmask[None, :]
-        part = ws_ptr + rows[:, None] * N + cols[None, :]
-        tl.store(part + pid_k * B * N, acc, mask=omask)
+        NW = 2 * N if GLU else N   # a row of partials: the gate's then (GLU) the up's
+        part = ws_ptr + rows[:, None] * NW + cols[None, :]
+        tl.store(part + pid_k * B * NW, acc, mask=omask)
+        if GLU:
+            tl.store(part + N + pid_k * B * NW, acc_up, mask=omask)
         tl.debug_barrier()   # every thread's store issued before the count that may let another program read it
         tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
             acc = tl.load(part, mask=omask, other=0.0, cache_modifier=".cg")
             for j in tl.static_range(1, SPLIT):
-                acc += tl.load(part + j * B * N, mask=omask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(part + j * B * NW, mask=omask, other=0.0, cache_modifier=".cg")
+            if GLU:
+                acc_up = tl.load(part + N, mask=omask, other=0.0, cache_modifier=".cg")
+                for j in tl.static_range(1, SPLIT):
+                    acc_up += tl.load(part + N + j * B * NW, mask=omask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(tile, 0)
-            _epilogue(acc, acc, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, cols, cmask, B, INTER, sres,
+            _epilogue(acc, acc_up, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, cols, cmask, B, INTER, sres,
                       sout, pid_n, GLU, RESID, SSQ_OUT, HAS_BIAS, PLAIN)
     else:
         _epilogue(acc, acc_up, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, cols, cmask, B, INTER, sres, sout,

@@ -42,8 +42,7 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, *, norm: Optional[torch.Tens
 
     Every tensor in one dtype (bf16, fp16 or fp32), last dimensions contiguous. tiles: (BM, BN, BK,
     num_warps, num_stages, split[, swap]), default `tiles.decode_linear_tiles` for this device; split > 1
-    (without norm and glu) splits the inner dimension over that many programs, swap computes W x^T (see the
-    kernel). A new output tensor."""
+    splits the inner dimension over that many programs, swap computes W x^T (see the kernel). A new output tensor."""
     mod = kernel_module()
     B, K = x.shape
     rows_w = w.shape[0]
@@ -68,13 +67,11 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, *, norm: Optional[torch.Tens
         tiles = decode_linear_tiles(B, N, K, x.element_size(), glu, sms, smem, norm=norm is not None)
     bm, bn, bk, warps, stages, split = tiles[:6]
     swap = bool(tiles[6]) if len(tiles) > 6 else False
-    if split > 1 and (glu or norm is not None):
-        raise ValueError("decode_linear: split > 1 is for products without norm and glu")
     ks = _cdiv(_cdiv(K, split), bk) * bk   # each slice whole BK blocks
     split = _cdiv(K, ks)
     out = torch.empty((B, N), device=x.device, dtype=x.dtype)
     grid = (_cdiv(N, bn), _cdiv(B, bm), split)
-    ws = torch.empty((split, B, N), device=x.device, dtype=torch.float32) if split > 1 else out
+    ws = torch.empty((split, B, 2 * N if glu else N), device=x.device, dtype=torch.float32) if split > 1 else out
     cnt = _counters(x.device, grid[0] * grid[1]) if split > 1 else out
     ssq_out = torch.empty((grid[0], B), device=x.device, dtype=torch.float32) if return_sumsq else None
     nb = sumsq.shape[0] if sumsq is not None else 1

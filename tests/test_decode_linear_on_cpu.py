@@ -114,7 +114,11 @@ def test_residual_product_returns_the_new_rows_sums_of_squares(interpreted, tile
 
 SPLITS = [("plain", (20, 200, 48, (16, 16, 32, 4, 1, 4))), ("residual", (20, 200, 48, (16, 16, 32, 4, 1, 4))),
           ("residual", (5, 96, 40, (16, 16, 16, 4, 1, 2))), ("plain", (3, 40, 24, (16, 16, 16, 4, 1, 4, 1))),
-          ("residual_bias", (20, 200, 48, (16, 16, 32, 4, 1, 4)))]
+          ("residual_bias", (20, 200, 48, (16, 16, 32, 4, 1, 4))),
+          # the norm before the product and SiLU(gate) * up after it, each slice normalising its columns
+          ("norm_sumsq", (20, 200, 48, (16, 16, 32, 4, 1, 4))), ("norm", (3, 40, 24, (16, 16, 16, 4, 1, 2, 1))),
+          ("glu", (20, 200, 48, (16, 16, 32, 4, 1, 3))), ("glu_bias", (5, 96, 40, (16, 16, 16, 4, 1, 2))),
+          ("glu_sumsq", (16, 200, 72, (16, 32, 32, 4, 1, 4, 1)))]
 
 
 @pytest.mark.parametrize("case", SPLITS, ids=[f"interp-split-{k}-{s[0]}x{s[1]}x{s[2]}-{s[3][-1]}" for k, s in SPLITS])

@@ -284,20 +284,22 @@ def test_decode_linear_kernel_rounds_as_the_torch_ops(kind, dtype):
 
 @needs_compile
 @pytest.mark.parametrize("split", [2, 4])
-def test_decode_linear_split_product_on_a_gpu(split):
-    """The split inner dimension at the 1.7B shape's down product: the same sums on every launch (the last
-    program of a tile adds the partials in slice order), within fp32 rounding of the unsplit product, and
-    its tile counters back at zero for the next launch."""
+@pytest.mark.parametrize("kind, k, n", [("residual", 8192, 2048), ("glu_sumsq", 2048, 4096)],
+                         ids=["down-1.7b", "gate_up-norm"])
+def test_decode_linear_split_product_on_a_gpu(split, kind, k, n):
+    """The split inner dimension at the 1.7B shape's down product, and at a gate/up product with its norm (each
+    slice normalising its columns, the up partials summed beside the gate's): the same sums on every launch
+    (the last program of a tile adds the partials in slice order), within fp32 rounding of the unsplit product,
+    and its tile counters back at zero for the next launch."""
     from edgerl.kernels import decode_linear as dl
-    from test_decode_linear_on_cpu import make
+    from test_decode_linear_on_cpu import make, run
     dtype = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
-    x, w, _, _, _, res = [t.cuda() if isinstance(t, torch.Tensor) else t for t in make("residual", 16, 8192, 2048,
-                                                                                       dtype, seed=5)]
-    one = dl.decode_linear(x, w, residual=res, tiles=(16, 16, 512, 4, 2, 1))
-    runs = [dl.decode_linear(x, w, residual=res, tiles=(16, 16, 512, 4, 2, split)) for _ in range(20)]
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in make(kind, 16, k, n, dtype, seed=5)]
+    one = run(kind, *args, (16, 16, 512, 4, 2, 1))
+    runs = [run(kind, *args, (16, 16, 512, 4, 2, split)) for _ in range(20)]
     torch.cuda.synchronize()
     assert all(torch.equal(r, runs[0]) for r in runs)
-    assert int(dl._COUNTERS[x.device].abs().sum()) == 0
+    assert int(dl._COUNTERS[args[0].device].abs().sum()) == 0
     ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10) * one.float().abs().clamp(min=1e-2)
     assert ((runs[0].float() - one.float()).abs() <= ulp).float().mean() >= 0.99
 
