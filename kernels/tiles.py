@@ -222,8 +222,8 @@ def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
 # each program walks the inner dimension (or a slice of it) for BN output columns, so the programs' count
 # is what spreads the weight's bytes over the SMs, and the bytes each has in flight (BK x BN x stages) what
 # hides the memory's latency. The blocks come from a sweep at 16 rows on an H200 over the 360M and 1.7B
-# shapes (`bench/bench_decode_gemm.py --triton --sweep`, docs/benchmarks.md section 17): for each of the
-# eight products within 11% of the fastest tiles measured in the same run.
+# shapes (`bench/bench_decode_gemm.py --triton --sweep`, docs/benchmarks.md sections 17 and 19): for each of
+# the eight products within 7% of the fastest tiles measured in the same run.
 
 
 def decode_linear_smem(block_m: int, block_n: int, block_k: int, dtype_bytes: int, glu: bool, stages: int) -> int:
@@ -238,8 +238,10 @@ def decode_linear_tiles(rows: int, n: int, k: int, dtype_bytes: int, glu: bool, 
     - glu (gate/up, the norm before it): BN 32, BK 256, up to 3 stages;
     - norm (q/k/v): BN 64, BK 256, the product computed as W x^T (swap: the weight block as the first
       operand, 1.4x faster there);
-    - otherwise (o and down, the residual add after them): BN 32, BK 128, the inner dimension split over 4
-      or 2 programs where each slice still holds two BK blocks and the programs stay within 4 per SM.
+    - o (the residual add after it, an inner dimension no longer than its output): BN 16, BK 256, not split
+      (1.2x faster than the down product's tiles at 360M, 1.05x at 1.7B: section 19);
+    - otherwise (down, the residual add after it): BN 32, BK 128, the inner dimension split over 4 or 2
+      programs where each slice still holds two BK blocks and the programs stay within 4 per SM.
     Stages: the deepest of up to 4 that fits in shared memory with a quarter spare for the compiler's own
     scratch (BK halved until 2 stages fit). fp32 (dtype_bytes 4): half the BK."""
     bm = min(64, max(16, _next_pow2(rows)))
@@ -249,12 +251,14 @@ def decode_linear_tiles(rows: int, n: int, k: int, dtype_bytes: int, glu: bool, 
         bn, bk, most = 32, 256, 3
     elif norm:
         bn, bk = 64, 256
+    elif k <= n:
+        bn, bk = 16, 256
     else:
         bn, bk = 32, 128
     if dtype_bytes == 4:
         bk //= 2
     split = 1
-    if not (glu or norm):
+    if not (glu or norm or k <= n):
         programs = -(-n // bn) * m_blocks
         split = next((s for s in (4, 2) if k // s >= 2 * bk and programs * s <= 4 * sms), 1)
     room = smem_per_block_optin * 3 // 4

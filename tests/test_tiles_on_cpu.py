@@ -179,10 +179,11 @@ def test_decode_linear_tiles_fit_every_device(cc):
 
 
 def test_decode_linear_tiles_are_the_measured_ones_on_an_h200():
-    """The H200 rows of docs/benchmarks.md section 17 (132 SMs, 227 KB per block)."""
+    """The H200 rows of docs/benchmarks.md sections 17 and 19 (132 SMs, 227 KB per block)."""
     from edgerl.kernels.tiles import decode_linear_tiles
     got = [decode_linear_tiles(16, n, k, 2, glu, 132, 232448, norm=norm)[1:] for k, n, glu, norm in DECODE_SHAPES]
     assert got[4] == (64, 256, 4, 4, 1, 1)     # q/k/v: W x^T, one pass over the inner dimension
     assert got[6] == (32, 256, 4, 3, 1, 0)     # gate/up: two weight blocks per program, 3 stages
     assert got[7] == (32, 128, 4, 4, 4, 0)     # down: the 8192-wide inner dimension over 4 programs
-    assert got[1][4] == 2                      # 360M o: 960 columns hold two slices of 2 x 128
+    assert got[1] == got[5] == (16, 256, 4, 4, 1, 0)   # o: 16 columns per program, one pass, not split
+    assert got[3][4] == 4                      # 360M down: 2560 columns hold four slices of 2 x 128
