@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from edgerl.checkpoint import atomic_write_text  # noqa: E402
 from edgerl.modelspec import CATALOGUE  # noqa: E402
 
 
@@ -61,16 +62,37 @@ def triton_variants(variants, proj, x, W, res_in, sweep):
     if not sweep:
         return
     smem = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
-    for bn in (32, 64, 128):
-        for bk in (128, 256):
-            for stages in (3, 4):
-                for split in ((1, 2, 4) if "residual" in kw else (1,)):
-                    for swap in (0, 1):
-                        if decode_linear_smem(16, bn, bk, 2, glu, stages) > smem * 3 // 4:
-                            continue
-                        t = (16, bn, bk, 4, stages, split, swap)
-                        variants[f"triton_{bn}x{bk}_s{stages}_k{split}{'_swap' if swap else ''}"] = (
-                            lambda t=t: [decode_linear(x, w, tiles=t, **kw) for w in W])
+    for t in sweep_tiles(proj, sweep == "all"):
+        if decode_linear_smem(16, t[1], t[2], 2, glu, t[4]) <= smem * 3 // 4:
+            variants[tile_name(t)] = lambda t=t: [decode_linear(x, w, tiles=t, **kw) for w in W]
+
+
+# The sweep's grid per product (BM 16, 4 warps): output columns per program, inner block, pipeline depth (up to
+# the depth that has every inner block of a 360M product in flight at once), the inner dimension split over 1, 2
+# or 4 programs, and W x^T or x W^T. Splits of q/k/v and gate/up and gate/up as W x^T measured slower in
+# section 19, so the grid leaves them out; --sweep-all puts them back.
+SWEEP = {"qkv": dict(bn=(16, 32, 64), bk=(128, 256, 512), stages=(3, 4, 5, 6), split=(1,), swap=(1,)),
+         "gate_up": dict(bn=(16, 32), bk=(128, 256, 512), stages=(2, 3, 4, 5), split=(1,), swap=(0,)),
+         "o": dict(bn=(16, 32), bk=(128, 256, 512), stages=(3, 4, 5, 6), split=(1, 2), swap=(0,)),
+         "down": dict(bn=(32, 64), bk=(128, 256, 512), stages=(4, 5, 6), split=(1, 2, 4), swap=(0, 1))}
+SWEEP_ALL = dict(split=(1, 2, 4), swap=(0, 1))
+
+
+def sweep_tiles(proj, everything=False):
+    g = dict(SWEEP[proj], **(SWEEP_ALL if everything else {}))
+    return [(16, bn, bk, 4, st, split, swap) for bn in g["bn"] for bk in g["bk"] for st in g["stages"]
+            for split in g["split"] for swap in g["swap"]]
+
+
+def tile_name(t):
+    return f"triton_{t[1]}x{t[2]}_s{t[4]}_k{t[5]}{'_swap' if t[6] else ''}"
+
+
+def best_tiles(rec):
+    """The fastest swept tiles of one product's record (a tuple), or None if the record has no sweep."""
+    swept = {tile_name(t): t for t in sweep_tiles(rec["proj"], True)}
+    timed_ = [(rec[k + "_us"], t) for k, t in swept.items() if k + "_us" in rec]
+    return min(timed_)[1] if timed_ else None
 
 
 def main():
@@ -80,6 +102,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--triton", action="store_true", help="add the fused Triton projections")
     ap.add_argument("--sweep", action="store_true", help="with --triton: time a grid of tiles too")
+    ap.add_argument("--sweep-all", action="store_true", help="with --sweep: also the splits and operand orders that "
+                    "measured slower (section 19)")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = 4.2e12
@@ -107,16 +131,16 @@ def main():
                 variants[f"splitk{S}_fp32_sum"] = (lambda xs=xs, Ws=Ws: [
                     torch.bmm(xs, ws, out_dtype=torch.float32).sum(0).to(dt) for ws in Ws])
             if args.triton:
-                triton_variants(variants, proj, x, W, res_in, args.sweep)
+                triton_variants(variants, proj, x, W, res_in, "all" if args.sweep and args.sweep_all else args.sweep)
             rec = dict(model=name, proj=proj, K=K, N=N, bound_us=round(K * N * 2 / bw * 1e6, 2))
             for v, fn in variants.items():
                 rec[v + "_us"] = round(timed(fn, L), 2)
             print(json.dumps(rec), flush=True)
             res.append(rec)
+            if args.out:   # after each product: a run cut short keeps what it measured
+                atomic_write_text(Path(args.out), json.dumps(res, indent=1))
             W = Wt = variants = None
             torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

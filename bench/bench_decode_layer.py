@@ -43,18 +43,41 @@ def layer_tensors(name, rows, cols, col, dtype, dev):
     return layers, x, cos, sin, start, colt, NH // KVH, D ** -0.5, weight_bytes + cache_bytes
 
 
-def five(layers, x, cos, sin, start, col, group, scale):
+def five(layers, x, cos, sin, start, col, group, scale, tiles=None):
+    """The layers' five kernels; tiles: {product: tiles} for the products not on the rule's tiles."""
     from edgerl.kernels.decode_attention import decode_attention_rope
     from edgerl.kernels.decode_linear import decode_linear
+    t = tiles or {}
     d = x.float().square().sum(-1)[None]
     B = x.shape[0]
     for L in layers:
-        qkv = decode_linear(x, L["qkv_w"], norm=L["ln1"], eps=1e-5, sumsq=d)
+        qkv = decode_linear(x, L["qkv_w"], norm=L["ln1"], eps=1e-5, sumsq=d, tiles=t.get("qkv"))
         o = decode_attention_rope(qkv, cos, sin, L["kv"][0], L["kv"][1], start, col, scale, group)
-        x, ss = decode_linear(o.view(B, -1), L["o_w"], residual=x, return_sumsq=True)
-        h = decode_linear(x, L["gu_w"], norm=L["ln2"], eps=1e-5, glu=True, sumsq=ss)
-        x, d = decode_linear(h, L["down_w"], residual=x, return_sumsq=True)
+        x, ss = decode_linear(o.view(B, -1), L["o_w"], residual=x, return_sumsq=True, tiles=t.get("o"))
+        h = decode_linear(x, L["gu_w"], norm=L["ln2"], eps=1e-5, glu=True, sumsq=ss, tiles=t.get("gate_up"))
+        x, d = decode_linear(h, L["down_w"], residual=x, return_sumsq=True, tiles=t.get("down"))
     return x
+
+
+def floor_us(x, n, per_layer=5, programs=128):
+    """us per layer of `per_layer` Triton kernels of `programs` programs that each read x.shape[1] values and write
+    them (each kernel waits for the one before, as the layer's do): what a layer of that many kernels costs
+    before it reads any weight."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_row(src, dst, N: tl.constexpr):
+        i = tl.program_id(0) * N + tl.arange(0, N)
+        tl.store(dst + i, tl.load(src + i) + 1)
+    N = triton.next_power_of_2(x.shape[1])
+    a, b = (torch.zeros(programs * N, device=x.device, dtype=x.dtype) for _ in range(2))
+
+    def run():
+        for _ in range(n * per_layer // 2):
+            copy_row[(programs,)](a, b, N=N)
+            copy_row[(programs,)](b, a, N=N)
+    return timed(run, n * per_layer // 2 * 2 / per_layer)
 
 
 def kernel_times(fn, per_layer=5):
@@ -115,6 +138,8 @@ def main():
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--col", type=int, default=192, help="the cache column written (the rows see 0..col)")
     ap.add_argument("--sweep", action="store_true", help="also the attention kernel at other configurations")
+    ap.add_argument("--tiles-from", default=None, help="bench_decode_gemm.py --triton --sweep's JSON: also time the "
+                    "layer with each product on its fastest swept tiles")
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -126,6 +151,17 @@ def main():
         ap.error("--rows needs at least 1 and --col a column in [0, 512) (the cache holds 512)")
     if a.out and not Path(a.out).resolve().parent.is_dir():
         ap.error(f"--out: the folder of {a.out} does not exist; create it first")
+    swept = {}
+    if a.tiles_from:
+        from bench_decode_gemm import best_tiles
+        try:
+            recs = json.loads(Path(a.tiles_from).read_text())
+            for r in recs:
+                t = best_tiles(r)
+                if t is not None:
+                    swept.setdefault(r["model"], {})[r["proj"]] = t
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--tiles-from {a.tiles_from}: not a bench_decode_gemm.py --sweep JSON ({type(e).__name__}: {e})")
     if not torch.cuda.is_available():
         print("bench_decode_layer.py times the decode layer's CUDA kernels: it needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
@@ -146,7 +182,17 @@ def main():
         print(f"| {name} | five kernels | {us:.2f} us per layer | {100 * bound_us / us:.1f}% of bound "
               f"({nbytes / 2**20:.1f} MiB) | GPU time (us): " + ", ".join(f"{k} {v:.2f}" for k, v in ktimes.items())
               + f" (sum {sum(ktimes.values()):.2f}) |")
-        results.append(dict(model=name, us_per_layer=us, bound_us=bound_us, kernel_us=ktimes))
+        floor = floor_us(x, n)
+        print(f"| {name} | five 128-program kernels, each program reading and writing a row | {floor:.2f} us per layer |")
+        rec = dict(model=name, us_per_layer=us, bound_us=bound_us, kernel_us=ktimes, us_per_layer_five_empty_kernels=floor)
+        if swept.get(name):
+            rec["swept_tiles"] = swept[name]
+            rec["us_per_layer_swept_tiles"] = timed(lambda: five(*args, tiles=swept[name]), n)
+            rec["kernel_us_swept_tiles"] = kernel_times(lambda: five(*args, tiles=swept[name]))
+            print(f"| {name} | five kernels, each product on the sweep's fastest tiles {swept[name]} | "
+                  f"{rec['us_per_layer_swept_tiles']:.2f} us per layer | GPU time (us): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in rec["kernel_us_swept_tiles"].items()) + " |")
+        results.append(rec)
         if a.sweep and time.time() - t0 < a.budget_s:
             smem = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
             sweep = sorted(attention_sweep(*args, bw, smem), key=lambda r: r["us"])
