@@ -69,8 +69,9 @@ def triton_variants(variants, proj, x, W, res_in, sweep):
 
 # The sweep's grid per product (BM 16, 4 warps): output columns per program, inner block, pipeline depth (up to
 # the depth that has every inner block of a 360M product in flight at once), the inner dimension split over 1, 2
-# or 4 programs, and W x^T or x W^T. Splits of q/k/v and gate/up and gate/up as W x^T measured slower in
-# section 19, so the grid leaves them out; --sweep-all puts them back.
+# or 4 programs, and W x^T or x W^T. It leaves out what measured slower in docs/benchmarks.md sections 17 and 19
+# (q/k/v and gate/up split, q/k/v as x W^T, gate/up and o as W x^T, down at 16 columns); --sweep-all puts the
+# splits and both operand orders back.
 SWEEP = {"qkv": dict(bn=(16, 32, 64), bk=(128, 256, 512), stages=(3, 4, 5, 6), split=(1,), swap=(1,)),
          "gate_up": dict(bn=(16, 32), bk=(128, 256, 512), stages=(2, 3, 4, 5), split=(1,), swap=(0,)),
          "o": dict(bn=(16, 32), bk=(128, 256, 512), stages=(3, 4, 5, 6), split=(1, 2), swap=(0,)),
