@@ -106,6 +106,17 @@ def main():
     ap.add_argument("--sweep-all", action="store_true", help="with --sweep: also the splits and operand orders that "
                     "measured slower (section 19)")
     args = ap.parse_args()
+    unknown = [m for m in args.models.split(",") if f"smollm2-{m}" not in CATALOGUE]
+    if unknown:
+        known = ", ".join(n.removeprefix("smollm2-") for n in CATALOGUE if n.startswith("smollm2-"))
+        ap.error(f"--models: {', '.join(unknown)} not among the SmolLM2 shapes ({known})")
+    if args.rows < 1:
+        ap.error("--rows needs at least 1")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"--out: the folder of {args.out} does not exist; create it first")
+    if not torch.cuda.is_available():
+        print("bench_decode_gemm.py times the decode step's CUDA products: it needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = 4.2e12
     res = []

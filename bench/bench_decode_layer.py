@@ -162,6 +162,9 @@ def main():
                     swept.setdefault(r["model"], {})[r["proj"]] = t
         except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"--tiles-from {a.tiles_from}: not a bench_decode_gemm.py --sweep JSON ({type(e).__name__}: {e})")
+        if not swept:
+            ap.error(f"--tiles-from {a.tiles_from}: no product in it has swept tiles (run bench_decode_gemm.py with "
+                     "--triton --sweep)")
     if not torch.cuda.is_available():
         print("bench_decode_layer.py times the decode layer's CUDA kernels: it needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)

@@ -136,11 +136,24 @@ def test_nf4_decode_profile_says_it_needs_a_gpu():
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
 
 
-def test_decode_layer_bench_says_it_needs_a_gpu():
-    """bench_decode_layer.py times the Triton layers' CUDA kernels: without a GPU it says so and exits 2."""
-    out = subprocess.run([sys.executable, str(BENCH / "bench_decode_layer.py")], capture_output=True, text=True,
-                         env=ENV, timeout=300)
+@pytest.mark.parametrize("script", ["bench_decode_layer.py", "bench_decode_gemm.py"])
+def test_decode_benches_say_they_need_a_gpu(script):
+    """The decode layer's and the decode products' benches time CUDA kernels: without a GPU each says so and
+    exits 2."""
+    out = subprocess.run([sys.executable, str(BENCH / script)], capture_output=True, text=True, env=ENV, timeout=300)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_decode_layer_bench_refuses_a_tiles_file_without_a_sweep(tmp_path):
+    """--tiles-from a JSON without swept products (or not the sweep's at all): one line naming the file, exit 2."""
+    empty, other = tmp_path / "empty.json", tmp_path / "other.json"
+    empty.write_text("[]")
+    other.write_text('[{"model": "360m"}]')
+    for f, says in ((empty, "no product in it has swept tiles"), (other, "not a bench_decode_gemm.py --sweep JSON")):
+        out = subprocess.run([sys.executable, str(BENCH / "bench_decode_layer.py"), "--tiles-from", str(f)],
+                             capture_output=True, text=True, env=ENV, timeout=300)
+        assert out.returncode == 2 and says in out.stderr and str(f) in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
 
 
 def test_bench_adamw_bf16_smoke_times_every_variant(tmp_path):
