@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from edgerl.checkpoint import atomic_write_text  # noqa: E402
+
 BACKENDS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION],
             "flash+efficient+math": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
             "math": [SDPBackend.MATH]}
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
            "cudnn": torch.backends.cudnn.version(), "args": vars(args), "results": run(args, device, dtype)}
     out = args.out or (os.path.join(os.environ["OUT"], "bench_attention.json") if os.environ.get("OUT") else None)
     if out:
-        Path(out).write_text(json.dumps(res, indent=1))
+        atomic_write_text(Path(out), json.dumps(res, indent=1))
         print(f"wrote {out}")
     return 0
 

@@ -36,6 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from edgerl.checkpoint import atomic_write_text  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, layers, heads, kv heads, MLP; largest last
     "0.5b": (896, 24, 14, 2, 4864), "1b": (2048, 16, 32, 8, 8192), "1.5b": (1536, 28, 12, 2, 8960),
@@ -241,7 +244,7 @@ def main() -> None:
     out = {"profile": profile, "smoke": args.smoke, "largest_planned": largest, "runs": results,
            "targets": targets, "wall_s": round(time.time() - t0, 1), "work": str(work)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    atomic_write_text(Path(args.out), json.dumps(out, indent=2, default=str))
     print(f"wrote {args.out} ({out['wall_s']} s)")
 
 

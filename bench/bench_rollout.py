@@ -63,6 +63,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from edgerl.checkpoint import atomic_write_text  # noqa: E402
 from edgerl.modelspec import CATALOGUE  # noqa: E402
 from edgerl.rollout import SamplingParams, StaticCacheEngine  # noqa: E402
 from edgerl.rollout.static import StepClock  # noqa: E402
@@ -410,9 +411,9 @@ def main(argv=None) -> int:
     def save() -> None:
         if out:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps({"device": name, "bandwidth_note": note, "torch": torch.__version__,
-                                             "args": vars(args), "table": table(results, note),
-                                             "records": results}, indent=1))
+            atomic_write_text(Path(out), json.dumps({"device": name, "bandwidth_note": note,
+                                                     "torch": torch.__version__, "args": vars(args),
+                                                     "table": table(results, note), "records": results}, indent=1))
 
     # Compiled variants last: their compilation takes the longest, and the budget should cut them first.
     first = [n for n in names if "compile" not in n]
