@@ -1,9 +1,11 @@
 """One decode layer of the Triton layers at 16 rows in bf16 on the GPU: the five kernels (q/k/v, rotary
 attention, o, gate/up, down; kernels/decode_linear.py and decode_attention.py) over as many weight and cache
 copies as the model has layers (so L2 holds none), timed in a CUDA graph, with each kernel's own GPU time
-from the profiler; with --sweep the rotary attention kernel alone at other column blocks, pipeline depths
-and warp counts. Prints microseconds per layer (or per attention launch) and the share of the bound (the
-bytes read over the copy bandwidth measured in the same run)."""
+from the profiler, and beside them the floor of five kernels that read and write one row each; with --sweep
+the rotary attention kernel alone at other column blocks, pipeline depths and warp counts; with --tiles-from
+(bench_decode_gemm.py --triton --sweep's JSON) the layer with each product on its fastest swept tiles. Prints
+microseconds per layer (or per attention launch) and the share of the bound (the bytes read over the copy
+bandwidth measured in the same run)."""
 import argparse
 import json
 import sys

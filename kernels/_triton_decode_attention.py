@@ -136,8 +136,9 @@ def decode_attention_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr,
     g = tl.arange(0, GP)
     qb = row + (h * G + g[:, None]) * D
     live = g[:, None] < G
-    # every read of the row's q/k/v issued before the cache writes (a read after a write to memory that may be
-    # the same waits for the write's values: one more round trip through memory before the attention starts)
+    # every read of the row's q/k/v issued before the cache writes: the compiler keeps a load after a store to
+    # memory the load may alias, and the stores wait for k's loads, so q's loads written after them went out one
+    # round trip through memory later (docs/benchmarks.md section 19.2)
     q_raw, q_half = tl.load(qb + d[None, :], mask=live, other=0.0), tl.load(qb + dr[None, :], mask=live, other=0.0)
     tl.store(k_ptr + b * sk_b + h * sk_h + col * sk_s + d, _rotate(k_raw, k_half, cos, sin, DT, PLAIN))
     tl.store(v_ptr + b * sv_b + h * sv_h + col * sv_s + d, v_new)
