@@ -96,6 +96,23 @@ def best_tiles(rec):
     return min(timed_)[1] if timed_ else None
 
 
+def refuse_unknown_models_and_out(ap, models, out):
+    """--models not among the SmolLM2 shapes, or an --out whose folder is missing: one line (ap.error, exit 2)."""
+    unknown = [m for m in models.split(",") if f"smollm2-{m}" not in CATALOGUE]
+    if unknown:
+        known = ", ".join(n.removeprefix("smollm2-") for n in CATALOGUE if n.startswith("smollm2-"))
+        ap.error(f"--models: {', '.join(unknown)} not among the SmolLM2 shapes ({known})")
+    if out and not Path(out).resolve().parent.is_dir():
+        ap.error(f"--out: the folder of {out} does not exist; create it first")
+
+
+def require_cuda(what):
+    """Without a CUDA GPU: '<what>: it needs a CUDA GPU' on stderr, exit 2."""
+    if not torch.cuda.is_available():
+        print(f"{what}: it needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="360m,1.7b")
@@ -106,17 +123,10 @@ def main():
     ap.add_argument("--sweep-all", action="store_true", help="with --sweep: also the splits and operand orders that "
                     "measured slower (section 19)")
     args = ap.parse_args()
-    unknown = [m for m in args.models.split(",") if f"smollm2-{m}" not in CATALOGUE]
-    if unknown:
-        known = ", ".join(n.removeprefix("smollm2-") for n in CATALOGUE if n.startswith("smollm2-"))
-        ap.error(f"--models: {', '.join(unknown)} not among the SmolLM2 shapes ({known})")
+    refuse_unknown_models_and_out(ap, args.models, args.out)
     if args.rows < 1:
         ap.error("--rows needs at least 1")
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        ap.error(f"--out: the folder of {args.out} does not exist; create it first")
-    if not torch.cuda.is_available():
-        print("bench_decode_gemm.py times the decode step's CUDA products: it needs a CUDA GPU", file=sys.stderr)
-        sys.exit(2)
+    require_cuda("bench_decode_gemm.py times the decode step's CUDA products")
     dev, dt = torch.device("cuda"), torch.bfloat16
     bw = 4.2e12
     res = []

@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_gemm import timed  # noqa: E402  (us per call of fn / n, in a CUDA graph)
+from bench_decode_gemm import (  # noqa: E402  (timed: us per call of fn / n, in a CUDA graph)
+    refuse_unknown_models_and_out, require_cuda, timed)
 from bench_rollout import measure_bandwidth  # noqa: E402  (bytes/s of a device-to-device copy, best of 3)
 from edgerl.checkpoint import atomic_write_text  # noqa: E402
 from edgerl.modelspec import CATALOGUE  # noqa: E402
@@ -145,14 +146,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    unknown = [m for m in a.models.split(",") if f"smollm2-{m}" not in CATALOGUE]
-    if unknown:
-        known = ", ".join(n.removeprefix("smollm2-") for n in CATALOGUE if n.startswith("smollm2-"))
-        ap.error(f"--models: {', '.join(unknown)} not among the SmolLM2 shapes ({known})")
+    refuse_unknown_models_and_out(ap, a.models, a.out)
     if a.rows < 1 or not 0 <= a.col < 512:
         ap.error("--rows needs at least 1 and --col a column in [0, 512) (the cache holds 512)")
-    if a.out and not Path(a.out).resolve().parent.is_dir():
-        ap.error(f"--out: the folder of {a.out} does not exist; create it first")
     swept = {}
     if a.tiles_from:
         from bench_decode_gemm import best_tiles
@@ -167,9 +163,7 @@ def main():
         if not swept:
             ap.error(f"--tiles-from {a.tiles_from}: no product in it has swept tiles (run bench_decode_gemm.py with "
                      "--triton --sweep)")
-    if not torch.cuda.is_available():
-        print("bench_decode_layer.py times the decode layer's CUDA kernels: it needs a CUDA GPU", file=sys.stderr)
-        sys.exit(2)
+    require_cuda("bench_decode_layer.py times the decode layer's CUDA kernels")
     t0 = time.time()
     dev = torch.device("cuda")
     bw = measure_bandwidth(dev) / 1e12   # TB/s, as bench_rollout.py measures it

@@ -83,6 +83,16 @@ def _product(a, w_ptr, cols, cmask, kk, kmask, sw, IEEE: tl.constexpr, UPCAST: t
 
 
 @triton.jit
+def _sum_partials(part, stride, omask, SPLIT: tl.constexpr):
+    """The SPLIT fp32 partial tiles at part, part + stride, ... summed in slice order (read past L1: other
+    programs wrote them)."""
+    acc = tl.load(part, mask=omask, other=0.0, cache_modifier=".cg")
+    for j in tl.static_range(1, SPLIT):
+        acc += tl.load(part + j * stride, mask=omask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def _epilogue(acc, acc_up, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, cols, cmask, B, INTER, sres, sout,
               pid_n, GLU: tl.constexpr, RESID: tl.constexpr, SSQ_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
               PLAIN: tl.constexpr):
@@ -171,13 +181,9 @@ def decode_linear_kernel(x_ptr, ln_ptr, w_ptr, b_ptr, res_ptr, out_ptr, ssq_in_p
         tl.debug_barrier()   # every thread's store issued before the count that may let another program read it
         tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            acc = tl.load(part, mask=omask, other=0.0, cache_modifier=".cg")
-            for j in tl.static_range(1, SPLIT):
-                acc += tl.load(part + j * B * NW, mask=omask, other=0.0, cache_modifier=".cg")
+            acc = _sum_partials(part, B * NW, omask, SPLIT)
             if GLU:
-                acc_up = tl.load(part + N, mask=omask, other=0.0, cache_modifier=".cg")
-                for j in tl.static_range(1, SPLIT):
-                    acc_up += tl.load(part + N + j * B * NW, mask=omask, other=0.0, cache_modifier=".cg")
+                acc_up = _sum_partials(part + N, B * NW, omask, SPLIT)
             tl.atomic_xchg(tile, 0)
             _epilogue(acc, acc_up, b_ptr, res_ptr, out_ptr, ssq_out_ptr, rows, rmask, cols, cmask, B, INTER, sres,
                       sout, pid_n, GLU, RESID, SSQ_OUT, HAS_BIAS, PLAIN)
