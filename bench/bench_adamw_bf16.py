@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
 
 
 def load_baseline(path: str):
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
-    from edgerl.adamw_bf16 import AdamWBF16
+    from edgerl.train.adamw_bf16 import AdamWBF16
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.params, args.reps = 1.0, 1
@@ -119,7 +119,7 @@ def main() -> None:
         base = load_baseline(args.baseline)
         for kahan in (False, True):
             pair = {}
-            for k, mod in (("baseline", base), ("this", sys.modules["edgerl.adamw_bf16"])):
+            for k, mod in (("baseline", base), ("this", sys.modules["edgerl.train.adamw_bf16"])):
                 ps = [torch.nn.Parameter(w.clone()) for w in weights]
                 for p, g in zip(ps, grads):
                     p.grad = g.clone()

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
 
 BACKENDS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION],
             "flash+efficient+math": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.checkpoint import atomic_write_text  # noqa: E402
-from edgerl.modelspec import CATALOGUE  # noqa: E402
+from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.plan.modelspec import CATALOGUE  # noqa: E402
 
 
 def shapes(name):

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_gemm import (  # noqa: E402  (timed: us per call of fn / n, in a CUDA graph)
     refuse_unknown_models_and_out, require_cuda, timed)
 from bench_rollout import measure_bandwidth  # noqa: E402  (bytes/s of a device-to-device copy, best of 3)
-from edgerl.checkpoint import atomic_write_text  # noqa: E402
-from edgerl.modelspec import CATALOGUE  # noqa: E402
+from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.plan.modelspec import CATALOGUE  # noqa: E402
 
 
 def layer_tensors(name, rows, cols, col, dtype, dev):

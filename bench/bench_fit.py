@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, layers, heads, kv heads, MLP; largest last
@@ -79,15 +79,15 @@ def build(shape: tuple[int, ...], tokenizer: str, out: Path) -> None:
 
 
 def spec(name: str, shape: tuple[int, ...], vocab: int):
-    from edgerl.modelspec import ModelSpec
+    from edgerl.plan.modelspec import ModelSpec
     h, layers, heads, kv, mlp = shape
     return ModelSpec(name, "llama", vocab, h, layers, heads, kv, mlp, True)
 
 
 def plan_or_none(sets: list[str], profile: str, model_spec):
-    from edgerl.config_load import load_config
-    from edgerl.plan import PlanError
-    from edgerl.target import plan_for, resolve_target
+    from edgerl.config.load import load_config
+    from edgerl.plan.plan import PlanError
+    from edgerl.plan.target import plan_for, resolve_target
     try:
         return plan_for(load_config(sets=sets), resolve_target(profile), model_spec)
     except PlanError:
@@ -135,7 +135,7 @@ def run_one(name: str, model: Path, sets: list[str], profile: str, work: Path, t
         res["peak_reserved_gib"] = max(r.get("memory/peak_reserved_gib", 0.0) for r in rows)
         res["host_rss_gib"] = max(r.get("memory/host_rss_gib", 0.0) for r in rows)
         if res["peak_reserved_gib"] and "estimate_gib" in res:
-            from edgerl.memory import DEFAULT_CALIBRATION
+            from edgerl.plan.memory import DEFAULT_CALIBRATION
             measured = res["peak_reserved_gib"] + DEFAULT_CALIBRATION.cuda_context / 2**30
             res["estimate_error"] = res["estimate_gib"] / measured - 1
     return res
@@ -215,7 +215,7 @@ def main() -> None:
               f"peak reserved {res.get('peak_reserved_gib', 0):.2f} GiB; estimate {res.get('estimate_gib', 0):.2f} GiB",
               flush=True)
 
-    from edgerl.plan import fmt_count
+    from edgerl.plan.plan import fmt_count
 
     def f(r, key, fmt):
         return fmt.format(r[key]) if r.get(key) is not None else "-"

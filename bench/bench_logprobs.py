@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
 
 try:
     from edgerl.kernels import choose_tiles, make_tiles, naive_logprobs_and_entropy, token_logprobs_and_entropy

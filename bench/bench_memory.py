@@ -10,7 +10,7 @@ run's reserved peak is bounded by the cap, not by what the step needs. Budgets b
 is lifted again here (the spec's "uncapped"). Measured = peak reserved (torch's allocator)
 + the memory the process holds outside it (CUDA context, library handles: NVML's used bytes for the
 GPU now, less those before the process touched CUDA, less torch's reserved bytes; where NVML is
-missing, the constant edgerl.memory.DEFAULT_CALIBRATION.cuda_context is used and the JSON says so).
+missing, the constant edgerl.plan.memory.DEFAULT_CALIBRATION.cuda_context is used and the JSON says so).
 The plan's estimate counts the same things (its CUDA context term is that constant). Error =
 estimate / measured - 1: positive means the plan over-estimated (safe), negative under (an OOM risk).
 
@@ -115,7 +115,7 @@ def main() -> None:
             if "no baseline" in str((r.get("memory_end") or {}).get("method", ""))]
     results.data["table"], results.data["summary"], results.data["check_failures"] = text, summary, bad
     results.save()
-    from edgerl.memory import DEFAULT_CALIBRATION
+    from edgerl.plan.memory import DEFAULT_CALIBRATION
     print(f"\nplan estimate vs measured device memory (peak reserved + outside the allocator), uncapped, "
           f"{steps} steps of 2 prompts x 8 samples x {new_tokens} tokens; the plan's CUDA context constant is "
           f"{DEFAULT_CALIBRATION.cuda_context / bl.GiB:.2f} GiB\n")

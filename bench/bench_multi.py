@@ -61,10 +61,10 @@ def gpu_count() -> int:
 def plans_child(spec_path: str) -> None:
     """For each candidate shape and GPU count: does the plan fit? (a child: the probe touches CUDA)."""
     spec = json.loads(Path(spec_path).read_text())
-    from edgerl.config_load import load_config
-    from edgerl.modelspec import resolve
-    from edgerl.plan import PlanError
-    from edgerl.target import plan_for, resolve_target
+    from edgerl.config.load import load_config
+    from edgerl.plan.modelspec import resolve
+    from edgerl.plan.plan import PlanError
+    from edgerl.plan.target import plan_for, resolve_target
     target = resolve_target(spec["profile"])
     out = []
     for folder in spec["folders"]:

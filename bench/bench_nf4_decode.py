@@ -10,7 +10,7 @@ P40 plan runs). It reports, per layer of one decode step of `--rows` rows:
   compute dtype on an already dequantized weight, the bitsandbytes module's forward, and the LoRA path;
 - the bandwidth floor of the same work (4-bit reads, the dequantized weight written and read once);
 - with `--kernel` (default on, nf4 only): the same step and parts through edgerl's fused NF4 kernel
-  (`edgerl.quant_decode`), its agreement with bitsandbytes, and both timed inside CUDA graphs over
+  (`edgerl.models.quant_decode`), its agreement with bitsandbytes, and both timed inside CUDA graphs over
   `--row-sweep` rows on four projections;
 - with `--cuda-layer` (default on, fp32): the fused-kernel step again with decode attention 'cuda' (the
   fp32 layer kernels of `kernels/decode_cuda.py`) against 'bmm', its greedy tokens against bmm's.
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from edgerl.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
 
 SHAPES = {   # hidden, heads, kv heads, intermediate (Qwen2.5-7B, Llama-3.1-8B)
     "qwen7b": (3584, 28, 4, 18944),
@@ -57,7 +57,7 @@ def cuda_ms(fn, reps: int = 20) -> float:
 def build(args, compute):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from edgerl.quant import quantize_linear
+    from edgerl.models.quant import quantize_linear
     hidden, heads, kv, inter = SHAPES[args.shape]
     cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
                       intermediate_size=inter, num_hidden_layers=args.layers, max_position_embeddings=4096,
@@ -94,7 +94,7 @@ def kernels(engine, rows: int, width: int) -> list[dict]:
 
 def part(mod, inp, compute, bandwidth: float) -> dict:
     """One LoRA-wrapped quantized projection `mod` on input rows `inp`, timed piece by piece."""
-    from edgerl.quant import dequantized_weight
+    from edgerl.models.quant import dequantized_weight
     base = mod.base_layer
     fused = type(base).__name__ == "DecodeLinear4bit"   # the fused kernel is on
     plain = type(base).__mro__[1] if fused else type(base)
@@ -222,8 +222,8 @@ def main(argv=None) -> int:
     result["parts_layer0"] = parts(model, args, compute)
     del engine
     if args.kernel == "on" and args.quant == "nf4":
-        from edgerl import quant_decode
-        from edgerl.decisions import NF4_KERNEL_ROWS
+        from edgerl.models import quant_decode
+        from edgerl.plan.decisions import NF4_KERNEL_ROWS
         quant_decode.enable(model, NF4_KERNEL_ROWS)   # as training does
         fused = engine_step(model, args, ids, params)
         fengine, ftokens = fused.pop("engine"), fused.pop("tokens")

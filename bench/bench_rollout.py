@@ -63,8 +63,8 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.checkpoint import atomic_write_text  # noqa: E402
-from edgerl.modelspec import CATALOGUE  # noqa: E402
+from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.plan.modelspec import CATALOGUE  # noqa: E402
 from edgerl.rollout import SamplingParams, StaticCacheEngine  # noqa: E402
 from edgerl.rollout.static import StepClock  # noqa: E402
 

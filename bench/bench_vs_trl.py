@@ -18,7 +18,7 @@ Groups (TRL first, so that its measured memory can set edgerl's budgets; then ed
                ":adamw-bf16" adds --set plan.optimizer=...): the memory-speed frontier in one table
   1.7b-bf16    SmolLM2-1.7B shape, whole GPU; edgerl also at --frontier-1.7b (default: TRL's memory)
   362m-p40     P40 emulation: edgerl --profile p40 (fp32 plan, 24 GiB P40 less its context: the
-               allocator is capped); TRL fp32 under the same cap (edgerl.session.cap_memory)
+               allocator is capped); TRL fp32 under the same cap (edgerl.train.session.cap_memory)
   1.7b-p40     the same at the 1.7B shape
   qwen7b-p40   QLoRA at Qwen2.5-7B widths (hidden 3584, 28 layers, 28/4 heads, MLP 18944): edgerl
                --profile p40 --set lora.enabled=true --set plan.base_dtype=nf4; TRL GRPO + peft LoRA
@@ -29,7 +29,7 @@ Groups (TRL first, so that its measured memory can set edgerl's budgets; then ed
                TRL in bf16 compute (what runs; peers.md), then TRL with fp16=True as a T4 user sets it
   llama8b-p40  the Llama-3.1-8B widths under P40 emulation, as qwen7b-p40 (fp32 compute on both sides)
   qwen14b-p40  QLoRA at Qwen2.5-14B widths (5120, 48 layers, 40/8, MLP 13824), edgerl only
-  A budget caps edgerl's allocator at it less the CUDA context (edgerl.session), as a user's run would be.
+  A budget caps edgerl's allocator at it less the CUDA context (edgerl.train.session), as a user's run would be.
   The QLoRA groups with a TRL side also run edgerl at TRL's device memory (--frontier-qlora, default trl):
   the plan's choice when its budget is what TRL used, so that "no more memory than TRL" is compared
   at the plan's own setting, not by lowering a run by hand.
@@ -108,7 +108,7 @@ def trl_child(spec_path: str) -> None:
         import torch
         cuda = torch.cuda.is_available()
         if spec["cap"] and cuda:
-            from edgerl.session import cap_memory
+            from edgerl.train.session import cap_memory
             res["emulation"] = cap_memory(spec["cap"])
         from datasets import Dataset
         from transformers import AutoTokenizer, TrainerCallback
@@ -216,7 +216,7 @@ def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: P
     ctx = (res.get("memory_end") or {}).get("outside_allocator_gib")
     res["outside_allocator_gib"] = ctx
     if res.get("peak_reserved_gib"):
-        from edgerl.memory import DEFAULT_CALIBRATION
+        from edgerl.plan.memory import DEFAULT_CALIBRATION
         res["measured_gib"] = res["peak_reserved_gib"] + (ctx if ctx is not None else
                                                           DEFAULT_CALIBRATION.cuda_context / bl.GiB)
     res.pop("trace", None) if res["status"] == "ok" else None

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
 # (hidden, layers, heads, KV heads, MLP, tied embeddings); the vocabulary is the tokenizer's
 SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
-    "362m": (960, 32, 15, 5, 2560, True),         # SmolLM2-360M (edgerl.modelspec.CATALOGUE)
+    "362m": (960, 32, 15, 5, 2560, True),         # SmolLM2-360M (edgerl.plan.modelspec.CATALOGUE)
     "1.7b": (2048, 24, 32, 32, 8192, True),       # SmolLM2-1.7B
     "qwen7b": (3584, 28, 28, 4, 18944, False),    # Qwen2.5-7B widths (llama layers: no q/k/v bias)
     "llama8b": (4096, 32, 32, 8, 14336, False),   # Llama-3.1-8B widths
@@ -54,7 +54,7 @@ def default_tokenizer() -> str:
 
 def catalogue_check() -> None:
     """The 362m and 1.7b rows above are edgerl's catalogue shapes: fail loudly if the catalogue moved."""
-    from edgerl.modelspec import CATALOGUE
+    from edgerl.plan.modelspec import CATALOGUE
     for name, key in (("362m", "smollm2-360m"), ("1.7b", "smollm2-1.7b")):
         m = CATALOGUE[key]
         got = (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size, m.tie_embeddings)
@@ -512,8 +512,8 @@ def edgerl_child(spec_path: str) -> None:
         import torch
         if spec.get("deterministic"):
             torch.use_deterministic_algorithms(True, warn_only=True)
-        from edgerl import session
-        from edgerl.trainer import Trainer
+        from edgerl.train import session
+        from edgerl.train.trainer import Trainer
         resume = Path(spec["resume"]) if spec.get("resume") else None
         cfg, point = session.load(None, spec["sets"], resume, Path(spec["run_dir"]))
         logs: list[str] = []
@@ -645,7 +645,7 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], p
     ctx = (res.get("memory_end") or res.get("context_after_step1") or {}).get("outside_allocator_gib")
     out["outside_allocator_gib"] = ctx
     if out.get("peak_reserved_gib") and out.get("estimate_gib"):
-        from edgerl.memory import DEFAULT_CALIBRATION
+        from edgerl.plan.memory import DEFAULT_CALIBRATION
         extra = ctx if ctx is not None else DEFAULT_CALIBRATION.cuda_context / GiB
         out["measured_gib"] = out["peak_reserved_gib"] + extra
         out["estimate_error"] = out["estimate_gib"] / out["measured_gib"] - 1

@@ -19,7 +19,7 @@
 #   quick 200       environment check (env_check.py), bench_vs_trl --smoke on this GPU (tiny shapes: TRL bf16,
 #                   edgerl at a TRL-derived budget, TRL QLoRA and edgerl NF4 under the P40 cap), and
 #                   bench_multi --smoke with NCCL when two GPUs are visible
-#   measure 90      python -m edgerl.measure --json --pageable
+#   measure 90      python -m edgerl.device.measure --json --pageable
 #   trl-frontier 480  bench_vs_trl 362m-bf16 (TRL, edgerl on the whole GPU and at each --frontier budget)
 #   trl-17b 300     bench_vs_trl 1.7b-bf16;   trl-p40 360: 362m-p40 and 1.7b-p40
 #   trl-qwen7b 330, trl-llama8b 360, trl-llama8b-p40 360, trl-qwen14b 240: the QLoRA groups; trl-qlora 560: all three
@@ -72,7 +72,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         quick) echo "python3 bench/env_check.py --tokenizer $TOK;
               python3 bench/bench_vs_trl.py --smoke --only 362m-bf16 qwen7b-p40 --frontier trl --tokenizer $TOK --work $w-smoke --budget-s $(( b * 3 / 5 )) --out $OUT/quick$x.json;
               if [ \$(nvidia-smi -L | wc -l) -ge 2 ]; then python3 bench/bench_multi.py --smoke --tokenizer $TOK --work $w-smoke --budget-s $(( b * 2 / 5 - 10 )) --out $OUT/quick_multi$x.json; fi" ;;
-        measure) echo "python3 -m edgerl.measure --json --pageable --budget 45 > $OUT/measure$x.json" ;;
+        measure) echo "python3 -m edgerl.device.measure --json --pageable --budget 45 > $OUT/measure$x.json" ;;
         trl-frontier) echo "$vs --only 362m-bf16 ${FRONTIER:+--frontier $FRONTIER} --out $OUT/bench_vs_trl$x.json" ;;
         trl-17b) echo "$vs --only 1.7b-bf16 --out $OUT/bench_vs_trl$x.json" ;;
         edgerl-17b) echo "$vs --only 1.7b-bf16:edgerl --frontier-17b ${FRONTIER_17B:-18.46} --skip 1.7b-bf16/edgerl --out $OUT/bench_vs_trl$x.json" ;;
@@ -97,7 +97,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         tests-optim) echo "python3 -m pytest -q -p no:cacheprovider tests/test_adamw_bf16_cuda.py tests/test_train_cuda.py ${TESTS_K:+-k \"$TESTS_K\"} 2>&1 | tee $OUT/tests_optim$x.log | tail -30" ;;
         tests) echo "python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_train_cuda.py tests/test_packing_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py tests/test_decode_cuda_kernels_cuda.py tests/test_nf4_kernel_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -40" ;;
         checks) echo "timeout -k 5 260 python3 -m pytest -q -p no:cacheprovider -x --timeout 240 tests/test_train_cuda.py tests/test_packing_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -30;
-              timeout -k 5 60 python3 -m edgerl.measure --json --pageable --budget 40 > $OUT/measure$x.json;
+              timeout -k 5 60 python3 -m edgerl.device.measure --json --pageable --budget 40 > $OUT/measure$x.json;
               python3 bench/bench_rollout.py --reps 2 --budget-s $(( b - 330 )) --out $OUT/bench_rollout$x.json" ;;
         kernels-bf16) echo "python3 bench/bench_logprobs.py --dtypes bf16 --out $OUT/bench_logprobs_bf16$x.json" ;;
         kernels-fp32) echo "python3 bench/bench_logprobs.py --dtypes fp32 --out $OUT/bench_logprobs_fp32$x.json" ;;

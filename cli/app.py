@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..errors import USER_ERRORS, ModelError, TrainingError
-from ..ranks import from_env
+from edgerl.core.errors import USER_ERRORS, ModelError, TrainingError
+from edgerl.train.ranks import from_env
 
 app = typer.Typer(name="edgerl", no_args_is_help=True, add_completion=False,
                   help="Hardware-adaptive RL fine-tuning (PPO, GRPO) of LLMs on the GPUs people actually have.")
@@ -20,7 +20,7 @@ err = Console(stderr=True)
 
 
 def friendly(fn: Callable) -> Callable:
-    """Errors caused by what the user typed or pointed at (edgerl.errors.USER_ERRORS): one red line,
+    """Errors caused by what the user typed or pointed at (edgerl.core.errors.USER_ERRORS): one red line,
     exit status 2, no traceback. The message is printed as text: a `[section]` in it is not markup."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -14,10 +14,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from edgerl.config_load import load_config
-from edgerl.data import check_data, prepare_gsm8k
-from edgerl.errors import USER_ERRORS, DataError
-from edgerl.rewards import KNOWN_SOURCES
+from edgerl.config.load import load_config
+from edgerl.data.prompts import check_data, prepare_gsm8k
+from edgerl.core.errors import USER_ERRORS, DataError
+from edgerl.rewards.rules import KNOWN_SOURCES
 
 app = typer.Typer(help="Check training data and prepare datasets (verl-compatible parquet).",
                   no_args_is_help=True, add_completion=False)
@@ -41,7 +41,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     default model is converted from its GGUF file on first use."""
     from transformers import AutoTokenizer
 
-    from ..embedded import EmbeddedModelError, embedded_folder, is_embedded
+    from edgerl.models.embedded import EmbeddedModelError, embedded_folder, is_embedded
     if is_embedded(name):
         try:
             name = str(embedded_folder(name))

@@ -8,12 +8,12 @@ from typing import List, Optional
 
 import typer
 
-from ..config import ConfigError
-from ..config_load import load_config
-from ..modelspec import ModelSpecError
-from ..outfiles import output_file, write_atomically
-from ..plan import PlanError
-from ..profiles import list_profiles
+from edgerl.config.schema import ConfigError
+from edgerl.config.load import load_config
+from edgerl.plan.modelspec import ModelSpecError
+from edgerl.core.files import output_file, write_atomically
+from edgerl.plan.plan import PlanError
+from edgerl.device.profiles import list_profiles
 from . import data as data_cmd
 from . import train as train_cmd
 from rich.markup import escape
@@ -32,8 +32,8 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
            refresh: bool = typer.Option(False, "--refresh-bench", help="measure again even if a cached result exists")) -> None:
     """Is this machine ready to train, and if not, exactly what to fix."""
     import dataclasses
-    from ..doctor import Environment, exit_code, run_checks
-    from ..target import plan_for, resolve_target
+    from edgerl.doctor.doctor import Environment, exit_code, run_checks
+    from edgerl.plan.target import plan_for, resolve_target
     from .render import checks_table, print_plan
     cfg = load_config(config, list(sets or []) + ([(f"model.path={json.dumps(model)}", f"--model {model}")]
                                                   if model else []))
@@ -43,7 +43,7 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         if target.simulated:
             raise ConfigError("--bench measures this machine's GPU; it cannot measure a GPU given by --gpu or "
                               "--gpu-spec (drop those, or drop --bench)")
-        from ..measure import cached_or_measured
+        from edgerl.device.measure import cached_or_measured
         dev = target.device
         m, where = cached_or_measured(f"cuda:{dev.index}" if dev.is_cuda else "cpu", refresh=refresh)
         target = dataclasses.replace(target, device=dataclasses.replace(dev, measured=m))
@@ -95,8 +95,8 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
                                                  "(toml, json, verl); a folder gets run.toml, plan.json or verl.sh"),
               force: bool = typer.Option(False, "--force", help="replace an existing --out file")) -> None:
     """The plan for a GPU (yours or one you may not have): each decision with its reason, and the memory."""
-    from ..export import plan_toml, verl_overrides
-    from ..target import plan_for, resolve_target
+    from edgerl.plan.export import plan_toml, verl_overrides
+    from edgerl.plan.target import plan_for, resolve_target
     from .render import print_plan
     if fmt not in ("text", "toml", "json", "verl"):
         raise ConfigError(f"--format {fmt!r}: choose text, toml, json or verl")
@@ -161,7 +161,7 @@ def profiles() -> None:
 def config_cmd(config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Print a run config with every key, its value and what it does (the defaults, or your file with
     --set applied): a starting point for `edgerl train --config`."""
-    from ..config import to_toml
+    from edgerl.config.schema import to_toml
     typer.echo(to_toml(load_config(config, list(sets or []))))
 
 

@@ -7,9 +7,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..doctor import Check
-from ..memory import fmt_bytes
-from ..plan import Plan
+from edgerl.doctor.doctor import Check
+from edgerl.plan.memory import fmt_bytes
+from edgerl.plan.plan import Plan
 
 STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
 LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout engine",

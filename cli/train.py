@@ -24,9 +24,9 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
           resume: Optional[Path] = typer.Option(None, "--resume", help="continue a run folder (or one checkpoint folder)"),
           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
-    from .. import session
-    from ..metrics import read_metrics, summary_line
-    from ..trainer import Trainer
+    from edgerl.train import session
+    from edgerl.train.metrics import read_metrics, summary_line
+    from edgerl.train.trainer import Trainer
     from .render import print_plan
     extra: list = []  # (key=value, the option as typed): an error names the option, not a --set
     for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
@@ -72,7 +72,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"[yellow]stopped by {trainer.stop_signal} after step {trainer.step}; resume with "
                       f"edgerl train --resume {escape(str(s.run_dir))}[/]", soft_wrap=True)
         raise typer.Exit(130)
-    from ..ranks import shutdown
+    from edgerl.train.ranks import shutdown
     shutdown()
     if not s.rank.main:
         return
@@ -92,6 +92,6 @@ def plot(run_dir: Path = typer.Argument(..., help="a run folder with metrics.jso
          out: Optional[Path] = typer.Option(None, "--out", "-o", help=".png (default RUN_DIR/curves.png), .pdf or "
                                             ".svg; a folder gets curves.png")) -> None:
     """Write a PNG of a run's curves (reward, length, KL, entropy, losses, speed, memory)."""
-    from ..metrics import plot as plot_run
+    from edgerl.train.metrics import plot as plot_run
     path = plot_run(run_dir, out)
     console.print(f"wrote {escape(str(path))}", soft_wrap=True)

@@ -87,8 +87,8 @@ def prepare_trainer(model_dir: Path, run_dir: Path, sets: list[str], resume: Pat
                     branch: bool = False):
     """A Trainer built the way `edgerl train` builds it: session.load + session.prepare + Trainer.
     With `resume`, `run_dir` is the resumed run's folder, or with `branch` a new folder (--out)."""
-    from edgerl import session
-    from edgerl.trainer import Trainer
+    from edgerl.train import session
+    from edgerl.train.trainer import Trainer
     cfg, point = session.load(sets=[f'model.path="{model_dir}"', f'run.out_dir="{run_dir}"', *sets], resume=resume,
                               out=None if resume is not None and not branch else run_dir)
     return Trainer(session.prepare(cfg, point, log=lambda s: None))

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
-from edgerl.device import GiB, Software
-from edgerl.probe import NvmlGpu, NvmlReport, probe
+from edgerl.device.device import GiB, Software
+from edgerl.device.probe import NvmlGpu, NvmlReport, probe
 
 # name, cc, memory GiB, SMs, smem opt-in (bytes) as torch reports them
 GPUS = {

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from edgerl.adamw_bf16 import CHUNK, WORKSPACE_BYTES, AdamWBF16
-from edgerl.optim import make_optimizer
+from edgerl.train.adamw_bf16 import CHUNK, WORKSPACE_BYTES, AdamWBF16
+from edgerl.train.optim import make_optimizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 NAMES = ["adamw-bf16", "adamw-bf16-sr"]

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from edgerl.adamw_bf16 import AdamWBF16, round_stochastic
-from edgerl.optim import StateOffload, make_optimizer
+from edgerl.train.adamw_bf16 import AdamWBF16, round_stochastic
+from edgerl.train.optim import StateOffload, make_optimizer
 
 from conftest import run_cases_under_triton_interpreter
 
@@ -53,7 +53,7 @@ def test_asking_for_the_fused_step_off_cuda_without_the_interpreter_says_why():
     if INTERPRETER:
         pytest.skip("the interpreter runs the fused step on the CPU")
     pytest.importorskip("triton")
-    from edgerl.errors import OptimizerError
+    from edgerl.core.errors import OptimizerError
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
     p.grad = torch.ones_like(p)
     with pytest.raises(OptimizerError, match="TRITON_INTERPRET=1"):
@@ -221,7 +221,7 @@ def test_chunked_step_equals_the_whole_tensor_step(monkeypatch):
     """Weights and compensation do not depend on the random bits, so one step in chunks of 5 elements
     (odd, not dividing 7 x 9) must give them bit for bit; the moments, rounded with other bits, stay
     within one spacing of each other."""
-    import edgerl.adamw_bf16 as mod
+    import edgerl.train.adamw_bf16 as mod
     gen = torch.Generator().manual_seed(2)
     w, g = torch.randn(7, 9, generator=gen).bfloat16(), torch.randn(7, 9, generator=gen).bfloat16()
     whole, chunked = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
@@ -270,7 +270,7 @@ def mlp(sharded: bool) -> torch.nn.Module:
         # the optimizer bf16 shards and bf16 gradients, as the training models will
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from edgerl.models import init_distributed
+        from edgerl.models.load import init_distributed
         init_distributed(torch.device("cpu"))
         mesh = init_device_mesh("cpu", (1,))
         fully_shard(model[0], mesh=mesh)
@@ -376,7 +376,7 @@ def test_host_bits_are_uniform_reproducible_and_independent_of_the_thread_count(
     """The host's random bits (one 64-bit draw per element, three 16-bit fields, blocks drawn in
     parallel): each field uniform over [0, 2^16), the fields and the blocks independent of each other,
     the same for the same key whatever the thread count, other bits for another key."""
-    from edgerl.adamw_bf16 import HOST_BLOCK, _HostBits
+    from edgerl.train.adamw_bf16 import HOST_BLOCK, _HostBits
     shape = torch.Size((3 * HOST_BLOCK + 17,))
     threads = torch.get_num_threads()
     try:
@@ -421,7 +421,7 @@ def test_streamed_host_step_equals_the_step_in_place(name, fused, monkeypatch):
     """step_device: host-held tensors are copied to it in chunks, stepped there and copied back. With
     the CPU as that device the same code runs; the result must be the in-place step's bit for bit
     (the chunk's place in the shard keys its random bits), over chunks that do not divide the size."""
-    import edgerl.adamw_bf16 as mod
+    import edgerl.train.adamw_bf16 as mod
     if fused:
         need_interpreter()
     monkeypatch.setattr(mod, "CHUNK", 1000)

@@ -6,8 +6,8 @@ import typing
 
 import pytest
 
-from edgerl.config import RANGES, ConfigError
-from edgerl.config_load import load_config
+from edgerl.config.schema import RANGES, ConfigError
+from edgerl.config.load import load_config
 
 
 @pytest.mark.parametrize("item,message", [

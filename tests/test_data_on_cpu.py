@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from edgerl.config import DataConfig
-from edgerl.data import DataError, check_data, load_prompts, prepare_gsm8k
-from edgerl.tasks import GSM8K_INSTRUCTION, generate_arithmetic
+from edgerl.config.schema import DataConfig
+from edgerl.data.prompts import DataError, check_data, load_prompts, prepare_gsm8k
+from edgerl.data.builtin import GSM8K_INSTRUCTION, generate_arithmetic
 
 from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
 TOKENIZER = SHARED / "data" / "smollm2-tokenizer"

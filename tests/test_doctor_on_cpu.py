@@ -2,9 +2,9 @@
 
 import pytest
 
-from edgerl.doctor import Environment, exit_code, run_checks
-from edgerl.modelspec import CATALOGUE
-from edgerl.plan import Task, plan
+from edgerl.doctor.doctor import Environment, exit_code, run_checks
+from edgerl.plan.modelspec import CATALOGUE
+from edgerl.plan.plan import Task, plan
 from fakes import CU126_ARCH, CU130_ARCH, GPUS, fake_probe
 
 
@@ -117,8 +117,8 @@ def test_ecc_advice_when_the_plan_is_short_of_memory():
 
 
 def test_several_gpus_are_listed_with_peer_access():
-    from edgerl.device import GiB
-    from edgerl.probe import probe
+    from edgerl.device.device import GiB
+    from edgerl.device.probe import probe
     from fakes import FakeCuda, FakeNvml, nvml_gpu, software
     gpus = [nvml_gpu("T4", 0), nvml_gpu("T4", 1)]
     for peer, status in ((True, "ok"), (False, "warn")):
@@ -130,7 +130,7 @@ def test_several_gpus_are_listed_with_peer_access():
 
 def test_a_wrong_measured_matmul_fails_the_doctor():
     import dataclasses
-    from edgerl.measurements import Item, Measurements
+    from edgerl.device.measured import Item, Measurements
     r = fake_probe("T4")
     m = Measurements(kind="cuda", name="Tesla T4", uuid="gpu-t4", cc=(7, 5), torch="2.7.1", cuda="12.6",
                      date="2026-12-01T00:00:00Z", fp32_matmul=Item(value=8.0, status="ok", note=""),
@@ -195,7 +195,7 @@ class NoCompilerEnv(FakeEnv):
 def test_a_plan_with_triton_kernels_needs_a_c_compiler(found, env, status):
     """Triton builds each kernel's launcher with $CC, else gcc, else clang: an A100 plan (Triton log-prob
     kernel, compiled decode step) fails the check without one, naming what to install or turn off."""
-    from edgerl.doctor import exit_code
+    from edgerl.doctor.doctor import exit_code
     result = fake_probe("A100")
     dev = result.primary
     p = plan(dev, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128))

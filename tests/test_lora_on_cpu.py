@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from edgerl import checkpoint
-from edgerl.device import GiB, Software
-from edgerl.metrics import read_metrics
-from edgerl.modelspec import CATALOGUE, ModelSpec, resolve
-from edgerl.plan import PlanError, Task, plan
-from edgerl.profiles import device_from_profile, get_profile
+from edgerl.train import checkpoint
+from edgerl.device.device import GiB, Software
+from edgerl.train.metrics import read_metrics
+from edgerl.plan.modelspec import CATALOGUE, ModelSpec, resolve
+from edgerl.plan.plan import PlanError, Task, plan
+from edgerl.device.profiles import device_from_profile, get_profile
 from test_trainer_on_cpu import REWARDS, make_trainer
 
 LORA = ["lora.enabled=true", "lora.rank=4", "lora.alpha=8", f'reward.function="{REWARDS}:vowel_share"',
@@ -73,7 +73,7 @@ def test_only_adapter_weights_change(trained):
 
 
 def test_reference_is_the_untouched_base(trained, tiny_llama):
-    from edgerl.models import build_frozen
+    from edgerl.models.load import build_frozen
     t, _, _ = trained
     ids, mask, targets, start = batch(t.tokenizer.vocab_size)
     with torch.no_grad():
@@ -102,7 +102,7 @@ def test_saved_adapter_reloads_with_peft(trained, tiny_llama):
 def test_merged_export_is_the_adapted_model(trained, tiny_llama):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from edgerl.models import lm_weights
+    from edgerl.models.load import lm_weights
     t, run, _ = trained
     merged = AutoModelForCausalLM.from_pretrained(run / "final").eval()  # plain transformers, no peft
     assert not any("lora" in n for n, _ in merged.named_parameters())
@@ -125,8 +125,8 @@ def test_merged_export_is_the_adapted_model(trained, tiny_llama):
 @pytest.mark.parametrize("rank,targets", [(4, None), (8, ("q_proj", "v_proj")), (2, ("down_proj", "o_proj"))])
 def test_lora_param_count_matches_peft(fixture, rank, targets, request):
     from transformers import AutoModelForCausalLM
-    from edgerl.lora import apply_lora
-    from edgerl.decisions import lora_targets
+    from edgerl.models.lora import apply_lora
+    from edgerl.plan.decisions import lora_targets
     path = request.getfixturevalue(fixture)
     spec = resolve(str(path))
     names = lora_targets(spec.model_type, targets)
@@ -228,8 +228,8 @@ def test_recommend_lora_shows_the_adapter_row():
 def test_recommended_lora_config_reproduces_the_plan(tmp_path):
     from typer.testing import CliRunner
     from edgerl.cli.main import app
-    from edgerl.config_load import load_config
-    from edgerl.target import plan_for, resolve_target
+    from edgerl.config.load import load_config
+    from edgerl.plan.target import plan_for, resolve_target
     out = tmp_path / "p40.toml"
     args = ["recommend", "--gpu", "p40", "-m", "qwen2.5-1.5b", "--lora", "--set", "plan.base_dtype=fp16"]
     res = CliRunner().invoke(app, [*args, "-f", "toml", "-o", str(out)])
@@ -345,8 +345,8 @@ def test_adamw8bit_steps_fsdp2_shards_like_plain_tensors(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from edgerl.models import init_distributed
-    from edgerl.optim import make_optimizer
+    from edgerl.models.load import init_distributed
+    from edgerl.train.optim import make_optimizer
     init_distributed(torch.device("cpu"))
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 16))
@@ -375,7 +375,7 @@ def test_adamw8bit_steps_fsdp2_shards_like_plain_tensors(tmp_path):
 
 def test_missing_bitsandbytes_is_a_clear_error(monkeypatch):
     import builtins
-    import edgerl.optim as optim
+    import edgerl.train.optim as optim
     real = builtins.__import__
 
     def no_bnb(name, *args, **kwargs):
@@ -392,8 +392,8 @@ def test_missing_bitsandbytes_is_a_clear_error(monkeypatch):
 def test_missing_peft_is_a_clear_error(monkeypatch, tiny_llama):
     import builtins
     from transformers import AutoModelForCausalLM
-    from edgerl.lora import apply_lora
-    from edgerl.models import ModelError
+    from edgerl.models.lora import apply_lora
+    from edgerl.models.load import ModelError
     real = builtins.__import__
 
     def no_peft(name, *args, **kwargs):
@@ -437,7 +437,7 @@ def test_lora_input_copies_in_the_memory_model_match_what_autograd_saves():
     saves none of its own: the plan's per-token term must match the measured difference against
     training the whole model (on an H200, 1.7B shape, it matched the update's peak within 3%)."""
     pytest.importorskip("peft", reason="LoRA needs peft (pip install 'edgerl[lora]')")
-    from edgerl.plan import _lora_input_bytes
+    from edgerl.plan.plan import _lora_input_bytes
     measured = _saved_bytes_per_token_and_layer(True) - _saved_bytes_per_token_and_layer(False)
     spec = ModelSpec("tiny", "llama", 512, 256, 4, 8, 2, 1024, False)
     modelled = _lora_input_bytes(spec, TARGETS, 2)

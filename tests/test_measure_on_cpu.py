@@ -1,4 +1,4 @@
-"""edgerl.measure and edgerl.measurements on the CPU: arithmetic with a fake clock, the result check,
+"""edgerl.device.measure and edgerl.device.measured on the CPU: arithmetic with a fake clock, the result check,
 the cache, the command line."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from edgerl import measure as M
-from edgerl.measure import Item, Measurements, MiB
+from edgerl.device import measure as M
+from edgerl.device.measure import Item, Measurements, MiB
 
 TINY = dict(sizes=(64,), copy_bytes=1 * MiB)
 
@@ -252,7 +252,7 @@ def test_cpu_measurement_runs_quickly():
 
 
 def test_import_does_not_import_torch():
-    code = "import sys, edgerl.measure, edgerl.measurements; print('torch' in sys.modules)"
+    code = "import sys, edgerl.device.measure, edgerl.device.measured; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -312,7 +312,7 @@ def test_corrupted_cache_is_ignored_with_a_note(cache, caplog):
         (cache / f"{uuid}.json").write_text(text)
         m, note = M.read_cached(uuid)
         assert m is None and "unreadable" in note and "--bench" in note
-    with caplog.at_level(logging.WARNING, logger="edgerl.measurements"):
+    with caplog.at_level(logging.WARNING, logger="edgerl.device.measured"):
         assert M.load_cached(uuid) is None
     assert "unreadable" in caplog.text
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from edgerl.errors import USER_ERRORS, ConfigError, RunDirError
-from edgerl.metrics import MetricsWriter, plot, read_metrics
+from edgerl.core.errors import USER_ERRORS, ConfigError, RunDirError
+from edgerl.train.metrics import MetricsWriter, plot, read_metrics
 
 
 def lines(*steps: int) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgerl.models import on_device
+from edgerl.models.load import on_device
 from rollout_helpers import tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgerl.models import on_device
+from edgerl.models.load import on_device
 from rollout_helpers import tiny_llama
 
 

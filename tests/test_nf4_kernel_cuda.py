@@ -7,7 +7,7 @@ if not torch.cuda.is_available():
     pytest.skip("the fused NF4 kernel runs on CUDA only (compiled with NVRTC for the GPU)", allow_module_level=True)
 bnb = pytest.importorskip("bitsandbytes", reason="NF4 weights come from bitsandbytes' quantizer")
 
-from edgerl import quant_decode  # noqa: E402
+from edgerl.models import quant_decode  # noqa: E402
 from edgerl.kernels.nf4 import nf4_matmul, reference  # noqa: E402
 
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}   # of the output's largest value
@@ -64,7 +64,7 @@ def test_kernel_is_captured_by_a_cuda_graph():
 
 
 def test_enable_sends_few_rows_without_autograd_to_the_kernel_and_the_rest_to_bitsandbytes(monkeypatch):
-    from edgerl.quant import quantize_linear
+    from edgerl.models.quant import quantize_linear
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 320), torch.nn.Linear(320, 64)).cuda()
     model[0] = quantize_linear(model[0], "nf4", torch.float32)
@@ -114,7 +114,7 @@ def test_kernel_adds_a_lora_adapter(dtype, n, k, m, rank):
 
 def test_peft_layers_over_nf4_decode_through_the_kernel_as_peft_computes():
     from peft import LoraConfig, get_peft_model
-    from edgerl.quant import quantize_linear
+    from edgerl.models.quant import quantize_linear
 
     class Net(torch.nn.Module):
         is_loaded_in_4bit = True

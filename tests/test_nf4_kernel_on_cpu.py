@@ -56,13 +56,13 @@ def test_widths_the_kernel_does_not_take_are_named():
 
 
 def _nf4_layer():
-    from edgerl.quant import quantize_linear
+    from edgerl.models.quant import quantize_linear
     torch.manual_seed(0)
     return quantize_linear(torch.nn.Linear(128, 64), "nf4", torch.float32)
 
 
 def test_enable_leaves_layers_off_cuda_to_bitsandbytes_and_says_why():
-    from edgerl import quant_decode
+    from edgerl.models import quant_decode
     model = torch.nn.Sequential(_nf4_layer(), torch.nn.ReLU(), _nf4_layer())
     assert quant_decode.enable(model, rows=16) == (0, {"not on a CUDA device": 2})
     assert all(type(m).__name__ == "Linear4bit" for m in (model[0], model[2]))
@@ -71,7 +71,7 @@ def test_enable_leaves_layers_off_cuda_to_bitsandbytes_and_says_why():
 def test_decode_layer_sends_only_few_rows_outside_autograd_in_its_compute_dtype_to_the_kernel(monkeypatch):
     """The dispatch rule, with the kernel replaced by a recorder (the kernel itself: the CUDA tests)."""
     import edgerl.kernels.nf4 as k
-    from edgerl import quant_decode
+    from edgerl.models import quant_decode
     calls = []
     monkeypatch.setattr(k, "input_unsupported", lambda x: "")
     monkeypatch.setattr(k, "nf4_matmul", lambda x, p, s, b=None, lora=None: calls.append(tuple(x.shape)) or
@@ -96,7 +96,7 @@ def test_lora_layer_adds_its_adapter_inside_the_kernel_as_peft_adds_it(monkeypat
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
     import edgerl.kernels.nf4 as k
-    from edgerl import quant_decode
+    from edgerl.models import quant_decode
     calls = []
     monkeypatch.setattr(k, "input_unsupported", lambda x: "")
     monkeypatch.setattr(k, "nf4_matmul", lambda x, p, s, b=None, lora=None: calls.append(lora is not None) or
@@ -140,8 +140,8 @@ def test_nvrtc_on_a_torch_without_cuda_is_a_named_error():
 
 def test_a_kernel_that_cannot_run_stops_training_with_one_line_naming_the_setting(monkeypatch):
     import edgerl.kernels.nf4 as k
-    from edgerl import quant_decode
-    from edgerl.errors import TrainingError
+    from edgerl.models import quant_decode
+    from edgerl.core.errors import TrainingError
 
     def broken(*a, **kw):
         raise k.KernelUnavailable("NVRTC could not compile for sm_120: invalid value for --gpu-architecture")

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from edgerl.dtypes import torch_dtype
-from edgerl.errors import OptimizerError
-from edgerl.models import init_distributed
-from edgerl.optim import OPTIMIZERS, make_optimizer
+from edgerl.plan.dtypes import torch_dtype
+from edgerl.core.errors import OptimizerError
+from edgerl.models.load import init_distributed
+from edgerl.train.optim import OPTIMIZERS, make_optimizer
 
 
 def test_fused_adamw_on_sharded_params_equals_the_reference_loop():

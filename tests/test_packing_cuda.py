@@ -51,7 +51,7 @@ def test_packed_equals_plain_on_cuda(arch, dtype):
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="LoRA needs peft")
 def test_packed_equals_plain_over_an_nf4_base_with_lora():
     """The QLoRA path the P40 plan runs: bitsandbytes' fp32 dequantize + matmul, peft's adapter."""
-    from edgerl.quant import quantize_linear
+    from edgerl.models.quant import quantize_linear
     from rollout_helpers import with_lora
 
     def model():

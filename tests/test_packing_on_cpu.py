@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from edgerl import packing
-from edgerl.models import PolicyHead, enable_checkpointing
+from edgerl.models import packing
+from edgerl.models.load import PolicyHead, enable_checkpointing
 from rollout_helpers import tiny_llama, tiny_qwen2, with_lora
 
 PROMPTS = [[5, 17, 42], [7, 8, 9, 10, 11, 12], [3]]
@@ -80,7 +80,7 @@ def test_packed_gradients_equal_the_plain_backward(lora, checkpointing):
     mask, position or gather moves gradients by their own size."""
     def model():
         m = tiny_llama(seed=3).to(torch.float64)
-        return with_lora(m).base_model.model if lora else m   # the module the actor holds (edgerl.lora)
+        return with_lora(m).base_model.model if lora else m   # the module the actor holds (edgerl.models.lora)
     batch = _batch(*ORDERS[1])
     ref = _grads(model(), False, batch, checkpointing)
     got = _grads(model(), True, batch, checkpointing)

@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from edgerl.device import GiB, MiB, Software
-from edgerl.memory import packed_tokens, Setting, estimate
-from edgerl.modelspec import CATALOGUE, resolve
-from edgerl.plan import PlanError, Task, plan
-from edgerl.profiles import device_from_profile, get_profile
+from edgerl.device.device import GiB, MiB, Software
+from edgerl.plan.memory import packed_tokens, Setting, estimate
+from edgerl.plan.modelspec import CATALOGUE, resolve
+from edgerl.plan.plan import PlanError, Task, plan
+from edgerl.device.profiles import device_from_profile, get_profile
 from fakes import fake_probe
 
 SMALL = Task(prompt_len=256, response_len=256, prompts_per_step=2, samples_per_prompt=8)
@@ -125,7 +125,7 @@ def test_triton_layers_need_a_silu_mlp_and_16_bits():
 
 
 def test_the_activation_is_read_from_the_config():
-    from edgerl.modelspec import from_hf_config
+    from edgerl.plan.modelspec import from_hf_config
     cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
            "num_attention_heads": 4, "intermediate_size": 128}
     assert from_hf_config(cfg, "x", "test").hidden_act == "silu"   # HF's LlamaConfig default
@@ -152,7 +152,7 @@ def test_decode_attention_kernel_must_fit_the_shared_memory():
 
 def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():
     import torch
-    from edgerl.session import apply_switches
+    from edgerl.train.session import apply_switches
     p = plan(fake_probe("H100").primary, CATALOGUE["qwen2.5-0.5b"], SMALL)
     assert p.attention == "sdpa" and "cuDNN's SDPA backend is switched off" in p.reasons["attention"]
     before = torch.backends.cuda.cudnn_sdp_enabled()
@@ -209,7 +209,7 @@ def test_rollout_compile_is_off_when_the_rollout_runs_the_quantized_actor():
 
 
 def test_blackwell_keeps_sdpa_unless_flash_attention_is_asked_for():
-    from edgerl.device import device_from_spec
+    from edgerl.device.device import device_from_spec
     from fakes import software
     dev = device_from_spec("cc=12.0,memory=31GiB,name=\"NVIDIA GeForce RTX 5090\"",
                            software(flash_attn="2.7.4"), 64 * GiB)
@@ -221,7 +221,7 @@ def test_blackwell_keeps_sdpa_unless_flash_attention_is_asked_for():
 
 @pytest.mark.parametrize("key,gain,dtype", [("P100", 2.0, "fp16-mixed"), ("P40", 0.9, "fp32"), ("P40", None, "fp32")])
 def test_measured_fp16_speed_decides_below_cc7(key, gain, dtype):
-    from edgerl.measurements import Item, Measurements
+    from edgerl.device.measured import Item, Measurements
     dev = fake_probe(key).primary
     if gain is not None:
         item = lambda v: Item(value=v, status="ok", note="")  # noqa: E731

@@ -2,8 +2,8 @@
 
 import pytest
 
-from edgerl.device import GiB, arch_covers, capability, device_from_spec, SpecError
-from edgerl.probe import probe
+from edgerl.device.device import GiB, arch_covers, capability, device_from_spec, SpecError
+from edgerl.device.probe import probe
 from fakes import CU126_ARCH, CU130_ARCH, GPUS, FakeCuda, FakeNvml, fake_probe, nvml_gpu, software
 
 # What each GPU class must come out as (hardware.md §1, §9, §12): tensor cores, fp16 at least as fast as fp32,

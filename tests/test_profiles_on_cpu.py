@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from edgerl.device import GiB, MiB, Software, device_from_spec
-from edgerl.errors import ProfileError
-from edgerl.profiles import _parse, device_from_profile, get_profile, list_profiles, match_profile
+from edgerl.device.device import GiB, MiB, Software, device_from_spec
+from edgerl.core.errors import ProfileError
+from edgerl.device.profiles import _parse, device_from_profile, get_profile, list_profiles, match_profile
 
 # profile -> (NVML total in MiB under the default ECC setting, ECC on by default, NVML total with ECC off)
 # as cited in each file's comments (hardware.md §12 and public nvidia-smi / deviceQuery printouts)

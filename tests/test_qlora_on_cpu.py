@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from edgerl.device import GiB, Software
-from edgerl.metrics import read_metrics
-from edgerl.modelspec import CATALOGUE
-from edgerl.plan import Task, plan
-from edgerl.profiles import device_from_profile, get_profile
+from edgerl.device.device import GiB, Software
+from edgerl.train.metrics import read_metrics
+from edgerl.plan.modelspec import CATALOGUE
+from edgerl.plan.plan import Task, plan
+from edgerl.device.profiles import device_from_profile, get_profile
 from test_trainer_on_cpu import REWARDS, make_trainer
 
 pytest.importorskip("bitsandbytes", reason="the quantized base needs bitsandbytes (pip install bitsandbytes)")
@@ -59,7 +59,7 @@ def test_merged_export_is_16_bit_and_loads(qlora_run, tiny_llama):
     dtypes = {p.dtype for p in model.parameters()}
     assert dtypes <= {torch.float16, torch.bfloat16}, dtypes
     assert cfg.get("quantization_config") is None
-    from edgerl.lora import merged_weights
+    from edgerl.models.lora import merged_weights
     merged = dict(merged_weights(t.actor.lm))
     for name, p in model.named_parameters():   # the adapted, dequantized weights, rounded once to 16 bits
         torch.testing.assert_close(p.float(), merged[name].float().to(p.dtype).float(), rtol=0, atol=0, msg=name)
@@ -70,7 +70,7 @@ def test_resume_with_a_quantized_base_continues_exactly(tiny_llama, tmp_path):
     sets = [*QLORA, "train.steps=4", "run.save_every=2", "run.export_final=false"]
     make_trainer(tiny_llama, tmp_path / "straight", *sets).run()
     make_trainer(tiny_llama, tmp_path / "split", *sets, "train.steps=2").run()
-    from edgerl import checkpoint
+    from edgerl.train import checkpoint
     make_trainer(tiny_llama, tmp_path / "split", *sets, resume=checkpoint.latest(tmp_path / "split")).run()
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
     for ra, rb in zip(a, b):
@@ -107,12 +107,12 @@ def test_bf16_training_state_through_the_trainer(tiny_llama, tmp_path, name):
     t = make_trainer(tiny_llama, tmp_path / "straight", *sets, "train.steps=4")
     assert type(t.state.actor.optim).__name__ == "AdamWBF16" and t.plan.dtype.param == "bf16"
     assert {p.dtype for p in t.actor.parameters()} == {torch.bfloat16}
-    from edgerl.memory import OPTIMIZERS
+    from edgerl.plan.memory import OPTIMIZERS
     n = sum(p.numel() for p in t.actor.parameters())
     assert t.plan.memory.phases["update"]["optimizer state"] == n * OPTIMIZERS[name].state
     t.run()
     make_trainer(tiny_llama, tmp_path / "split", *sets, "train.steps=2").run()
-    from edgerl import checkpoint
+    from edgerl.train import checkpoint
     make_trainer(tiny_llama, tmp_path / "split", *sets, "train.steps=4",
                  resume=checkpoint.latest(tmp_path / "split")).run()
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
@@ -124,8 +124,8 @@ def test_bf16_training_state_through_the_trainer(tiny_llama, tmp_path, name):
 
 def test_a_damaged_checkpoint_is_one_error_naming_the_file(tiny_llama, tmp_path):
     import shutil
-    from edgerl.errors import ModelError
-    from edgerl.quant import load_quantized_lm
+    from edgerl.core.errors import ModelError
+    from edgerl.models.quant import load_quantized_lm
     broken = tmp_path / "broken"
     shutil.copytree(tiny_llama, broken)
     f = broken / "model.safetensors"

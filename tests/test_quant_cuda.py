@@ -48,7 +48,7 @@ def test_nf4_decode_step_replays_from_a_cuda_graph(compute):
     peft's LoRA layer replay with fresh inputs and give the eager results and dequantized W x (+ B A x)."""
     skip_without_bf16(compute)
     from peft import LoraConfig, get_peft_model
-    from edgerl.quant import dequantized_weight, quantize_linear
+    from edgerl.models.quant import dequantized_weight, quantize_linear
     torch.manual_seed(0)
     layer = quantize_linear(torch.nn.Linear(2048, 5632, bias=True), "nf4", compute, CUDA)
     model = torch.nn.Sequential()
@@ -80,7 +80,7 @@ def test_fp32_compute_is_the_dequantized_weight_times_x(tokens, shape):
     """The Pascal recipe on the GPU: fused kernels for few tokens, dequantize + F.linear for many; both
     equal the NF4 weight decoded the slow way (including row widths the CPU kernel gets wrong)."""
     from test_quant_on_cpu import nf4_reference
-    from edgerl.quant import quantize_linear
+    from edgerl.models.quant import quantize_linear
     torch.manual_seed(1)
     inp, out = shape
     layer = quantize_linear(torch.nn.Linear(inp, out, bias=True), "nf4", torch.float32, CUDA)
@@ -115,7 +115,7 @@ def test_transient_bytes_bound_one_layer(quant, compute):
     gradient, against `transient_bytes` (2048 tokens: bitsandbytes' dequantize + F.linear path)."""
     if quant == "int8" and torch.cuda.get_device_capability() < (7, 5):
         pytest.skip("LLM.int8 needs CC >= 7.5")
-    from edgerl.quant import quantize_linear, transient_bytes
+    from edgerl.models.quant import quantize_linear, transient_bytes
     inp, out, tokens = 4096, 11008, 2048
     layer = quantize_linear(torch.nn.Linear(inp, out, bias=False), quant, compute, CUDA)
     x = torch.randn(tokens, inp, device=CUDA, dtype=compute, requires_grad=True)
@@ -143,9 +143,9 @@ def test_fsdp2_offloads_around_resident_quantized_weights(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from test_quant_on_cpu import PROJECTIONS, make_model, train_steps
-    from edgerl.lora import apply_lora
-    from edgerl.models import init_distributed
-    from edgerl.quant import load_quantized_lm, quantized_params
+    from edgerl.models.lora import apply_lora
+    from edgerl.models.load import init_distributed
+    from edgerl.models.quant import load_quantized_lm, quantized_params
     folder = make_model(tmp_path / "m", arch="qwen2", dtype=torch.float16, tied=False)
     init_distributed(CUDA)
     batch = torch.randint(0, 300, (2, 9), device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
@@ -175,7 +175,7 @@ def test_llm_int8_on_cuda_matches_its_definition():
     if torch.cuda.get_device_capability() < (7, 5):
         pytest.skip("LLM.int8's int8 matmul needs CC >= 7.5")
     from test_quant_on_cpu import llm_int8_reference
-    from edgerl.quant import quantize_linear
+    from edgerl.models.quant import quantize_linear
     torch.manual_seed(2)
     layer = quantize_linear(torch.nn.Linear(1024, 768, bias=True), "int8", torch.float16, CUDA)
     x = torch.randn(4, 7, 1024, device=CUDA, dtype=torch.float16)

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("bitsandbytes", reason="a quantized base needs bitsandbytes (pip install bitsandbytes)")
 
-from edgerl.errors import ModelError  # noqa: E402
-from edgerl.quant import (dequantized_state_dict, dequantized_weight, dequantized_weights, load_quantized_lm,  # noqa: E402
+from edgerl.core.errors import ModelError  # noqa: E402
+from edgerl.models.quant import (dequantized_state_dict, dequantized_weight, dequantized_weights, load_quantized_lm,  # noqa: E402
                           quantize_linear, quantized_bytes, quantized_params)
 
 QUANTS = ["nf4", "int8"]
@@ -272,7 +272,7 @@ class PeakSampler:
 
 def model_bytes(model) -> int:
     """Bytes of every parameter, with a quantized layer's constants (`stored_bytes`)."""
-    from edgerl.quant import is_quantized_linear
+    from edgerl.models.quant import is_quantized_linear
     quantized = {id(m.weight) for m in model.modules() if is_quantized_linear(m)}
     total = sum(stored_bytes(m) for m in model.modules() if is_quantized_linear(m))
     return total + sum(p.nbytes for p in {id(p): p for p in model.parameters()}.values() if id(p) not in quantized)
@@ -425,7 +425,7 @@ def test_quantized_bytes_per_parameter_of_a_7b_projection():
 
 
 def lora_model(folder: Path, quant: str, storage=torch.float32):
-    from edgerl.lora import apply_lora
+    from edgerl.models.lora import apply_lora
     lm = load_quantized_lm(folder, quant, torch.float32, "cpu", storage_dtype=storage)
     torch.manual_seed(3)
     return lm, apply_lora(lm, 4, 8.0, 0.0, PROJECTIONS)
@@ -503,11 +503,11 @@ def test_lora_layer_is_base_plus_scaled_adapter():
 
 
 def shard_like_edgerl(lm, ignored: str | None) -> None:
-    """What edgerl.models.shard does (per decoder layer, then the root; fp32 compute over an fp16
+    """What edgerl.models.load.shard does (per decoder layer, then the root; fp32 compute over an fp16
     base), with FSDP2 ignoring the quantized weights ("quantized") or every frozen parameter ("frozen")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from edgerl.models import init_distributed
+    from edgerl.models.load import init_distributed
     init_distributed(torch.device("cpu"))
     kwargs = {"mesh": init_device_mesh("cpu", (1,)),
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
@@ -528,7 +528,7 @@ def test_fsdp2_trains_the_adapter_and_leaves_the_quantized_base_alone(quant, ign
     every frozen parameter ignored, FSDP2 manages the adapter alone (the float base then has to be
     stored in the compute dtype: mixed precision does not cast what FSDP2 ignores)."""
     from torch.distributed.tensor import DTensor
-    from edgerl.models import enable_checkpointing
+    from edgerl.models.load import enable_checkpointing
     lm, _ = lora_model(qwen, quant, storage=torch.float16 if ignored == "quantized" else torch.float32)
     ref, _ = lora_model(qwen, quant, storage=torch.float32)  # the fp16 checkpoint's values, in fp32
     enable_checkpointing(lm)
@@ -612,7 +612,7 @@ def test_export_is_the_dequantized_base_in_16_bits(quant, llama, tmp_path):
     n_params = sum(t.numel() for t in sd16.values())
     assert (tmp_path / "out" / "model.safetensors").stat().st_size < 2 * n_params + 100_000  # 16 bits a weight
     # after peft: the same names (".base_layer" dropped), the adapter left out, nothing merged
-    from edgerl.lora import apply_lora
+    from edgerl.models.lora import apply_lora
     apply_lora(lm, 4, 8.0, 0.0, PROJECTIONS)
     streamed = dict(dequantized_weights(lm, torch.bfloat16))
     assert set(streamed) == set(sd16) and all(torch.equal(streamed[n], sd16[n]) for n in sd16)
@@ -668,7 +668,7 @@ def test_a_model_without_nn_linear_is_refused(tmp_path):
 
 def test_conv1d_projections_are_refused():
     from transformers.pytorch_utils import Conv1D
-    from edgerl.quant import _swap_linears
+    from edgerl.models.quant import _swap_linears
 
     class Layer(torch.nn.Module):
         def __init__(self):

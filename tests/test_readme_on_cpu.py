@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from edgerl.explain import decision_table
+from edgerl.plan.explain import decision_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,7 +13,7 @@ def test_decisions_table_is_generated_by_plan():
     block = re.search(r"<!-- decisions:start -->\n(.*?)\n<!-- decisions:end -->", readme, re.S)
     assert block, "README lacks the decisions block"
     assert block.group(1).strip() == decision_table().strip(), \
-        "README's decisions table is stale: paste the output of `python -m edgerl.explain`"
+        "README's decisions table is stale: paste the output of `python -m edgerl.plan.explain`"
 
 
 def test_ci_runs_the_readme_commands():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from edgerl.rewards import (RewardError, RewardItem, arithmetic_score, check_sources,
+from edgerl.rewards.rules import (RewardError, RewardItem, arithmetic_score, check_sources,
                             default_compute_score, ground_truth_problem, gsm8k_extract, gsm8k_score,
                             load_reward_function, math_score, parse_number, score_batch)
 
@@ -300,7 +300,7 @@ def _reference_scores(model, seqs):
 
 
 def test_reward_model_batches_match_one_by_one(tiny_rm):
-    from edgerl.reward_model import RewardModel
+    from edgerl.rewards.model import RewardModel
     rm = RewardModel(str(tiny_rm), batch_size=2)
     prompts = ["What is 2 + 2?", "Say hi.", "Count to three.", [{"role": "user", "content": "Chat?"}], "x"]
     responses = ["4", "hi there, friend, how are you today?", "1 2 3", "yes", "y"]
@@ -313,7 +313,7 @@ def test_reward_model_batches_match_one_by_one(tiny_rm):
 
 
 def test_reward_model_without_template_and_pad_at_the_end(tiny_rm):
-    from edgerl.reward_model import RewardModel
+    from edgerl.rewards.model import RewardModel
     rm = RewardModel(str(tiny_rm), batch_size=3)
     rm.tokenizer.chat_template = None
     # SmolLM2's pad token is <|im_end|>: a response ending with it must be read at that token
@@ -327,6 +327,6 @@ def test_reward_model_without_template_and_pad_at_the_end(tiny_rm):
 
 
 def test_reward_model_errors(tmp_path):
-    from edgerl.reward_model import RewardModel
+    from edgerl.rewards.model import RewardModel
     with pytest.raises(RewardError, match="cannot load the reward model"):
         RewardModel(str(tmp_path / "missing"))

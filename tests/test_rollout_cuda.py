@@ -168,7 +168,7 @@ def test_graph_kept_across_sync_and_rollouts():
 def test_kept_graph_after_release_and_restore_of_the_weights():
     """models.release_weights/restore_weights may put the weights elsewhere; the engine must notice and
     capture again rather than replay a graph that reads freed memory."""
-    from edgerl.models import release_weights, restore_weights
+    from edgerl.models.load import release_weights, restore_weights
     model = tiny_llama(device="cuda")
     graph, _ = engines(model)
     graph.generate(PROMPTS, 1, greedy(16))

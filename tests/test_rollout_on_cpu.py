@@ -314,7 +314,7 @@ def test_sync_fills_the_fused_weights(name):
 
 
 def test_release_and_restore_free_and_refill_the_fused_storage():
-    from edgerl.models import release_weights, restore_weights
+    from edgerl.models.load import release_weights, restore_weights
     model = tiny_qwen2()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     eng = static(model)
@@ -491,7 +491,7 @@ def test_cuda_decode_attention_off_cuda_is_refused_with_the_reason():
 
 def test_a_decode_kernel_that_cannot_run_stops_training_naming_the_setting():
     import types
-    from edgerl.errors import TrainingError
+    from edgerl.core.errors import TrainingError
     from edgerl.rollout import _static_engine
     plan = types.SimpleNamespace(cuda_graphs=False, decode_attention="cuda")
     with pytest.raises(TrainingError, match=r"cannot run here: tensors are on cpu.*set plan.decode_attention=bmm"):

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from edgerl.errors import RunDirError
+from edgerl.core.errors import RunDirError
 from typer.testing import CliRunner
 
-from edgerl import checkpoint
+from edgerl.train import checkpoint
 from edgerl.cli.main import app
-from edgerl.metrics import read_metrics
+from edgerl.train.metrics import read_metrics
 
 runner = CliRunner()
 FAST = ['run.profile="cpu"', "rollout.max_new_tokens=8", "train.prompts_per_step=2", "rollout.n_samples=4",
@@ -160,7 +160,7 @@ def test_interrupted_writes_are_removed_by_the_next_run_in_the_folder(run_copy):
 
 
 def test_a_failed_export_leaves_no_half_final_and_the_earlier_one_whole(tiny_llama, run_copy, monkeypatch):
-    import edgerl.trainer as trainer_mod
+    import edgerl.train.trainer as trainer_mod
     from conftest import prepare_trainer
     before = files(run_copy / "final")
 
@@ -211,7 +211,7 @@ def test_out_that_is_a_file_or_under_a_file_is_one_line(tiny_llama, tmp_path):
 
 def test_a_second_process_training_in_the_folder_is_refused(run_copy):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from edgerl.runfolder import RunLock; "
+        [sys.executable, "-c", "import sys; from pathlib import Path; from edgerl.train.runfolder import RunLock; "
          f"lock = RunLock(Path({str(run_copy)!r})); print('locked', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -273,8 +273,8 @@ def test_a_damaged_model_file_is_one_error_naming_it_and_nothing_is_written(tiny
 
 def test_loading_a_damaged_model_names_the_file(tiny_llama, tmp_path):
     import torch
-    from edgerl.errors import ModelError
-    from edgerl.models import load_causal_lm
+    from edgerl.core.errors import ModelError
+    from edgerl.models.load import load_causal_lm
     model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
     weights = model / "model.safetensors"
     with open(weights, "r+b") as fh:
@@ -287,14 +287,14 @@ def test_a_run_that_stopped_before_its_first_step_can_be_started_again(tiny_llam
                                                                       monkeypatch):
     """A failure after the run folder was set up (here: restoring the checkpoint) leaves its config and
     the branch's copied history; the same command again must not be refused as 'holds a run'."""
-    import edgerl.state
-    from edgerl.errors import CheckpointError
+    import edgerl.train.state
+    from edgerl.core.errors import CheckpointError
 
     def fail(*args, **kwargs):
         raise CheckpointError("simulated failure while restoring")
     ckpt, branch = run_copy / "checkpoints" / "step-000002", tmp_path / "branch"
     with monkeypatch.context() as m:
-        m.setattr(edgerl.state, "restore", fail)
+        m.setattr(edgerl.train.state, "restore", fail)
         refused(train("--resume", ckpt, "--out", branch, "--steps", 3), "simulated failure")
     assert (branch / "config.toml").exists()
     r = train("--resume", ckpt, "--out", branch, "--steps", 3)

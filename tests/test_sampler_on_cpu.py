@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from edgerl.data import DataError, PromptSampler
+from edgerl.data.prompts import DataError, PromptSampler
 
 
 def quiet(n, b, seed=0, shuffle=True):

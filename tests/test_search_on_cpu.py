@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from edgerl.device import GiB, Software
-from edgerl.modelspec import CATALOGUE
-from edgerl.moves import MICRO_HALVING_COST, STAGE_COST, stages_for
-from edgerl.plan import Task, plan
-from edgerl.profiles import device_from_profile, get_profile
-from edgerl.search import LAUNCH_S_PER_LAYER, UPDATE_SHARE, MicroCost, candidates, micro_cost
+from edgerl.device.device import GiB, Software
+from edgerl.plan.modelspec import CATALOGUE
+from edgerl.plan.moves import MICRO_HALVING_COST, STAGE_COST, stages_for
+from edgerl.plan.plan import Task, plan
+from edgerl.device.profiles import device_from_profile, get_profile
+from edgerl.plan.search import LAUNCH_S_PER_LAYER, UPDATE_SHARE, MicroCost, candidates, micro_cost
 
 QWEN7B = CATALOGUE["qwen2.5-7b"]
 TASK = Task(prompt_len=128, response_len=256, prompts_per_step=2, samples_per_prompt=8, lora=True)
@@ -45,7 +45,7 @@ def test_a_p40_qlora_micro_step_costs_its_launches_and_dequantization_by_hand():
 
 def _setting_of(p):
     """The memory Setting the plan's search found (what micro_cost is given)."""
-    from edgerl.memory import Setting
+    from edgerl.plan.memory import Setting
     return Setting(compute_bytes=p.dtype.compute_bytes, base_bytes=4, grad_checkpointing=p.grad_checkpointing,
                    swap_models=p.swap_models, optimizer_offload=p.optimizer_offload, param_offload=p.param_offload,
                    micro_batch=p.micro_batch, score_micro_batch=p.score_micro_batch, rollout_batch=p.rollout_batch,

@@ -4,12 +4,12 @@ the run keeps, not one it only plans for). torch.cuda's cap is recorded, not app
 import pytest
 import torch
 
-from edgerl.config_load import load_config
-from edgerl.config import ConfigError
-from edgerl.device import GiB
-from edgerl.memory import DEFAULT_CALIBRATION
-from edgerl.session import _device_for
-from edgerl.target import resolve_target
+from edgerl.config.load import load_config
+from edgerl.config.schema import ConfigError
+from edgerl.device.device import GiB
+from edgerl.plan.memory import DEFAULT_CALIBRATION
+from edgerl.train.session import _device_for
+from edgerl.plan.target import resolve_target
 from fakes import fake_probe
 
 
@@ -64,9 +64,9 @@ def test_several_processes_leave_room_for_nccls_buffers(caps):
     """Under torchrun each process holds NCCL's buffers outside the allocator as well: the cap is the
     budget less both, and the plan counts both."""
     import dataclasses
-    from edgerl.modelspec import CATALOGUE
-    from edgerl.plan import plan
-    from edgerl.task import Task
+    from edgerl.plan.modelspec import CATALOGUE
+    from edgerl.plan.plan import plan
+    from edgerl.plan.task import Task
     target = resolve_target(probe_fn=lambda: fake_probe("A100"))
     total = target.real.total_memory
     _device_for(target, _cfg("plan.memory_gib=6"), processes=2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgerl.swiglu import SiluMul, fuse_mlps, fusable
+from edgerl.models.swiglu import SiluMul, fuse_mlps, fusable
 from rollout_helpers import tiny_llama, tiny_qwen2, with_lora
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edgerl.device import CAPABILITIES
+from edgerl.device.device import CAPABILITIES
 from edgerl.kernels.tiles import SMEM_DEFAULT, Tiles, choose_chunk, choose_tiles, estimate_smem, make_tiles
 
 REPO = Path(__file__).resolve().parents[1]

@@ -60,7 +60,7 @@ def test_torchrun_train_logs_once_splits_prompts_and_resumes(tiny_llama, tmp_pat
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["dist/world_size"] == 2 and r["batch/sequences"] == 4 for r in rows)
-    _, state, _ = __import__("edgerl.checkpoint", fromlist=["load"]).load(run / "checkpoints" / "step-000002")
+    _, state, _ = __import__("edgerl.train.checkpoint", fromlist=["load"]).load(run / "checkpoints" / "step-000002")
     assert state["train"]["world_size"] == 2 and len(state["train"]["rng_by_rank"]) == 2
     assert state["train"]["rng_by_rank"][0]["generator"].ne(state["train"]["rng_by_rank"][1]["generator"]).any()
 

@@ -20,7 +20,7 @@ FAST = ["rollout.max_new_tokens=16", "train.prompts_per_step=2", "rollout.n_samp
 
 
 def train(model_dir: Path, run_dir: Path, *sets: str):
-    from edgerl.metrics import read_metrics
+    from edgerl.train.metrics import read_metrics
     from conftest import prepare_trainer
     t = prepare_trainer(model_dir, run_dir, [*FAST, *sets])
     t.run()

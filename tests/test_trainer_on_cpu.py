@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgerl import checkpoint
-from edgerl.metrics import read_metrics
-from edgerl.trainer import Trainer, TrainingError
+from edgerl.train import checkpoint
+from edgerl.train.metrics import read_metrics
+from edgerl.train.trainer import Trainer, TrainingError
 from conftest import prepare_trainer
 
 REWARDS = Path(__file__).with_name("reward_fns.py")
@@ -91,7 +91,7 @@ def test_resume_continues_exactly(tiny_llama, tmp_path):
 
 
 def test_nan_loss_skips_updates_then_aborts(tiny_llama, tmp_path, monkeypatch):
-    import edgerl.trainer as tr
+    import edgerl.train.trainer as tr
     real = tr.algos.policy_loss
 
     def nan_loss(*args, **kwargs):
@@ -142,7 +142,7 @@ def test_out_of_memory_under_a_budget_says_the_budget_caps_the_allocator(tiny_ll
 
 
 def test_reward_exceptions_name_the_sample(tiny_llama, tmp_path):
-    from edgerl.rewards import RewardError
+    from edgerl.rewards.rules import RewardError
     t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=1", f'reward.function="{REWARDS}:broken"')
     with pytest.raises(RewardError, match=r"sample 0 of the batch.*KeyError: 'expected_field'"):
         t.run()
@@ -223,7 +223,7 @@ def test_profile_step_records_that_step_and_never_overwrites_a_recording(tiny_ll
 
 
 def test_a_negative_profile_step_is_refused(tiny_llama, tmp_path):
-    from edgerl.errors import ConfigError
+    from edgerl.core.errors import ConfigError
     with pytest.raises(ConfigError, match=r"run.profile_step"):
         make_trainer(tiny_llama, tmp_path / "run", "run.profile_step=-1")
     assert not (tmp_path / "run").exists()
@@ -231,7 +231,7 @@ def test_a_negative_profile_step_is_refused(tiny_llama, tmp_path):
 
 def test_prepare_applies_the_plans_torch_switches(tiny_llama, tmp_path, monkeypatch):
     """session.prepare sets the plan's process-wide switches (cuDNN's SDPA off on CUDA) for every run."""
-    from edgerl import session
+    from edgerl.train import session
     seen = []
     monkeypatch.setattr(session, "apply_switches", lambda plan, device: seen.append((plan.attention, device.type)))
     make_trainer(tiny_llama, tmp_path / "run", "train.steps=1")

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from edgerl.device import arch_covers
-from edgerl.wheels import BUILDS, JETPACK6_INDEX, PYTORCH_INDEX, builds_covering, cuda_version, wheel_advice
+from edgerl.device.device import arch_covers
+from edgerl.device.wheels import BUILDS, JETPACK6_INDEX, PYTORCH_INDEX, builds_covering, cuda_version, wheel_advice
 
 CU126 = f"pip install 'torch<2.15' --index-url {PYTORCH_INDEX}cu126"
 CU130 = f"pip install torch --index-url {PYTORCH_INDEX}cu130"

@@ -11,8 +11,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from edgerl.models import init_distributed
-from edgerl.optim import make_optimizer
+from edgerl.models.load import init_distributed
+from edgerl.train.optim import make_optimizer
 
 FULL = StateDictOptions(full_state_dict=True)
 

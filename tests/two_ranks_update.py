@@ -9,10 +9,11 @@ import sys
 
 import torch
 
-from edgerl import ranks, session
-from edgerl.experience import Experience, advantages
-from edgerl.models import lm_weights
-from edgerl.trainer import Trainer
+from edgerl.train import ranks
+from edgerl.train import session
+from edgerl.train.experience import Experience, advantages
+from edgerl.models.load import lm_weights
+from edgerl.train.trainer import Trainer
 
 
 def fixed_rollouts(vocab: int, prompts: int, n: int) -> Experience:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..errors import TrainingError
+from edgerl.core.errors import TrainingError
 from .base import RolloutBatch, RolloutEngine, SamplingParams, cut_at_eos
 from .decoder import SUPPORTED, UnsupportedModel
 from .hf import HFGenerateEngine, load_weights
@@ -55,12 +55,12 @@ class OwnWeights:
     def release(self) -> None:
         if self.resident:
             return
-        from ..models import release_weights
+        from edgerl.models.load import release_weights
         self.engine.release()
         release_weights(self.model)
 
     def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from ..models import restore_weights
+        from edgerl.models.load import restore_weights
         restore_weights(self.model)
         self.engine.sync_weights(weights)
 
@@ -104,7 +104,7 @@ class ActorWeights:
 
 
 def _inference_copy(plan, ctx: EngineContext) -> torch.nn.Module:
-    from ..models import build_inference_copy
+    from edgerl.models.load import build_inference_copy
     return build_inference_copy(ctx.model_path, plan, ctx.device, ctx.trust_remote_code)
 
 
@@ -120,15 +120,15 @@ def _static_engine(plan, model: torch.nn.Module, rows: int, max_seq_len: int, **
 
 
 def _static(plan, ctx: EngineContext) -> RolloutEngine:
-    from ..models import quantized_base
+    from edgerl.models.load import quantized_base
     why = plan.reasons.get("cuda_graphs", "")
     # The plan chose this engine for this model (decisions.static_engine_support); the decoder checks
     # the loaded model again and raises UnsupportedModel if the two disagree.
     if quantized_base(plan):
         fused = ""
         if plan.nf4_kernel:
-            from ..decisions import NF4_KERNEL_ROWS
-            from ..quant_decode import enable
+            from edgerl.plan.decisions import NF4_KERNEL_ROWS
+            from edgerl.models.quant_decode import enable
             n, left = enable(ctx.actor.lm, NF4_KERNEL_ROWS)   # compiles and checks the kernel first (one-line error)
             fused = f"{n} NF4 layers decode through the fused kernel" + "".join(
                 f"; {k} left to bitsandbytes: {why}" for why, k in left.items())

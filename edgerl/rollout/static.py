@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import TrainingError
+from edgerl.core.errors import TrainingError
 from .base import RolloutBatch, SamplingParams, cut_at_eos
 from .decoder import StaticDecoder
 from .hf import load_weights

@@ -33,7 +33,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..dtypes import FLOAT_NAMES, hf_name
+from edgerl.plan.dtypes import FLOAT_NAMES, hf_name
 from .base import RolloutBatch, SamplingParams, cut_at_eos
 
 

@@ -1,0 +1,1 @@
+"""Errors a user can cause, and the files edgerl writes for them (atomically)."""

@@ -1,0 +1,1 @@
+"""`edgerl doctor`: is this machine ready, and if not, what to fix."""

@@ -1,0 +1,1 @@
+"""Actor, critic and reference: loading, LoRA, quantized bases, FSDP2, the embedded model."""

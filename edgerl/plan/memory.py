@@ -1,0 +1,353 @@
+"""The memory model of one RL step, by component and by phase.
+
+A step has three phases and the models move between them, so the peak is the largest phase:
+
+    rollout  generation weights + KV cache + sampling logits (+ whatever stays resident)
+    score    old/reference log-probs and values: forward passes without gradients
+    update   actor (then critic) forward + backward + optimizer step
+
+Formulas, with P parameters, T trainable parameters, h hidden size, I MLP size, q/kv the query
+and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dtype bytes:
+
+    master weights        P x w (w = 4 for fp32 masters, 2 for the bf16 optimizers), or for a frozen
+                          LoRA base P x b_base + A x 4 (A = r x (in + out) per adapted linear layer);
+                          a quantized base counts its projections with `quantized_bytes` (packed
+                          codes and constants) and the rest in the compute dtype
+    generation copy       P x b_c: the rollout engine's own weights (merged W + scale B A under
+                          LoRA); none when it runs the actor's own modules (quantized base). Rollout
+                          phase only, unless the plan keeps it resident with its KV cache and graphs
+    layer copies          2 layers + embeddings in b_c while FSDP2 unshards layers for a forward
+    gradients             T x g (T = P, or A under LoRA; g = 4, or 2 for the bf16 optimizers)
+    optimizer state       T x `OPTIMIZERS[name].state` (8 AdamW, 2 8-bit, 6 or 4 bf16), plus the bf16
+                          step's fixed workspace
+    dequantization        one layer's weight dequantized to the compute dtype (quantized base)
+    reference             P x b_c, a separate frozen copy; none under LoRA (adapter disabled)
+    activations, no ckpt  tokens x layers x b_c x (5h + 3q + 3kv + 4I)   (+ the eager score matrix:
+                          tokens x heads x L x 2 b_c per layer)
+    activations, ckpt     tokens x layers x h x b_c + one layer's full activations
+    log-prob pass         chunk x V x b_logit through the chunked kernel (the torch path holds 8
+                          bytes per logit of a chunk, the Triton backward one slab in the compute
+                          dtype); never tokens x V
+    KV cache              sequences x L x 2 x layers x kv x b_c
+    sampling logits       sequences x V x 4 x 3 (fp32 logits, softmax, top-p sort)
+    CUDA context          a constant per process, outside torch's allocator
+    fragmentation         a share of the transient memory (activations, logits, KV cache)
+
+`Calibration` holds the constants; measured peaks (docs/benchmarks.md) calibrate them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from edgerl.device.device import GiB, MiB
+from edgerl.plan.modelspec import ModelSpec
+
+
+@dataclass(frozen=True)
+class TrainingBytes:
+    """What one trainable parameter costs through training under an optimizer, in bytes, and the
+    dtype the trainable parameters must be stored in. `step_workspace` is per optimizer step, not
+    per parameter: transient bytes the step allocates (after the backward has freed activations)."""
+    weights: int
+    grads: int
+    state: int
+    param_dtype: str
+    step_workspace: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.state
+
+
+# The bf16 optimizers' eager step walks each shard in chunks of 2^21 elements with 24 bytes of
+# temporaries per element (counted in adamw_bf16.py, which takes its chunk size from here); the fused
+# one needs none. A step that streams host-held shards through the GPU holds one chunk of weight,
+# gradient and state there (10 bytes per element) besides: 34 bytes per element, counted as 36 (room
+# for the allocator).
+BF16_STEP_CHUNK = 1 << 21
+BF16_STEP_WORKSPACE = 36 * BF16_STEP_CHUNK
+
+# name -> bytes per trainable parameter (the table is in optim.make_optimizer's docstring). adamw8bit's
+# scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096 values in fp32
+# (8 bytes): both left out. TRL's bf16 model with torch's AdamW is also 2 + 2 + 4 = 8 bytes, but
+# drops updates below half a bf16 spacing (adamw_bf16.py).
+OPTIMIZERS: dict[str, TrainingBytes] = {
+    "adamw": TrainingBytes(4, 4, 8, "fp32"),
+    "adamw8bit": TrainingBytes(4, 4, 2, "fp32"),
+    "adamw-bf16": TrainingBytes(2, 2, 6, "bf16", BF16_STEP_WORKSPACE),
+    "adamw-bf16-sr": TrainingBytes(2, 2, 4, "bf16", BF16_STEP_WORKSPACE),
+}
+
+QUANTS = ("nf4", "int8")
+NF4_BLOCK = 64        # weights per absmax: QLoRA's choice and bitsandbytes' default
+NESTED_BLOCK = 256    # absmax codes per fp32 scale in the second level (double quantization)
+
+
+def quantized_bytes(in_features: int, out_features: int, quant: str) -> int:
+    """Bytes one quantized weight (out_features, in_features) occupies, as bitsandbytes stores it
+    (the bias is a separate float parameter and not counted).
+
+    nf4: n = in x out packed two per byte, one uint8 absmax code per 64 weights, one fp32 scale per
+    256 codes, the 256-entry fp32 code table of the second level and the 16-entry NF4 table (each
+    layer holds its own copies) and the fp32 offset.  int8: one byte per weight, one fp32 scale per row."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant={quant!r}: choose one of {', '.join(QUANTS)}")
+    n = in_features * out_features
+    if quant == "int8":
+        return n + 4 * out_features
+    blocks = math.ceil(n / NF4_BLOCK)
+    return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 * 256 + 4 * 16 + 4
+
+
+def transient_bytes(in_features: int, out_features: int, quant: str, compute_bytes: int) -> int:
+    """Bytes a forward or backward of one quantized layer allocates beyond its input and output: the
+    weight dequantized in the compute dtype (nf4: plus its absmax dequantized to fp32, held twice
+    while the offset is added). Layers run one after another, so the largest layer's figure is the
+    memory model's term. bitsandbytes' fused kernel for a few tokens (M <= 4) dequantizes nothing;
+    LLM.int8's forward holds int8 activations (tokens x in) and an int32 product (tokens x out) instead."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant={quant!r}: choose one of {', '.join(QUANTS)}")
+    n = in_features * out_features
+    if quant == "int8":
+        return n * compute_bytes
+    return n * compute_bytes + 2 * 4 * math.ceil(n / NF4_BLOCK)
+
+
+def frozen_base_bytes(m: ModelSpec, quant: Optional[str], float_bytes: float) -> int:
+    """A frozen base's weights: the projections quantized (`quant`) or in `float_bytes`, the rest
+    (embeddings, head, norms, biases) in `float_bytes`."""
+    if quant is None:
+        return int(m.n_params() * float_bytes)
+    shapes = m.module_shapes().values()
+    packed = m.num_layers * sum(quantized_bytes(i, o, quant) for i, o in shapes)
+    rest = m.n_params() - m.num_layers * sum(i * o for i, o in shapes)
+    return packed + int(rest * float_bytes)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    # CUDA context, loaded kernels and library workspaces: device memory outside torch's allocator.
+    # Measured 0.82-0.83 GiB (at most 848 MiB) on an H200 with torch 2.11 cu130 once training ran, in
+    # every edgerl run of docs/benchmarks.md section 10 (TRL's process: 0.78 GiB); 1.30 GiB before a
+    # one-process run stopped creating an NCCL communicator. hardware.md gives 300-600 MiB for a bare
+    # context on older stacks. The measured figure (with 32 MiB to spare) is used everywhere: a plan
+    # that leaves too much is safe, one that leaves too little runs out of memory; and since the
+    # allocator is capped at the budget less this, too much also leaves the allocator less room than
+    # the plan counted (a budgeted run was slower at that cap: section 10.2).
+    cuda_context: int = 880 * MiB
+    # An NCCL communicator's buffers, also outside the allocator: one-process edgerl runs that created
+    # one held 1.28-1.30 GiB outside it, those that did not 0.82-0.83 GiB (docs/benchmarks.md sections
+    # 9.2 and 10.2). Counted when the plan runs on several processes, which create one; with more
+    # GPUs NCCL may hold more (not measured: no multi-GPU machine has run edgerl yet).
+    nccl: int = 490 * MiB
+    activation_factor: float = 1.0   # scales the activation formula
+
+    def outside_allocator(self, processes: int) -> int:
+        """Device memory a process holds outside torch's allocator: the context, and NCCL's buffers
+        when it is one of several processes."""
+        return self.cuda_context + (self.nccl if processes > 1 else 0)
+    fragmentation: float = 0.10      # share of transient memory lost to allocator fragmentation
+
+
+DEFAULT_CALIBRATION = Calibration()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The memory-relevant decisions the planner searches over."""
+    compute_bytes: int              # 4 fp32, 2 fp16/bf16
+    base_bytes: int                 # bytes per frozen base weight (LoRA) or master weight (full)
+    grad_checkpointing: bool
+    swap_models: bool               # the reference model leaves the GPU outside the scoring phase
+    optimizer_offload: bool         # optimizer state lives in host memory between updates
+    param_offload: bool             # FSDP2 CPUOffloadPolicy: params, grads, optimizer on the host
+    micro_batch: int
+    score_micro_batch: int
+    rollout_batch: int
+    logprob_chunk: int
+    logit_bytes: int                # bytes per logit the kernel holds for a chunk (torch 8, Triton the dtype's)
+    eager_attention: bool
+    optimizer: str = "adamw"        # a name of OPTIMIZERS: the trainable parameters' bytes
+    lora_params: int = 0            # 0: full fine-tuning
+    critic: bool = False
+    reference: bool = False         # a separate reference model (never with LoRA: adapter disabled)
+    reward_model_params: int = 0
+    cuda: bool = True
+    shards: int = 1                 # FSDP2 ranks: parameters, gradients and optimizer state split over them
+    base_quant: Optional[str] = None        # "nf4" / "int8": a quantized frozen LoRA base
+    rollout_resident: bool = False  # the engine keeps its weights, KV cache and CUDA graphs between steps
+    rollout_from_actor: bool = False        # the engine runs the actor's own modules: no generation copy
+    prompt_share: int = 1           # samples of a prompt a scoring forward computes it once for (edgerl/packing.py)
+    update_share: int = 1           # the same in the update (1 where shuffled mini-batches mix the groups)
+    prefill_share: int = 1          # the same in the rollout's prefill (the static engine: edgerl/rollout/static.py)
+    lora_input_bytes: int = 0       # per token and layer: what the fp32 copies of the adapted layers' inputs add
+                                    # to the activations beside a 16-bit base (plan._lora_input_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    phases: dict[str, dict[str, int]]   # phase -> component -> bytes
+    budget: int
+    host_needed: int                    # host RAM the offloaded state needs
+    peak_phase: str = field(init=False)
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        peak = max(self.phases, key=lambda p: sum(self.phases[p].values()))
+        object.__setattr__(self, "peak_phase", peak)
+        object.__setattr__(self, "total", sum(self.phases[peak].values()))
+
+    @property
+    def components(self) -> dict[str, int]:
+        return self.phases[self.peak_phase]
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    def phase_totals(self) -> dict[str, int]:
+        return {p: sum(c.values()) for p, c in self.phases.items()}
+
+    def to_dict(self) -> dict:
+        return {"components": dict(self.components), "total_bytes": self.total, "budget_bytes": self.budget,
+                "fits": self.fits, "peak_phase": self.peak_phase, "phases": self.phase_totals(),
+                "host_bytes_needed": self.host_needed}
+
+
+def packed_tokens(rows: int, share: int, prompt_len: int, response_len: int) -> int:
+    """Tokens one forward of `rows` sequences computes when each prompt's `share` samples may share it
+    (edgerl/packing.py; share 1: every row its own prompt). Micro-batches are consecutive slices of the
+    rows in rollout order, so a micro-batch spans ceil(rows / share) prompts, or one more where neither
+    divides the other."""
+    if share <= 1:
+        return rows * (prompt_len + response_len)
+    prompts = -(-rows // share) + (1 if rows % share and share % rows else 0)
+    return min(rows, prompts) * prompt_len + rows * response_len
+
+
+def activation_bytes_per_token(m: ModelSpec, b_c: int, seq_len: int, eager: bool, train: bool = True) -> int:
+    """Saved activations of one decoder layer for one token, without checkpointing. The MLP keeps three
+    intermediate-sized tensors in training (gate, up and their product: edgerl/swiglu.py recomputes
+    the SiLU) and holds four at once in a forward without gradients."""
+    per = b_c * (5 * m.hidden_size + 3 * m.q_dim + 3 * m.kv_dim + (3 if train else 4) * m.intermediate_size)
+    if eager:  # eager attention keeps the (heads x L) score and probability rows per token
+        per += 2 * b_c * m.num_heads * seq_len
+    return per
+
+
+def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budget: int,
+             cal: Calibration = DEFAULT_CALIBRATION) -> MemoryEstimate:
+    """Bytes by phase and component for one step under setting `s`."""
+    L = prompt_len + response_len
+    P = m.n_params()
+    lora = s.lora_params > 0
+    T = s.lora_params if lora else P
+    b_c = s.compute_bytes
+    layer_c = m.layer_params() * b_c
+    embed_c = m.embedding_params() * b_c * (1 if m.tie_embeddings else 2)
+
+    # state that can stay on the GPU across phases; FSDP2 keeps 1/shards of each on every rank
+    n = s.shards
+    tb = OPTIMIZERS[s.optimizer]
+    # under LoRA the frozen base is whole on every rank (FSDP2 shards what trains), except when streamed
+    weights = frozen_base_bytes(m, s.base_quant, s.base_bytes) + T * 4 if lora else P * tb.weights
+    master = 0 if s.param_offload else (weights - T * 4 + T * 4 // n if lora else weights // n)
+    grads = 0 if s.param_offload else T * tb.grads // n
+    state = T * tb.state // n
+    optim = 0 if (s.param_offload or s.optimizer_offload) else state
+    ref = P * b_c if s.reference else 0
+    critic_state = 0
+    if s.critic:  # same backbone, full fine-tuning of its own (or its own LoRA adapter)
+        critic_state = master + grads + optim
+    rm = s.reward_model_params * b_c
+    # a quantized layer's weight is dequantized to the compute dtype for each forward and backward
+    dequant = max(transient_bytes(i, o, s.base_quant, b_c) for i, o in m.module_shapes().values()) \
+        if s.base_quant else 0
+
+    def act(tokens: int, train: bool) -> int:
+        per = activation_bytes_per_token(m, b_c, L, s.eager_attention, train)
+        if not train:  # no graph is kept: one layer's intermediates at a time
+            full = tokens * per
+        elif s.grad_checkpointing:
+            full = tokens * (m.num_layers * m.hidden_size * b_c + per + s.lora_input_bytes)
+        else:
+            full = tokens * m.num_layers * (per + s.lora_input_bytes)
+        return int(full * cal.activation_factor)
+
+    logits = s.logprob_chunk * m.vocab_size * s.logit_bytes
+    ctx = cal.outside_allocator(s.shards) if s.cuda else 0
+    frag = cal.fragmentation
+
+    # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating
+    # unless resident; none when the engine runs the actor's own (quantized) modules
+    gen_copy = 0 if s.rollout_from_actor else P * b_c
+    kv = s.rollout_batch * L * m.kv_bytes_per_token(b_c)
+    sample = s.rollout_batch * m.vocab_size * 4 * 3
+    prefill = packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0) * (
+        4 * m.hidden_size + 3 * m.intermediate_size) * b_c
+    # only the frozen reference moves between phases; the critic (FSDP2-wrapped, trained) and a
+    # reward model stay on the device
+    resident_off = (0 if s.swap_models else ref) + critic_state + rm
+    rollout = {"master weights": master, "optimizer state": optim, "generation weights": gen_copy,
+               "other models": resident_off, "KV cache": kv, "sampling logits": sample,
+               "prefill activations": prefill, "dequantization": dequant}
+    # a resident engine keeps its weights, KV cache and the graphs' pool (about one sampling step's
+    # temporaries) through scoring and the update
+    kept = {"generation weights": gen_copy, "KV cache": kv, "graph pool": s.rollout_batch * m.vocab_size * 4} \
+        if s.rollout_resident else {}
+
+    score_tokens = packed_tokens(s.score_micro_batch, s.prompt_share, prompt_len, response_len)
+    stream = 2 * layer_c + embed_c  # FSDP2 unshards one layer ahead in compute dtype
+    if s.param_offload:  # every model streams its layers from host memory
+        scorers = {"compute weights": stream, "reference weights": stream if s.reference else 0,
+                   "critic weights": stream if s.critic else 0, "reward model": rm}
+    else:
+        scorers = {"compute weights": stream, "reference weights": ref,
+                   "critic weights": critic_state, "reward model": rm}
+    if s.base_quant:  # FSDP2 manages the adapters only: the quantized base is used where it lies
+        stream = 0
+        scorers["compute weights"] = 0
+    score = {"master weights": master, "optimizer state": optim, **scorers,
+             "activations": act(score_tokens, train=False), "log-prob logits": logits, "dequantization": dequant,
+             **kept}
+
+    tokens = packed_tokens(s.micro_batch, s.update_share, prompt_len, response_len)
+    update = {"master weights": master, "gradients": grads,
+              "optimizer state": state if not s.param_offload else 0,
+              "layer copies": stream, "other models": resident_off,
+              "activations": act(tokens, train=True), "log-prob logits": logits, "dequantization": dequant,
+              **kept}
+    # the step runs after the backward has freed activations: offloaded state comes back, and the bf16
+    # step's workspace is allocated, into room the activations left
+    step_extra = tb.step_workspace + (state if s.optimizer_offload and not s.param_offload else 0)
+    if s.optimizer_offload and not s.param_offload:
+        update["optimizer state"] = 0
+    update["optimizer step"] = max(0, step_extra - update["activations"] - update["log-prob logits"])
+
+    phases = {"rollout": rollout, "score": score, "update": update}
+    for name, comps in phases.items():
+        transient = sum(v for k, v in comps.items() if k in (
+            "KV cache", "sampling logits", "prefill activations", "activations", "log-prob logits"))
+        comps["fragmentation"] = int(transient * frag)
+        comps["CUDA context"] = ctx
+        phases[name] = {k: int(v) for k, v in comps.items() if v}
+
+    host = 0  # per process; N processes on one machine need N times this
+    if s.param_offload:
+        host += (weights + T * tb.grads + T * tb.state) // n
+    elif s.optimizer_offload:
+        host += state
+    if s.swap_models:
+        host += ref
+    return MemoryEstimate(phases=phases, budget=budget, host_needed=host)
+
+
+def fmt_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "?"
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.0f} MiB"

@@ -1,0 +1,172 @@
+"""The plan's search: which memory-relevant setting fits the budget, fastest first.
+
+Outer loop: what is trained and how the frozen base is stored (`configs`: full fine-tuning, LoRA on a
+float base, on an NF4 base, then LoRA with parameter offload). Inner loop: (stage, micro-batch) pairs
+in order of their estimated slowdown (`moves.STAGES`, `moves.STAGE_COST`), each with the largest
+rollout batch and scoring micro-batch that fit. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from edgerl.plan.decisions import QUANT_BASES, quant_support
+from edgerl.device.device import Device
+from edgerl.plan.memory import Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
+from edgerl.plan.modelspec import ModelSpec
+from edgerl.plan.moves import MICRO_HALVING_COST, Stage
+from edgerl.plan.task import Task
+
+
+def divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Found:
+    setting: Setting
+    memory: MemoryEstimate
+    stage: str
+    micro: Optional["MicroCost"] = None    # how micro-batches were costed (None: per halving)
+
+
+def candidates(stages: list[Stage], mini: int, forced_mb: Optional[int],
+               micro: Optional["MicroCost"] = None) -> list[tuple[Stage, int, bool]]:
+    """(stage, micro-batch, last resort) in order of their estimated slowdown (moves.STAGE_COST): the
+    first that fits is the fastest setting that fits. Without `micro` each halving of the micro-batch
+    costs MICRO_HALVING_COST and micro-batches below 4 sequences, which leave the GPU idle, are tried
+    only in the most frugal stage. With it (an fp32 update on a card whose rates are known) a
+    micro-batch costs its extra micro-steps' fixed time, and any that fills the GPU may come first."""
+    small = min(mini, 4)
+    out = []
+    for i, st in enumerate(stages):
+        last = i == len(stages) - 1
+        for mb in ([forced_mb] if forced_mb else divisors_desc(mini)):
+            idle = mb < small and not (micro and micro.fills(mb))
+            if idle and not last and not forced_mb:
+                break
+            slower = micro.cost(mini, mb) if micro else MICRO_HALVING_COST * math.log2(mini / mb)
+            out.append((st.cost() + slower + (1.0 if idle else 0.0), i, mb, st))
+    return [(st, mb, i == len(stages) - 1) for _, i, mb, st in sorted(out, key=lambda c: c[:3])]
+
+
+# One micro-step's fixed time beside its matmuls: host launches of eager PyTorch (forward and backward,
+# some 60 kernels of ~8 us per layer) and, over a quantized base, dequantizing every weight to the
+# compute dtype once in the forward and once in the backward (written, then read by the matmul).
+LAUNCH_S_PER_LAYER = 0.5e-3
+# The update's share of a step, the scale of moves.STAGE_COST (checkpointing's 0.17 is a third of it)
+UPDATE_SHARE = 0.5
+QUANT_CODE_BYTES = {"nf4": 0.5, "int8": 1.0}   # read per weight when dequantizing (scales left out)
+TILE = 128          # rows and columns of one matmul tile (cuBLAS's large fp32 tiles)
+FILL_WAVES = 2      # tiles per SM below which a micro-batch's matmuls leave SMs idle
+
+
+@dataclass(frozen=True)
+class MicroCost:
+    """What a micro-batch costs an fp32 update, from the card's fp32 rate and bandwidth: one more
+    micro-step's fixed time as a share of a step (`per_step`), and the tokens and width that decide
+    whether its matmuls fill the GPU."""
+    per_step: float
+    tokens_per_sequence: int
+    hidden: int
+    sm_count: int
+    tflops: float
+    bandwidth_gbs: float
+
+    def cost(self, mini: int, mb: int) -> float:
+        return (mini // mb - 1) * self.per_step
+
+    def fills(self, mb: int) -> bool:
+        tiles = math.ceil(mb * self.tokens_per_sequence / TILE) * math.ceil(self.hidden / TILE)
+        return tiles >= FILL_WAVES * self.sm_count
+
+
+def micro_cost(device: Device, model: ModelSpec, task: Task, s: Setting) -> Optional[MicroCost]:
+    """MicroCost for an fp32 update on a CUDA card whose fp32 rate, bandwidth and SM count are known
+    (its profile, or `edgerl doctor --bench`); None otherwise (MICRO_HALVING_COST per halving). In
+    16 bits tensor cores make the matmuls several times faster than any table here says."""
+    measured = device.measured
+    flops = (measured.fp32_tflops if measured else None) or device.fp32_tflops
+    bandwidth = (measured.memory_gbs if measured else None) or device.memory_bandwidth_gbs
+    if not device.is_cuda or s.compute_bytes != 4 or not flops or not bandwidth or not device.sm_count:
+        return None
+    params, tokens = model.n_params(), task.prompt_len + task.response_len
+    # forward and backward: 2 + 4 flops per weight and token, 2 + 2 where the base is frozen (LoRA)
+    compute = (4 if s.lora_params else 6) * params * task.local_mini * tokens / (flops * 1e12)
+    fixed = model.num_layers * LAUNCH_S_PER_LAYER
+    if not s.lora_params:   # full fine-tuning: each micro-step adds its fp32 gradients into .grad
+        fixed += params * 3 * 4 / (bandwidth * 1e9)
+    if s.base_quant:
+        fixed += 2 * params * (2 * s.compute_bytes + QUANT_CODE_BYTES[s.base_quant]) / (bandwidth * 1e9)
+    return MicroCost(UPDATE_SHARE * fixed / compute, tokens, model.hidden_size, device.sm_count, flops, bandwidth)
+
+
+HOST_USABLE = 0.8   # of the host's RAM, for offloaded state: the OS, the data and other processes keep the rest
+
+
+def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
+            cal: Calibration, host_memory: int, stages: list[Stage],
+            micro: Optional[MicroCost] = None) -> tuple[Optional[Found], list[str]]:
+    tried: list[str] = []
+    usable = host_memory * HOST_USABLE
+    for stage, mb, _ in candidates(stages, task.local_mini, forced.get("micro_batch"), micro):
+        values = stage.knobs()
+        if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
+            continue
+        s = replace(base, micro_batch=mb, optimizer=stage.optimizer, **values)
+        s = fit_rollout_and_score(model, task, s, budget, forced, cal)
+        mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
+        # every process on the machine holds its own share in host memory (torchrun puts them on one host)
+        host = mem.host_needed * task.world_size
+        host_ok = host <= usable
+        if mem.fits and host_ok:
+            return Found(s, mem, stage.name, micro), tried
+        tried.append(f"{stage.name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
+                     + ("" if host_ok else f", host RAM {fmt_bytes(host)} over the {fmt_bytes(int(usable))} usable "
+                        f"({HOST_USABLE:.0%} of {fmt_bytes(host_memory)})"))
+    return None, tried
+
+
+def fit_rollout_and_score(model: ModelSpec, task: Task, s: Setting, budget: int, forced: dict[str, Any],
+                           cal: Calibration) -> Setting:
+    """Largest rollout batch and scoring micro-batch (divisors of the step's sequences) that fit."""
+    seqs = task.local_sequences
+    for key in ("rollout_batch", "score_micro_batch"):
+        options = [forced[key]] if forced.get(key) else divisors_desc(seqs)
+        for v in options:
+            cand = replace(s, **{key: v})
+            mem = estimate(model, cand, task.prompt_len, task.response_len, budget, cal)
+            phase = "rollout" if key == "rollout_batch" else "score"
+            if mem.phase_totals()[phase] <= budget or v == options[-1]:
+                s = cand
+                break
+    return s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What is trained and how the frozen base is stored: the outer loop of the search."""
+    lora: bool
+    base: str                    # LoRA base storage (fp32/fp16/bf16/int8/nf4); the master dtype otherwise
+    param_offload: bool          # the search may end with FSDP2 CPU offload
+
+
+def trained_and_base(device: Device, task: Task, base_dtype: str, base_forced: bool) -> list[Candidate]:
+    """Full fine-tuning, then LoRA on a base in its float storage, then on an NF4 base, then LoRA with
+    every weight streamed over PCIe: fastest first."""
+    out: list[Candidate] = []
+    if not task.lora:
+        out.append(Candidate(False, "fp32", task.lora is False))
+        if task.lora is False:
+            return out
+    if base_forced:
+        return out + [Candidate(True, base_dtype, base_dtype not in QUANT_BASES)]
+    out.append(Candidate(True, base_dtype, False))
+    # NF4 only: LLM.int8 rounds the activations too (the rollout's and the trainer's math would differ
+    # from the float model's) and its outlier split has data-dependent shapes no CUDA graph can hold;
+    # plan.base_dtype=int8 asks for it
+    if quant_support(device, "nf4")[0] and device.is_cuda:
+        out.append(Candidate(True, "nf4", False))
+    return out + [Candidate(True, base_dtype, True)]

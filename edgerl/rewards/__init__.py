@@ -1,0 +1,1 @@
+"""Rewards: rule scorers by data source, user functions, reward models."""

@@ -1,0 +1,232 @@
+"""Checkpoints written atomically (a temporary folder, then one rename), the last K kept; and the
+atomic writers every file a user relies on goes through.
+
+A checkpoint folder `step-000012/` holds: the actor (and critic) weights as safetensors, the
+optimizer and scheduler states, every RNG state, the data position, the KL controller, the
+config and the plan. A half-written checkpoint is never visible under its final name, so a run
+killed while saving resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from edgerl.core.errors import CheckpointError
+
+_STEP = re.compile(r"^step-(\d{6,})$")
+
+# mkstemp and mkdtemp make private files (0600) and folders (0700); what edgerl writes for the user
+# gets the permissions any file they save would get (the umask), read once while single-threaded.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _public(path: Path, folder: bool) -> None:
+    os.chmod(path, (0o777 if folder else 0o666) & ~_UMASK)
+
+
+def rng_state(generator: Optional[torch.Generator] = None) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if generator is not None:
+        state["generator"] = generator.get_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], generator: Optional[torch.Generator] = None) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generator is not None and "generator" in state:
+        generator.set_state(state["generator"])
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP.match(p.name)]
+    return sorted(found, key=lambda p: int(_STEP.match(p.name).group(1)))
+
+
+def latest(run_dir: Path) -> Optional[Path]:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and one rename: a crash
+    leaves the old file or the new one, never half of either."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        _public(Path(tmp), folder=False)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_folder(target: Path, aside: Optional[Path] = None) -> Iterator[Path]:
+    """Yield a temporary folder beside `target`; on success it becomes `target` in one rename. An
+    existing `target` is first moved to `aside` (kept, never deleted); without `aside` it is an error.
+    On failure the temporary folder is removed and `target` is untouched."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-tmp-", dir=target.parent))
+    try:
+        _public(tmp, folder=True)
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if target.exists():
+            if aside is None:
+                raise CheckpointError(f"{target} already exists")
+            os.replace(target, aside)
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stale_temporaries(run_dir: Path) -> list[Path]:
+    """Temporary folders and files left by writes that were killed (checkpoints, exports, configs).
+    Only meaningful while holding the run folder's lock: then no write is in progress."""
+    run_dir = Path(run_dir)
+    found = [p for p in run_dir.glob(".*-tmp-*")] + [p for p in (run_dir / "checkpoints").glob(".step-*")]
+    found += [p for p in run_dir.glob(".config.toml-*")] + [p for p in run_dir.glob(".plan.json-*")]
+    found += list(run_dir.glob(".metrics*.tmp.jsonl"))   # metrics.jsonl rewritten on resume (outfiles)
+    return sorted(found)
+
+
+def _remove(folder: Path) -> None:
+    """Delete a checkpoint folder by first renaming it to a temporary name: a kill during the
+    deletion leaves a temporary folder (removed by the next run) and never half a checkpoint."""
+    doomed = folder.with_name(f".{folder.name}-old-{secrets.token_hex(4)}")
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
+         meta: dict[str, Any], keep_last: int, files: Optional[dict[str, bytes]] = None) -> Path:
+    """Write checkpoint `step`: `tensors` name -> state dict (safetensors), `state` name -> object
+    (torch.save), `meta` -> meta.json, `files` name -> bytes written as is. Returns the folder."""
+    from safetensors.torch import save_file
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=root))
+    try:
+        _public(tmp, folder=True)
+        for name, sd in tensors.items():
+            cpu = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+            save_file(_untie(cpu), str(tmp / f"{name}.safetensors"))
+        for name, obj in state.items():
+            torch.save(obj, tmp / f"{name}.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        aside = None
+        if final.exists():  # the same step saved again: the old copy stays whole until the new one is in
+            aside = final.with_name(f".{final.name}-old-{secrets.token_hex(4)}")
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    for old in checkpoints(run_dir)[:-keep_last]:
+        _remove(old)
+    return final
+
+
+def _untie(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share storage (tied embeddings): keep separate copies."""
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in sd.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.setdefault(ptr, k)
+    return out
+
+
+def load(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
+    """(tensors, state, meta) of a checkpoint folder written by `save`."""
+    from safetensors.torch import load_file
+    folder = Path(folder)
+    if not (folder / "meta.json").exists():
+        raise CheckpointError(f"{folder} is not an edgerl checkpoint (no meta.json)")
+    try:
+        tensors = {p.stem: load_file(str(p)) for p in folder.glob("*.safetensors")}
+        state = {p.stem: torch.load(p, map_location="cpu", weights_only=False) for p in folder.glob("*.pt")}
+        meta = json.loads((folder / "meta.json").read_text())
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {folder}: {e}") from e
+    return tensors, state, meta
+
+
+def non_finite(folder: Path) -> list[str]:
+    """The weights of checkpoint `folder` that hold NaN or infinity, as 'file/tensor' names; read
+    one tensor at a time, so checking a large checkpoint does not hold it in memory."""
+    from safetensors import SafetensorError, safe_open
+    bad = []
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    if t.is_floating_point() and not torch.isfinite(t).all():
+                        bad.append(f"{path.stem}/{key}")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read checkpoint {folder}: {path.name} is damaged ({e}); resume from "
+                                  "another checkpoint") from None
+    return bad
+

@@ -1,0 +1,226 @@
+"""Per-step metrics: `metrics.jsonl` in the run folder (one JSON object per step), TensorBoard when
+installed, and a rich progress line with the key numbers.
+
+Only the last line of metrics.jsonl can be cut short (a run killed mid-write); readers drop it and
+say so. A bad line anywhere else is an error naming it. Rows are never deleted: a resume from an
+older checkpoint moves the later rows to a side file (`archive_after`), and a fresh run in a
+folder with metrics moves them to `metrics.previous.jsonl`; both rewrite atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from edgerl.core.errors import RunDirError
+from edgerl.core.files import output_file, write_atomically
+
+Log = Optional[Callable[[str], None]]
+
+# shown live in the progress bar, in this order
+KEY_METRICS = (("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "len", "{:.0f}"),
+               ("actor/kl", "kl", "{:.4f}"), ("actor/entropy", "ent", "{:.2f}"),
+               ("perf/step_s", "s/step", "{:.1f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"))
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; null says "not defined this step"
+    return v
+
+
+def _row(line: str) -> Optional[dict[str, Any]]:
+    """The metrics row on `line`, or None when it is not one (not JSON, not an object, no step)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _parse(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], Optional[tuple[int, str]]]:
+    """([(line text, row)], the torn last line as (1-based number, text) or None).
+
+    Each row is written as one line ending in a newline, flushed at once, so a crash can leave
+    only the last line short; any other bad line means the file was edited or damaged."""
+    text = path.read_bytes().decode("utf-8", errors="replace")  # a damaged byte fails as JSON below
+    numbered = [(i, ln) for i, ln in enumerate(text.split("\n"), 1) if ln.strip()]
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for k, (i, line) in enumerate(numbered):
+        row = _row(line)
+        if row is not None:
+            rows.append((line, row))
+        elif k == len(numbered) - 1:
+            return rows, (i, line)
+        else:
+            raise RunDirError(f"{path}: line {i} is not a metrics row (a JSON object with an integer 'step'): "
+                              f"{line[:60]!r}; only the last line can be cut short by a crash, so the file was "
+                              f"edited or damaged: repair or delete line {i}, then run again")
+    return rows, None
+
+
+def _torn_note(path: Path, torn: tuple[int, str]) -> str:
+    return (f"metrics: ignored line {torn[0]} of {path}, cut short when the run stopped "
+            f"({torn[1][:40]!r}...)")
+
+
+def _free_name(path: Path, tag: str) -> Path:
+    """metrics.<tag>.jsonl beside `path`, or metrics.<tag>-2.jsonl ... if taken: never over a file."""
+    k = 1
+    while True:
+        candidate = path.with_name(f"{path.stem}.{tag}{'' if k == 1 else f'-{k}'}{path.suffix}")
+        if not candidate.exists():
+            return candidate
+        k += 1
+
+
+def _lines(rows: list[tuple[str, dict[str, Any]]]) -> str:
+    return "".join(line + "\n" for line, _ in rows)
+
+
+class MetricsWriter:
+    """Appends one row per step to RUN/metrics.jsonl (and TensorBoard). `resume` continues the file
+    (a torn last line is dropped with a note through `log`); otherwise rows already there, from an
+    earlier run in the same folder, are moved to metrics.previous.jsonl first."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False, log: Log = print) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.log = log or (lambda s: None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and self.path.stat().st_size > 0:
+            if resume:
+                self._repair()
+            else:
+                moved = _free_name(self.path, "previous")
+                os.replace(self.path, moved)
+                self.log(f"metrics: {self.path} held the steps of an earlier run; moved them to {moved}")
+        self._fh = open(self.path, "a", encoding="utf-8")
+        self.tb = None
+        self.tb_note = "off"
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                self.tb_note = f"TensorBoard logs in {Path(run_dir) / 'tensorboard'}"
+            except ImportError:
+                self.tb_note = "TensorBoard not installed (pip install tensorboard)"
+
+    def _repair(self) -> None:
+        """Drop a torn last line, and end the file with a newline: the next row appended to a line
+        without one would be glued to it, making a bad line in the middle."""
+        rows, torn = _parse(self.path)
+        if torn is not None:
+            self.log(_torn_note(self.path, torn) + "; dropped it")
+        if torn is not None or not self.path.read_bytes().endswith(b"\n"):
+            write_atomically(self.path, lambda tmp: tmp.write_text(_lines(rows), encoding="utf-8"))
+
+    def archive_after(self, step: int) -> Optional[Path]:
+        """Move the rows of steps after `step` (those a resume from the checkpoint of `step` redoes)
+        to metrics.after-step-<step>.jsonl beside the log; return that file, or None when there were
+        none. The side file is written before the log is shortened, each atomically, so a crash in
+        between leaves the rows in both files, never in neither."""
+        self._fh.close()
+        try:
+            rows, torn = _parse(self.path)
+            if torn is not None:
+                self.log(_torn_note(self.path, torn) + "; dropped it")
+            later = [r for r in rows if r[1]["step"] > step]
+            if not later and torn is None:
+                return None
+            keep = [r for r in rows if r[1]["step"] <= step]
+            side = None
+            if later:
+                side = _free_name(self.path, f"after-step-{step}")
+                write_atomically(side, lambda tmp: tmp.write_text(_lines(later), encoding="utf-8"))
+            write_atomically(self.path, lambda tmp: tmp.write_text(_lines(keep), encoding="utf-8"))
+            if side is not None:
+                steps = [r["step"] for _, r in later]
+                self.log(f"metrics: moved {len(later)} row(s) of steps {min(steps)}-{max(steps)}, after the "
+                         f"checkpoint of step {step}, to {side}")
+            return side
+        finally:
+            self._fh = open(self.path, "a", encoding="utf-8")
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def summary_line(metrics: dict[str, Any]) -> str:
+    parts = []
+    for key, label, fmt in KEY_METRICS:
+        v = metrics.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            parts.append(f"{label} {fmt.format(v)}")
+    return "  ".join(parts)
+
+
+def read_metrics(run_dir: Path, log: Log = print) -> list[dict[str, Any]]:
+    """The rows of RUN/metrics.jsonl; a torn last line (a run still writing, or killed) is left
+    out with a note through `log`; any other bad line is a RunDirError naming it."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise RunDirError(f"{path} does not exist, so {run_dir} is not an edgerl run folder; give the folder "
+                          "that edgerl train wrote (its --out)")
+    rows, torn = _parse(path)
+    if torn is not None and log is not None:
+        log(_torn_note(path, torn))
+    return [row for _, row in rows]
+
+
+PLOTS = (("reward/mean", "reward (mean)"), ("response/length_mean", "response length"),
+         ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"), ("actor/pg_loss", "policy loss"),
+         ("actor/clip_frac", "clip fraction"), ("actor/grad_norm", "grad norm"),
+         ("perf/tokens_per_s", "tokens / s"), ("memory/peak_allocated_gib", "peak GPU memory (GiB)"))
+
+
+IMAGE_TYPES = (".png", ".pdf", ".svg")
+
+
+def plot(run_dir: Path, out: Optional[Path] = None, log: Log = print) -> Path:
+    """An image of the main curves of a run; returns the path really written.
+
+    `out` None or a folder: curves.png in it (the run folder by default); a name without a suffix
+    gets '.png'; .pdf and .svg are written as such. A missing folder or another suffix is a
+    ConfigError; no metrics is a RunDirError. The image is replaced atomically."""
+    rows = read_metrics(run_dir, log)
+    if not rows:
+        raise RunDirError(f"{Path(run_dir) / 'metrics.jsonl'} has no steps yet; plot once a step has finished")
+    path = output_file(out if out is not None else run_dir, IMAGE_TYPES, option="--out",
+                       default_name="curves.png")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shown = [(k, t) for k, t in PLOTS if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    cols = 3
+    nrows = max(1, math.ceil(len(shown) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, shown):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    fig.tight_layout()
+    try:  # the format from the final name: the temporary file's name is not the one written
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format=path.suffix[1:].lower()))
+    finally:
+        plt.close(fig)
+    return path

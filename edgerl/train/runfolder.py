@@ -1,0 +1,255 @@
+"""The run folder: chosen, checked and locked before anything is written, so that no run a user had
+is overwritten, mixed with another, or lost.
+
+    new run      --out DIR must be new, empty, or hold no edgerl run (an existing run is refused with
+                 the command that continues it); a run that stopped before its first step (a model
+                 that did not load, say) left only its config: a new run may start there
+    resume       --resume RUN (its latest checkpoint) or --resume RUN/checkpoints/step-N
+                 in place: only from the latest checkpoint; metrics of steps after it (a crash
+                 between checkpoints) are moved to a side file, not deleted
+                 from an older checkpoint: refused in place (it would replace later history);
+                 `--out NEW` branches into a new folder and leaves the old run untouched
+    finished     resuming a run that reached train.steps and exported that step says so and writes
+                 nothing
+
+One process trains in a folder at a time (an exclusive lock); temporary files of writes that were
+killed are removed once the lock is held.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from edgerl.train import checkpoint
+from edgerl.core.errors import CheckpointError, RunDirError
+
+RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints", "final", "final-adapter", "plan.json")
+LOCK = ".edgerl.lock"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    checkpoint: Path          # the checkpoint folder
+    run_dir: Path             # the run it belongs to (RUN of RUN/checkpoints/step-N)
+    step: int
+    in_run: bool = True       # False: a checkpoint copied out of its run; it can only start a new one (--out)
+
+
+def resume_point(path: Path) -> ResumePoint:
+    """A run folder (its latest checkpoint), its checkpoints/ folder, or one checkpoint folder."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"--resume {path}: no such folder")
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {path} is a file; give a run folder or a checkpoint folder (step-NNNNNN)")
+    if (path / "meta.json").exists():
+        ckpt = path
+    else:
+        ckpt = checkpoint.latest(path.parent if path.name == "checkpoints" else path)
+        if ckpt is None and (path / "config.json").exists():
+            raise CheckpointError(f"--resume {path} is a model folder (an export, or an HF model), not a run: "
+                                  f"train from it with --model {path}")
+        if ckpt is None:
+            raise CheckpointError(f"--resume {path}: no checkpoint in {path / 'checkpoints'} (a run writes one every "
+                                  "run.save_every steps and when it stops)")
+    step = _ckpt_step(ckpt)
+    return ResumePoint(ckpt, ckpt.parent.parent, step, in_run=ckpt.parent.name == "checkpoints")
+
+
+def checkpoint_config(point: ResumePoint) -> Optional[dict]:
+    """The config a checkpoint was written with (its meta.json), for a run whose config.toml is gone."""
+    try:
+        config = json.loads((point.checkpoint / "meta.json").read_text()).get("config")
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _ckpt_step(ckpt: Path) -> int:
+    try:
+        return int(json.loads((ckpt / "meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({e}); resume from another checkpoint") from None
+
+
+def _describe_run(run: Path) -> str:
+    parts = []
+    ckpts = checkpoint.checkpoints(run)
+    if ckpts:
+        parts.append(f"checkpoints up to {ckpts[-1].name}")
+    steps = _metric_steps(run)
+    if steps:
+        parts.append(f"metrics of steps {min(steps)}-{max(steps)}")
+    if (run / "final").exists() or (run / "final-adapter").exists():
+        parts.append("a final model")
+    return ", ".join(parts) or "a run's config"
+
+
+def _metric_steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = re.match(r'\{"step": (\d+)', line)
+        if m:
+            out.append(int(m.group(1)))
+    return out
+
+
+def branch_history(point: ResumePoint) -> Optional[str]:
+    """The metrics a branch from `point` starts with: its run's rows up to the checkpoint's step."""
+    if not point.in_run or not (point.run_dir / "metrics.jsonl").exists():
+        return None
+    from edgerl.train.metrics import read_metrics
+    rows = [r for r in read_metrics(point.run_dir, log=None) if r.get("step", 0) <= point.step]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def never_stepped(run: Path, history: Optional[str] = None) -> bool:
+    """`run` holds only what a run writes before its first step: config.toml, plan.json, an empty
+    metrics.jsonl, or (a branch) `history`, the metrics it was given. A run whose model failed to
+    load leaves this; starting there again loses nothing."""
+    if checkpoint.checkpoints(run) or any((run / f).exists() for f in ("final", "final-adapter")):
+        return False
+    if any(p.name != "metrics.jsonl" for p in run.glob("metrics*.jsonl")):   # rows moved aside are history
+        return False
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists() or metrics.stat().st_size == 0:
+        return True
+    return history is not None and metrics.read_bytes() == history.encode("utf-8")
+
+
+def _file_above(out: Path) -> Optional[Path]:
+    """The nearest existing ancestor of `out` when it is a file (no folder can be made under it)."""
+    for parent in out.parents:
+        if parent.exists():
+            return parent if not parent.is_dir() else None
+    return None
+
+
+def check_new(out: Path, history: Optional[str] = None) -> None:
+    """`out` can receive a new run: absent, an empty folder, a folder holding no edgerl run, or one
+    where a run stopped before its first step (`never_stepped`; `history` for a branch)."""
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} is a file; give a folder for the run (it is created if missing)")
+    above = _file_above(out)
+    if above is not None:
+        raise RunDirError(f"--out {out}: {above} is a file, so no folder can be made there; choose another --out")
+    if out.is_dir() and any((out / f).exists() for f in RUN_FILES) and not never_stepped(out, history):
+        if checkpoint.latest(out) is None:
+            raise RunDirError(f"{out} already holds a run ({_describe_run(out)}) without a checkpoint to continue "
+                              f"from; choose another --out for a new run (or move {out} away yourself)")
+        raise RunDirError(f"{out} already holds a run ({_describe_run(out)}); continue it with "
+                          f"--resume {out}, or choose another --out for a new run")
+
+
+def check_resume(point: ResumePoint, out: Optional[Path]) -> Path:
+    """The folder a resumed run writes to: its own, or `out` for a branch. Refuses to replace history."""
+    branch = out is not None and out.resolve() != point.run_dir.resolve()
+    if not point.in_run and not branch:  # its grandparent folder is no run: it must not be written as one
+        raise RunDirError(f"--resume {point.checkpoint} is a checkpoint outside a run folder (runs keep them in "
+                          f"RUN/checkpoints/); start a run from it with --resume {point.checkpoint} --out NEW_FOLDER")
+    if branch:
+        check_new(out, branch_history(point))
+        _check_weights(point)
+        return out
+    latest = checkpoint.latest(point.run_dir)
+    if latest is not None and latest.resolve() != point.checkpoint.resolve():
+        raise RunDirError(
+            f"--resume {point.checkpoint} goes back to step {point.step}, but {point.run_dir} went on to "
+            f"{latest.name}: continuing there would replace that history. Branch into a new folder with "
+            f"--resume {point.checkpoint} --out NEW_FOLDER, or continue the latest with --resume {point.run_dir}")
+    _check_weights(point)
+    return point.run_dir
+
+
+def _check_weights(point: ResumePoint) -> None:
+    """Refuse a checkpoint whose weights are not finite before anything is written: every update from
+    it would be skipped. The way back is a branch from an earlier checkpoint (in place, going back
+    is refused)."""
+    bad = checkpoint.non_finite(point.checkpoint)
+    if not bad:
+        return
+    earlier = [c for c in checkpoint.checkpoints(point.run_dir) if int(c.name.split("-")[1]) < point.step
+               and point.in_run]
+    fix = (f"branch from an earlier one: edgerl train --resume {earlier[-1]} --out NEW_FOLDER" if earlier else
+           "no earlier checkpoint is left: start a new run (a lower train.lr, or plan.dtype=fp32 if fp16 overflowed)")
+    raise CheckpointError(f"{point.checkpoint} holds NaN or infinite weights ({', '.join(bad[:3])}"
+                          f"{', ...' if len(bad) > 3 else ''}): training from it would skip every update; {fix}")
+
+
+def export_step(folder: Path) -> Optional[int]:
+    """The step an export folder (final/, final-adapter/) was written at, or None."""
+    try:
+        return int(json.loads((folder / "edgerl-export.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def finished(point: Optional[ResumePoint], run_dir: Path, steps: int, exports: list[str]) -> bool:
+    """Resuming `point` in place has nothing left to do: it reached `steps`, and every export folder
+    the run writes (`exports`, e.g. ["final"]) holds that very step."""
+    return (point is not None and run_dir.resolve() == point.run_dir.resolve() and point.step >= steps
+            and all(export_step(run_dir / name) == point.step for name in exports))
+
+
+class RunLock:
+    """An exclusive lock on a run folder for the life of a training process."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK
+        self.fh = open(self.path, "a+")
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.fh.seek(0)
+            pid = self.fh.read().strip() or "?"
+            self.fh.close()
+            raise RunDirError(f"another edgerl process (pid {pid}) is training in {run_dir}; wait for it to "
+                              "finish or stop it, or choose another --out") from None
+        self.fh.seek(0)
+        self.fh.truncate()
+        self.fh.write(str(os.getpid()))
+        self.fh.flush()
+
+    def release(self) -> None:
+        if not self.fh.closed:
+            fcntl.flock(self.fh, fcntl.LOCK_UN)
+            self.fh.close()
+
+
+def open_run(run_dir: Path, log: Callable[[str], None]) -> RunLock:
+    """Create (if needed) and lock the run folder, check it is writable, clean interrupted writes
+    (only once the lock is held: then no other process is writing there)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(run_dir)
+    except PermissionError as e:
+        raise RunDirError(f"cannot write to the run folder {run_dir} ({e.strerror}); choose another --out "
+                          "or fix its permissions") from None
+    except OSError as e:
+        if isinstance(e, RunDirError):
+            raise
+        raise RunDirError(f"cannot use {run_dir} as a run folder: {e}") from None
+    for tmp in checkpoint.stale_temporaries(run_dir):
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        log(f"removed {tmp.name}: left by a write that was interrupted")
+    return lock
+
+
+def aside_name(target: Path, step: Optional[int]) -> Path:
+    """Where an earlier `final/` goes when a run that continued past it exports again."""
+    base = f"{target.name}-step-{step:06d}" if step is not None else f"{target.name}-earlier"
+    candidate, n = target.with_name(base), 1
+    while candidate.exists():
+        n += 1
+        candidate = target.with_name(f"{base}-{n}")
+    return candidate

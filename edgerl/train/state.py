@@ -1,0 +1,166 @@
+"""What a run keeps and restores, as functions over an explicit `TrainState`: checkpoints (save,
+resume), the final export, and the last good state saved when a step fails.
+
+A checkpoint holds every weight that trains (under LoRA the adapter only, in peft's format), the
+optimizer and schedule of each learner, the data position, every RNG, the KL controller, the
+gradient scaler, the config and the plan (edgerl/checkpoint.py writes the folder atomically).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+import torch.distributed as dist
+
+from edgerl.train import checkpoint
+from edgerl.train import ranks
+from edgerl.models import lora as lora_io
+from edgerl.core.errors import CheckpointError
+from edgerl.train.update import Learner
+
+
+@dataclass
+class LoopState:
+    """Where the loop is: the step, the data position, the RNG and the KL controller."""
+    step: int
+    sampler: Any                       # data.PromptSampler
+    gen: torch.Generator               # sampling seeds and mini-batch order
+    kl_ctl: Any                        # algos.FixedKL | algos.AdaptiveKL
+    scaler: Optional[torch.amp.GradScaler]
+    bad_in_a_row: int = 0
+    skipped_total: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a failed step must roll back before the last good state is saved."""
+        return {"sampler": self.sampler.state_dict(), "rng": checkpoint.rng_state(self.gen)}
+
+    def roll_back(self, snap: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(snap["sampler"])
+        checkpoint.set_rng_state(snap["rng"], self.gen)
+
+
+@dataclass
+class TrainState:
+    actor: Learner
+    critic: Optional[Learner]
+    loop: LoopState
+    lora: bool
+    meta: dict[str, Any] = field(default_factory=dict)   # config and plan, written into every checkpoint
+
+
+def _full() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _learner_tensors(ln: Learner, lora: bool) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    if lora:
+        return lora_io.trainable_state(ln.model)
+    return get_model_state_dict(ln.model, options=_full())
+
+
+def _learner_state(ln: Learner) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    return {"optim": ln.offload.state_dict(lambda: get_optimizer_state_dict(ln.model, ln.optim, options=_full())),
+            "sched": ln.sched.state_dict()}
+
+
+def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Callable[[str], None]) -> Optional[Path]:
+    """Write a checkpoint of `st` (every rank calls this: the state dicts are gathered collectively;
+    the writer writes). Returns the folder on the writer, None elsewhere."""
+    files: dict[str, bytes] = {}
+    if st.lora:  # the frozen base is the model's own: only the adapter, in peft's format
+        tensors = {"adapter_model": lora_io.adapter_state(st.actor.model)}
+        files["adapter_config.json"] = lora_io.adapter_config_json(st.actor.model)
+    else:
+        tensors = {"actor": _learner_tensors(st.actor, False)}
+    a = _learner_state(st.actor)
+    state: dict[str, Any] = {"optim": a["optim"], "sched": a["sched"]}
+    if st.critic is not None:
+        tensors["critic"] = _learner_tensors(st.critic, st.lora)
+        c = _learner_state(st.critic)
+        state["critic_optim"], state["critic_sched"] = c["optim"], c["sched"]
+    lp = st.loop
+    rngs = ranks.gather(checkpoint.rng_state(lp.gen))   # every rank samples with its own generator
+    state["train"] = {"step": lp.step, "sampler": lp.sampler.state_dict(), "rng": rngs[0], "rng_by_rank": rngs,
+                      "world_size": len(rngs), "kl_ctl": lp.kl_ctl.state_dict(), "bad_in_a_row": lp.bad_in_a_row,
+                      "scaler": lp.scaler.state_dict() if lp.scaler is not None else None}
+    if not is_writer:
+        return None
+    folder = checkpoint.save(run_dir, lp.step, tensors, state, {"step": lp.step, **st.meta}, keep_last, files)
+    log(f"checkpoint: {folder}")
+    return folder
+
+
+def restore(folder: Path, st: TrainState, log: Callable[[str], None]) -> None:
+    """Load a checkpoint written by `save` into `st` (weights, optimizers, schedules, loop state). Its
+    weights were checked for NaN before the run folder was touched (runfolder.check_resume)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    tensors, state, _ = checkpoint.load(folder)
+    saved_world, world = state["train"].get("world_size", 1), ranks.world()
+    if saved_world != world:
+        raise CheckpointError(f"{folder} was written by {saved_world} process(es) and this run has {world}: each "
+                              "GPU's sampling state is in the checkpoint, so resume with the same number "
+                              f"(torchrun --nproc_per_node {saved_world})" if saved_world > 1 else
+                              f"{folder} was written by one process; resume it without torchrun")
+    full = StateDictOptions(full_state_dict=True)
+    kind = "adapter_model" if st.lora else "actor"
+    if kind not in tensors:
+        raise CheckpointError(
+            f"{folder} holds {'a LoRA adapter' if 'adapter_model' in tensors else 'full weights'}, but this run "
+            f"{'trains LoRA' if st.lora else 'trains every weight'}; resume with the lora.enabled the run had")
+    try:
+        if st.lora:
+            lora_io.load_adapter_state(st.actor.model, tensors["adapter_model"], str(folder))
+        else:
+            set_model_state_dict(st.actor.model, tensors["actor"], options=full)
+        set_optimizer_state_dict(st.actor.model, st.actor.optim, state["optim"], options=full)
+        st.actor.sched.load_state_dict(state["sched"])
+        if st.critic is not None:
+            if "critic" not in tensors:
+                raise CheckpointError(f"{folder} has no critic; it was not a PPO (gae) run")
+            if st.lora:
+                lora_io.load_trainable(st.critic.model, tensors["critic"], f"{folder} (critic)")
+            else:
+                set_model_state_dict(st.critic.model, tensors["critic"], options=full)
+            set_optimizer_state_dict(st.critic.model, st.critic.optim, state["critic_optim"], options=full)
+            st.critic.sched.load_state_dict(state["critic_sched"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{folder} does not match this run's model or optimizer ({first}); resume with the "
+                              "model, LoRA settings and optimizer the run was started with") from None
+    for ln in (st.actor, st.critic):
+        if ln is not None:
+            ln.offload.to_host()
+    tr, lp = state["train"], st.loop
+    lp.step = tr["step"]
+    lp.sampler.load_state_dict(tr["sampler"])
+    checkpoint.set_rng_state(tr.get("rng_by_rank", [tr["rng"]])[dist.get_rank() if ranks.world() > 1 else 0],
+                             lp.gen)
+    lp.kl_ctl.load_state_dict(tr["kl_ctl"])
+    lp.bad_in_a_row = tr["bad_in_a_row"]
+    if lp.scaler is not None and tr.get("scaler"):
+        lp.scaler.load_state_dict(tr["scaler"])
+    log(f"resumed from {folder} at step {lp.step}")
+
+
+def failed_step(st: TrainState, before_steps: int, snap: dict[str, Any],
+                save_fn: Callable[[], Optional[Path]]) -> str:
+    """After a step raised: save the last good state if the optimizer had not stepped yet (the weights
+    are still those after the previous step), rolling the data position and RNG back to it.
+    Returns one line saying what was saved."""
+    if st.loop.step == 0:
+        return "no checkpoint written (no step had completed)"
+    if st.actor.optimizer_steps() != before_steps:
+        return "no checkpoint written (the optimizer had already stepped this step)"
+    st.loop.roll_back(snap)
+    folder = save_fn()
+    return f"saved the last good state (step {st.loop.step}) to {folder}"

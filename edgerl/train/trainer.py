@@ -1,0 +1,479 @@
+"""The training loop, one method per phase of a step, in the order a step runs them:
+
+    rollout -> rewards -> scores (old / reference log-probs, values) -> advantages -> update
+            -> weight sync -> metrics -> checkpoint
+
+It is built from a prepared `Session` (edgerl/session.py) and reads its `Plan`; it never asks which
+GPU it runs on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from edgerl import algos
+from edgerl.train import ranks
+from edgerl.train import state
+from edgerl.models import lora as lora_io
+from edgerl.config.schema import Config, to_dict
+from edgerl.data.prompts import Prompt, PromptSampler
+from edgerl.plan.dtypes import torch_dtype
+from edgerl.core.errors import USER_ERRORS, RunDirError, TrainingError
+from edgerl.train.experience import Experience, advantages, critic_values, pad_batch, policy_logprobs
+from edgerl.train.metrics import MetricsWriter
+from edgerl.core.files import write_atomically
+from edgerl.models.load import (build_actor, build_critic, build_frozen, init_distributed, lm_weights, on_device, save_hf)
+from edgerl.plan.moves import next_moves
+from edgerl.train.optim import StateOffload, make_optimizer
+from edgerl.rewards.rules import RewardItem, check_sources, default_compute_score, load_reward_function, score_batch
+from edgerl.rollout import EngineContext, build_engine
+from edgerl.rollout.base import RolloutBatch, SamplingParams
+from edgerl.train.runfolder import aside_name
+from edgerl.train.session import Session
+from edgerl.train.step_metrics import global_explained_variance, global_mean, step_metrics
+from edgerl.train.update import Learner, run_update
+
+__all__ = ["Trainer", "TrainingError", "lr_lambda"]
+
+
+def lr_lambda(cfg: Config) -> Callable[[int], float]:
+    """Linear warm-up over warmup_ratio of the steps, then constant or cosine to min_lr_ratio."""
+    t = cfg.train
+    warm = int(round(t.warmup_ratio * t.steps))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        if t.lr_schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, t.steps - warm)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+class Trainer:
+    def __init__(self, session: Session) -> None:
+        """Build models, optimizers and the engine, and restore the checkpoint to resume from. The
+        session's run-folder lock is released when this fails, or when `run` ends."""
+        self.session = session
+        try:
+            self._build(session)
+        except BaseException:
+            session.close()
+            raise
+
+    def _build(self, s: Session) -> None:
+        cfg, plan, device = self.cfg, self.plan, self.device = s.cfg, s.plan, s.device
+        self.run_dir, self.log, self.tokenizer, self.prompts = s.run_dir, s.log, s.tokenizer, s.prompts
+        torch.manual_seed(cfg.train.seed)  # the same on every rank: every rank builds the same models
+        init_distributed(device)
+        self.rank, self.world = s.rank.rank, s.rank.world
+        m, t = cfg.model, cfg.train
+        if cfg.reward.function:
+            self.reward_fn = load_reward_function(cfg.reward.function)
+        else:
+            check_sources({p.data_source for p in self.prompts})
+            self.reward_fn = default_compute_score
+        self.reward_model = None
+        if plan.reward_model_dtype:
+            from edgerl.rewards.model import RewardModel
+            self.reward_model = RewardModel(cfg.reward.model, device=device,
+                                            dtype=torch_dtype(plan.reward_model_dtype))
+
+        self.lora = plan.lora is not None
+        self.actor = build_actor(m.path, plan, device, m.trust_remote_code, cfg.lora.dropout)
+        self.ref = None
+        if cfg.algo.kl_coef > 0:  # under LoRA the reference is the actor with its adapter disabled
+            self.ref = lora_io.ReferencePolicy(self.actor) if self.lora else build_frozen(
+                m.path, plan, device if not plan.swap_models else torch.device("cpu"), m.trust_remote_code)
+        self.critic = build_critic(m.critic_path or m.path, plan, device, m.trust_remote_code, cfg.lora.dropout,
+                                   cfg.lora.target_modules) if plan.task.critic else None
+        if self.lora:
+            n = sum(p.numel() for p in self.actor.parameters() if p.requires_grad)
+            self.log(f"LoRA r={plan.lora['rank']}: {n:,} trainable parameters (the plan counted "
+                     f"{plan.lora['params']:,}); base stored in {plan.base_dtype}")
+        loop = state.LoopState(
+            step=0, sampler=PromptSampler(len(self.prompts), t.prompts_per_step, t.seed, cfg.data.shuffle,
+                                           log=self.log),
+            gen=torch.Generator().manual_seed(t.seed + self.rank),  # each rank samples its own responses
+            kl_ctl=(algos.AdaptiveKL(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+                    if cfg.algo.kl_target else algos.FixedKL(cfg.algo.kl_coef)),
+            # fp16 needs loss scaling (CC 7.x); bf16 and fp32 do not
+            scaler=torch.amp.GradScaler(device.type) if plan.dtype.grad_scaler else None)
+        self.state = state.TrainState(
+            actor=self._learner("actor", self.actor, t.lr),
+            critic=self._learner("critic", self.critic, t.critic_lr) if self.critic is not None else None,
+            loop=loop, lora=self.lora, meta={"config": to_dict(cfg), "plan": plan.decisions()})
+        max_len = max(len(x.input_ids) for x in self.prompts) + cfg.rollout.max_new_tokens
+        self.engine = build_engine(plan, EngineContext(
+            model_path=m.path, trust_remote_code=m.trust_remote_code, device=device, max_seq_len=max_len,
+            seed=t.seed, work_dir=self.run_dir,
+            save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor))), actor=self.actor))
+        self.stop_signal: Optional[str] = None
+        if s.resume is not None:
+            state.restore(s.resume.checkpoint, self.state, self.log)
+        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None, log=self.log) \
+            if self.rank == 0 else _NoMetrics()   # rank 0 alone writes files
+        if s.resume is not None:
+            moved = self.metrics.archive_after(self.state.loop.step)
+            if moved is not None:
+                self.log(f"metrics of the steps after {self.state.loop.step} (they are redone now) moved to {moved}")
+        self._sync()
+        eos = self.tokenizer.eos_token_id
+        r = cfg.rollout
+        self.sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            eos_token_ids=(eos,) if (r.stop_at_eos and eos is not None) else (),
+            pad_token_id=self.tokenizer.pad_token_id)
+
+    def _learner(self, name: str, model: torch.nn.Module, lr: float) -> Learner:
+        p, t = self.plan, self.cfg.train
+        # parameters FSDP2 keeps in host memory: the bf16 step streams them through the GPU; on a GPU its
+        # step is the fused Triton kernel exactly when the plan's kernels are Triton's
+        cuda = self.device.type == "cuda"
+        optim = make_optimizer(model.parameters(), p.optimizer, lr, tuple(t.betas), t.weight_decay,
+                               dist.get_world_size(), seed=t.seed, fused=(p.kernel_backend == "triton") if cuda else None,
+                               step_device=self.device if p.param_offload and cuda else None)
+        # the state waits in host memory between updates unless FSDP2 already keeps it there
+        offload = StateOffload(optim, p.optimizer_offload and not p.param_offload, cuda)
+        return Learner(name, model, optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(self.cfg)), offload)
+
+    @property
+    def step(self) -> int:
+        return self.state.loop.step
+
+    def _sync(self) -> None:
+        """The engine's weights := the actor's (every rank joins the gather of sharded weights)."""
+        if self.engine.needs_weights:
+            self.engine.sync_weights(lm_weights(self.actor))
+
+    # --- the phases of one step --------------------------------------------------------------------
+
+    def rollout(self, prompts: list[Prompt]) -> RolloutBatch:
+        """n samples per prompt from the current policy (the engine holds a synced copy or the weights)."""
+        return self.engine.generate([list(p.input_ids) for p in prompts], self.cfg.rollout.n_samples,
+                                    self.sampling, self.state.loop.gen)
+
+    def rewards(self, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list[float], dict[str, list[float]]]:
+        """One score per response: the rule or user reward, plus the reward model's score if any."""
+        n = self.cfg.rollout.n_samples
+        texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        rows = [p for p in prompts for _ in range(n)]
+        items = [RewardItem(p.data_source, text, p.ground_truth, p.extra) for p, text in zip(rows, texts)]
+        scores, components = score_batch(self.reward_fn, items)
+        if self.reward_model is not None:
+            rm = self.reward_model.score([p.raw_prompt for p in rows], texts)
+            components["reward_model"] = rm
+            scores = [s + self.cfg.reward.model_coef * r for s, r in zip(scores, rm)]
+        return scores, components
+
+    def score(self, exp: Experience, kl_coef: float) -> Experience:
+        """Old and reference log-probs and the critic's values, without gradients."""
+        cfg, p = self.cfg, self.plan
+        T = cfg.rollout.temperature
+        updates = (len(exp) // (cfg.train.mini_batch or len(exp))) * cfg.train.ppo_epochs
+        self.actor.eval()
+        # On-policy with one update per step, the old log-probs equal the current ones: the update's
+        # own forward provides them (ratio 1), and this pass is skipped.
+        if updates > 1 or (kl_coef > 0 and cfg.algo.kl_in == "reward"):
+            exp.old_logp, _ = policy_logprobs(self.actor, exp, p.score_micro_batch, T, self.device)
+        if self.ref is not None:
+            with on_device(self.ref, self.device, p.swap_models and not self.lora):
+                exp.ref_logp, _ = policy_logprobs(self.ref, exp, p.score_micro_batch, T, self.device)
+        if self.critic is not None:
+            self.critic.eval()
+            exp.values = critic_values(self.critic, exp, p.score_micro_batch, self.device)
+        return exp
+
+    def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
+        """PPO epochs for the actor, then the critic; counts skipped (non-finite) updates."""
+        cfg, a, lp = self.cfg, self.cfg.algo, self.state.loop
+        epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
+
+        def actor_loss(part: Experience, epoch: int):
+            logp, ent = self.actor(part.input_ids, part.attention_mask, part.response_ids, part.start,
+                                   cfg.rollout.temperature)
+            old = part.old_logp if part.old_logp is not None else logp.detach()
+            mask = part.response_mask
+            loss, st = algos.policy_loss(logp, old, part.advantages, mask, a.clip_low, a.clip_high, a.dual_clip,
+                                         a.loss_agg)
+            st["pg_loss"] = loss.detach()
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * algos.aggregate(ent, mask, a.loss_agg)
+            if part.ref_logp is not None and a.kl_in == "loss" and kl_coef > 0:
+                loss = loss + kl_coef * algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, a.loss_agg)
+            if epoch == 0:
+                epoch0["logp"].append(logp.detach().float().cpu())
+                epoch0["ent"].append(ent.detach().float().cpu())
+                epoch0["mask"].append(mask.cpu())
+                if part.ref_logp is not None:
+                    epoch0["ref"].append(part.ref_logp.cpu())
+            return loss, st
+
+        def critic_loss(part: Experience, epoch: int):
+            v = self.critic(part.input_ids, part.attention_mask, part.start, part.response_ids.shape[1])
+            loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask, a.value_clip, a.loss_agg)
+            return loss, {"vf_loss": loss.detach(), "vf_clip_frac": st["vf_clip_frac"]}
+
+        common = dict(mini=(cfg.train.mini_batch or cfg.sequences_per_step) // self.world, epochs=cfg.train.ppo_epochs,
+                      micro=self.plan.micro_batch,
+                      agg=a.loss_agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
+                      scaler=lp.scaler)
+        res = run_update(self.state.actor, exp, actor_loss, **common)
+        out = {**res.stats, "actor/skipped_updates": float(res.skipped)}
+        if epoch0["logp"]:
+            logp, ent, mask = (torch.cat(epoch0[k]) for k in ("logp", "ent", "mask"))
+            out["actor/entropy"] = global_mean(ent, mask, self.device)
+            if epoch0["ref"]:
+                kl = algos.kl_estimate(logp, torch.cat(epoch0["ref"]), a.kl_estimator)
+                out["actor/kl"] = global_mean(kl, mask, self.device)
+            if exp.sampled_logp is not None and common["mini"] == len(exp):  # rows in rollout order
+                # the engine's log-probs against the trainer's own: a rollout/training mismatch shows here
+                out["rollout/logprob_diff"] = global_mean((logp - exp.sampled_logp).abs(), mask, self.device)
+        if self.critic is not None:
+            cres = run_update(self.state.critic, exp, critic_loss, **common)
+            out |= cres.stats
+            out["critic/values_mean"] = global_mean(exp.values, exp.response_mask, self.device)
+            out["critic/explained_var"] = global_explained_variance(exp, self.device)
+        lp.skipped_total += res.skipped
+        lp.bad_in_a_row = lp.bad_in_a_row + 1 if res.skipped else 0
+        if res.skipped:
+            self.log(f"step {lp.step + 1}: the loss was NaN or infinite; {res.skipped} update(s) skipped "
+                     f"({lp.bad_in_a_row} step(s) in a row, the run stops at {cfg.train.max_bad_steps})")
+        if lp.bad_in_a_row >= cfg.train.max_bad_steps:
+            raise TrainingError(f"the loss was NaN or infinite in {lp.bad_in_a_row} steps in a row (updates "
+                                f"skipped); lower train.lr (now {cfg.train.lr}), check the rewards, or use fp32 "
+                                f"(--set plan.dtype=fp32) if fp16 overflows")
+        return out
+
+    def step_once(self) -> dict[str, Any]:
+        """One step, readable top to bottom. Returns its metrics."""
+        t0, times = time.perf_counter(), {}
+        lp = self.state.loop
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+        @contextlib.contextmanager
+        def phase(name: str):
+            start = time.perf_counter()
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times[f"time/{name}_s"] = time.perf_counter() - start
+
+        mine = lp.sampler.next_batch()  # the global batch, the same on every rank; this rank takes its share
+        k = len(mine) // self.world
+        prompts = [self.prompts[i] for i in mine[self.rank * k:(self.rank + 1) * k]]
+        with phase("rollout"):
+            batch = self.rollout(prompts)
+        with phase("reward"):
+            scores, components = self.rewards(prompts, batch)
+        exp = pad_batch(batch, self.tokenizer.pad_token_id, scores)
+        self.engine.release()   # its memory serves scoring and the update
+        kl_coef = lp.kl_ctl.value
+        with phase("score"):
+            exp = self.score(exp, kl_coef)
+        exp = advantages(exp, self.cfg.algo, self.cfg.rollout.n_samples, kl_coef, ranks.tensor_sum(self.device))
+        with phase("update"):
+            stats = self.update(exp, kl_coef)
+        for ln in (self.state.actor, self.state.critic):
+            if ln is not None:
+                ln.sched.step()
+        with phase("sync"):
+            self._sync()
+        if "actor/kl" in stats:
+            lp.kl_ctl.update(stats["actor/kl"], len(exp))
+        extra = {"actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
+                 "train/bad_steps_in_a_row": lp.bad_in_a_row}
+        return step_metrics(batch, scores, components, {**stats, **extra}, times, time.perf_counter() - t0,
+                            self.device)
+
+    # --- checkpoints, export, failures -------------------------------------------------------------
+
+    def save(self) -> Optional[Path]:
+        return state.save(self.run_dir, self.state, self.cfg.run.keep_last, self.rank == 0, self.log)
+
+    def _write_hf(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
+        if self.rank == 0:
+            save_hf(weights, self.cfg.model.path, self.tokenizer, folder, self.cfg.model.trust_remote_code)
+
+    def export(self, out: Path) -> Path:
+        """The trained actor as an HF folder that transformers loads, written atomically; an earlier
+        export at `out` is kept beside it. Under LoRA: the adapter (peft format) in `<out>-adapter`, and
+        the merged model in `out` when lora.export_merged."""
+        from edgerl.train import checkpoint
+        out = Path(out)
+        step = self.state.loop.step
+        if self.lora:
+            adapter = lora_io.adapter_state(self.actor)
+            target = out.with_name(out.name + "-adapter")
+            if self.rank == 0:
+                with checkpoint.atomic_folder(target, aside_name(target, _export_step(target))) as tmp:
+                    lora_io.save_adapter(self.actor, tmp, adapter)
+                    (tmp / "edgerl-export.json").write_text(f'{{"step": {step}}}\n')
+                self.log(f"final adapter: {target}")
+            if not self.cfg.lora.export_merged:
+                return target
+        # one tensor at a time to the host: a second full copy on the GPU could run out of memory.
+        # Merged LoRA weights are fp32 (W + scale B A), so the merged folder is fp32; over a quantized base
+        # it is written in 16 bits (bf16, or fp16 where the plan computes in fp16), never in 4 bits
+        from edgerl.models.load import quantized_base
+        out_dtype = (torch.float16 if self.plan.dtype.compute == "fp16" else torch.bfloat16) \
+            if quantized_base(self.plan) else torch.float32
+        weights = {k: (v.to(out_dtype) if self.lora else v).cpu() for k, v in lm_weights(self.actor)}
+        if self.rank == 0:
+            with checkpoint.atomic_folder(out, aside_name(out, _export_step(out))) as tmp:
+                self._write_hf(tmp, weights)
+                (tmp / "edgerl-export.json").write_text(f'{{"step": {step}}}\n')
+            self.log(f"final model: {out}" + (" (merged: plain transformers, no peft needed)" if self.lora else ""))
+        return out
+
+    def _write(self, fn: Callable[[], Any]) -> Any:
+        """A checkpoint or export: a full disk or a folder that went read-only is one clear error (the
+        writes are atomic, so what was there before is intact)."""
+        try:
+            return fn()
+        except OSError as e:
+            raise RunDirError(f"cannot write to {self.run_dir} ({e.strerror or e}); the last complete checkpoint "
+                              f"and export are intact: free disk space, then resume with --resume {self.run_dir}") \
+                from None
+
+    def _failed(self, e: BaseException, before_steps: int, snap: dict[str, Any]) -> BaseException:
+        """The step raised: save the last good state (when the weights are still those of the last
+        completed step), then return the error to raise: out of memory becomes advice; a user error
+        (a reward function that raised, say) keeps its type and gains what was saved; anything else
+        is raised as it is, after a line saying what was saved."""
+        saved = state.failed_step(self.state, before_steps, snap, self.save)
+        resume = f"then resume with --resume {self.run_dir}"
+        if isinstance(e, torch.OutOfMemoryError):
+            p = self.plan
+            measured = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
+            from edgerl.plan.memory import fmt_bytes
+            fixes = next_moves(p, self.cfg.rollout.max_new_tokens)
+            return TrainingError(f"CUDA out of memory in step {self.step + 1}: the plan estimated "
+                                 f"{fmt_bytes(p.memory.total)} (peak in {p.memory.peak_phase}), the process reserved "
+                                 f"{fmt_bytes(measured)} before failing. {saved}. Try {fixes[0]}"
+                                 + (f" (next: {fixes[1]})" if len(fixes) > 1 else "")
+                                 + (f", or raise plan.memory_gib={self.cfg.plan.memory_gib:g} (the allocator is capped "
+                                    "at it)" if self.cfg.plan.memory_gib is not None else "") + f", {resume}")
+        if isinstance(e, USER_ERRORS):
+            return type(e)(f"{e}\n{saved}; fix the cause, {resume}")
+        self.log(f"step {self.step + 1} failed ({type(e).__name__}); {saved}")
+        return e
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def run(self, on_step: Optional[Callable[[int, dict], None]] = None) -> Path:
+        """Train until train.steps (or a signal); returns the run folder."""
+        handlers = {}
+        lp = self.state.loop
+
+        def request_stop(signum, _frame):
+            self.stop_signal = signal.Signals(signum).name
+            self.log(f"{self.stop_signal} received: finishing step {lp.step + 1}, then saving a checkpoint")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                handlers[sig] = signal.signal(sig, request_stop)
+            except ValueError:  # not in the main thread
+                pass
+        start = lp.step
+        try:
+            while lp.step < self.cfg.train.steps and self.stop_signal is None:
+                snap, before = lp.snapshot(), self.state.actor.optimizer_steps()
+                try:
+                    with self._profiled(lp.step + 1):
+                        stats = self.step_once()
+                except TrainingError:
+                    raise
+                except Exception as e:  # save what the completed steps earned, then stop with the cause
+                    err = self._failed(e, before, snap)
+                    if err is e:
+                        raise
+                    raise err from e
+                lp.step += 1
+                self.metrics.write(lp.step, stats)
+                if on_step:
+                    on_step(lp.step, stats)
+                every = self.cfg.run.save_every
+                # a signal may reach one process only: every rank stops after the same step
+                if ranks.any_rank(self.stop_signal is not None, self.device) and self.stop_signal is None:
+                    self.stop_signal = "a signal to another rank"
+                if self.stop_signal or (every and lp.step % every == 0):
+                    self._write(self.save)
+            if self.stop_signal is None:
+                if lp.step > start and self.cfg.run.save_every and lp.step % self.cfg.run.save_every:
+                    self._write(self.save)
+                if self.cfg.run.export_final:
+                    self._write(lambda: self.export(self.run_dir / "final"))
+        finally:
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+            self.metrics.close()
+            self.session.close()
+        return self.run_dir
+
+    @contextlib.contextmanager
+    def _profiled(self, step: int):
+        """Record `step` with torch's profiler when it is run.profile_step; every rank writes its own
+        files (rank-R in the name under torchrun), atomically, never over an earlier run's (a resumed
+        run that records the same step again writes step-N-2.txt, ...)."""
+        if step != self.cfg.run.profile_step:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities, record_shapes=False) as prof:
+            yield
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        folder = self.run_dir / "profile"
+        folder.mkdir(exist_ok=True)
+        who = f"-rank{self.rank}" if dist.get_world_size() > 1 else ""
+        base, n = f"step-{step}{who}", 1
+        while (folder / f"{base}.txt").exists() or (folder / f"{base}.trace.json").exists():
+            n += 1
+            base = f"step-{step}{who}-{n}"
+        by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=by, row_limit=60)
+        p = self.plan
+        head = (f"step {step} of {self.cfg.train.steps} on {self.device}; plan: {p.dtype.name}, {p.optimizer}, "
+                f"micro-batch {p.micro_batch}, checkpointing {'on' if p.grad_checkpointing else 'off'}, "
+                f"kernels {p.kernel_backend}, param offload {'on' if p.param_offload else 'off'}\n"
+                f"operators by {by.replace('_', ' ')} (torch.profiler key_averages)\n\n")
+        write_atomically(folder / f"{base}.txt", lambda tmp: tmp.write_text(head + table + "\n"))
+        write_atomically(folder / f"{base}.trace.json", lambda tmp: prof.export_chrome_trace(str(tmp)))
+        self.log(f"step {step} profiled: {folder / base}.txt and .trace.json (open the trace in "
+                 "chrome://tracing or ui.perfetto.dev)")
+
+
+class _NoMetrics:
+    """The metrics writer of ranks other than 0."""
+    tb_note = "metrics written by rank 0"
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def archive_after(self, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _export_step(folder: Path) -> Optional[int]:
+    """The step an earlier export was written at (its edgerl-export.json), when there is one."""
+    import json
+    try:
+        return int(json.loads((folder / "edgerl-export.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None

@@ -1,0 +1,128 @@
+"""One PPO update, shared by the actor and the critic.
+
+    for each epoch, for each mini-batch:
+        for each micro-batch: loss -> skip the mini-batch if any rank's loss is not finite
+                              -> backward(loss x its share of the mini-batch loss)
+        clip gradients -> optimizer step (the offloaded state comes back for it) -> free gradients
+
+The micro-batch weights make the accumulated gradient equal the mini-batch's (algos.accumulation_weight).
+Under torchrun each rank holds its share of every mini-batch: the weights count the whole mini-batch
+over all ranks, and FSDP2's gradient reduction (a mean over ranks) is undone by scaling with the
+world size, so N processes take the step one process would take on the same rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from edgerl import algos
+from edgerl.train import ranks
+from edgerl.train.experience import Experience, micro_batches
+from edgerl.train.optim import StateOffload
+
+
+@dataclass
+class Learner:
+    """A model that trains: its optimizer, learning-rate schedule and optimizer-state offload."""
+    name: str                              # "actor" or "critic": the metrics prefix
+    model: torch.nn.Module
+    optim: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    offload: StateOffload
+
+    def optimizer_steps(self) -> int:
+        """Steps taken so far (read from the optimizer's state): tells whether this step already stepped."""
+        st = self.optim.state
+        return sum(int(s.get("step", 0)) for s in st.values() if isinstance(s, dict)) if st else 0
+
+
+@dataclass
+class UpdateResult:
+    stats: dict[str, float] = field(default_factory=dict)   # averaged over the mini-batches that stepped
+    grad_norms: list[float] = field(default_factory=list)
+    skipped: int = 0                                          # mini-batches whose loss was not finite
+
+
+LossFn = Callable[[Experience, int], tuple[torch.Tensor, dict[str, float]]]
+
+
+def mini_batches(exp: Experience, mini: int, epochs: int, gen: torch.Generator) -> Iterator[tuple[int, Experience]]:
+    """(epoch, mini-batch) for every PPO epoch; rows are reshuffled each epoch when a step holds more
+    than one mini-batch. A mini-batch keeps its rows in rollout order, so the samples of a prompt that
+    it holds sit together and a micro-batch computes their prompt once (edgerl/packing.py)."""
+    for epoch in range(epochs):
+        order = torch.randperm(len(exp), generator=gen) if mini < len(exp) else torch.arange(len(exp))
+        for m0 in range(0, len(exp), mini):
+            yield epoch, exp.rows(order[m0:m0 + mini].sort().values)
+
+
+def finite_everywhere(loss: torch.Tensor) -> bool:
+    """True when the loss is finite on every rank: all ranks must skip together, or FSDP2's
+    collectives in the next backward would wait forever."""
+    ok = torch.tensor([float(torch.isfinite(loss).all())], device=loss.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def optimizer_step(learner: Learner, max_grad_norm: float, scaler: Optional[torch.amp.GradScaler]) -> float:
+    """Clip, step (through the fp16 scaler when there is one), free the gradients. Returns the norm."""
+    params = [p for p in learner.model.parameters() if p.grad is not None]
+    if scaler is not None:
+        scaler.unscale_(learner.optim)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    with learner.offload.resident():  # offloaded state comes back for the step only
+        if scaler is not None:
+            scaler.step(learner.optim)
+            scaler.update()
+        else:
+            learner.optim.step()
+    learner.optim.zero_grad(set_to_none=True)  # gradients are dead weight during the next rollout
+    return float(norm)
+
+
+def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int, epochs: int, micro: int,
+               agg: str, gen: torch.Generator, device: torch.device, max_grad_norm: float,
+               scaler: Optional[torch.amp.GradScaler]) -> UpdateResult:
+    """PPO epochs of `loss_fn(micro-batch on device, epoch) -> (loss, stats)` over `exp`."""
+    out = UpdateResult()
+    sums: dict[str, float] = {}
+    stepped = 0
+    world = ranks.world()
+    learner.model.train()  # HF checkpoints activations (and applies LoRA dropout) only in training mode
+    for epoch, mexp in mini_batches(exp, mini, epochs, gen):
+        learner.optim.zero_grad(set_to_none=True)
+        whole = tuple(ranks.sum_floats(list(algos.batch_counts(mexp.response_mask)), device))
+        acc: dict[str, float] = {}
+        finite = True
+        for sl in micro_batches(len(mexp), micro):
+            part = mexp.rows(sl).to(device)
+            loss, stats = loss_fn(part, epoch)
+            if not finite_everywhere(loss):
+                finite = False
+                break
+            w = algos.accumulation_weight(part.response_mask, whole, agg)
+            scaled = loss * (w * world)
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            for k, v in stats.items():
+                acc[k] = acc.get(k, 0.0) + float(v) * w
+        if not finite:
+            learner.optim.zero_grad(set_to_none=True)
+            out.skipped += 1
+            continue
+        out.grad_norms.append(optimizer_step(learner, max_grad_norm, scaler))
+        stepped += 1
+        for k, v in acc.items():
+            sums[k] = sums.get(k, 0.0) + v
+    learner.model.eval()
+    keys = sorted(sums)  # the same on every rank: each runs the same loss on its share
+    totals = dict(zip(keys, ranks.sum_floats([sums[k] for k in keys], device)))
+    out.stats = {f"{learner.name}/{k}": v / stepped for k, v in totals.items()} if stepped else {}
+    if out.grad_norms:
+        out.stats[f"{learner.name}/grad_norm"] = sum(out.grad_norms) / len(out.grad_norms)
+    return out
