@@ -18,7 +18,7 @@ from . import data as data_cmd
 from . import train as train_cmd
 from rich.markup import escape
 
-from .app import ConfigOpt, GpuOpt, SetOpt, SpecOpt, app, console, err, friendly
+from .app import RANK, ConfigOpt, GpuOpt, SetOpt, SpecOpt, app, console, err, friendly
 
 
 @app.command()
@@ -29,7 +29,10 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
            as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
            bench: bool = typer.Option(False, "--bench", help="measure this GPU's matmul, memory and PCIe speed "
                                       "(a few seconds; cached per GPU and used by the plan)"),
-           refresh: bool = typer.Option(False, "--refresh-bench", help="measure again even if a cached result exists")) -> None:
+           refresh: bool = typer.Option(False, "--refresh-bench", help="measure again even if a cached result exists"),
+           nodes: int = typer.Option(1, "--nodes", min=1, max=1024, help="also check what a run over this many "
+                                     "machines needs (NCCL, the network interface; the ranks' clocks under "
+                                     "torchrun)")) -> None:
     """Is this machine ready to train, and if not, exactly what to fix."""
     import dataclasses
     from edgerl.doctor.doctor import Environment, exit_code, run_checks
@@ -54,6 +57,9 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         plan_error = str(e)
     checks = run_checks(target.device, target.probe, plan, Environment(run_dir=cfg.run.out_dir or "runs"),
                         simulated=target.simulated)
+    if nodes > 1 or RANK.world > 1:
+        from edgerl.doctor.multinode import gathered_clocks, multinode_checks
+        checks += multinode_checks(target.device.is_cuda, times=gathered_clocks())
     code = exit_code(checks)
     if as_json:
         m = target.device.measured
@@ -87,8 +93,15 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
               algo: Optional[str] = typer.Option(None, help="gae (PPO with a critic) | grpo | rloo | reinforce++"),
               lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="force LoRA on or off "
                                                   "(default: the config's lora.enabled)"),
-              gpus: int = typer.Option(1, "--gpus", min=1, help="plan for N such GPUs under torchrun (FSDP2 shards "
-                                       "the training state over them); the plan is for one of them"),
+              gpus: int = typer.Option(1, "--gpus", min=1, max=1024, help="plan for N such GPUs per machine under "
+                                       "torchrun (FSDP2 shards the training state over all of them); the plan is "
+                                       "for one of them"),
+              nodes: int = typer.Option(1, "--nodes", min=1, max=1024, help="machines, each with --gpus GPUs "
+                                        "(torchrun --nnodes); the collectives' traffic is shown for --link-gbps"),
+              link_gbps: Optional[float] = typer.Option(None, "--link-gbps", min=0.001, max=1e5,
+                                                        help="the slowest link between the GPUs, in Gbit/s "
+                                                        "(default: 1 between machines, consumer Ethernet; "
+                                                        "PCIe 3.0 x16, 126, within one)"),
               config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
               fmt: str = typer.Option("text", "--format", "-f", help="text | toml | json | verl"),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="write to this file instead of stdout "
@@ -120,14 +133,23 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
             extra.append((f"{key}={value}", opt))
     cfg = load_config(config, extra)
     target = resolve_target(gpu, gpu_spec)
-    p = plan_for(cfg, target, world_size=gpus)
+    p = plan_for(cfg, target, world_size=gpus * nodes)
+    traffic = None
+    if gpus * nodes > 1:
+        from edgerl.plan.traffic import plan_traffic
+        traffic = plan_traffic(p, nodes, link_gbps or (1.0 if nodes > 1 else 126.0))
     if fmt == "text":
         print_plan(console, p)
+        if traffic is not None:
+            console.print(traffic.line(), soft_wrap=True, highlight=False)
         return
     if fmt == "toml":
         text = plan_toml(cfg, p, target.profile.name if target.simulated and target.profile else None)
     elif fmt == "json":
-        text = json.dumps(p.to_dict(), indent=2, default=str)
+        doc = p.to_dict()
+        if traffic is not None:
+            doc["traffic"] = dataclasses.asdict(traffic) | {"total_bytes": traffic.total_bytes, "nodes": nodes}
+        text = json.dumps(doc, indent=2, default=str)
     else:
         lines, caveats = verl_overrides(cfg, p)
         text = "\n".join([f"# {c}" for c in caveats] + ["python -m verl.trainer.main_ppo \\"]

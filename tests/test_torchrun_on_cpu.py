@@ -1,5 +1,6 @@
 """Two processes under torchrun on the CPU (gloo): the same update as one process on the same rollouts,
-and `edgerl train` with one log, split prompts, and checkpoints that resume on the same number of ranks."""
+and `edgerl train` with one log, split prompts, and checkpoints that resume on the same number of ranks or
+another (tests/test_reshard_on_cpu.py checks that the result is the same)."""
 
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ def test_torchrun_train_logs_once_splits_prompts_and_resumes(tiny_llama, tmp_pat
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
 
-    alone = _train(tiny_llama, run, "--steps", "4", "--resume", str(run), n=1)
-    assert alone.returncode == 2
-    assert "written by 2 process(es) and this run has 1" in alone.stderr and "--nproc_per_node 2" in alone.stderr
-    assert "Traceback" not in alone.stderr
+    alone = _train(tiny_llama, run, "--steps", "4", "--resume", str(run), n=1)   # one GPU fewer: re-sharded
+    assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-3000:]
+    assert "resumed on 1 process(es) from a checkpoint written by 2" in alone.stdout
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["dist/world_size"] == 1
 
 
 @pytest.mark.slow

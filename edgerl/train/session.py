@@ -173,6 +173,8 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     device, emulation = _device_for(target, cfg, rank.world)
     init_distributed(device)
     plan = plan_for(cfg, target, model_spec(cfg), world_size=rank.world)
+    if rank.world > 1:
+        check_ranks_agree(ranks.gather(rank_view(cfg, plan, resume)))
     apply_env(plan, device)
     apply_switches(plan, device)
 
@@ -259,3 +261,37 @@ def _changed_keys(old: str, new: str) -> list[str]:
     a, b = keyed(old), keyed(new)
     return [k for k in b if a.get(k) != b[k]] + [k for k in a if k not in b]
 
+
+def rank_view(cfg: Config, plan: Plan, resume: Optional[runfolder.ResumePoint] = None) -> dict[str, Any]:
+    """What every rank of a run must share: its config and its plan (machines may differ), and whether it can
+    read the checkpoint it resumes from (every rank loads it; a run folder on one machine's disk cannot)."""
+    unreadable = None
+    if resume is not None:
+        files = [resume.checkpoint / "meta.json", *resume.checkpoint.glob("*.safetensors"), *resume.checkpoint.glob("*.pt")]
+        unreadable = next((str(f) for f in files if not os.access(f, os.R_OK)), None) if resume.checkpoint.is_dir() \
+            else str(resume.checkpoint)
+    return {"config": to_toml(cfg), "plan": json.dumps(plan.decisions(), sort_keys=True, default=str),
+            "decisions": {k: json.dumps(v, sort_keys=True, default=str) for k, v in plan.decisions().items()},
+            "device": plan.device.describe(), "unreadable": unreadable}
+
+
+def check_ranks_agree(views: list[dict[str, Any]]) -> None:
+    """Every rank's `rank_view`, gathered: a rank started with another config (another machine's command
+    line or file), or planning differently (another GPU), stops the run on every rank with one line."""
+    first = views[0]
+    for r, v in enumerate(views):
+        if v.get("unreadable"):
+            raise RunDirError(f"rank {r} of {len(views)} cannot read {v['unreadable']}: every rank loads the "
+                              "checkpoint it resumes from; put the run folder on a file system every machine "
+                              "mounts at the same path, or copy it to that path on every machine")
+    for r, v in enumerate(views[1:], start=1):
+        if v["config"] != first["config"]:
+            keys = _changed_keys(first["config"], v["config"])
+            raise ConfigError(f"rank {r} of {len(views)} was started with another config than rank 0 (differs in "
+                              f"{', '.join(keys[:6]) or 'notes'}): start every machine with the same config file "
+                              "and --set options")
+        if v["plan"] != first["plan"]:
+            keys = [k for k in first["decisions"] if first["decisions"][k] != v["decisions"].get(k)]
+            raise ConfigError(f"rank {r} of {len(views)} plans differently from rank 0 ({', '.join(keys[:6])}; its "
+                              f"GPU: {v['device']}, rank 0's: {first['device']}): every rank must train on one "
+                              "plan; give every machine the same --profile, the smallest GPU's")

@@ -97,18 +97,13 @@ def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Ca
     return folder
 
 
-def restore(folder: Path, st: TrainState, log: Callable[[str], None]) -> None:
+def restore(folder: Path, st: TrainState, log: Callable[[str], None], seed: int = 0) -> None:
     """Load a checkpoint written by `save` into `st` (weights, optimizers, schedules, loop state). Its
     weights were checked for NaN before the run folder was touched (runfolder.check_resume)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
     tensors, state, _ = checkpoint.load(folder)
     saved_world, world = state["train"].get("world_size", 1), ranks.world()
-    if saved_world != world:
-        raise CheckpointError(f"{folder} was written by {saved_world} process(es) and this run has {world}: each "
-                              "GPU's sampling state is in the checkpoint, so resume with the same number "
-                              f"(torchrun --nproc_per_node {saved_world})" if saved_world > 1 else
-                              f"{folder} was written by one process; resume it without torchrun")
     full = StateDictOptions(full_state_dict=True)
     kind = "adapter_model" if st.lora else "actor"
     if kind not in tensors:
@@ -142,14 +137,30 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None]) -> None:
             ln.offload.to_host()
     tr, lp = state["train"], st.loop
     lp.step = tr["step"]
-    lp.sampler.load_state_dict(tr["sampler"])
-    checkpoint.set_rng_state(tr.get("rng_by_rank", [tr["rng"]])[dist.get_rank() if ranks.world() > 1 else 0],
-                             lp.gen)
+    lp.sampler.load_state_dict(tr["sampler"])   # the global prompt order: the same whatever the world size
+    rank = dist.get_rank() if world > 1 else 0
+    if saved_world == world:
+        checkpoint.set_rng_state(tr.get("rng_by_rank", [tr["rng"]])[rank], lp.gen)
+    else:
+        # The weights and optimizer states are full state dicts, so they load into any number of shards;
+        # the sampling streams were one per process and cannot be split or merged, so every rank starts a
+        # new one from the seed, the step and its rank (the same on every resume to this world size).
+        checkpoint.set_rng_state(tr["rng"])
+        lp.gen.manual_seed(reseed(seed, lp.step, rank))
     lp.kl_ctl.load_state_dict(tr["kl_ctl"])
     lp.bad_in_a_row = tr["bad_in_a_row"]
     if lp.scaler is not None and tr.get("scaler"):
         lp.scaler.load_state_dict(tr["scaler"])
     log(f"resumed from {folder} at step {lp.step}")
+    if saved_world != world:
+        log(f"resumed on {world} process(es) from a checkpoint written by {saved_world}: weights and optimizer "
+            f"state re-sharded from its full state dicts, the prompt order continues where it stopped, and "
+            f"each rank's sampling stream restarts from train.seed={seed}, the step and the rank")
+
+
+def reseed(seed: int, step: int, rank: int) -> int:
+    """The sampling seed of `rank` after a resume on another number of processes."""
+    return (seed * 1_000_003 + step * 1_009 + rank) % 2**63
 
 
 def failed_step(st: TrainState, before_steps: int, snap: dict[str, Any],

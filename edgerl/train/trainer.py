@@ -119,7 +119,7 @@ class Trainer:
             save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor))), actor=self.actor))
         self.stop_signal: Optional[str] = None
         if s.resume is not None:
-            state.restore(s.resume.checkpoint, self.state, self.log)
+            state.restore(s.resume.checkpoint, self.state, self.log, seed=cfg.train.seed)
         self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None, log=self.log) \
             if self.rank == 0 else _NoMetrics()   # rank 0 alone writes files
         if s.resume is not None:
