@@ -18,12 +18,13 @@ from edgerl.plan.plan import PlanError, Task, plan
 
 # A fixed software stack, so the tables do not depend on what the machine that prints them has: the torch that
 # scripts/setup.sh installs, from the cu126 index, whose wheels carry code for every card in the tables
-# (Maxwell to Hopper), with triton, peft and bitsandbytes (the NF4 base); no flash-attn, no vLLM.
+# (Maxwell to Hopper), with triton, peft and bitsandbytes (the NF4 base); no flash-attn, no vLLM. The other
+# versions are those setup installed with it when this was written; the plan reads only which are present.
 REFERENCE_TORCH = "2.13.0"
 _CU126 = next(b for b in BUILDS if b.tag == "cu126")
 REFERENCE_SOFTWARE = Software(python="3.11", torch=REFERENCE_TORCH, torch_cuda="12.6", arch_list=_CU126.archs,
-                              libs=(("torch", REFERENCE_TORCH), ("triton", "3.7.0"), ("transformers", "5.24.0"),
-                                    ("peft", "0.18.0"), ("bitsandbytes", "0.50.2")))
+                              libs=(("torch", REFERENCE_TORCH), ("triton", "3.9.0"), ("transformers", "5.24.0"),
+                                    ("peft", "0.21.2"), ("bitsandbytes", "0.50.2")))
 REFERENCE_TASK = Task(prompt_len=256, response_len=512, prompts_per_step=8, samples_per_prompt=8, algo="grpo",
                       kl=True, lora=False)
 HOST_RAM = 64 * GiB
