@@ -9,7 +9,7 @@ edgerl ignores EOS (every row is full length); TRL stops a row at EOS, which ran
 emit: both report the tokens they generated, and tokens/s counts those. Step time is the median of
 steps 2..N (step 1 holds compilation and graph capture; N is 4, or 3 for the frontier points, 1.7b-p40
 and the QLoRA groups); peaks are the largest of any step. TRL loads its models with attn_implementation
-"sdpa" (transformers' default; the fp32 figures of docs/benchmarks.md section 2 used "eager").
+"sdpa" (transformers' default; the first fp32 comparisons used "eager").
 
 Groups (TRL first, so that its measured memory can set edgerl's budgets; then edgerl):
   362m-bf16    SmolLM2-360M shape, whole H200. TRL: bf16, its defaults (gradient checkpointing on).

@@ -45,8 +45,8 @@ def main() -> int:
             report["problems"].append(f"import {mod}: {type(e).__name__}: {str(e)[:200]}")
     tok = Path(args.tokenizer)
     if not (tok / "tokenizer.json").exists():
-        report["problems"].append(f"no tokenizer at {tok} (copy /work/shared/data/smollm2-tokenizer to "
-                                  "$EDGERL_SHARED/data/)")
+        report["problems"].append(f"no tokenizer at {tok} (copy the SmolLM2 tokenizer folder to "
+                                  "$EDGERL_SHARED/data/smollm2-tokenizer)")
     report["disk_free_gib_tmp"] = shutil.disk_usage("/tmp").free / bl.GiB
     try:
         import psutil

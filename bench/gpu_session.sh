@@ -38,7 +38,7 @@
 #                   the plain graph, compiled with SDPA, with the Triton attention and with its rotary form, and
 #                   the Triton layers, which the plan picks), HF generate's own agreement as the bar
 #   edgerl-17b 200  bench_vs_trl 1.7b-bf16, edgerl's side only at FRONTIER_17B GiB (default 18.46: TRL's memory
-#                   measured in section 10.2 of docs/benchmarks.md), no TRL run
+#                   for that shape, docs/benchmarks.md, Against TRL: 362M and 1.7B), no TRL run
 #   recheck 420    edgerl's QLoRA runs, the 362M frontier at given budgets (FRONTIER) and four memory checks
 #   decode-gemm 240 bench_decode_gemm.py --triton (the fused Triton projections against cuBLAS; GEMM_ARGS=--sweep
 #                   adds a grid of tiles)

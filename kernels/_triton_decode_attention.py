@@ -7,7 +7,7 @@ read from device tensors, so the kernel reads only the columns a row needs and a
 replays it at every column. The launcher picks the pipeline depth that fits the device's shared
 memory (`tiles.decode_attention_stages`).
 SDPA's memory-efficient kernel, which the decode step called before, tiles 64 queries for the one
-token each head has and reads every column of the static cache, masked (docs/benchmarks.md).
+token each head has and reads every column of the static cache, masked (docs/benchmarks.md, Decode attention kernel).
 `decode_attention_rope_kernel` also does the three steps before it, from the q/k/v projection's output:
 the rotary embedding of q and k, the write of k and v into the cache's column, and the query's copy
 into the kernel's layout (three small kernels per layer otherwise).
@@ -138,7 +138,7 @@ def decode_attention_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, o_ptr,
     live = g[:, None] < G
     # every read of the row's q/k/v issued before the cache writes: the compiler keeps a load after a store to
     # memory the load may alias, and the stores wait for k's loads, so q's loads written after them went out one
-    # round trip through memory later (docs/benchmarks.md section 19.2)
+    # round trip through memory later (docs/benchmarks.md, Decode attention kernel)
     q_raw, q_half = tl.load(qb + d[None, :], mask=live, other=0.0), tl.load(qb + dr[None, :], mask=live, other=0.0)
     tl.store(k_ptr + b * sk_b + h * sk_h + col * sk_s + d, _rotate(k_raw, k_half, cos, sin, DT, PLAIN))
     tl.store(v_ptr + b * sv_b + h * sv_h + col * sv_s + d, v_new)

@@ -3,7 +3,7 @@
 bitsandbytes multiplies a few rows by a 4-bit weight in two steps: dequantize the whole weight to the
 compute dtype (writing N x K values), then a GEMM that reads them back. For a decode step of 16 rows in
 fp32 (what a P40 plan computes in), that is 8.5 bytes moved per weight for 32 flops, and it was 74% of
-the step (docs/benchmarks.md, section 7.4). This kernel reads the packed codes (0.5 bytes a weight) and
+the step (docs/benchmarks.md, Fused NF4 decode kernel). This kernel reads the packed codes (0.5 bytes a weight) and
 their block scales, decodes them in registers and multiplies in fp32: the same products, no fp32 copy.
 
     y = x @ W.T (+ bias),  W[n, k] = code[q(n, k)] * absmax[(n K + k) // blocksize]
@@ -22,9 +22,10 @@ Partial sums stay in registers (R x MT a lane) and meet in shared memory at the 
 within the 48 KB a Pascal block may use). K is also split across blocks where that fills the GPU's
 waves better (`_splits`), and a second small kernel then adds the fp32 partials. A LoRA adapter
 (`lora=`) rides along: its A as r more rows of the weight in fp32 (x A^T summed with the rest), and
-scale * (x A^T) B^T joins the second kernel's sum; no kernel of its own (docs/benchmarks.md section 13).
+scale * (x A^T) B^T joins the second kernel's sum; no kernel of its own (docs/benchmarks.md, Fused NF4 decode kernel).
 A first version (a warp per 8 K-chunked rows, x chunks behind a block barrier) reached a fifth of the
-H200's fp32 matmul rate at 16 rows, barely ahead of bitsandbytes; this one 46% (section 8).
+H200's fp32 matmul rate at 16 rows, barely ahead of bitsandbytes; this one 46% (docs/benchmarks.md, History and
+Fused NF4 decode kernel).
 
 Compiled at run time with NVRTC (`nvrtc.py`) for the GPU's own architecture: CC 6.0 and up with a
 CUDA 12 torch, 7.5 and up with CUDA 13.

@@ -222,7 +222,7 @@ def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
 # each program walks the inner dimension (or a slice of it) for BN output columns, so the programs' count
 # is what spreads the weight's bytes over the SMs, and the bytes each has in flight (BK x BN x stages) what
 # hides the memory's latency. The blocks come from a sweep at 16 rows on an H200 over the 360M and 1.7B
-# shapes (`bench/bench_decode_gemm.py --triton --sweep`, docs/benchmarks.md sections 17 and 19): for each of
+# shapes (`bench/bench_decode_gemm.py --triton --sweep`, docs/benchmarks.md, Decode projections): for each of
 # the eight products within 7% of the fastest tiles measured in the same run.
 
 
@@ -239,7 +239,7 @@ def decode_linear_tiles(rows: int, n: int, k: int, dtype_bytes: int, glu: bool, 
     - norm (q/k/v): BN 64, BK 256, the product computed as W x^T (swap: the weight block as the first
       operand, 1.4x faster there);
     - o (the residual add after it, an inner dimension no longer than its output): BN 16, BK 256, not split
-      (1.2x faster than the down product's tiles at 360M, 1.03x at 1.7B: section 19);
+      (1.2x faster than the down product's tiles at 360M, 1.03x at 1.7B: docs/benchmarks.md, Decode projections);
     - otherwise (down, the residual add after it): BN 32, BK 128, the inner dimension split over 4 or 2
       programs where each slice still holds two BK blocks and the programs stay within 4 per SM.
     Stages: the deepest of up to 4 that fits in shared memory with a quarter spare for the compiler's own

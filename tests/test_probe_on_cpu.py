@@ -6,8 +6,8 @@ from edgerl.device.device import GiB, arch_covers, capability, device_from_spec,
 from edgerl.device.probe import probe
 from fakes import CU126_ARCH, CU130_ARCH, GPUS, FakeCuda, FakeNvml, fake_probe, nvml_gpu, software
 
-# What each GPU class must come out as (hardware.md §1, §9, §12): tensor cores, fp16 at least as fast as fp32,
-# native fp16 arithmetic at all, integrated (memory shared with the host)
+# What each GPU class must come out as (docs/hardware.md, Compute capabilities; fp16 on Pascal): tensor cores,
+# fp16 at least as fast as fp32, native fp16 arithmetic at all, integrated (memory shared with the host)
 EXPECTED = {
     "M40": (False, False, False, False),      # sm_52: no fp16 units at all
     "P40": (False, False, True, False),       # sm_61: fp16 at 1/64

@@ -11,7 +11,7 @@ from edgerl.core.errors import ProfileError
 from edgerl.device.profiles import _parse, device_from_profile, get_profile, list_profiles, match_profile
 
 # profile -> (NVML total in MiB under the default ECC setting, ECC on by default, NVML total with ECC off)
-# as cited in each file's comments (hardware.md §12 and public nvidia-smi / deviceQuery printouts)
+# as cited in each file's comments (docs/hardware.md, Usable memory, and public nvidia-smi / deviceQuery printouts)
 MEMORY = {
     "p40": (22919, True, 24451), "p100": (16280, True, None), "v100-16gb": (16130, True, 16130),
     "v100-32gb": (32510, True, 32510), "t4": (15109, True, 16384), "a10": (23028, True, None),

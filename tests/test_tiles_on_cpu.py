@@ -179,7 +179,7 @@ def test_decode_linear_tiles_fit_every_device(cc):
 
 
 def test_decode_linear_tiles_are_the_measured_ones_on_an_h200():
-    """The H200 rows of docs/benchmarks.md sections 17 and 19 (132 SMs, 227 KB per block)."""
+    """The H200 rows of docs/benchmarks.md, Decode projections (132 SMs, 227 KB per block)."""
     from edgerl.kernels.tiles import decode_linear_tiles
     got = [decode_linear_tiles(16, n, k, 2, glu, 132, 232448, norm=norm)[1:] for k, n, glu, norm in DECODE_SHAPES]
     assert got[4] == (64, 256, 4, 4, 1, 1)     # q/k/v: W x^T, one pass over the inner dimension

@@ -1,7 +1,7 @@
 """`Device`: what edgerl knows about the hardware, from a probe, a profile or a spec.
 
 The per-capability table below is the one place facts about compute capabilities live; every
-row cites ../shared/reference/hardware.md (which names its sources), the CUDA programming guide or
+row cites docs/hardware.md (which names its public sources), the CUDA programming guide or
 NVIDIA's CCCL. A `Device` is plain data:
 the plan reads it, nothing reads the hardware except `edgerl.device.probe`.
 """
@@ -19,10 +19,10 @@ MiB = 1024**2
 
 @dataclass(frozen=True)
 class Capability:
-    """Facts shared by every GPU of one compute capability (hardware.md §1, §8, §9, §12)."""
+    """Facts shared by every GPU of one compute capability (docs/hardware.md, Compute capabilities)."""
     cc: tuple[int, int]
     arch: str
-    smem_per_block_optin: int   # bytes; tiles are sized against this (hardware.md §1)
+    smem_per_block_optin: int   # bytes; tiles are sized against this (docs/hardware.md, Shared memory)
     smem_per_sm: int
     max_threads_per_sm: int
     fp16_fast: bool             # fp16 arithmetic at least as fast as fp32 (false on sm_61: 1/64 rate)
@@ -34,13 +34,13 @@ class Capability:
 
 
 _K = 1024
-# Sources. 6.0, 6.1, 7.0, 7.5, 8.x, 9.0, 10.0, 12.0: hardware.md §1 [G][CCCL]. 5.x and 7.2: CUDA C++
-# Programming Guide 12.x, "Technical Specifications per Compute Capability": 48 KB per block with no opt-in
-# above it on 5.x/6.x, 64/96/64 KB per SM on 5.0/5.2/5.3, 96 KB per SM and per block on 7.2, 2048
+# Sources. 6.0, 6.1, 7.0, 7.5, 8.x, 9.0, 10.0, 12.0: docs/hardware.md, Compute capabilities [G][CCCL]. 5.x and
+# 7.2: CUDA C++ Programming Guide 12.x, "Technical Specifications per Compute Capability": 48 KB per block with no
+# opt-in above it on 5.x/6.x, 64/96/64 KB per SM on 5.0/5.2/5.3, 96 KB per SM and per block on 7.2, 2048
 # resident threads per SM; fp16: the same guide's arithmetic-throughput table (no native fp16 arithmetic on
 # 5.0/5.2, 2x fp32 on 5.3 and 6.2, 1/64 on 6.1). 6.2: NVIDIA/cccl arch_traits.h@004ad19 (64 KB per SM,
 # 48 KB opt-in). 10.3, 12.1: the same file (sm_103 has sm_100's traits, sm_121 has sm_120's).
-# Integrated: 5.3 Tegra X1, 6.2 Tegra X2, 7.2 Xavier, 8.7 Orin are SoCs (hardware.md §12 JET).
+# Integrated: 5.3 Tegra X1, 6.2 Tegra X2, 7.2 Xavier, 8.7 Orin are SoCs (docs/hardware.md, Jetson).
 CAPABILITIES: dict[tuple[int, int], Capability] = {c.cc: c for c in [
     Capability((5, 0), "Maxwell", 48 * _K, 64 * _K, 2048, False, False, False, "GTX 750 Ti, GTX 950M",
                fp16_native=False),
@@ -66,7 +66,7 @@ CAPABILITIES: dict[tuple[int, int], Capability] = {c.cc: c for c in [
     Capability((12, 1), "Blackwell", 99 * _K, 100 * _K, 1536, True, True, True, "GB10 (DGX Spark)"),
 ]}
 MIN_CC = (5, 0)
-DEFAULT_SMEM_PER_BLOCK = 48 * _K  # static shared memory limit on every CC (hardware.md §1)
+DEFAULT_SMEM_PER_BLOCK = 48 * _K  # static shared memory limit on every CC (docs/hardware.md, Shared memory)
 
 
 def _known() -> str:
@@ -90,7 +90,7 @@ def capability(cc: tuple[int, int]) -> Capability:
 
 
 # GTX 16xx (TU116/TU117), the Quadro/NVIDIA T-series (T400...T2000, T500/T550 laptop parts) and MX450/MX550 are
-# sm_75 without tensor cores (hardware.md §1 [GTX16], §12 "Names"). Word boundaries, never substrings: "Tesla
+# sm_75 without tensor cores (docs/hardware.md, GPU names [GTX16]). Word boundaries, never substrings: "Tesla
 # T4" has tensor cores and must not match "T4..." rules, nor "T400" match "T4".
 _NO_TENSOR_CORES = re.compile(r"\b(?:GTX\s*16[0-9]0|T(?:400|500|550|600|1000|1200|2000)|MX\s*[45]50)\b",
                               re.IGNORECASE)
@@ -165,7 +165,8 @@ class Device:
         return f"sm_{self.cc[0]}{self.cc[1]}" if self.cc else "cpu"
 
     def fp16_speed(self) -> str:
-        """fp16 arithmetic speed in words that are true for this CC (hardware.md §1, §9)."""
+        """fp16 arithmetic speed in words that are true for this CC (docs/hardware.md, Compute capabilities;
+        fp16 on Pascal)."""
         if not self.is_cuda:
             return "CPU: half-precision matmuls are slow or unsupported"
         if not self.fp16_native:
@@ -218,7 +219,7 @@ def arch_covers(arch_list: tuple[str, ...] | list[str], cc: tuple[int, int]) -> 
     """Does a torch build with this arch list have code that runs on `cc`?
 
     A cubin sm_XY runs on X.z iff z >= Y (same major); PTX compute_XY JIT-compiles forward to any
-    later CC (hardware.md §2). torch's own `_check_cubins` compares majors only and misjudges V100
+    later CC (docs/hardware.md, Arch coverage). torch's own `_check_cubins` compares majors only and misjudges V100
     on sm_75-only wheels, so edgerl checks minors too."""
     for arch in arch_list:
         m = _ARCH.match(arch.strip())

@@ -1,7 +1,7 @@
 """Measure this machine: matmul TFLOP/s per dtype, device memory and host<->device GB/s.
 
 `measure()` takes a few seconds on a GPU; `save()` caches the result per GPU UUID so that the planner
-can read real numbers instead of the datasheet rows of hardware.md §10. Each number is the median of
+can read real numbers instead of the datasheet rows of docs/hardware.md, Datasheet rates. Each number is the median of
 warmed-up, repeated runs on random data, and each matmul's result is compared with a float64
 reference on a slice, so a broken fp16 path is reported as wrong, not as fast.
 

@@ -78,7 +78,7 @@ class Measurements:
         either is missing. Well above 1 (datasheets: P100 2, V100/T4 ~8 with tensor cores), fp16
         compute pays off for matmuls; about 1 or below, fp16 is worth it as storage only. sm_61 is
         the case to measure: its fp16 arithmetic is 1/64 rate, but torch's cuBLAS call computes in
-        fp32 (hardware.md §12), and no datasheet says which one a real P40 runs at."""
+        fp32 (docs/hardware.md, fp16 on Pascal), and no datasheet says which one a real P40 runs at."""
         return _ratio(self.fp16_tflops, self.fp32_tflops)
 
     def bf16_speedup(self) -> Optional[float]:

@@ -317,7 +317,8 @@ def probe(nvml: Optional[NvmlBackend] = None, cuda: Optional[CudaBackend] = None
 
 
 def _bandwidth(p: Any) -> Optional[float]:
-    """GB/s from the memory clock (kHz) and bus width (bits): 2 transfers per clock (hardware.md §3)."""
+    """GB/s from the memory clock (kHz) and bus width (bits): 2 transfers per clock (docs/hardware.md,
+    Device properties)."""
     clk, width = getattr(p, "memory_clock_rate", None), getattr(p, "memory_bus_width", None)
     if not clk or not width:
         return None

@@ -7,7 +7,7 @@ Each file holds the hardware facts with their sources in comments, plan override
 `memory_mib` is the card's total as NVML / `nvidia-smi` prints it under its default ECC setting:
 not the datasheet's "24 GB". Where drivers print different totals (newer ones print the full size
 and report the driver's reservation separately), the profile keeps the smallest public figure,
-which is the closest to what torch can allocate (hardware.md §12).
+which is the closest to what torch can allocate (docs/hardware.md, Usable memory).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Which PyTorch wheels have code for a GPU, and the one pip command to give a user.
 
 Everything comes from one table, `BUILDS`: per CUDA build tag and range of torch versions, the
-architectures the wheels contain and the oldest driver that runs them. Sources: hardware.md §2
-and §12 (pytorch `.ci/manywheel/build_cuda.sh`, pytorch#175253, RFC #178665, PR #182849, RFC
+architectures the wheels contain and the oldest driver that runs them. Sources: docs/hardware.md,
+PyTorch wheels (pytorch `.ci/manywheel/build_cuda.sh`, pytorch#175253, RFC #178665, PR #182849, RFC
 #190355, RFC #190385, FBGEMM PR #5976) and NVIDIA's CUDA minor-version compatibility page for
 the driver floors. Pure: no I/O, no torch; `doctor` passes in what the probe found.
 """
@@ -15,7 +15,7 @@ from typing import Optional
 from edgerl.device.device import arch_covers
 
 PYTORCH_INDEX = "https://download.pytorch.org/whl/"
-JETPACK6_INDEX = "https://pypi.jetson-ai-lab.io/jp6/cu126"  # hardware.md §12 [JET]
+JETPACK6_INDEX = "https://pypi.jetson-ai-lab.io/jp6/cu126"  # docs/hardware.md, Jetson
 Version = tuple[int, int]
 
 
@@ -37,7 +37,7 @@ _BLACKWELL_128 = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")
 _CU130_ARCHS = _BLACKWELL_128 + ("compute_120",)
 # Driver floors: CUDA 11.x wheels run on R450+, 12.x on R525+, 13.x on R580+ (minor-version compatibility; [MVC]).
 BUILDS: tuple[WheelBuild, ...] = (
-    # arch list as of 2.4-2.5 (pytorch/builder build_cuda.sh [BLD24]); cu118 was last built for torch 2.7 (§12)
+    # arch list as of 2.4-2.5 (pytorch/builder build_cuda.sh [BLD24]); cu118 was last built for torch 2.7 ([PTM])
     WheelBuild("cu118", (11, 8), None, (2, 7), ("sm_37",) + _CU126_ARCHS, "R450", (11, 0)),
     WheelBuild("cu126", (12, 6), (2, 6), (2, 14), _CU126_ARCHS, "R525", (12, 0),
                "torch 2.15 removes cu126 (RFC pytorch#190385)"),

@@ -96,7 +96,7 @@ def pick_dtype(dev: Device, forced: Optional[str]) -> tuple[DtypePolicy, str]:
         if not dev.fp16_native:
             why = "no native fp16 arithmetic"
         elif not dev.fp16_fast:
-            # hardware.md section 12: native half math is 1/64 on sm_61, but torch's fp16 GEMM is
+            # docs/hardware.md, fp16 on Pascal: native half math is 1/64 on sm_61, but torch's fp16 GEMM is
             # cublasGemmEx with fp32 compute, a different path whose speed here is not known
             why = ("native fp16 arithmetic runs at 1/64 of fp32; torch's fp16 matmuls take another path "
                    "(cublasGemmEx, fp32 compute) whose speed on this GPU is not in the table")
@@ -117,10 +117,11 @@ def pick_base_dtype(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> t
     """Storage dtype of a frozen LoRA base. It never changes, so it needs no fp32 master copy."""
     if not forced:
         if dev.is_cuda and dtype.compute == "fp32":
-            # measured under P40 emulation on an H200 (docs/benchmarks.md): LoRA on a 1.5B shape reserved
-            # 11.3 GiB with an fp16 base against 13.7 GiB with an fp32 one, at 4.08 vs 3.97 s per step
+            # measured under P40 emulation on an H200 (docs/benchmarks.md, What fits under a P40): LoRA on a
+            # 1.5B shape reserved 11.3 GiB with an fp16 base against 13.7 GiB with an fp32 one, at 4.08 vs 3.97 s per step
             return "fp16", (f"{dev.sm} computes in fp32; the frozen base is stored in fp16 and upcast one layer "
-                            "at a time: measured 17% less memory for 3% more step time (docs/benchmarks.md)")
+                            "at a time: measured 17% less memory for 3% more step time (docs/benchmarks.md, What fits "
+                            "under a P40)")
         return dtype.compute, (f"the frozen base is stored in the compute dtype, {dtype.compute}: it is never "
                                "updated, so it needs no fp32 master copy")
     if forced == "bf16" and dev.is_cuda and not dev.bf16:
@@ -142,8 +143,8 @@ QUANT_BASES = ("int8", "nf4")   # in the order the plan tries them: 8-bit keeps 
 
 
 def quant_support(dev: Device, quant: str) -> tuple[bool, str]:
-    """Can a frozen LoRA base be stored quantized this way here? (bitsandbytes, hardware.md sections 8
-    and 12: NF4 from CC 6.0 with a CUDA <= 12.6 build, Pascal included; LLM.int8's matmul from 7.5.)"""
+    """Can a frozen LoRA base be stored quantized this way here? (docs/hardware.md,
+    bitsandbytes: NF4 from CC 6.0 with a CUDA <= 12.6 build, Pascal included; LLM.int8's matmul from 7.5.)"""
     if not dev.software.has("bitsandbytes"):
         return False, "bitsandbytes is not installed (pip install bitsandbytes)"
     if not dev.is_cuda:
@@ -170,7 +171,7 @@ def bf16_state_support(dev: Device, lora: bool) -> tuple[bool, str]:
 
 
 def sdpa_backends(dev: Device, dtype: str) -> list[str]:
-    """PyTorch SDPA backends that serve `dtype` on `dev` (hardware.md section 5): the facts behind
+    """PyTorch SDPA backends that serve `dtype` on `dev` (docs/hardware.md, Attention backends): the facts behind
     pick_attention's reasons."""
     if not dev.is_cuda:
         return ["math", "flash (CPU)"]
@@ -188,8 +189,9 @@ def sdpa_backends(dev: Device, dtype: str) -> list[str]:
 FA2_CC = ((8, 0), (9, 0))
 
 
-# Measured on an H200 with torch 2.11 and cuDNN 9.19 (bench/bench_attention.py, docs/benchmarks.md section 11).
-CUDNN_SDPA_SETUP = "it sets up each new sequence length anew, 0.1-2.3 s for a forward and backward on an H200"
+# Measured on an H200 with torch 2.11 and cuDNN 9.19 (bench/bench_attention.py; docs/benchmarks.md, cuDNN attention).
+CUDNN_SDPA_SETUP = ("it sets up each new sequence length anew, which cost up to seconds per forward and backward on an "
+                    "H200 where the other backends take about a millisecond")
 
 
 def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
@@ -224,7 +226,7 @@ def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tu
 
 
 def vllm_support(dev: Device, dtype: DtypePolicy) -> tuple[bool, str]:
-    """Can the installed vllm run here? (hardware.md section 7)"""
+    """Can the installed vllm run here? (docs/hardware.md, vLLM)"""
     version = dev.software.version("vllm")
     if version is None:
         return False, "vllm is not installed"
@@ -309,18 +311,19 @@ def _asked(setting: str, forced: Optional[bool], impossible: str) -> Optional[tu
     return bool(forced), f"asked for with plan.{setting}={str(forced).lower()}"
 
 
-# Measured on an H200 in bf16, 16 rows (docs/benchmarks.md section 7.1): the decode step with compiled
+# Measured on an H200 in bf16, 16 rows (docs/benchmarks.md, Rollout decode step): the decode step with compiled
 # layers against the plain graph, 1.37x at 360M and 1.23x at 1.7B, with the same agreement with HF.
 COMPILE_GAIN = "1.37x at 360M, 1.23x at 1.7B"
-# and (section 16.1) its o and down products split-K four ways in 16 bits, the partials summed inside the residual add
+# and (docs/benchmarks.md, Split-K in the compiled step) its o and down products split-K four ways in 16 bits,
+# the partials summed inside the residual add
 SPLIT_K_GAIN = "1.12x at 360M, 1.06x at 1.7B"
 
 
-# Measured on an H200 in bf16, 16 rows (docs/benchmarks.md section 17): the decode step as edgerl's Triton layers
+# Measured on an H200 in bf16, 16 rows (docs/benchmarks.md, Rollout decode step): the decode step as edgerl's Triton layers
 # (kernels/decode_linear.py: the norms, SiLU * up and residual adds inside the projections) against the compiled
 # step with its split o and down products, in the same run.
-TRITON_LAYERS_GAIN = ("1.04-1.05x faster at 1.7B (1.631 against 1.692 ms per step and 1.639 against 1.722 in two "
-                      "runs, 50.1% and 49.2% of the bandwidth bound), the same within 1% at 360M")
+TRITON_LAYERS_GAIN = ("1.04-1.06x faster at 1.7B, where it reads the weights at about half the copy bandwidth, and "
+                      "1.01-1.04x at 360M")
 
 
 def triton_layers_reason(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str, graphs: bool,
@@ -399,14 +402,14 @@ def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool
                   "rollout compiles for a few seconds; plan.rollout_compile=false turns it off")
 
 
-# Measured on an H200 in bf16, 16 rows x 256 new tokens after 64 prompt tokens (docs/benchmarks.md section 11):
-# the compiled decode step with edgerl's attention kernel against SDPA's memory-efficient kernel; and
-# (section 14) the kernel that also rotates q and k and writes the cache column against the plain kernel.
-DECODE_ATTENTION_GAIN = "1.44x at 360M (1.30 against 1.88 ms), 1.25x at 1.7B (1.92 against 2.40 ms)"
-DECODE_ROPE_GAIN = "1.11x at 360M (1.18 against 1.30 ms), 1.06x at 1.7B (1.81 against 1.92 ms)"
+# Measured on an H200 in bf16, 16 rows x 256 new tokens after 64 prompt tokens (docs/benchmarks.md, Decode
+# attention kernel): the compiled decode step with edgerl's attention kernel against SDPA's memory-efficient kernel; and
+# (the same section) the kernel that also rotates q and k and writes the cache column against the plain kernel.
+DECODE_ATTENTION_GAIN = "1.44x at 360M, 1.25x at 1.7B"
+DECODE_ROPE_GAIN = "1.11x at 360M, 1.06x at 1.7B"
 # fp32, 16 rows, 32 layers at the Llama-3.1-8B widths over an NF4 base with LoRA, in a CUDA graph: the
-# step with these kernels against baddbmm/softmax/bmm and torch's elementwise ops (docs/benchmarks.md section 15)
-DECODE_CUDA_GAIN = "1.07x faster at the Llama-3.1-8B widths over an NF4 base (12.92 against 13.88 ms, 16 rows)"
+# step with these kernels against baddbmm/softmax/bmm and torch's elementwise ops (docs/benchmarks.md, fp32 decode kernels)
+DECODE_CUDA_GAIN = "1.07x faster at the Llama-3.1-8B widths over an NF4 base, 16 rows"
 
 
 def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str,
@@ -470,7 +473,7 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
                            "plan.decode_attention=triton keeps the rotation separate, =sdpa turns both off")
 
 
-# Measured on an H200 (docs/benchmarks.md sections 8 and 13): a decode step of 16 rows over the 28 NF4
+# Measured on an H200 (docs/benchmarks.md, Fused NF4 decode kernel): a decode step of 16 rows over the 28 NF4
 # layers with LoRA at the Qwen2.5-7B widths, fp32 compute, 34.4 ms with bitsandbytes and peft, 13.35 ms
 # with the fused kernel (the adapters inside it); per projection it wins up to 32 rows in fp32 (1.4-3.2x
 # at 32, 1.0x at 64). In fp16 the H200's tensor-core GEMM on the dequantized weight is about as fast as the kernel's fp32 multiply-adds
@@ -505,7 +508,7 @@ def pick_nf4_kernel(dev: Device, dtype: DtypePolicy, base: Optional[str], engine
 
 PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention keywords on (tests/test_packing_on_cpu.py)
 # Below this width the packed attention's extra kernels cost more than the prompt tokens save: on an H200
-# in bf16 (docs/benchmarks.md section 12) a 362M step (hidden 960) took 0.95 s packed against 0.75 s,
+# in bf16 (docs/benchmarks.md, Shared prompts) a 362M step (hidden 960) took 0.95 s packed against 0.75 s,
 # a 1.7B step (2048) 0.98 against 1.08 s.
 PACK_MIN_HIDDEN = 2048
 
@@ -555,7 +558,7 @@ def pick_share_prompts(attention: str, model: ModelSpec, task: Task, micro_batch
 def pick_kernels(dev: Device, dtype: DtypePolicy, model: ModelSpec,
                  forced: Optional[str]) -> tuple[str, Optional[dict[str, Any]], str]:
     """The log-prob kernel: Triton from CC 8.0 (Triton's README supports 8.0+; below it tl.dot has no
-    tensor-core path and falls back to FMA, triton#5066, hardware.md section 12), else chunked torch,
+    tensor-core path and falls back to FMA, triton#5066; docs/hardware.md, Triton and torch.compile), else chunked torch,
     which reaches the tensor cores through cuBLAS on 7.x. Below 7.0 Triton is refused (Inductor's own
     gate; Pascal has no tensor cores to reach either way)."""
     from edgerl.kernels.tiles import choose_tiles  # pure: no torch or triton import
@@ -615,7 +618,7 @@ def pick_headroom(dev: Device, total: int, forced_gib: Optional[float]) -> tuple
 
 
 def bnb_support(dev: Device) -> tuple[bool, str]:
-    """Can bitsandbytes' 8-bit optimizers run here? (hardware.md section 8: CC >= 6.0, Pascal included)"""
+    """Can bitsandbytes' 8-bit optimizers run here? (docs/hardware.md, bitsandbytes: CC >= 6.0, Pascal included)"""
     if not dev.is_cuda:
         return False, "bitsandbytes' 8-bit AdamW needs a CUDA device"
     if dev.cc < (6, 0):
@@ -682,7 +685,7 @@ def pick_reward_model_dtype(dtype: DtypePolicy) -> tuple[str, str]:
 
 
 def vllm_install_advice(dev: Device) -> str:
-    """What installing vLLM would take here (hardware.md section 12), or why it cannot help."""
+    """What installing vLLM would take here (docs/hardware.md, vLLM), or why it cannot help."""
     if not dev.is_cuda:
         return ""
     if dev.cc < (7, 0):
@@ -695,7 +698,7 @@ def vllm_install_advice(dev: Device) -> str:
             "pin their own torch, so they replace the torch you have")
 
 
-# Pinned host<->device copy rates for cost estimates, by PCIe generation (hardware.md section 10: about
+# Pinned host<->device copy rates for cost estimates, by PCIe generation (docs/hardware.md, Host transfers: about
 # 12 GB/s measured on Gen3, ~24 GB/s on Gen4 (extrapolated, unverified), ~50 GB/s measured on Gen5 x16).
 PCIE_GBS = {3: 12.0, 4: 24.0, 5: 50.0}
 

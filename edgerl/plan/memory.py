@@ -131,16 +131,16 @@ def frozen_base_bytes(m: ModelSpec, quant: Optional[str], float_bytes: float) ->
 class Calibration:
     # CUDA context, loaded kernels and library workspaces: device memory outside torch's allocator.
     # Measured 0.82-0.83 GiB (at most 848 MiB) on an H200 with torch 2.11 cu130 once training ran, in
-    # every edgerl run of docs/benchmarks.md section 10 (TRL's process: 0.78 GiB); 1.30 GiB before a
-    # one-process run stopped creating an NCCL communicator. hardware.md gives 300-600 MiB for a bare
+    # every edgerl run of docs/benchmarks.md, Memory model (TRL's process: 0.78 GiB); 1.30 GiB before a
+    # one-process run stopped creating an NCCL communicator. docs/hardware.md, CUDA context, gives 300-600 MiB for a bare
     # context on older stacks. The measured figure (with 32 MiB to spare) is used everywhere: a plan
     # that leaves too much is safe, one that leaves too little runs out of memory; and since the
     # allocator is capped at the budget less this, too much also leaves the allocator less room than
-    # the plan counted (a budgeted run was slower at that cap: section 10.2).
+    # the plan counted (a budgeted run was slower at that cap).
     cuda_context: int = 880 * MiB
     # An NCCL communicator's buffers, also outside the allocator: one-process edgerl runs that created
-    # one held 1.28-1.30 GiB outside it, those that did not 0.82-0.83 GiB (docs/benchmarks.md sections
-    # 9.2 and 10.2). Counted when the plan runs on several processes, which create one; with more
+    # one held 1.28-1.30 GiB outside it, those that did not 0.82-0.83 GiB (docs/benchmarks.md,
+    # Memory model and History). Counted when the plan runs on several processes, which create one; with more
     # GPUs NCCL may hold more (not measured: no multi-GPU machine has run edgerl yet).
     nccl: int = 490 * MiB
     activation_factor: float = 1.0   # scales the activation formula

@@ -26,7 +26,7 @@ STAGE_COST = {"rollout_resident": -0.05, "grad_checkpointing": 0.17, "swap_model
 # (24 GRPO steps, lr 1e-5, one seed each) bf16 weights with stochastic rounding learned about as fp32
 # AdamW did (reward 0.13 -> 0.67 against 0.09 -> 0.73), Kahan-compensated ones much less (0.10 ->
 # 0.23): the forward sees a compensated weight move only once its updates add up to half a bf16 step,
-# while rounding at random moves it by the update on average (docs/benchmarks.md, section 5).
+# while rounding at random moves it by the update on average (docs/benchmarks.md, CPU demo).
 
 
 @dataclass(frozen=True)

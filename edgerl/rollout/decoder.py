@@ -169,7 +169,7 @@ class StaticDecoder:
     each row sees in one kernel, and the layer's residual adds with its RMS norms and SiLU * up in
     three more, about 18 kernels fewer per layer) or 'auto': bmm in fp32, sdpa in 16 bits. A 16-bit baddbmm
     rounds the scores to 16 bits before the softmax, where HF's SDPA forward (what training runs) keeps
-    them in fp32: measured on the H200 in bf16 (docs/benchmarks.md), bmm agreed with HF's argmax on
+    them in fp32: measured on the H200 in bf16 (docs/benchmarks.md, History), bmm agreed with HF's argmax on
     54-60% of tokens, sdpa on 76-83%, as HF generate itself does (83-87%)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,

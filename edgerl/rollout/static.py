@@ -31,7 +31,8 @@ from .hf import load_weights
 from .sampling import sample
 
 # Split-K of the compiled 16-bit decode step's o and down products (`StaticDecoder.set_split_k`): measured on an
-# H200 at 16 rows (bench/bench_decode_gemm.py, docs/benchmarks.md section 16): 4 and 8 parts alike, 2 slower.
+# H200 at 16 rows (bench/bench_decode_gemm.py; docs/benchmarks.md, Split-K in the compiled step): 4 and 8 parts
+# alike, 2 slower.
 SPLIT_K = 4
 CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each look is a device-to-host copy)
 
@@ -76,7 +77,7 @@ def _enable_compile(dec: StaticDecoder, device: torch.device) -> None:
     longer). Inductor
     fuses the elementwise work between the matmuls (residual add + norm, rotary + cache write,
     softmax, activation x up) into a few generated kernels. (Inductor's max-autotune, Triton matmul
-    templates timed against cuBLAS, made the step slower: docs/benchmarks.md section 11.)"""
+    templates timed against cuBLAS, made the step slower: docs/benchmarks.md, History.)"""
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if cc is not None and cc < (7, 0):
         raise ValueError(f"compile_step needs CUDA compute capability >= 7.0: Inductor generates Triton kernels "

@@ -2,8 +2,8 @@
 waits in host memory.
 
 8-bit AdamW (bitsandbytes) keeps both moments as uint8 with one fp32 scale per 256 values: about
-2 bytes of state per parameter instead of 8. It runs from CC 6.0, Pascal included (hardware.md
-section 8). bitsandbytes' kernels take plain tensors, not FSDP2's DTensors, so the step runs on
+2 bytes of state per parameter instead of 8. It runs from CC 6.0, Pascal included (docs/hardware.md,
+bitsandbytes). bitsandbytes' kernels take plain tensors, not FSDP2's DTensors, so the step runs on
 each parameter's local shard; its state is then per shard, which is why edgerl allows it in one
 process only (a checkpoint would have to re-quantize the shards of N processes).
 
