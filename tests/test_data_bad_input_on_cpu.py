@@ -272,30 +272,30 @@ def test_not_utf8_in_a_gsm8k_source(tmp_path):
 # --- 9. module edges -------------------------------------------------------------------------------------
 
 def _edgerl_imports(module: str) -> set[str]:
-    """Modules of edgerl that `module` imports anywhere in its file, lazily inside functions too."""
+    """Modules of edgerl (dotted, under edgerl.) that `module` imports anywhere in its file, lazily inside
+    functions too."""
     import ast
     import edgerl
-    tree = ast.parse((Path(edgerl.__file__).parent / f"{module}.py").read_text())
+    tree = ast.parse((Path(edgerl.__file__).parent / (module.replace(".", "/") + ".py")).read_text())
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            found.add(node.module.split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and node.level == 1:
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("edgerl."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("edgerl."):
+            found.add(node.module[len("edgerl."):])
+        elif isinstance(node, ast.Import):
+            found.update(a.name[len("edgerl."):] for a in node.names if a.name.startswith("edgerl."))
     return found
 
 
 def test_data_modules_import_in_one_direction():
-    """datafiles reads files and knows no task; tasks builds on it; data on both. No cycle, and no
-    lazy import inside a function that hides one."""
-    assert _edgerl_imports("datafiles") == {"errors"}
-    assert _edgerl_imports("outfiles") == {"errors"}
-    assert _edgerl_imports("tasks") == {"datafiles", "errors", "outfiles"}
-    assert _edgerl_imports("sampler") == {"errors"}
-    assert _edgerl_imports("rewards") == {"errors"}
-    assert "data" not in _edgerl_imports("tasks") | _edgerl_imports("datafiles") | _edgerl_imports("rewards")
+    """data.files reads files and knows no task; data.builtin builds on it; data.prompts on both. No cycle,
+    and no lazy import inside a function that hides one."""
+    assert _edgerl_imports("data.files") == {"core.errors"}
+    assert _edgerl_imports("core.files") == {"core.errors"}
+    assert _edgerl_imports("data.builtin") == {"data.files", "core.errors", "core.files"}
+    assert _edgerl_imports("data.sampler") == {"core.errors"}
+    assert _edgerl_imports("rewards.rules") == {"core.errors"}
+    assert "data.prompts" not in (_edgerl_imports("data.builtin") | _edgerl_imports("data.files")
+                                  | _edgerl_imports("rewards.rules"))
 
 
 # --- the smaller siblings: types named as JSON names them, quotes, a lone message -----------------------
