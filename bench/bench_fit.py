@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, layers, heads, kv heads, MLP; largest last
@@ -244,7 +244,7 @@ def main() -> None:
     out = {"profile": profile, "smoke": args.smoke, "largest_planned": largest, "runs": results,
            "targets": targets, "wall_s": round(time.time() - t0, 1), "work": str(work)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(args.out), json.dumps(out, indent=2, default=str))
+    write_atomically(Path(args.out), json.dumps(out, indent=2, default=str))
     print(f"wrote {args.out} ({out['wall_s']} s)")
 
 

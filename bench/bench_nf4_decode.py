@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 
 SHAPES = {   # hidden, heads, kv heads, intermediate (Qwen2.5-7B, Llama-3.1-8B)
     "qwen7b": (3584, 28, 4, 18944),
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        atomic_write_text(Path(args.out), text)
+        write_atomically(Path(args.out), text)
     return 0
 
 

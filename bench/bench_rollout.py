@@ -63,7 +63,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 from edgerl.plan.modelspec import CATALOGUE  # noqa: E402
 from edgerl.rollout import SamplingParams, StaticCacheEngine  # noqa: E402
 from edgerl.rollout.static import StepClock  # noqa: E402
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     def save() -> None:
         if out:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(Path(out), json.dumps({"device": name, "bandwidth_note": note,
+            write_atomically(Path(out), json.dumps({"device": name, "bandwidth_note": note,
                                                      "torch": torch.__version__, "args": vars(args),
                                                      "table": table(results, note), "records": results}, indent=1))
 
