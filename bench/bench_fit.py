@@ -87,7 +87,7 @@ def spec(name: str, shape: tuple[int, ...], vocab: int):
 def plan_or_none(sets: list[str], profile: str, model_spec):
     from edgerl.config.load import load_config
     from edgerl.plan.plan import PlanError
-    from edgerl.plan.target import plan_for, resolve_target
+    from edgerl.config.target import plan_for, resolve_target
     try:
         return plan_for(load_config(sets=sets), resolve_target(profile), model_spec)
     except PlanError:
@@ -215,7 +215,7 @@ def main() -> None:
               f"peak reserved {res.get('peak_reserved_gib', 0):.2f} GiB; estimate {res.get('estimate_gib', 0):.2f} GiB",
               flush=True)
 
-    from edgerl.plan.plan import fmt_count
+    from edgerl.plan.steps import fmt_count
 
     def f(r, key, fmt):
         return fmt.format(r[key]) if r.get(key) is not None else "-"

@@ -28,7 +28,7 @@ from edgerl.core.files import write_atomically
 from edgerl.models.load import unreadable_weights
 from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.plan.plan import Plan
-from edgerl.plan.target import Target, model_spec, plan_for, resolve_target
+from edgerl.config.target import Target, model_spec, plan_for, resolve_target
 
 
 @dataclass
