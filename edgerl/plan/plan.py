@@ -114,8 +114,10 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     o = {k: v for k, v in (overrides or {}).items() if v is not None}
     c = Ctx(device, model, task, o, calibration, explain)
     known = {r.config_key for r in c.rows.values()}
-    if unknown := sorted(set(o) - known):
-        raise PlanError(f"unknown plan override {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    for key in sorted(set(o) - known):
+        if key in table.RETIRED:
+            raise PlanError(f"plan.{key} no longer exists; {table.RETIRED[key]}")
+        raise PlanError(f"unknown plan override {key} (known: {', '.join(sorted(known))})")
     _check_world(task, o)
     for name in c.rows:
         c[name]

@@ -11,18 +11,17 @@ reads what it needs before it (the compute dtype, the attention, the log-prob ke
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from edgerl.core.errors import ModelSpecError, PlanError
 from edgerl.device.device import GiB
 from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_support, bnb_support,
-                                   choose_logprob_chunk, logit_bytes, lora_targets, optimizer_reason, pick_attention,
-                                   pick_base_dtype, pick_decode_attention, pick_dtype, pick_env, pick_headroom,
-                                   pick_kernels, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout,
-                                   pick_rollout_compile, pick_share_prompts, quant_support, rollout_share_reason,
-                                   share_blocker, transfer_note, triton_layers_reason)
+                                   choose_logprob_chunk, compute, fact, logit_bytes, lora_targets, optimizer_reason,
+                                   pick_attention, pick_base_dtype, pick_env, pick_headroom, pick_kernels,
+                                   pick_reward_model_dtype, pick_share_prompts, quant_support, share_blocker,
+                                   transfer_note)
+from edgerl.plan.engines import engine_choice, rollout_share_reason
 from edgerl.plan.dtypes import nbytes
 from edgerl.plan.memory import OPTIMIZERS, MemoryEstimate, Setting, estimate, fmt_bytes
 from edgerl.plan.moves import STAGE_COST, STAGES, stages_for
@@ -34,30 +33,7 @@ if TYPE_CHECKING:
 Step = Callable[["Ctx"], tuple[Any, str]]
 
 
-def fact(fn: Callable[["Ctx"], Any]) -> Callable[["Ctx"], Any]:
-    """A fact several steps read, computed once per plan (kept in `c.facts`)."""
-    @functools.wraps(fn)
-    def get(c: "Ctx") -> Any:
-        if fn.__name__ not in c.facts:
-            c.facts[fn.__name__] = fn(c)
-        return c.facts[fn.__name__]
-    return get
-
-
-# --- facts ---------------------------------------------------------------------------------------
-
-@fact
-def compute(c: "Ctx") -> tuple[DtypePolicy, str]:
-    """The compute dtype (with fp32 master weights), which the memory search plans with."""
-    return pick_dtype(c.device, c.forced("dtype"))
-
-
-@fact
-def engine_choice(c: "Ctx") -> tuple[str, bool, str, str]:
-    """The engine and CUDA graphs the device and model allow, before the search chooses the base."""
-    t = c.task
-    return pick_rollout(c.device, compute(c)[0], c.model, t.prompt_len + t.response_len, c.forced("rollout_engine"),
-                        c.forced("cuda_graphs"), t.world_size)
+# --- facts (`compute`, the compute dtype, is decisions.py's; `engine_choice`, engines.py's) --------------
 
 
 @fact
@@ -146,7 +122,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             lora_input_bytes=lora_input_bytes(model, targets, dtype.compute_bytes) if cand.lora else 0,
             prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1,
             # the static engine prefills a prompt once for its samples (a quantized base always runs it)
-            prefill_share=task.samples_per_prompt if engine == "hf" or quant else 1)
+            prefill_share=task.samples_per_prompt if engine == "static" or quant else 1)
 
     host = dev.host_memory if not dev.integrated else 0
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []
@@ -283,40 +259,6 @@ def dtype(c: "Ctx") -> tuple[DtypePolicy, str]:
 
 def attention(c: "Ctx") -> tuple[str, str]:
     return pick_attention(c.device, compute(c)[0], c.forced("attention"))
-
-
-def rollout_engine(c: "Ctx") -> tuple[str, str]:
-    engine, _, reason, _ = engine_choice(c)
-    if setting(c).rollout_from_actor and engine != "hf":
-        return "hf", ("hf: generates from the quantized base and the unmerged adapters themselves "
-                      "(merging adapters into 4-bit weights would be lossy and a second model)")
-    return engine, reason
-
-
-def cuda_graphs(c: "Ctx") -> tuple[bool, str]:
-    engine, graphs, _, reason = engine_choice(c)
-    if c["rollout_engine"] != engine:   # the quantized base runs the static engine
-        graphs = c.device.is_cuda
-    return graphs, reason
-
-
-def _triton_layers_why(c: "Ctx") -> str:
-    return triton_layers_reason(c.device, c["dtype"], c.model, c["rollout_engine"], c["cuda_graphs"],
-                                setting(c).rollout_from_actor)
-
-
-def rollout_compile(c: "Ctx") -> tuple[bool, str]:
-    return pick_rollout_compile(c.device, c["rollout_engine"], c["cuda_graphs"], setting(c).rollout_from_actor,
-                                c.forced("rollout_compile"), _triton_layers_why(c), c.forced("decode_attention"))
-
-
-def decode_attention(c: "Ctx") -> tuple[str, str]:
-    return pick_decode_attention(c.device, c["dtype"], c.model, c["rollout_engine"], c.forced("decode_attention"),
-                                 c["rollout_compile"], _triton_layers_why(c))
-
-
-def nf4_kernel(c: "Ctx") -> tuple[bool, str]:
-    return pick_nf4_kernel(c.device, c["dtype"], c["base_dtype"], c["rollout_engine"], c.forced("nf4_kernel"))
 
 
 def kernel_backend(c: "Ctx") -> tuple[str, str]:

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from edgerl.plan import steps
+from edgerl.plan import engines, steps
 from edgerl.plan.memory import fmt_bytes
 
 
@@ -105,21 +105,16 @@ TABLE: tuple[Decision, ...] = (
                 if p.dtype.compute != "bf16" else [])),
     Decision("attention", "attention", steps.attention, "attention kernel", ("eager", "sdpa", "flash_attention_2"),
              pin=True, verl=lambda p: [f"+actor_rollout_ref.model.override_config.attn_implementation={p.attention}"]),
-    Decision("rollout_engine", "rollout engine", steps.rollout_engine, "rollout engine", ("hf", "vllm"), pin=True),
-    Decision("cuda_graphs", "CUDA graphs", steps.cuda_graphs, "capture the decode step in a CUDA graph (hf engine)",
-             bool, pin=True),
-    Decision("rollout_compile", "compiled decode step", steps.rollout_compile,
-             "torch.compile the decode step's decoder layers inside the CUDA graph (hf engine; CC >= 8.0, triton and "
-             "a C compiler)", bool, pin=True),
-    Decision("decode_attention", "decode attention", steps.decode_attention,
-             "how the hf engine's decode step attends over its KV cache: edgerl's Triton kernel doing the rotary "
-             "embedding and the cache write too (triton_rope; 16 bits, CC >= 8.0), that kernel between Triton "
-             "projections with the norms, SiLU * up and residual adds fused in (triton_layers; not compiled), the "
-             "kernel alone (triton), edgerl's CUDA C layer kernels (cuda; fp32, any CUDA GPU), SDPA, or "
-             "baddbmm/softmax/bmm", ("sdpa", "bmm", "triton", "triton_rope", "triton_layers", "cuda"), pin=True),
-    Decision("nf4_kernel", "fused NF4 decode kernel", steps.nf4_kernel,
-             "the rollout's decode step multiplies by an NF4 base through edgerl's fused kernel (compiled with "
-             "NVRTC) instead of bitsandbytes' dequantize + matmul", bool, pin=True),
+    Decision("rollout_engine", "rollout engine", engines.rollout_engine,
+             "rollout engine: edgerl's static-cache decoder (static), transformers' generate (hf-generate) or a "
+             "colocated vLLM (vllm)", tuple(engines.ENGINES), pin=True,
+             renamed={"hf": "is now called 'static' (edgerl's static-cache decoder; transformers' generate is "
+                            "'hf-generate'): set plan.rollout_engine=static"}),
+    Decision("decode_backend", "decode backend", engines.decode_backend,
+             "the static engine's decode step: five Triton kernels per layer (triton-layers; 16 bits, CC >= 8.0), "
+             "torch's projections around edgerl's Triton rotary attention kernel (triton-attention; 16 bits, CC >= "
+             "8.0), edgerl's CUDA C layer kernels, with the fused NF4 kernel over an NF4 base (cuda-c; fp32, any CUDA "
+             "GPU), or torch's ops (torch; every device)", tuple(engines.DECODE_BACKENDS), pin=True),
     Decision("kernel_backend", "log-prob kernel", steps.kernel_backend, "log-prob kernel backend",
              ("torch", "triton"), pin=True),
     Decision("kernel_tiles", "kernel tiles", steps.kernel_tiles, render=_tiles),
@@ -177,7 +172,16 @@ TABLE: tuple[Decision, ...] = (
 )
 
 # [plan] keys that no longer exist: the one-line error that names what replaced them
-RETIRED: dict[str, str] = {}
+RETIRED: dict[str, str] = {
+    "decode_attention": "set plan.decode_backend instead: triton-layers (was triton_layers), triton-attention (was "
+                        "triton_rope), cuda-c (was cuda) or torch (was sdpa in 16 bits, bmm in fp32)",
+    "rollout_compile": "the compiled decode step gave way to the Triton decode layers: set plan.decode_backend="
+                       "triton-layers (or torch)",
+    "cuda_graphs": "the static engine always replays its decode step from a CUDA graph on a GPU; "
+                   "plan.decode_backend chooses the decode step's kernels",
+    "nf4_kernel": "the fused NF4 kernel is part of plan.decode_backend=cuda-c (fp32 over an NF4 base); "
+                  "plan.decode_backend=torch leaves the NF4 matmuls to bitsandbytes",
+}
 
 
 def rows() -> dict[str, Decision]:
