@@ -102,3 +102,14 @@ def test_steps_that_depend_on_each_other_in_a_circle_are_a_clear_error(monkeypat
     monkeypatch.setattr(table, "TABLE", table.TABLE + (a, b))
     with pytest.raises(RuntimeError, match="in a circle: first -> second -> first"):
         plan(fake_probe("P40").primary, CATALOGUE["qwen2.5-0.5b"], Task())
+
+
+@pytest.mark.parametrize("old,new", [("plan.rollout_compile=true", "plan.decode_backend=triton-layers"),
+                                     ("plan.decode_attention=cuda", "cuda-c (was cuda)"),
+                                     ("plan.rollout_engine=hf", "set plan.rollout_engine=static")])
+def test_a_retired_key_or_value_is_one_line_naming_the_new_one(monkeypatch, old, new):
+    monkeypatch.setattr(edgerl.config.target, "probe", lambda: fake_probe(None, torch_cuda=None))
+    r = run("recommend", "--gpu", "t4", "--model", "qwen2.5-0.5b", "--set", old)
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(f"error: --set {old}: "), r.output
+    assert new in lines[0]
