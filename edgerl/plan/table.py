@@ -2,7 +2,7 @@
 
 A row says what the decision is called (its name in the `Plan`, plan.json and the [plan] config
 section), how `edgerl recommend` labels and shows it, the step that makes it and gives its reason
-(`plan/steps.py`), whether a user may force it (the [plan] key's type, allowed values or range, and
+(`plan/steps.py`; the rollout's engine and decode backend: `plan/engines.py`), whether a user may force it (the [plan] key's type, allowed values or range, and
 documentation), what `recommend --format toml` pins, and what it becomes in verl's overrides. The `Plan`,
 the [plan] config section (`config.schema.PlanOverrides`), the CLI's table, the pinned config and the
 verl export are all read from `TABLE`: adding a decision is a row here and a step in plan/steps.py.
@@ -32,7 +32,7 @@ def show(v: Any) -> str:
 class Decision:
     name: str                                 # the Plan's attribute; the [plan] key unless `key` says otherwise
     label: str                                # the row's name in `edgerl recommend`
-    step: Callable[..., tuple[Any, str]]      # (Ctx) -> (value, reason): plan/steps.py
+    step: Callable[..., tuple[Any, str]]      # (Ctx) -> (value, reason): plan/steps.py, plan/engines.py
     doc: str = ""                             # what forcing it does (the [plan] key's documentation)
     override: Any = None                      # the [plan] key's type: bool, int, float or a tuple of the allowed
                                               # strings; None: users cannot force it from [plan]
