@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 
 
 def load_baseline(path: str):
@@ -146,7 +146,7 @@ def main() -> None:
               f"{(ref / r['ns_per_param']) if ref else float('nan'):.2f}x |"
               + (f" {r['speedup_vs_baseline']:.2f}x the baseline |" if "speedup_vs_baseline" in r else ""))
     if args.out:
-        atomic_write_text(Path(args.out), json.dumps({"device": device, "machine": machine, "params": n,
+        write_atomically(Path(args.out), json.dumps({"device": device, "machine": machine, "params": n,
                                                       "torch": torch.__version__, "results": results}, indent=1))
     sys.exit(1 if any(r["status"] != "ok" for r in results) else 0)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 
 BACKENDS = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION],
             "flash+efficient+math": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
            "cudnn": torch.backends.cudnn.version(), "args": vars(args), "results": run(args, device, dtype)}
     out = args.out or (os.path.join(os.environ["OUT"], "bench_attention.json") if os.environ.get("OUT") else None)
     if out:
-        atomic_write_text(Path(out), json.dumps(res, indent=1))
+        write_atomically(Path(out), json.dumps(res, indent=1))
         print(f"wrote {out}")
     return 0
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 from edgerl.plan.modelspec import CATALOGUE  # noqa: E402
 
 
@@ -160,7 +160,7 @@ def main():
             print(json.dumps(rec), flush=True)
             res.append(rec)
             if args.out:   # after each product: a run cut short keeps what it measured
-                atomic_write_text(Path(args.out), json.dumps(res, indent=1))
+                write_atomically(Path(args.out), json.dumps(res, indent=1))
             W = Wt = variants = None
             torch.cuda.empty_cache()
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_gemm import (  # noqa: E402  (timed: us per call of fn / n, in a CUDA graph)
     refuse_unknown_models_and_out, require_cuda, timed)
 from bench_rollout import measure_bandwidth  # noqa: E402  (bytes/s of a device-to-device copy, best of 3)
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 from edgerl.plan.modelspec import CATALOGUE  # noqa: E402
 
 
@@ -202,7 +202,7 @@ def main():
                       f"{r['us']:.2f} us | {100 * r['of_bound']:.1f}% of its bound |")
             results.append(dict(model=name, attention_sweep=sweep))
         if a.out:
-            atomic_write_text(Path(a.out), json.dumps(dict(bandwidth_tbs=bw, results=results), indent=1))
+            write_atomically(Path(a.out), json.dumps(dict(bandwidth_tbs=bw, results=results), indent=1))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, layers, heads, kv heads, MLP; largest last
@@ -87,7 +87,7 @@ def spec(name: str, shape: tuple[int, ...], vocab: int):
 def plan_or_none(sets: list[str], profile: str, model_spec):
     from edgerl.config.load import load_config
     from edgerl.plan.plan import PlanError
-    from edgerl.plan.target import plan_for, resolve_target
+    from edgerl.config.target import plan_for, resolve_target
     try:
         return plan_for(load_config(sets=sets), resolve_target(profile), model_spec)
     except PlanError:
@@ -215,7 +215,7 @@ def main() -> None:
               f"peak reserved {res.get('peak_reserved_gib', 0):.2f} GiB; estimate {res.get('estimate_gib', 0):.2f} GiB",
               flush=True)
 
-    from edgerl.plan.plan import fmt_count
+    from edgerl.plan.steps import fmt_count
 
     def f(r, key, fmt):
         return fmt.format(r[key]) if r.get(key) is not None else "-"
@@ -244,7 +244,7 @@ def main() -> None:
     out = {"profile": profile, "smoke": args.smoke, "largest_planned": largest, "runs": results,
            "targets": targets, "wall_s": round(time.time() - t0, 1), "work": str(work)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(args.out), json.dumps(out, indent=2, default=str))
+    write_atomically(Path(args.out), json.dumps(out, indent=2, default=str))
     print(f"wrote {args.out} ({out['wall_s']} s)")
 
 

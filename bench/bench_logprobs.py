@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 
 try:
     from edgerl.kernels import choose_tiles, make_tiles, naive_logprobs_and_entropy, token_logprobs_and_entropy
@@ -303,7 +303,7 @@ def main(argv=None):
     out = args.out or (os.path.join(os.environ["OUT"], "bench_logprobs.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(out), json.dumps(dict(meta=meta, rows=rows), indent=1))
+        write_atomically(Path(out), json.dumps(dict(meta=meta, rows=rows), indent=1))
         print(f"\nwrote {out}")
     return 1 if any(r["status"] in ("WRONG", "error") for r in rows) else 0
 

@@ -64,7 +64,7 @@ def plans_child(spec_path: str) -> None:
     from edgerl.config.load import load_config
     from edgerl.plan.modelspec import resolve
     from edgerl.plan.plan import PlanError
-    from edgerl.plan.target import plan_for, resolve_target
+    from edgerl.config.target import plan_for, resolve_target
     target = resolve_target(spec["profile"])
     out = []
     for folder in spec["folders"]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 
 SHAPES = {   # hidden, heads, kv heads, intermediate (Qwen2.5-7B, Llama-3.1-8B)
     "qwen7b": (3584, 28, 4, 18944),
@@ -176,10 +176,10 @@ def equal_share(a: list[list[int]], b: list[list[int]]) -> float:
     return round(sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / max(sum(map(len, a)), 1), 3)
 
 
-def engine_step(model, args, ids, params, attention: str = "auto") -> dict:
+def engine_step(model, args, ids, params, backend: str = "torch") -> dict:
     from edgerl.rollout import StaticCacheEngine
     engine = StaticCacheEngine(model, args.rows, args.prompt_len + args.new_tokens, cuda_graphs=True,
-                               projections="modules", decode_attention=attention, time_steps=True)
+                               projections="modules", backend=backend, time_steps=True)
     engine.generate(ids.tolist(), 1, params)
     t0 = time.perf_counter()
     out = engine.generate(ids.tolist(), 1, params)
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--row-sweep", default="1,4,16,32,64", help="row counts for the kernel against bitsandbytes")
     ap.add_argument("--split-sweep", default="", help="also time the kernel at each of these K splits (e.g. 1,2,4,7)")
     ap.add_argument("--cuda-layer", default="on", choices=["on", "off"],
-                    help="also time the step with decode attention 'cuda' (the fp32 CUDA C layer kernels)")
+                    help="also time the step with decode backend cuda-c (the fp32 CUDA C layer kernels)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -223,8 +223,8 @@ def main(argv=None) -> int:
     del engine
     if args.kernel == "on" and args.quant == "nf4":
         from edgerl.models import quant_decode
-        from edgerl.plan.decisions import NF4_KERNEL_ROWS
-        quant_decode.enable(model, NF4_KERNEL_ROWS)   # as training does
+        from edgerl.kernels.tiles import NF4_DECODE_ROWS
+        quant_decode.enable(model, NF4_DECODE_ROWS)   # as decode backend cuda-c does
         fused = engine_step(model, args, ids, params)
         fengine, ftokens = fused.pop("engine"), fused.pop("tokens")
         fused["greedy_tokens_equal_share"] = equal_share(tokens, ftokens)
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         result["fused_kernel"] = fused
         del fengine
         if args.compute == "fp32" and args.cuda_layer == "on":   # the fp32 layer kernels of kernels/decode_cuda.py
-            layer = engine_step(model, args, ids, params, "cuda")
+            layer = engine_step(model, args, ids, params, "cuda-c")
             lengine, ltokens = layer.pop("engine"), layer.pop("tokens")
             layer["greedy_tokens_equal_share_vs_bmm"] = equal_share(ftokens, ltokens)
             layer["speedup_vs_bmm"] = round(fused["graph_step_ms"] / layer["graph_step_ms"], 3)
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        atomic_write_text(Path(args.out), text)
+        write_atomically(Path(args.out), text)
     return 0
 
 

@@ -5,28 +5,25 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
 `--prompt-len`-token prompt, no EOS (every row generates the full length). Variants:
 
     hf_generate               HF `generate` (the reference; timed over --hf-tokens tokens)
-    static_eager              static KV cache, fused projections, no graph
+    static_eager              static KV cache, fused projections, no graph (decode backend torch)
     graph_unfused             + CUDA graph, projections called as modules (three q/k/v matmuls, two gate/up)
-    graph_fused               + CUDA graph, fused q/k/v and gate/up matmuls; decode attention as the
-                              engine chooses it (auto: baddbmm/softmax/bmm in fp32, SDPA in 16 bits)
-    graph_fused_bmm           decode attention as baddbmm, softmax, bmm (scores rounded to 16 bits in bf16)
-    graph_fused_sdpa          decode attention as one scaled_dot_product_attention call
-    graph_fused_compile       + torch.compile'd decoder layers inside the graph (CC >= 7.0), auto attention
-    graph_fused_sdpa_compile  compiled, SDPA
-    graph_fused_triton        decode attention as edgerl's Triton kernel (only the columns each row sees)
-    graph_fused_triton_compile  compiled, Triton decode attention
-    graph_fused_triton_rope   the Triton kernel doing the rotary embedding and the cache write too
-    graph_fused_triton_rope_compile  compiled, that kernel (the o and down products split-K in 16 bits, the
-                              engine's default when compiled)
-    graph_fused_triton_rope_compile_splitk0  the same without the split
-    graph_fused_triton_layers  not compiled: that kernel between kernels/decode_linear.py's projections (the
-                              norms, SiLU * up and residual adds inside them), the plan's choice in 16 bits
+    graph_torch               + CUDA graph, fused q/k/v and gate/up matmuls: decode backend torch
+                              (baddbmm/softmax/bmm in fp32, SDPA in 16 bits)
+    graph_triton_attention    decode backend triton-attention: edgerl's rotary decode-attention kernel (only
+                              the columns each row sees) between torch's projections (16 bits, CC >= 8.0)
+    graph_triton_layers       decode backend triton-layers: that kernel between kernels/decode_linear.py's
+                              projections (the norms, SiLU * up and residual adds inside them), the plan's
+                              choice in 16 bits
+    graph_cuda_c              decode backend cuda-c: the CUDA C layer kernels (fp32, the plan's choice there)
+
+The variants measured before and not kept (torch.compile'd layers, with and without split-K o and down
+products; the attention kernel without its rotary part) are in docs/benchmarks.md and git history.
 
 Per variant: ms per decode step (median over the decode steps of --reps calls, CUDA events), decode
 tokens/s (rows / step time), share of the bandwidth bound (a step reads every weight once: weight
 bytes / bandwidth; the bandwidth is measured by a device-to-device copy in this run unless
 --bandwidth-tbs is given; the datasheet figure is shown too), graph capture time (with compilation
-for the compile variants), kernels per step (profiler, one eager step), KV cache and graph pool sizes,
+), kernels per step (profiler, one eager step), KV cache and graph pool sizes,
 whether the graph survived a weight sync, and the correctness checks:
 
 - Each variant's whole output is checked against HF's own forward pass over that same output
@@ -40,12 +37,11 @@ whether the graph survived a weight sync, and the correctness checks:
   stays meaningful after a flip. A wrong mask, rotary or cache write moves logits by about one std,
   far beyond the tolerance. HF generate's own output gets the same check, for scale.
 - Reported beside it: rows equal to HF generate over its --hf-tokens tokens, and rows equal to
-  graph_fused over the whole output (expected all in fp32, most in bf16).
+  graph_torch over the whole output (expected all in fp32, most in bf16).
 
     python bench/bench_rollout.py --out bench_rollout.json       # H200: ~3-4 minutes
-    python bench/bench_rollout.py --smoke                         # tiny shapes on the CPU, no compile
-    python bench/bench_rollout.py --smoke --variants hf_generate,graph_fused_compile   # compile on the CPU
-    TRITON_INTERPRET=1 python bench/bench_rollout.py --smoke --variants hf_generate,graph_fused_triton
+    python bench/bench_rollout.py --smoke                         # tiny shapes on the CPU, torch backend
+    TRITON_INTERPRET=1 python bench/bench_rollout.py --smoke --variants hf_generate,graph_triton_attention
 """
 
 from __future__ import annotations
@@ -63,10 +59,10 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 from edgerl.plan.modelspec import CATALOGUE  # noqa: E402
 from edgerl.rollout import SamplingParams, StaticCacheEngine  # noqa: E402
-from edgerl.rollout.static import StepClock  # noqa: E402
+from edgerl.rollout.engine_static import StepClock  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
 SHAPES = {**{n: CATALOGUE[f"smollm2-{n}"].llama_config_fields() for n in ("135m", "360m", "1.7b")}, "tiny": TINY}
@@ -78,24 +74,12 @@ DATASHEET_TBS = [   # HBM/GDDR bandwidth by device-name substring, TB/s (vendor 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 VARIANTS = {   # engine keyword arguments; hf_generate has none
     "hf_generate": None,
-    "graph_fused": dict(cuda_graphs=True, projections="fused"),
+    "graph_torch": dict(cuda_graphs=True, projections="fused"),
     "graph_unfused": dict(cuda_graphs=True, projections="modules"),
     "static_eager": dict(cuda_graphs=False, projections="fused"),
-    "graph_fused_bmm": dict(cuda_graphs=True, projections="fused", decode_attention="bmm"),
-    "graph_fused_sdpa": dict(cuda_graphs=True, projections="fused", decode_attention="sdpa"),
-    "graph_fused_compile": dict(cuda_graphs=True, projections="fused", compile_step=True),
-    "graph_fused_sdpa_compile": dict(cuda_graphs=True, projections="fused", decode_attention="sdpa",
-                                     compile_step=True),
-    "graph_fused_triton": dict(cuda_graphs=True, projections="fused", decode_attention="triton"),
-    "graph_fused_triton_compile": dict(cuda_graphs=True, projections="fused", decode_attention="triton",
-                                       compile_step=True),
-    "graph_fused_triton_rope": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope"),
-    "graph_fused_triton_rope_compile": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope",
-                                            compile_step=True),
-    "graph_fused_triton_rope_compile_splitk0": dict(cuda_graphs=True, projections="fused",
-                                                    decode_attention="triton_rope", compile_step=True, split_k=0),
-    "graph_fused_triton_layers": dict(cuda_graphs=True, projections="fused", decode_attention="triton_rope",
-                                      triton_layers=True),
+    "graph_triton_attention": dict(cuda_graphs=True, projections="fused", backend="triton-attention"),
+    "graph_triton_layers": dict(cuda_graphs=True, projections="fused", backend="triton-layers"),
+    "graph_cuda_c": dict(cuda_graphs=True, projections="fused", backend="cuda-c"),
 }
 
 
@@ -183,9 +167,9 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict:
 @torch.no_grad()   # as generate runs it: no autograd records (LoRA adapters would otherwise be tracked)
 def step_kernels(engine, width: int, rows: int = 0) -> list:
     """The CUDA kernel events (profiler) of one eager decode step of `rows` rows (0: the engine's
-    max_batch) writing cache column `width`, compiled layers included."""
+    max_batch) writing cache column `width`."""
     from torch.profiler import ProfilerActivity, profile
-    from edgerl.rollout.static import _Mode
+    from edgerl.rollout.engine_static import _Mode
     s = engine._state
     mode = _Mode(rows=rows or engine.max_batch, greedy=True, top_k=0, top_p=False, eos=(), pad=0)
     s.col.fill_(width)      # a column inside the cache: the step writes it
@@ -290,8 +274,6 @@ def run_config(args, shape, dt, names, device, bw, sheet, budget_end, results, o
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            if kw and kw.get("compile_step"):
-                torch._dynamo.reset()   # each engine compiles its own layer; keep Dynamo's recompile count low
             if kw is None:
                 hf_generate(model, ids, 2, cuda)   # warm-up: cuBLAS handles, allocator
                 t0 = time.perf_counter()
@@ -323,7 +305,7 @@ def run_config(args, shape, dt, names, device, bw, sheet, budget_end, results, o
 
 def check(args, rec, model, ids, toks, outputs, key, dt) -> None:
     """Pass/fail from HF's forward over the variant's own output (see the module docstring); token
-    equality with HF generate and with graph_fused is reported beside it. Even in fp32 two correct
+    equality with HF generate and with graph_torch is reported beside it. Even in fp32 two correct
     kernels can order a near-tie differently once in a few thousand tokens, so equality is not required."""
     fp32 = dt == "fp32"
     c = rec["check_hf_forward"] = teacher_forced(model, ids, toks, 1e-3 if fp32 else args.bf16_tol)
@@ -331,9 +313,9 @@ def check(args, rec, model, ids, toks, outputs, key, dt) -> None:
     ref = outputs.get((key, "hf_generate"))
     if ref is not None and rec["variant"] != "hf_generate":
         rec["check_hf_prefix"] = first_divergence([r[:args.hf_tokens] for r in toks], ref)
-    base = outputs.get((key, "graph_fused"))
-    if base is not None and rec["variant"] not in ("hf_generate", "graph_fused"):
-        rec["check_vs_graph_fused"] = first_divergence(toks, base)
+    base = outputs.get((key, "graph_torch"))
+    if base is not None and rec["variant"] not in ("hf_generate", "graph_torch"):
+        rec["check_vs_graph_torch"] = first_divergence(toks, base)
     if "deterministic" in rec:
         ok = ok and rec["deterministic"] and rec["same_after_sync"]
     rec["ok"] = bool(ok)
@@ -354,7 +336,7 @@ def table(results, note: str) -> str:
         checks = (f"{'ok' if r['ok'] else 'FAIL'}: argmax {100 * c['argmax_match']:.1f}%, "
                   f"max gap {c['gap_max_std']:.3f} std"
                   + (f", = hf prefix {eq('check_hf_prefix')}" if "check_hf_prefix" in r else "")
-                  + (f", = graph_fused {eq('check_vs_graph_fused')}" if "check_vs_graph_fused" in r else ""))
+                  + (f", = graph_torch {eq('check_vs_graph_torch')}" if "check_vs_graph_torch" in r else ""))
         lines.append(f"| {r['model']} | {r['dtype']} | {r['variant']} | {r['ms_per_step']:.3f} | "
                      f"{r['decode_tok_s']:.0f} | {pct('share_of_bound')} | {pct('share_of_datasheet_bound')} | "
                      f"{r.get('kernels_per_step', '-')} | "
@@ -378,8 +360,6 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16-tol", type=float, default=0.75, help="largest gap to HF's argmax, in logit std")
     ap.add_argument("--bf16-min-match", type=float, default=0.75, help="least share of tokens equal to HF's argmax")
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no variant after this many seconds")
-    ap.add_argument("--compile-fp32", action="store_true",
-                    help="also compile fp32 configs (fp32 is the Pascal plan's dtype, where compile cannot run)")
     ap.add_argument("--no-count-kernels", dest="count_kernels", action="store_false")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--out", default=None, help="JSON output (default $OUT/bench_rollout.json when OUT is set)")
@@ -390,7 +370,7 @@ def main(argv=None) -> int:
         args.configs, args.rows, args.prompt_len, args.new_tokens, args.hf_tokens = "tiny:fp32,tiny:bf16", 4, 8, 12, 6
         args.vocab, args.reps = 300, 1
         if args.variants == ",".join(VARIANTS):
-            args.variants = ",".join(v for v in VARIANTS if "compile" not in v and "triton" not in v)
+            args.variants = ",".join(v for v in VARIANTS if "triton" not in v and "cuda_c" not in v)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -411,20 +391,12 @@ def main(argv=None) -> int:
     def save() -> None:
         if out:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(Path(out), json.dumps({"device": name, "bandwidth_note": note,
+            write_atomically(Path(out), json.dumps({"device": name, "bandwidth_note": note,
                                                      "torch": torch.__version__, "args": vars(args),
                                                      "table": table(results, note), "records": results}, indent=1))
 
-    # Compiled variants last: their compilation takes the longest, and the budget should cut them first.
-    first = [n for n in names if "compile" not in n]
-    later = [n for n in names if "compile" in n]
-    for group in (first, later):
-        for shape, dt in configs:
-            if group and group is later and dt == "fp32" and not args.compile_fp32:
-                print(f"{shape} {dt}: compiled variants not run (fp32 is Pascal's dtype, where Inductor cannot run; "
-                      "--compile-fp32 runs them)")
-            elif group:
-                run_config(args, shape, dt, group, device, bw, sheet, t_start + args.budget_s, results, outputs, save)
+    for shape, dt in configs:
+        run_config(args, shape, dt, names, device, bw, sheet, t_start + args.budget_s, results, outputs, save)
     report = table(results, note)
     print("\n" + report)
     bad = [r["variant"] + " " + r["model"] + " " + r["dtype"] for r in results if not r.get("ok")]

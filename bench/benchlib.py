@@ -596,7 +596,7 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
 
 PLAN_KEYS = ("dtype", "attention", "kernel_backend", "optimizer", "lora", "base_dtype", "grad_checkpointing",
              "swap_models", "optimizer_offload", "param_offload", "micro_batch", "score_micro_batch",
-             "rollout_batch", "cuda_graphs")
+             "rollout_batch", "rollout_engine", "decode_backend")
 
 
 def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], profiled: int = 0) -> dict[str, Any]:

@@ -34,9 +34,9 @@
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   tests-nf4 120   tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py (the NVRTC kernels)
 #   nf4-decode 200  bench_nf4_decode: the QLoRA fp32 decode step at the Qwen2.5-7B widths, NF4_LAYERS (28) layers
-#   rollout-bf16 240  bench_rollout's bf16 configs only, the main variants (ROLLOUT_VARIANTS; default: HF generate,
-#                   the plain graph, compiled with SDPA, with the Triton attention and with its rotary form, and
-#                   the Triton layers, which the plan picks), HF generate's own agreement as the bar
+#   rollout-bf16 240  bench_rollout's bf16 configs only, the decode backends (ROLLOUT_VARIANTS; default: HF generate,
+#                   torch's ops in the graph, the Triton attention kernel, and the Triton layers, which the plan
+#                   picks), HF generate's own agreement as the bar
 #   edgerl-17b 200  bench_vs_trl 1.7b-bf16, edgerl's side only at FRONTIER_17B GiB (default 18.46: TRL's memory
 #                   for that shape, docs/benchmarks.md, Against TRL: 362M and 1.7B), no TRL run
 #   recheck 420    edgerl's QLoRA runs, the 362M frontier at given budgets (FRONTIER) and four memory checks
@@ -104,9 +104,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         rollout) echo "python3 bench/bench_rollout.py --reps 2 --out $OUT/bench_rollout$x.json" ;;
         decode-gemm) echo "python3 bench/bench_decode_gemm.py --triton ${GEMM_ARGS:-} --out $OUT/bench_decode_gemm$x.json" ;;
         layer) echo "python3 bench/bench_decode_layer.py ${LAYER_ARGS:-} --budget-s $(( b - 20 )) --out $OUT/bench_decode_layer$x.json" ;;
-        tests-layers) echo "python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k 'triton_layers or decode_linear'" ;;
+        tests-layers) echo "python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k 'triton or decode_linear'" ;;
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
-        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_fused,graph_fused_sdpa_compile,graph_fused_triton_compile,graph_fused_triton_rope_compile,graph_fused_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
+        rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_torch,graph_triton_attention,graph_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
         fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
         *) return 1 ;;

@@ -36,7 +36,7 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
     """Is this machine ready to train, and if not, exactly what to fix."""
     import dataclasses
     from edgerl.doctor.doctor import Environment, exit_code, run_checks
-    from edgerl.plan.target import plan_for, resolve_target
+    from edgerl.config.target import plan_for, resolve_target
     from .render import checks_table, print_plan
     cfg = load_config(config, list(sets or []) + ([(f"model.path={json.dumps(model)}", f"--model {model}")]
                                                   if model else []))
@@ -108,8 +108,8 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
                                                  "(toml, json, verl); a folder gets run.toml, plan.json or verl.sh"),
               force: bool = typer.Option(False, "--force", help="replace an existing --out file")) -> None:
     """The plan for a GPU (yours or one you may not have): each decision with its reason, and the memory."""
-    from edgerl.plan.export import plan_toml, verl_overrides
-    from edgerl.plan.target import plan_for, resolve_target
+    from edgerl.config.export import plan_toml, verl_overrides
+    from edgerl.config.target import plan_for, resolve_target
     from .render import print_plan
     if fmt not in ("text", "toml", "json", "verl"):
         raise ConfigError(f"--format {fmt!r}: choose text, toml, json or verl")

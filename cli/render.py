@@ -2,44 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.console import Console
 from rich.table import Table
 
 from edgerl.doctor.doctor import Check
+from edgerl.plan import table
 from edgerl.plan.memory import fmt_bytes
 from edgerl.plan.plan import Plan
 
 STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
-LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout engine",
-          "cuda_graphs": "CUDA graphs", "rollout_compile": "compiled decode step",
-          "decode_attention": "decode attention",
-          "nf4_kernel": "fused NF4 decode kernel",
-          "kernel_backend": "log-prob kernel", "kernel_tiles": "kernel tiles",
-          "logprob_chunk": "log-prob chunk", "grad_checkpointing": "grad checkpointing",
-          "swap_models": "swap models", "optimizer_offload": "optimizer offload",
-          "param_offload": "param offload", "optimizer": "optimizer", "lora": "LoRA", "base_dtype": "LoRA base dtype",
-          "reward_model_dtype": "reward model dtype", "rollout_resident": "rollout engine resident",
-          "micro_batch": "micro-batch", "score_micro_batch": "scoring micro-batch",
-          "share_prompts": "shared prompts",
-          "rollout_batch": "rollout batch", "rollout_memory_share": "rollout memory share", "env": "environment"}
-
-
-def _fmt(key: str, v: Any) -> str:
-    if key == "dtype":
-        return f"{v['name']} (params {v['param']}, compute {v['compute']}{', grad scaler' if v['grad_scaler'] else ''})"
-    if key == "kernel_tiles":
-        return "-" if not v else ", ".join(f"{k}={val}" for k, val in v.items() if k != "reason")
-    if key == "lora":
-        return "off" if not v else f"r={v['rank']} alpha={v['alpha']:g} ({v['params'] / 1e6:.1f}M params)"
-    if key == "env":
-        return " ".join(f"{k}={val}" for k, val in v.items()) or "-"
-    if key in ("base_dtype", "reward_model_dtype"):
-        return v or "-"
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    return str(v)
 
 
 def plan_table(p: Plan, title: str = "") -> Table:
@@ -48,8 +19,10 @@ def plan_table(p: Plan, title: str = "") -> Table:
     t.add_column("decision", style="bold")
     t.add_column("value")
     t.add_column("why", style="dim", overflow="fold")
+    rows = table.rows()
     for key, value in p.decisions().items():
-        t.add_row(LABELS.get(key, key), _fmt(key, value), p.reasons.get(key, ""))
+        row = rows[key]
+        t.add_row(row.label, row.render(value), p.reasons.get(key, ""))
     return t
 
 

@@ -91,7 +91,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, col_ptr, scal
 
 @triton.jit
 def _rotate(x, xr, cos, sin, DT: tl.constexpr, PLAIN: tl.constexpr):
-    """Rotary embedding as the engine's eager ops compute it (`StaticDecoder._rotate`): x * cos +
+    """Rotary embedding as the engine's eager ops compute it (`StaticDecoder.rotate`): x * cos +
     rotate_half(x) * sin, xr = rotate_half(x) (loaded with the halves swapped), sin with rotate_half's
     sign folded in; each product and the sum rounded to DT, the compute dtype. On the GPU the products
     and the sum are libdevice's round-to-nearest ops, which the compiler may not contract: written as

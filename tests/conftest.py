@@ -18,14 +18,16 @@ def need_shared_tokenizer() -> Path:
     return TOKENIZER
 
 
-def make_tiny_model(out: Path, arch: str = "llama", tied: bool = True, layers: int = 2, seed: int = 0) -> Path:
-    """A random llama/qwen2-shape model with the real SmolLM2 tokenizer, saved as an HF folder."""
+def make_tiny_model(out: Path, arch: str = "llama", tied: bool = True, layers: int = 2, seed: int = 0,
+                    **shape) -> Path:
+    """A random llama/qwen2-shape model with the real SmolLM2 tokenizer, saved as an HF folder (`shape`:
+    config fields that replace the tiny defaults)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
     common = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=tied,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, max_position_embeddings=1024)
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, max_position_embeddings=1024) | shape
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
     model.save_pretrained(out)

@@ -136,7 +136,7 @@ def decode_attention_cases(device) -> list[tuple]:
 
 
 def rotate_reference(x, cos, sin):
-    """The engine's rotary embedding (`StaticDecoder._rotate`) in the tensors' dtype, op by op: x (..., D),
+    """The engine's rotary embedding (`StaticDecoder.rotate`) in the tensors' dtype, op by op: x (..., D),
     cos and sin broadcast to it, sin with rotate_half's sign folded in."""
     half = x.shape[-1] // 2
     r = torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin

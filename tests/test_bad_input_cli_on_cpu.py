@@ -9,7 +9,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-import edgerl.plan.target
+import edgerl.config.target
 from edgerl.cli.main import app
 from fakes import fake_probe
 
@@ -18,7 +18,7 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(edgerl.plan.target, "probe", lambda: fake_probe(None, torch_cuda=None))
+    monkeypatch.setattr(edgerl.config.target, "probe", lambda: fake_probe(None, torch_cuda=None))
 
 
 def run(*args: str):

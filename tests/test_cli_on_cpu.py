@@ -5,12 +5,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import edgerl.plan.target
+import edgerl.config.target
 from edgerl.cli.main import app
 from edgerl.config.load import load_config
 from edgerl.plan.modelspec import CATALOGUE
 from edgerl.plan.plan import plan
-from edgerl.plan.target import resolve_target, task_from_config, overrides_from_config
+from edgerl.config.target import resolve_target, task_from_config, overrides_from_config
 from fakes import CU130_ARCH, fake_probe
 
 runner = CliRunner()
@@ -20,7 +20,7 @@ runner = CliRunner()
 def machine(monkeypatch):
     """Make the CLI's probe return a fake machine."""
     def use(*args, **kwargs):
-        monkeypatch.setattr(edgerl.plan.target, "probe", lambda: fake_probe(*args, **kwargs))
+        monkeypatch.setattr(edgerl.config.target, "probe", lambda: fake_probe(*args, **kwargs))
     return use
 
 

@@ -1,5 +1,6 @@
 """The decode-step attention kernel (kernels/decode_attention.py) in Triton's CPU interpreter, against
-a float64 reference, and the static engine running it against its SDPA path. The cases run in a child
+a float64 reference, and the static engine running it (decode backend triton-attention) against its
+torch backend. The cases run in a child
 process with TRITON_INTERPRET=1 (see conftest.run_cases_under_triton_interpreter); the same kernel on
 a GPU: tests/test_rollout_cuda.py."""
 
@@ -53,14 +54,14 @@ def test_rope_kernel_rotates_writes_the_column_and_attends(interpreted, case):
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["interp-llama", "interp-qwen2"])
-def test_engine_with_the_kernel_equals_its_sdpa_path_fp32(interpreted, build):
+def test_engine_with_the_kernel_equals_its_torch_backend_fp32(interpreted, build):
     from edgerl.rollout import SamplingParams, StaticCacheEngine
     model = build()
     params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95)
     runs = []
-    for attention in ("triton", "triton_rope", "sdpa"):
-        eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, decode_attention=attention)
-        assert f"{attention} attention" in eng.describe()
+    for backend in ("triton-attention", "torch"):
+        eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend=backend)
+        assert f"decode backend {backend}" in eng.describe()
         greedy = eng.generate(PROMPTS, 2, SamplingParams(max_new_tokens=20, greedy=True)).response_ids
         sampled = eng.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(3))
         runs.append((greedy, sampled))
@@ -92,7 +93,7 @@ def test_interp_engine_refuses_a_head_size_the_kernel_lacks(interpreted):
     from edgerl.rollout import StaticCacheEngine
     model = tiny_llama(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)   # head size 24
     with pytest.raises(ValueError, match="head size 24 is not a power of two"):
-        StaticCacheEngine(model, 8, 64, cuda_graphs=False, decode_attention="triton")
+        StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="triton-attention")
 
 
 def test_off_cuda_without_the_interpreter_the_engine_says_why():
@@ -101,4 +102,4 @@ def test_off_cuda_without_the_interpreter_the_engine_says_why():
     pytest.importorskip("triton")
     from edgerl.rollout import StaticCacheEngine
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        StaticCacheEngine(tiny_llama(), 8, 64, cuda_graphs=False, decode_attention="triton")
+        StaticCacheEngine(tiny_llama(), 8, 64, cuda_graphs=False, backend="triton-attention")

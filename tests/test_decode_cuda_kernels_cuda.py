@@ -113,20 +113,20 @@ def greedy(n):
                          ids=["d32g2", "d64g2"])
 def test_engine_through_the_kernels_equals_hf_and_the_bmm_path(projections, shape):
     model = wide_llama(**shape)
-    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections=projections, decode_attention="cuda")
-    bmm = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections=projections, decode_attention="bmm")
-    assert engine.dec.attention == "cuda" and "cuda attention" in engine.describe()
+    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections=projections, backend="cuda-c")
+    bmm = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections=projections, backend="torch")
+    assert engine.dec.backend.name == "cuda-c" and "decode backend cuda-c: CUDA C layer kernels" in engine.describe()
     got = engine.generate(PROMPTS, 2, greedy(40))
     assert got.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(40)).response_ids
     assert got.response_ids == bmm.generate(PROMPTS, 2, greedy(40)).response_ids
-    eager = StaticCacheEngine(model, 8, 300, cuda_graphs=False, projections=projections, decode_attention="cuda")
+    eager = StaticCacheEngine(model, 8, 300, cuda_graphs=False, projections=projections, backend="cuda-c")
     assert eager.generate(PROMPTS, 2, greedy(40)).response_ids == got.response_ids
 
 
 def test_engine_sampled_logprobs_through_the_kernels_match_the_full_forward_past_a_softmax_tile():
     """280 new tokens: the later steps attend over more than one tile of 256 columns."""
     model = with_lora(wide_llama(max_position_embeddings=512))
-    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections="modules", decode_attention="cuda")
+    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections="modules", backend="cuda-c")
     params = SamplingParams(max_new_tokens=280, temperature=0.8, top_p=0.95)
     out = engine.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
     assert max(len(r) for r in out.response_ids) == 280
@@ -137,9 +137,6 @@ def test_engine_sampled_logprobs_through_the_kernels_match_the_full_forward_past
     assert diff.max() <= 1e-4 and diff.mean() <= 1e-5, (diff.max(), diff.mean())
 
 
-def test_engine_refuses_cuda_attention_outside_fp32_and_with_a_compiled_step():
-    with pytest.raises(ValueError, match="fp32 only"):
-        StaticCacheEngine(wide_llama().to(torch.bfloat16), 2, 64, cuda_graphs=True, decode_attention="cuda")
-    if torch.cuda.get_device_capability() >= (7, 0):
-        with pytest.raises(ValueError, match="compile_step cannot fuse decode attention 'cuda'"):
-            StaticCacheEngine(wide_llama(), 2, 64, cuda_graphs=True, decode_attention="cuda", compile_step=True)
+def test_engine_refuses_the_cuda_c_backend_outside_fp32():
+    with pytest.raises(ValueError, match="decode backend 'cuda-c' cannot run here: .*fp32 only"):
+        StaticCacheEngine(wide_llama().to(torch.bfloat16), 2, 64, cuda_graphs=True, backend="cuda-c")

@@ -45,8 +45,8 @@ def test_norm_and_silu_references():
 
 @pytest.mark.parametrize("projections", ["fused", "modules"])
 def test_the_cuda_layer_wired_to_the_references_decodes_as_the_bmm_layer(monkeypatch, projections):
-    """The decoder's 'cuda' layer (`_decode_layer_cuda`: which tensors go to which kernel, in what order)
-    with each kernel replaced by its reference in fp32: the same greedy tokens as the baddbmm layer."""
+    """Decode backend cuda-c's layer (rollout/decode_cuda_c.py: which tensors go to which kernel, in what
+    order) with each kernel replaced by its reference in fp32: the same greedy tokens as the torch backend."""
     monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(decode_cuda, "add_rms_norm",
                         lambda x, d, w, eps: tuple(t.float() for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
@@ -55,7 +55,7 @@ def test_the_cuda_layer_wired_to_the_references_decodes_as_the_bmm_layer(monkeyp
                         lambda *a: decode_cuda.reference_rope_attend(*a)[0].float())
     model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     params = SamplingParams(max_new_tokens=24, greedy=True)
-    cuda = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, decode_attention="cuda")
-    assert cuda.dec.layer_step == cuda.dec._decode_layer_cuda
-    bmm = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, decode_attention="bmm")
+    cuda = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, backend="cuda-c")
+    assert cuda.dec.backend.name == "cuda-c"
+    bmm = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, backend="torch")
     assert cuda.generate(PROMPTS, 2, params).response_ids == bmm.generate(PROMPTS, 2, params).response_ids

@@ -158,17 +158,16 @@ def test_interp_bad_shapes_are_refused_with_the_name(interpreted):
 
 @pytest.mark.parametrize("build", ["tiny_llama", "tiny_qwen2"], ids=["interp-llama", "interp-qwen2"])
 def test_engine_with_triton_layers_equals_its_torch_layers_fp32(interpreted, build):
-    """The same greedy and sampled tokens, and log-probs, as the engine's torch layer over the same
-    attention kernel (qwen2: biases on q, k and v), across a weight sync."""
+    """The same greedy and sampled tokens, and log-probs, as the engine's torch projections around the same
+    attention kernel (decode backend triton-attention; qwen2: biases on q, k and v)."""
     import rollout_helpers
     from edgerl.rollout import SamplingParams, StaticCacheEngine
     model = getattr(rollout_helpers, build)()
     params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95)
     runs = []
-    for triton_layers in (True, False):
-        eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, decode_attention="triton_rope",
-                                triton_layers=triton_layers)
-        assert ("Triton layers" in eng.describe()) == triton_layers
+    for backend in ("triton-layers", "triton-attention"):
+        eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend=backend)
+        assert ("Triton layers" in eng.describe()) == (backend == "triton-layers")
         greedy = eng.generate(rollout_helpers.PROMPTS, 2, SamplingParams(max_new_tokens=20, greedy=True)).response_ids
         sampled = eng.generate(rollout_helpers.PROMPTS, 2, params, generator=torch.Generator().manual_seed(3))
         runs.append((greedy, sampled))
@@ -182,24 +181,15 @@ def test_engine_with_triton_layers_equals_its_torch_layers_fp32(interpreted, bui
 def test_interp_engine_refuses_triton_layers_where_they_cannot_run(interpreted):
     from rollout_helpers import tiny_llama
     from edgerl.rollout import StaticCacheEngine
-    model = tiny_llama()
-    with pytest.raises(ValueError, match="decode attention 'triton_rope'"):
-        StaticCacheEngine(model, 4, 32, cuda_graphs=False, decode_attention="sdpa", triton_layers=True)
-    with pytest.raises(ValueError, match="fused projections"):
-        StaticCacheEngine(model, 4, 32, cuda_graphs=False, projections="modules", decode_attention="triton_rope",
-                          triton_layers=True)
-    with pytest.raises(ValueError, match="use one"):
-        StaticCacheEngine(model, 4, 32, cuda_graphs=False, decode_attention="triton_rope", triton_layers=True,
-                          compile_step=True)
-    with pytest.raises(ValueError, match="inside their kernels"):
-        StaticCacheEngine(model, 4, 32, cuda_graphs=False, decode_attention="triton_rope", triton_layers=True,
-                          split_k=2)
+    from edgerl.rollout.decoder import DecodeKernelUnavailable
+    with pytest.raises(DecodeKernelUnavailable, match="'triton-layers' cannot run here: it reads the fused projections"):
+        StaticCacheEngine(tiny_llama(), 4, 32, cuda_graphs=False, projections="modules", backend="triton-layers")
+    with pytest.raises(DecodeKernelUnavailable, match="'triton-layers' cannot run here: the MLP's activation is not SiLU"):
+        StaticCacheEngine(tiny_llama(hidden_act="gelu"), 4, 32, cuda_graphs=False, backend="triton-layers")
 
 
-def test_interp_the_plans_name_for_the_layers(interpreted):
-    """plan.decode_attention=triton_layers: the rotary attention kernel with the Triton layers around it."""
+def test_interp_the_layers_describe_themselves(interpreted):
     from rollout_helpers import tiny_llama
     from edgerl.rollout import StaticCacheEngine
-    eng = StaticCacheEngine(tiny_llama(), 4, 32, cuda_graphs=False, decode_attention="triton_layers")
-    assert eng.triton_layers and eng.dec.attention == "triton_rope"
-    assert "Triton layers" in eng.describe() and "triton_rope attention" in eng.describe()
+    eng = StaticCacheEngine(tiny_llama(), 4, 32, cuda_graphs=False, backend="triton-layers")
+    assert eng.dec.backend.name == "triton-layers" and "decode backend triton-layers: Triton layers" in eng.describe()

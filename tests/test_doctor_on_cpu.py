@@ -171,11 +171,11 @@ def test_fused_nf4_kernel_compiles_or_doctor_says_what_qlora_loses(monkeypatch, 
         raise nvrtc.KernelUnavailable("no NVRTC library found")
     monkeypatch.setattr(nvrtc, "compile_cubin", broken)
     c = checks_for(r)["fused NF4 kernel"]
-    assert c.status == "warn" and "no NVRTC library found" in c.detail and "plan.nf4_kernel=false" in c.fix
+    assert c.status == "warn" and "no NVRTC library found" in c.detail and "plan.decode_backend=torch" in c.fix
     dev = r.primary
     qlora = plan(dev, CATALOGUE["smollm2-135m"], dataclasses.replace(Task(prompt_len=128, response_len=128), lora=True),
                  {"base_dtype": "nf4"})
-    assert qlora.nf4_kernel
+    assert qlora.decode_backend == "cuda-c" and qlora.base_dtype == "nf4"
     checks = run_checks(dev, r, qlora, FakeEnv())
     assert next(x for x in checks if x.name == "fused NF4 kernel").status == "fail" and exit_code(checks) == 1
 
@@ -194,7 +194,7 @@ class NoCompilerEnv(FakeEnv):
                                               (("cc-custom",), {"CC": "cc-custom"}, "ok")])
 def test_a_plan_with_triton_kernels_needs_a_c_compiler(found, env, status):
     """Triton builds each kernel's launcher with $CC, else gcc, else clang: an A100 plan (Triton log-prob
-    kernel, compiled decode step) fails the check without one, naming what to install or turn off."""
+    kernel, Triton decode layers) fails the check without one, naming what to install or turn off."""
     from edgerl.doctor.doctor import exit_code
     result = fake_probe("A100")
     dev = result.primary
@@ -206,7 +206,7 @@ def test_a_plan_with_triton_kernels_needs_a_c_compiler(found, env, status):
     if status == "fail":
         assert "cc-missing" in c.detail if env else "no gcc or clang" in c.detail
         assert "apt install gcc" in c.fix and "plan.kernel_backend=torch" in c.fix
-        assert "the decode-attention kernel" in c.detail and "plan.decode_attention=sdpa" in c.fix
+        assert "the decode-attention kernel" in c.detail and "plan.decode_backend=torch" in c.fix
         assert exit_code(list(checks.values())) == 1
     else:
         assert c.detail.startswith("/usr/bin/")
@@ -216,7 +216,7 @@ def test_a_plan_without_triton_does_not_ask_for_a_c_compiler():
     result = fake_probe("P40")
     dev = result.primary
     p = plan(dev, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128))
-    assert p.kernel_backend == "torch" and not p.rollout_compile and p.decode_attention not in ("triton", "triton_rope")
+    assert p.kernel_backend == "torch" and p.decode_backend == "cuda-c"
     assert "C compiler" not in {c.name for c in run_checks(dev, result, p, NoCompilerEnv())}
 
 
@@ -235,4 +235,4 @@ def test_decode_layer_kernels_compile_or_doctor_names_the_setting(monkeypatch, n
         raise nvrtc.KernelUnavailable("no NVRTC library found")
     monkeypatch.setattr(nvrtc, "compile_cubin", broken)
     c = checks_for(r)["decode-layer kernels"]
-    assert c.status == "fail" and "no NVRTC library found" in c.detail and "plan.decode_attention=bmm" in c.fix
+    assert c.status == "fail" and "no NVRTC library found" in c.detail and "plan.decode_backend=torch" in c.fix

@@ -229,7 +229,7 @@ def test_recommended_lora_config_reproduces_the_plan(tmp_path):
     from typer.testing import CliRunner
     from edgerl.cli.main import app
     from edgerl.config.load import load_config
-    from edgerl.plan.target import plan_for, resolve_target
+    from edgerl.config.target import plan_for, resolve_target
     out = tmp_path / "p40.toml"
     args = ["recommend", "--gpu", "p40", "-m", "qwen2.5-1.5b", "--lora", "--set", "plan.base_dtype=fp16"]
     res = CliRunner().invoke(app, [*args, "-f", "toml", "-o", str(out)])
@@ -437,7 +437,7 @@ def test_lora_input_copies_in_the_memory_model_match_what_autograd_saves():
     saves none of its own: the plan's per-token term must match the measured difference against
     training the whole model (on an H200, 1.7B shape, it matched the update's peak within 3%)."""
     pytest.importorskip("peft", reason="LoRA needs peft (pip install 'edgerl[lora]')")
-    from edgerl.plan.plan import _lora_input_bytes
+    from edgerl.plan.steps import lora_input_bytes as _lora_input_bytes
     measured = _saved_bytes_per_token_and_layer(True) - _saved_bytes_per_token_and_layer(False)
     spec = ModelSpec("tiny", "llama", 512, 256, 4, 8, 2, 1024, False)
     modelled = _lora_input_bytes(spec, TARGETS, 2)

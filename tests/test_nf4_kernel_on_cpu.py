@@ -147,7 +147,7 @@ def test_a_kernel_that_cannot_run_stops_training_with_one_line_naming_the_settin
         raise k.KernelUnavailable("NVRTC could not compile for sm_120: invalid value for --gpu-architecture")
     monkeypatch.setattr(k, "nf4_matmul", broken)
     with pytest.raises(TrainingError, match=r"cannot run here: KernelUnavailable: NVRTC could not compile for "
-                                            r"sm_120.*set plan.nf4_kernel=false"):
+                                            r"sm_120.*set plan.decode_backend=torch"):
         quant_decode.check_kernel(torch.device("cpu"))
 
 

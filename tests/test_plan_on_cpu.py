@@ -14,30 +14,30 @@ from fakes import fake_probe
 
 SMALL = Task(prompt_len=256, response_len=256, prompts_per_step=2, samples_per_prompt=8)
 
-# device, extra libs -> dtype, attention, kernel backend, rollout engine, cuda graphs
+# device, extra libs -> dtype, attention, kernel backend, rollout engine, decode backend
 TABLE = [
-    ("P40", {}, "fp32", "sdpa", "torch", "hf", True),
-    ("P100", {}, "fp32", "sdpa", "torch", "hf", True),
-    ("V100", {}, "fp16-mixed", "sdpa", "torch", "hf", True),      # Triton's tl.dot has no tensor-core path < 8.0
-    ("T4", {}, "fp16-mixed", "sdpa", "torch", "hf", True),
-    ("GTX1660", {}, "fp16-mixed", "sdpa", "torch", "hf", True),
-    ("3090", {}, "bf16-mixed", "sdpa", "triton", "hf", True),
-    ("3090", {"flash_attn": "2.7.4"}, "bf16-mixed", "flash_attention_2", "triton", "hf", True),
-    ("A100", {"vllm": "0.10.1"}, "bf16-mixed", "sdpa", "triton", "vllm", False),
-    ("H100", {"triton": None}, "bf16-mixed", "sdpa", "torch", "hf", True),
-    ("P40", {"vllm": "0.10.1", "flash_attn": "2.7.4"}, "fp32", "sdpa", "torch", "hf", True),
-    ("T4", {"vllm": "0.10.1"}, "fp16-mixed", "sdpa", "torch", "vllm", False),
-    ("H100", {"flash_attn": "2.7.4"}, "bf16-mixed", "flash_attention_2", "triton", "hf", True),
-    (None, {}, "fp32", "sdpa", "torch", "hf", False),
+    ("P40", {}, "fp32", "sdpa", "torch", "static", "cuda-c"),
+    ("P100", {}, "fp32", "sdpa", "torch", "static", "cuda-c"),
+    ("V100", {}, "fp16-mixed", "sdpa", "torch", "static", "torch"),    # Triton's tl.dot has no tensor-core path < 8.0
+    ("T4", {}, "fp16-mixed", "sdpa", "torch", "static", "torch"),
+    ("GTX1660", {}, "fp16-mixed", "sdpa", "torch", "static", "torch"),
+    ("3090", {}, "bf16-mixed", "sdpa", "triton", "static", "triton-layers"),
+    ("3090", {"flash_attn": "2.7.4"}, "bf16-mixed", "flash_attention_2", "triton", "static", "triton-layers"),
+    ("A100", {"vllm": "0.10.1"}, "bf16-mixed", "sdpa", "triton", "vllm", None),
+    ("H100", {"triton": None}, "bf16-mixed", "sdpa", "torch", "static", "torch"),
+    ("P40", {"vllm": "0.10.1", "flash_attn": "2.7.4"}, "fp32", "sdpa", "torch", "static", "cuda-c"),
+    ("T4", {"vllm": "0.10.1"}, "fp16-mixed", "sdpa", "torch", "vllm", None),
+    ("H100", {"flash_attn": "2.7.4"}, "bf16-mixed", "flash_attention_2", "triton", "static", "triton-layers"),
+    (None, {}, "fp32", "sdpa", "torch", "static", "torch"),
 ]
 
 
-@pytest.mark.parametrize("key,libs,dtype,attention,kernel,engine,graphs", TABLE)
-def test_decisions_per_device(key, libs, dtype, attention, kernel, engine, graphs):
+@pytest.mark.parametrize("key,libs,dtype,attention,kernel,engine,backend", TABLE)
+def test_decisions_per_device(key, libs, dtype, attention, kernel, engine, backend):
     dev = fake_probe(key, **libs).primary
     p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
-    assert (p.dtype.name, p.attention, p.kernel_backend, p.rollout_engine, p.cuda_graphs) == \
-        (dtype, attention, kernel, engine, graphs)
+    assert (p.dtype.name, p.attention, p.kernel_backend, p.rollout_engine, p.decode_backend) == \
+        (dtype, attention, kernel, engine, backend)
     assert p.dtype.grad_scaler == (dtype == "fp16-mixed")
     assert set(p.reasons) >= set(p.DECISIONS)
     assert all(p.reasons[k] for k in p.DECISIONS), "every decision carries a reason"
@@ -46,82 +46,50 @@ def test_decisions_per_device(key, libs, dtype, attention, kernel, engine, graph
         assert p.kernel_tiles["smem_bytes"] <= dev.smem_per_block_optin
 
 
-# device, extra libs -> compiled decode step, words the reason must hold
-COMPILE = [   # bf16 from CC 8.0: the Triton layers fuse that work instead (fp32: test_fp32_decode_layer_kernels_...)
-    ("3090", {}, False, "Triton decode layers"),
-    ("H100", {}, False, "Triton decode layers"),
-    ("H100", {"triton": None}, False, "triton is not installed"),
-    ("T4", {}, False, "from CC 8.0"),
-    ("V100", {}, False, "from CC 8.0"),
-    ("P40", {}, False, "refuses CC < 7.0"),
-    ("A100", {"vllm": "0.10.1"}, False, "the vllm engine"),
-    (None, {}, False, "without CUDA graphs"),
+# device, extra libs, overrides -> decode backend, words the reason must hold
+DECODE_BACKEND = [
+    ("H100", {}, {}, "triton-layers", "five kernels per layer"),
+    ("3090", {}, {}, "triton-layers", "reads only the cache columns each row sees"),
+    ("H100", {"triton": None}, {}, "torch", "triton is not installed"),
+    ("T4", {}, {}, "torch", "Triton supports CC 8.0 and up"),
+    ("V100", {}, {}, "torch", "SDPA over the masked cache"),
+    ("P40", {}, {}, "cuda-c", "CUDA C layer kernels"),
+    ("H100", {}, {"dtype": "fp32"}, "cuda-c", "fp32 on sm_90"),
+    ("A100", {"vllm": "0.10.1"}, {}, None, "the vllm engine runs its own decode step"),
+    (None, {}, {}, "torch", "CPU: torch's ops"),
 ]
 
 
-@pytest.mark.parametrize("key,libs,compiled,words", COMPILE)
-def test_rollout_compile_from_cc8_with_triton_on_the_hf_engine_only(key, libs, compiled, words):
+@pytest.mark.parametrize("key,libs,forced,backend,words", DECODE_BACKEND)
+def test_one_decode_backend_per_card_class(key, libs, forced, backend, words):
     dev = fake_probe(key, **libs).primary
-    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
-    assert p.rollout_compile is compiled
-    assert words in p.reasons["rollout_compile"]
-    off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": False})
-    assert off.rollout_compile is False and "asked for" in off.reasons["rollout_compile"]
-    if words == "Triton decode layers":   # compiling instead, when asked for: with the rotary attention kernel
-        on = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True})
-        assert on.rollout_compile and on.decode_attention == "triton_rope"
-        fp32 = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32"})
-        assert fp32.rollout_compile and "measured" in fp32.reasons["rollout_compile"]
-        with pytest.raises(PlanError, match="two ways to fuse"):
-            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True, "decode_attention": "triton_layers"})
-    elif not compiled:
-        with pytest.raises(PlanError, match="plan.rollout_compile=true is not possible"):
-            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True})
-
-
-# device, extra libs -> decode attention, words the reason must hold
-DECODE_ATTENTION = [
-    ("H100", {}, "triton_layers", "reads only the cache columns each row sees"),
-    ("3090", {}, "triton_layers", "SiLU * up as the gate/up product's epilogue"),
-    ("H100", {"triton": None}, "sdpa", "triton is not installed"),
-    ("T4", {}, "sdpa", "Triton supports CC 8.0 and up"),
-    ("P40", {}, "cuda", "CUDA C layer kernels"),
-    ("A100", {"vllm": "0.10.1"}, "sdpa", "the vllm engine"),
-    (None, {}, "bmm", "no CUDA device"),
-]
-
-
-@pytest.mark.parametrize("key,libs,attention,words", DECODE_ATTENTION)
-def test_decode_attention_is_the_triton_kernel_with_rotary_in_16_bits_from_cc8(key, libs, attention, words):
-    dev = fake_probe(key, **libs).primary
-    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
-    assert p.decode_attention == attention and words in p.reasons["decode_attention"]
-    off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "sdpa"})
-    assert off.decode_attention == "sdpa" and "asked for" in off.reasons["decode_attention"]
-    if attention != "cuda" and key not in ("A100",):   # fp32 only, CUDA only
-        with pytest.raises(PlanError, match="plan.decode_attention=cuda is not possible"):
-            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": "cuda"})
-    if attention not in ("triton_layers", "cuda") and key not in ("A100",):
-        for kernel in ("triton", "triton_rope", "triton_layers"):
-            with pytest.raises(PlanError, match=f"plan.decode_attention={kernel} is not possible"):
-                plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": kernel})
-    elif attention == "triton_layers":   # the kernel without the layers, or without the rotary part, when asked for
-        for kernel in ("triton", "triton_rope"):
-            plain = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"decode_attention": kernel})
-            assert plain.decode_attention == kernel and "asked for" in plain.reasons["decode_attention"]
-            # asked for without the layers: the plan compiles the step, as before the layers
-            assert plain.rollout_compile and "measured" in plain.reasons["rollout_compile"]
+    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced)
+    assert p.decode_backend == backend and words in p.reasons["decode_backend"]
+    if backend is None:   # the static engine's setting: refused for another engine
+        with pytest.raises(PlanError, match="plan.decode_backend=torch is the static engine's"):
+            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced | {"decode_backend": "torch"})
+        return
+    torch_ops = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced | {"decode_backend": "torch"})
+    assert torch_ops.decode_backend == "torch" and "asked for" in torch_ops.reasons["decode_backend"]
+    for other in ("triton-layers", "triton-attention", "cuda-c"):
+        if other == backend or (backend == "triton-layers" and other == "triton-attention"):
+            continue   # where the layers run, the attention kernel alone runs too
+        with pytest.raises(PlanError, match=f"plan.decode_backend={other} is not possible: .*; use {backend}"):
+            plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced | {"decode_backend": other})
+    if backend == "triton-layers":
+        alone = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced | {"decode_backend": "triton-attention"})
+        assert alone.decode_backend == "triton-attention"
 
 
 def test_triton_layers_need_a_silu_mlp_and_16_bits():
     dev = fake_probe("H100").primary
     gelu = dataclasses.replace(CATALOGUE["qwen2.5-0.5b"], hidden_act="gelu_pytorch_tanh")
     p = plan(dev, gelu, SMALL)
-    assert p.decode_attention == "triton_rope" and p.rollout_compile and "measured" in p.reasons["rollout_compile"]
-    with pytest.raises(PlanError, match="activation is gelu_pytorch_tanh"):
-        plan(dev, gelu, SMALL, {"decode_attention": "triton_layers"})
+    assert p.decode_backend == "triton-attention" and "activation is gelu_pytorch_tanh" in p.reasons["decode_backend"]
+    with pytest.raises(PlanError, match=r"activation is gelu_pytorch_tanh, .*; use triton-attention"):
+        plan(dev, gelu, SMALL, {"decode_backend": "triton-layers"})
     with pytest.raises(PlanError, match="fp32 compute"):
-        plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32", "decode_attention": "triton_layers"})
+        plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32", "decode_backend": "triton-layers"})
 
 
 def test_the_activation_is_read_from_the_config():
@@ -132,22 +100,25 @@ def test_the_activation_is_read_from_the_config():
     assert from_hf_config({**cfg, "hidden_act": "gelu"}, "x", "test").hidden_act == "gelu"
 
 
-def test_decode_attention_needs_a_power_of_two_head_size():
+def test_the_triton_decode_kernels_need_a_power_of_two_head_size():
     dev = fake_probe("H100").primary
     odd = dataclasses.replace(CATALOGUE["qwen2.5-0.5b"], head_dim=96)
     p = plan(dev, odd, SMALL)
-    assert p.decode_attention == "sdpa" and "head size 96 is not a power of two" in p.reasons["decode_attention"]
+    assert p.decode_backend == "torch" and "head size 96 is not a power of two" in p.reasons["decode_backend"]
 
 
-def test_decode_attention_kernel_must_fit_the_shared_memory():
-    """fp32 blocks at head size 256 do not fit an sm_86 block's 99 KB at any pipeline depth: forcing the
-    kernel there is refused at planning time, not at the first decode step; on an H100 it fits."""
+def test_the_decode_attention_kernel_must_fit_the_shared_memory():
+    """16-bit blocks at head size 256 need 60 KB of shared memory even in one stage: on a GPU whose blocks
+    may have 48 KB the kernel is refused at planning time, not at the first decode step; an sm_86 block's
+    99 KB holds them."""
     wide = dataclasses.replace(CATALOGUE["qwen2.5-0.5b"], head_dim=256)
-    forced = {"dtype": "fp32", "decode_attention": "triton"}
-    with pytest.raises(PlanError, match="needs more shared memory per block than this GPU's 99 KB"):
-        plan(fake_probe("3090").primary, wide, SMALL, forced)
-    assert plan(fake_probe("H100").primary, wide, SMALL, forced).decode_attention == "triton"
-    assert plan(fake_probe("3090").primary, wide, SMALL).decode_attention == "triton_layers"   # bf16 fits there
+    small = dataclasses.replace(fake_probe("3090").primary, smem_per_block_optin=48 * 1024)
+    p = plan(small, wide, SMALL)
+    assert p.decode_backend == "torch" and "needs more shared memory per block than this GPU's 48 KB" in \
+        p.reasons["decode_backend"]
+    with pytest.raises(PlanError, match="needs more shared memory per block than this GPU's 48 KB"):
+        plan(small, wide, SMALL, {"decode_backend": "triton-attention"})
+    assert plan(fake_probe("3090").primary, wide, SMALL).decode_backend == "triton-layers"
 
 
 def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():
@@ -166,46 +137,25 @@ def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
-# device, base dtype -> fused NF4 decode kernel, words the reason must hold
-NF4_KERNEL = [
-    ("P40", "nf4", True, "measured 2.6x per decode step"),
-    ("T4", "nf4", False, "fp16 compute: measured no faster"),
-    ("3090", "nf4", False, "bf16 compute"),
-    ("T4", "int8", False, "the base is int8, not nf4"),
-    ("P40", None, False, "the base is fp16, not nf4"),
+# device, base dtype -> decode backend, whether its reason names the fused NF4 kernel
+NF4_BASE = [
+    ("P40", "nf4", "cuda-c", True),      # fp32: the CUDA C layers and the fused NF4 kernel
+    ("T4", "nf4", "torch", False),       # fp16: bitsandbytes' dequantize and a tensor-core GEMM
+    ("3090", "nf4", "triton-attention", False),   # the Triton layers read fused plain weights
+    ("T4", "int8", "torch", False),
+    ("P40", None, "cuda-c", False),      # an fp16 base under fp32 compute: no NF4 kernel
 ]
 
 
-@pytest.mark.parametrize("key,base,on,words", NF4_KERNEL)
-def test_nf4_kernel_for_an_nf4_base_in_fp32_compute(key, base, on, words):
+@pytest.mark.parametrize("key,base,backend,nf4", NF4_BASE)
+def test_the_fused_nf4_kernel_is_the_cuda_c_backend_over_an_nf4_base(key, base, backend, nf4):
     dev = fake_probe(key, bitsandbytes="0.50.2").primary
     task = dataclasses.replace(SMALL, lora=True)
     p = plan(dev, CATALOGUE["qwen2.5-0.5b"], task, {"base_dtype": base} if base else None)
-    assert p.nf4_kernel is on
-    assert words in p.reasons["nf4_kernel"]
-    off = plan(dev, CATALOGUE["qwen2.5-0.5b"], task, {"nf4_kernel": False} | ({"base_dtype": base} if base else {}))
-    assert off.nf4_kernel is False and "asked for" in off.reasons["nf4_kernel"]
-    if base == "nf4":   # 16-bit compute: allowed when asked for
-        forced = plan(dev, CATALOGUE["qwen2.5-0.5b"], task, {"nf4_kernel": True, "base_dtype": base})
-        assert forced.nf4_kernel is True
-    else:
-        with pytest.raises(PlanError, match="plan.nf4_kernel=true is not possible"):
-            plan(dev, CATALOGUE["qwen2.5-0.5b"], task, {"nf4_kernel": True} | ({"base_dtype": base} if base else {}))
-
-
-def test_nf4_kernel_needs_a_frozen_base_and_cuda():
-    with pytest.raises(PlanError, match=r"plan.nf4_kernel=true is not possible: no frozen base \(full fine-tuning\)"):
-        plan(fake_probe("P40").primary, CATALOGUE["qwen2.5-0.5b"], SMALL, {"nf4_kernel": True})
-    with pytest.raises(PlanError, match="plan.nf4_kernel=true is not possible: not a CUDA device"):
-        plan(fake_probe(None, bitsandbytes="0.50.2").primary, CATALOGUE["qwen2.5-0.5b"],
-             dataclasses.replace(SMALL, lora=True), {"nf4_kernel": True, "base_dtype": "nf4"})
-
-
-def test_rollout_compile_is_off_when_the_rollout_runs_the_quantized_actor():
-    dev = fake_probe("3090", bitsandbytes="0.50.2").primary
-    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], dataclasses.replace(SMALL, lora=True), {"base_dtype": "nf4"})
-    assert p.base_dtype == "nf4" and p.rollout_compile is False
-    assert "quantized modules" in p.reasons["rollout_compile"]
+    assert p.rollout_engine == "static" and p.decode_backend == backend
+    assert ("fused NF4 kernel" in p.reasons["decode_backend"]) == nf4
+    if base in ("nf4", "int8"):
+        assert "quantized base" in p.reasons["rollout_engine"]
 
 
 def test_blackwell_keeps_sdpa_unless_flash_attention_is_asked_for():
@@ -265,7 +215,7 @@ def test_vllm_not_for_volta_on_cuda_12_8_builds():
     v100 = fake_probe("V100", vllm="0.10.1").primary
     v100 = dataclasses.replace(v100, software=dataclasses.replace(v100.software, torch_cuda="12.8"))
     p = plan(v100, CATALOGUE["smollm2-135m"], SMALL)
-    assert p.rollout_engine == "hf" and "start at sm_75" in p.reasons["rollout_engine"]
+    assert p.rollout_engine == "static" and "start at sm_75" in p.reasons["rollout_engine"]
 
 
 def test_search_goes_from_fast_to_frugal():
@@ -334,7 +284,7 @@ def test_the_plan_counts_a_shared_prefill_only_where_the_static_engine_runs():
     dev = fake_probe("3090").primary
     hf = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL)
     generate = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_engine": "hf-generate"})
-    assert hf.rollout_engine == "hf" and generate.rollout_engine == "hf-generate"
+    assert hf.rollout_engine == "static" and generate.rollout_engine == "hf-generate"
     rows = hf.rollout_batch
     assert generate.rollout_batch == rows and rows % SMALL.samples_per_prompt == 0
     a = hf.memory.phases["rollout"]["prefill activations"]
@@ -453,14 +403,22 @@ def test_fp32_decode_layer_kernels_take_the_usual_heads_and_say_why_not(change, 
     dev = fake_probe("P40").primary
     odd = dataclasses.replace(CATALOGUE["qwen2.5-0.5b"], **change)
     p = plan(dev, odd, SMALL)
-    assert p.decode_attention == "bmm" and why in p.reasons["decode_attention"]
-    with pytest.raises(PlanError, match=re.escape(f"plan.decode_attention=cuda is not possible: {why}")):
-        plan(dev, odd, SMALL, {"decode_attention": "cuda"})
+    assert p.decode_backend == "torch" and why in p.reasons["decode_backend"]
+    with pytest.raises(PlanError, match=re.escape(f"plan.decode_backend=cuda-c is not possible: {why}; use torch")):
+        plan(dev, odd, SMALL, {"decode_backend": "cuda-c"})
 
 
-def test_fp32_decode_layer_kernels_leave_a_compiled_step_to_inductor():
-    dev = fake_probe("H100").primary
-    p = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32"})
-    assert p.rollout_compile and p.decode_attention == "bmm" and "compiled" in p.reasons["decode_attention"]
-    off = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, {"dtype": "fp32", "rollout_compile": False})
-    assert off.decode_attention == "cuda"
+def test_retired_and_renamed_keys_name_their_replacement():
+    from edgerl.config.load import load_config
+    from edgerl.core.errors import ConfigError
+    for old in ("decode_attention=cuda", "rollout_compile=true", "cuda_graphs=false", "nf4_kernel=true"):
+        with pytest.raises(ConfigError, match=f"--set plan.{old}: plan.{old.split('=')[0]} no longer exists; "
+                                              ".*plan.decode_backend"):
+            load_config(sets=[f"plan.{old}"])
+    with pytest.raises(ConfigError, match="--set plan.rollout_engine=hf: 'hf' is now called 'static'.*"
+                                          "set plan.rollout_engine=static"):
+        load_config(sets=["plan.rollout_engine=hf"])
+    assert load_config(sets=["plan.rollout_engine=static"]).plan.rollout_engine == "static"
+    with pytest.raises(PlanError, match="plan.rollout_compile no longer exists"):
+        plan(fake_probe("P40").primary, CATALOGUE["qwen2.5-0.5b"], SMALL, {"rollout_compile": True})
+

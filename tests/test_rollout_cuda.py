@@ -1,7 +1,7 @@
 """The static engine with the decode step captured in a CUDA graph, against its eager path, HF generate
 and a full-forward recomputation: fused and module projections, graphs kept across weight syncs,
-release/restore of the weights under kept graphs, LoRA adapters, and the compiled layer (CC >= 7.0).
-Tiny models: seconds per test, except the compile tests (tens of seconds each with a cold compile cache)."""
+release/restore of the weights under kept graphs, LoRA adapters, and the Triton decode backends
+(triton-attention, triton-layers; CC >= 7.0 with triton). Tiny models: seconds per test."""
 
 from __future__ import annotations
 
@@ -27,32 +27,40 @@ def engines(model, max_batch=8, max_seq_len=128, **kw):
             StaticCacheEngine(model, max_batch, max_seq_len, cuda_graphs=False, **kw))
 
 
-def compile_reason():
+def triton_reason():
     if torch.cuda.get_device_capability() < (7, 0):
-        return "compile_step needs CC >= 7.0 (Triton)"
+        return "the Triton decode kernels need CC >= 7.0"
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "compile_step needs triton installed"
+        return "the Triton decode kernels need triton installed"
     return ""
 
 
-needs_compile = pytest.mark.skipif(torch.cuda.is_available() and bool(compile_reason()),
-                                   reason=compile_reason() if torch.cuda.is_available() else "requires CUDA")
+needs_triton = pytest.mark.skipif(torch.cuda.is_available() and bool(triton_reason()),
+                                  reason=triton_reason() if torch.cuda.is_available() else "requires CUDA")
 
 
-@pytest.mark.parametrize("projections,attention", [("fused", "bmm"), ("modules", "bmm"), ("fused", "sdpa"),
-                                                    pytest.param("fused", "triton", marks=needs_compile)])
+def with_sdpa(engine):
+    """The torch backend's 16-bit attention (SDPA) on an fp32 model: its code path, checked against HF here."""
+    engine.dec.backend.sdpa = True
+    return engine
+
+
+@pytest.mark.parametrize("projections,backend", [("fused", "torch"), ("modules", "torch"), ("fused", "torch-sdpa"),
+                                                  pytest.param("fused", "triton-attention", marks=needs_triton)])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_graph_greedy_equals_eager_and_hf_fp32(name, projections, attention):
+def test_graph_greedy_equals_eager_and_hf_fp32(name, projections, backend):
     model = BUILD[name](device="cuda")
-    graph, eager = engines(model, projections=projections, decode_attention=attention)
+    graph, eager = engines(model, projections=projections, backend=backend.removesuffix("-sdpa"))
+    if backend == "torch-sdpa":
+        graph, eager = with_sdpa(graph), with_sdpa(eager)
     assert graph.dec.proj[0].kind == projections
     ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(40))
     got = graph.generate(PROMPTS, 2, greedy(40))
     assert got.response_ids == eager.generate(PROMPTS, 2, greedy(40)).response_ids
     assert got.response_ids == ref.response_ids
-    assert got.info["capture_s"] > 0 and graph.describe().startswith("hf engine: static KV cache + CUDA graph")
+    assert got.info["capture_s"] > 0 and graph.describe().startswith("static engine: static KV cache + CUDA graph")
     # Per-row EOS: a token some rows emit and others do not.
     counts = {}
     for r in ref.response_ids:
@@ -199,13 +207,12 @@ def test_step_times_with_cuda_events():
     assert len(out.info["step_ms"]) == out.info["decode_steps"] == 11 and min(out.info["step_ms"]) > 0
 
 
-@needs_compile
-@pytest.mark.parametrize("attention", ["auto", "triton", "triton_rope"])
+@needs_triton
+@pytest.mark.parametrize("backend", ["triton-attention", "triton-layers"])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_compiled_graph_equals_eager_and_hf_fp32(name, attention):
-    torch._dynamo.reset()
+def test_triton_graph_equals_eager_and_hf_fp32(name, backend):
     model = BUILD[name](device="cuda")
-    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True, decode_attention=attention)
+    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, backend=backend)
     eager = StaticCacheEngine(model, 8, 128, cuda_graphs=False)
     check_greedy_equals_eager_and_hf_across_a_sync(name, model, graph, eager)
 
@@ -235,36 +242,19 @@ def check_sampled_logprobs_bf16(model, graph):
     assert got.shape == want.shape and diff.max() <= 0.15 and diff.mean() <= 0.03, (diff.max(), diff.mean())
 
 
-@needs_compile
-@pytest.mark.parametrize("attention", ["auto", "triton", "triton_rope"])
-def test_compiled_graph_sampled_logprobs_bf16(attention):
-    torch._dynamo.reset()
-    model = tiny_llama(dtype=torch.bfloat16, device="cuda")
-    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, compile_step=True, decode_attention=attention)
-    assert "o and down split 4 ways" in graph.describe()   # the compiled 16-bit default
-    check_sampled_logprobs_bf16(model, graph)
-
-
-@needs_compile
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton-attention", marks=needs_triton),
+                                     pytest.param("triton-layers", marks=needs_triton)])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_triton_layers_graph_equals_eager_and_hf_fp32(name):
-    model = BUILD[name](device="cuda")
-    graph, eager = engines(model, decode_attention="triton_rope", triton_layers=True)
-    check_greedy_equals_eager_and_hf_across_a_sync(name, model, graph, eager)
-
-
-@needs_compile
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_triton_layers_sampled_logprobs_bf16(name):
-    if torch.cuda.get_device_capability() < (8, 0):
+def test_graph_sampled_logprobs_bf16_per_backend(name, backend):
+    if backend != "torch" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 products need CC >= 8.0")
     model = BUILD[name](dtype=torch.bfloat16, device="cuda")
-    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, decode_attention="triton_layers")
-    assert "Triton layers" in graph.describe()
+    graph = StaticCacheEngine(model, 8, 128, cuda_graphs=True, backend=backend)
+    assert f"decode backend {backend}" in graph.describe()
     check_sampled_logprobs_bf16(model, graph)
 
 
-@needs_compile
+@needs_triton
 @pytest.mark.parametrize("kind", ["norm", "norm_bias", "glu", "residual"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_linear_kernel_rounds_as_the_torch_ops(kind, dtype):
@@ -282,7 +272,7 @@ def test_decode_linear_kernel_rounds_as_the_torch_ops(kind, dtype):
     assert ((got - want).abs() <= 2 * ulp).float().mean() >= 0.99
 
 
-@needs_compile
+@needs_triton
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize("kind, k, n", [("residual", 8192, 2048), ("glu_sumsq", 2048, 4096)],
                          ids=["down-1.7b", "gate_up-norm"])
@@ -304,17 +294,10 @@ def test_decode_linear_split_product_on_a_gpu(split, kind, k, n):
     assert ((runs[0].float() - one.float()).abs() <= ulp).float().mean() >= 0.99
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 0),
-                    reason="checks the refusal on a CC < 7.0 (Pascal) GPU")
-def test_compile_refused_below_cc_7():
-    with pytest.raises(ValueError, match="compute capability >= 7.0"):
-        StaticCacheEngine(tiny_llama(device="cuda"), 8, 64, cuda_graphs=True, compile_step=True)
-
-
 DA_CASES = decode_attention_cases("cuda") if torch.cuda.is_available() else []
 
 
-@needs_compile
+@needs_triton
 @pytest.mark.parametrize("case", DA_CASES, ids=[c[0] for c in DA_CASES])
 def test_decode_attention_kernel_equals_the_float64_reference(case):
     from edgerl.kernels.decode_attention import decode_attention
@@ -325,7 +308,7 @@ def test_decode_attention_kernel_equals_the_float64_reference(case):
     assert (got.double().cpu() - decode_attention_reference(q, k, v, start, col, scale)).abs().max() <= tol
 
 
-@needs_compile
+@needs_triton
 @pytest.mark.parametrize("case", DA_CASES, ids=["rope-" + c[0] for c in DA_CASES])
 def test_decode_attention_rope_kernel_equals_the_engine_and_the_reference(case):
     check_decode_attention_rope(case, bf16_exact=True)

@@ -1,6 +1,6 @@
-"""The static-cache engine (eager decode) against HF generate and a full-forward recomputation, fp32 on the CPU:
-fused and module-call projections, LoRA adapters, weight sync into fused views, release/restore of fused
-storage, state kept across generates, and the compiled layer (Inductor's CPU backend)."""
+"""The static-cache engine (eager decode, decode backend torch) against HF generate and a full-forward
+recomputation, fp32 on the CPU: fused and module-call projections, LoRA adapters, weight sync into fused
+views, release/restore of fused storage, state kept across generates, the backends' refusals."""
 
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ def test_bad_requests_are_clear_errors():
 
 
 def test_unsupported_architecture_and_rope_are_refused_by_the_decoder():
-    # the plan routes such models to hf-generate (decisions.static_engine_support); the decoder checks again
+    # the plan routes such models to hf-generate (engines.static_engine_support); the decoder checks again
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64))
     with pytest.raises(UnsupportedModel, match="LlamaForCausalLM, Qwen2ForCausalLM"):
         static(gpt2)
@@ -240,18 +240,25 @@ PROJECTION_MODELS = {**MODELS, "llama-mha": lambda: tiny_llama(6, num_key_value_
                      "llama-mlp-bias": lambda: tiny_llama(8, mlp_bias=True, attention_bias=True)}
 
 
+def with_sdpa(engine: StaticCacheEngine) -> StaticCacheEngine:
+    """The torch backend's 16-bit attention (SDPA) on an fp32 model: its code path, checked against HF here."""
+    engine.dec.backend.sdpa = True
+    return engine
+
+
 @pytest.mark.parametrize("attention", ["bmm", "sdpa"])
 @pytest.mark.parametrize("name", sorted(PROJECTION_MODELS))
 def test_fused_and_module_projections_equal_hf_generate(name, attention):
     model = PROJECTION_MODELS[name]()
     ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(20)).response_ids
-    fused = static(model, max_batch=8) if attention == "bmm" else StaticCacheEngine(
-        model, 8, 64, cuda_graphs=False, decode_attention="sdpa")
-    assert fused.dec.proj[0].kind == "fused"
+    fused = static(model, max_batch=8)
+    fused = fused if attention == "bmm" else with_sdpa(fused)
+    assert fused.dec.proj[0].kind == "fused" and fused.dec.backend.name == "torch"
     assert fused.generate(PROMPTS, 2, greedy(20)).response_ids == ref
     # HF's own forward reads the same fused storage through the parameter views: its output is unchanged.
     assert HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(20)).response_ids == ref
-    mods = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections="modules", decode_attention=attention)
+    mods = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections="modules")
+    mods = mods if attention == "bmm" else with_sdpa(mods)
     assert mods.dec.proj[0].kind == "modules"
     assert mods.generate(PROMPTS, 2, greedy(20)).response_ids == ref
 
@@ -353,7 +360,7 @@ def test_cache_and_buffers_kept_across_generates_with_a_sync_between():
 
 def test_graphs_are_dropped_when_weights_move_and_kept_when_they_stay():
     """The address check that guards kept CUDA graphs, driven on the CPU with stand-in graphs."""
-    from edgerl.rollout.static import _addresses
+    from edgerl.rollout.engine_static import _addresses
     model = tiny_llama()
     eng = static(model)
     eng.generate(PROMPTS, 1, greedy(4))
@@ -388,31 +395,6 @@ def test_step_times_are_recorded_when_asked():
     out = eng.generate(PROMPTS, 1, greedy(10))
     assert len(out.info["step_ms"]) == out.info["decode_steps"] == 9 and min(out.info["step_ms"]) > 0
     assert "step_ms" not in static(tiny_llama()).generate(PROMPTS, 1, greedy(3)).info
-
-
-# ---- the compiled layer ---------------------------------------------------------------------------
-
-def test_compile_step_refuses_module_projections():
-    with pytest.raises(ValueError, match="fused projections"):
-        StaticCacheEngine(with_lora(tiny_llama()), 8, 64, cuda_graphs=False, compile_step=True)
-
-
-def test_compiled_layer_equals_hf_and_compiles_once_for_all_layers():
-    """Inductor's CPU backend (C++); the same Dynamo graph the GPU compiles, with Triton there."""
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
-    model = tiny_qwen2()                   # qkv biases: the fused bias goes through the compiled matmul
-    eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, compile_step=True)
-    assert "compiled layers" in eng.describe()
-    got = eng.generate(PROMPTS, 2, greedy(16))
-    assert got.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(16)).response_ids
-    assert counters["stats"]["unique_graphs"] == 1          # one compilation served both layers
-    source = perturbed(lambda: tiny_qwen2())
-    eng.sync_weights(source.state_dict().items())
-    assert eng.generate(PROMPTS, 2, greedy(16)).response_ids == \
-        HFGenerateEngine(source, 8).generate(PROMPTS, 2, greedy(16)).response_ids
-    assert counters["stats"]["unique_graphs"] == 1          # new weights, same compiled code
 
 
 @pytest.mark.parametrize("cast", ["to_bf16", "bf16_weights_fp32_rope"])
@@ -481,60 +463,18 @@ def test_qkv_parts_are_the_columns_of_qkv(projections):
     assert torch.equal(torch.cat(parts, -1), proj.qkv(h))
 
 
-def test_cuda_decode_attention_off_cuda_is_refused_with_the_reason():
+def test_a_kernel_backend_off_cuda_is_refused_with_the_reason():
     from edgerl.rollout.decoder import DecodeKernelUnavailable
-    with pytest.raises(DecodeKernelUnavailable, match="decode attention 'cuda' cannot run here: tensors are on cpu"):
-        StaticCacheEngine(tiny_llama(), 2, 32, cuda_graphs=False, decode_attention="cuda")
-    with pytest.raises(ValueError, match="attention must be one of .*'cuda', got 'nvrtc'"):
-        StaticCacheEngine(tiny_llama(), 2, 32, cuda_graphs=False, decode_attention="nvrtc")
+    with pytest.raises(DecodeKernelUnavailable, match="decode backend 'cuda-c' cannot run here: tensors are on cpu"):
+        StaticCacheEngine(tiny_llama(), 2, 32, cuda_graphs=False, backend="cuda-c")
+    with pytest.raises(ValueError, match="no decode backend 'nvrtc'"):
+        StaticCacheEngine(tiny_llama(), 2, 32, cuda_graphs=False, backend="nvrtc")
 
 
-def test_a_decode_kernel_that_cannot_run_stops_training_naming_the_setting():
+def test_a_decode_backend_that_cannot_run_stops_training_naming_the_setting():
     import types
     from edgerl.core.errors import TrainingError
-    from edgerl.rollout import _static_engine
-    plan = types.SimpleNamespace(cuda_graphs=False, decode_attention="cuda")
-    with pytest.raises(TrainingError, match=r"cannot run here: tensors are on cpu.*set plan.decode_attention=bmm"):
-        _static_engine(plan, tiny_llama(), 2, 32)
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2-untied"])
-def test_split_k_o_and_down_equal_hf_generate(name, compiled):
-    """o and down as 4 partial products over slices of their inner width, summed where they are added
-    (`StaticDecoder.set_split_k`): HF generate's greedy tokens, before and after a weight sync; compiled,
-    one compilation serves every layer (the first layer gets the embedding as partials too)."""
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
-    model = MODELS[name]()
-    eng = StaticCacheEngine(model, 8, 64, cuda_graphs=False, compile_step=compiled, split_k=4)
-    assert "o and down split 4 ways" in eng.describe()
-    assert eng.generate(PROMPTS, 2, greedy(16)).response_ids == \
-        HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(16)).response_ids
-    source = perturbed(MODELS[name])
-    eng.sync_weights(source.state_dict().items())
-    assert eng.generate(PROMPTS, 2, greedy(16)).response_ids == \
-        HFGenerateEngine(source, 8).generate(PROMPTS, 2, greedy(16)).response_ids
-    if compiled:
-        assert counters["stats"]["unique_graphs"] == 1
-
-
-def test_split_k_partials_sum_to_the_product():
-    from edgerl.rollout.decoder import StaticDecoder
-    dec = StaticDecoder(tiny_llama(), 2, 32, projections="fused")
-    dec.set_split_k(4)
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(3, 128, generator=g), dec.proj[0].down_w
-    parts = dec._partials(x, w)
-    assert parts.shape == (4, 3, w.shape[0])
-    assert torch.allclose(parts.sum(0), x @ w.T, atol=1e-5)
-    assert torch.allclose(parts[1], x[:, 32:64] @ w[:, 32:64].T, atol=1e-5)   # slice i is columns [32 i, 32 i + 32)
-
-
-def test_split_k_is_off_unless_compiled_on_cuda_in_16_bits_and_refuses_what_it_cannot_split():
-    assert "split" not in StaticCacheEngine(tiny_llama(), 8, 64, cuda_graphs=False).describe()
-    with pytest.raises(ValueError, match=r"split_k=3 cannot run: inner widths \(64, 128\) do not split into 3"):
-        StaticCacheEngine(tiny_llama(), 8, 64, cuda_graphs=False, split_k=3)
-    with pytest.raises(ValueError, match="split_k=4 cannot run: it reads the fused projections"):
-        StaticCacheEngine(with_lora(tiny_llama()), 8, 64, cuda_graphs=False, split_k=4)
+    from edgerl.rollout.engine_static import _engine
+    plan = types.SimpleNamespace(decode_backend="cuda-c", rollout_batch=2, reasons={})
+    with pytest.raises(TrainingError, match=r"cannot run here: tensors are on cpu.*set plan.decode_backend=torch"):
+        _engine(plan, tiny_llama(), 32, cuda=False)

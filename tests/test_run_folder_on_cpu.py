@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from edgerl.core.errors import RunDirError
+from edgerl.core.files import write_atomically
 from typer.testing import CliRunner
 
 from edgerl.train import checkpoint
@@ -326,7 +327,7 @@ def test_checkpoints_replace_and_prune_through_temporary_names(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (root / "step-000003").stat().st_mode & 0o777 == 0o777 & ~umask
-    checkpoint.atomic_write_text(tmp_path / "config.toml", "x = 1\n")
+    write_atomically(tmp_path / "config.toml", "x = 1\n")
     assert (tmp_path / "config.toml").stat().st_mode & 0o777 == 0o666 & ~umask
 
 

@@ -9,7 +9,7 @@ from edgerl.config.schema import ConfigError
 from edgerl.device.device import GiB
 from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.train.session import _device_for
-from edgerl.plan.target import resolve_target
+from edgerl.config.target import resolve_target
 from fakes import fake_probe
 
 

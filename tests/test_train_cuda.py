@@ -33,10 +33,10 @@ def finite(rows, key):
 
 def test_bf16_grpo_with_triton_and_graphs(tiny_llama, tmp_path):
     plan, t, rows = train(tiny_llama, tmp_path / "run")
-    assert plan.dtype.compute == "bf16" and plan.kernel_backend == "triton" and plan.cuda_graphs
+    assert plan.dtype.compute == "bf16" and plan.kernel_backend == "triton" and plan.rollout_engine == "static"
     assert "graph" in t.engine.describe().lower(), t.engine.describe()
     if torch.cuda.get_device_capability() >= (8, 0):   # the plan runs the Triton decode layers there
-        assert plan.decode_attention == "triton_layers" and "Triton layers" in t.engine.describe(), t.engine.describe()
+        assert plan.decode_backend == "triton-layers" and "Triton layers" in t.engine.describe(), t.engine.describe()
     assert all(r["rollout/logprob_diff"] < 2e-2 for r in rows), [r["rollout/logprob_diff"] for r in rows]
     assert finite(rows, "actor/pg_loss") and finite(rows, "actor/grad_norm")
     assert rows[-1]["memory/peak_allocated_gib"] > 0
@@ -69,7 +69,7 @@ def test_p40_emulation_through_the_cli(tiny_llama, tmp_path):
 @pytest.mark.parametrize("resident", [True, False])
 def test_a_resident_engine_captures_its_graph_once(tiny_llama, tmp_path, resident):
     plan, t, rows = train(tiny_llama, tmp_path / "run", f"plan.rollout_resident={str(resident).lower()}")
-    assert plan.rollout_resident == resident and plan.cuda_graphs
+    assert plan.rollout_resident == resident and plan.rollout_engine == "static"
     # synced in place, a resident engine replays the graph captured at step 1; a released one re-captures
     assert [r["rollout/captures"] for r in rows] == ([1.0, 0.0, 0.0] if resident else [1.0, 1.0, 1.0])
     assert finite(rows, "actor/grad_norm")
@@ -94,15 +94,24 @@ def test_bf16_training_state_on_cuda(tiny_llama, tmp_path, name, offload):
     assert finite(rows, "actor/grad_norm") and finite(rows, "actor/pg_loss")
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_head32(tmp_path_factory):
+    """Heads of 32 (2 query heads over 1 KV head): a size the CUDA C decode kernels take (the tiny default's
+    16 is not), so an fp32 QLoRA plan decodes through them and the fused NF4 kernel."""
+    from conftest import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-head32"), num_attention_heads=2, num_key_value_heads=1)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-def test_qlora_rollout_runs_the_quantized_actor_in_a_graph(tiny_llama, tmp_path, dtype):
+def test_qlora_rollout_runs_the_quantized_actor_in_a_graph(tiny_llama_head32, tmp_path, dtype):
     pytest.importorskip("bitsandbytes", reason="the quantized base needs bitsandbytes")
-    plan, t, rows = train(tiny_llama, tmp_path / "run", "lora.enabled=true", "lora.rank=4", 'plan.base_dtype="nf4"',
-                          f'plan.dtype="{dtype}"', "algo.kl_coef=0.01")
-    assert plan.base_dtype == "nf4" and plan.cuda_graphs and not t.engine.needs_weights
-    # fp32 compute (a P40's) decodes through the fused NF4 kernel; the trainer scores through bitsandbytes
-    assert plan.nf4_kernel == (dtype == "fp32")
-    assert ("14 NF4 layers decode through the fused kernel" in t.engine.describe()) == (dtype == "fp32"), \
+    plan, t, rows = train(tiny_llama_head32, tmp_path / "run", "lora.enabled=true", "lora.rank=4",
+                          'plan.base_dtype="nf4"', f'plan.dtype="{dtype}"', "algo.kl_coef=0.01")
+    assert plan.base_dtype == "nf4" and plan.rollout_engine == "static" and not t.engine.needs_weights
+    # fp32 compute (a P40's) decodes through the CUDA C kernels and the fused NF4 kernel; the trainer scores
+    # through bitsandbytes
+    assert (plan.decode_backend == "cuda-c") == (dtype == "fp32")
+    assert ("14 NF4 layers through the fused kernel" in t.engine.describe()) == (dtype == "fp32"), \
         t.engine.describe()
     assert finite(rows, "actor/grad_norm") and finite(rows, "actor/kl")
     # the log-probs the engine sampled with are the trainer's own on the same 4-bit weights

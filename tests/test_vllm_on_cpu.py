@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edgerl.rollout.base import SamplingParams
-from edgerl.rollout.vllm_engine import VLLMEngine, VLLMEngineError, checkpoint_shapes
+from edgerl.rollout.engine_vllm import VLLMEngine, VLLMEngineError, checkpoint_shapes
 from vllm_check import EOS, PROMPTS, VOCAB, max_diff, needs_platform, perturb, sample, write_tiny_llama
 
 # fp32 on both sides; what is left is summation order (oneDNN vs torch matmuls, paged vs eager
@@ -64,7 +64,7 @@ def test_generator_makes_runs_reproducible(setup):
 
 
 def test_greedy_equals_hf_generate(setup):
-    from edgerl.rollout.hf import HFGenerateEngine
+    from edgerl.rollout.engine_hf_generate import HFGenerateEngine
     engine, model, _ = setup
     params = SamplingParams(max_new_tokens=12, greedy=True)   # no EOS: all 12 tokens compared
     ours = engine.generate(PROMPTS, 2, params)
@@ -132,7 +132,7 @@ def test_folder_is_a_complete_hf_folder(setup):
 # The rest needs no engine and runs in every venv.
 
 def test_importing_the_engine_does_not_import_vllm():
-    code = "import sys, edgerl.rollout.vllm_engine; print('vllm' in sys.modules)"
+    code = "import sys, edgerl.rollout.engine_vllm; print('vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
 
@@ -140,7 +140,7 @@ def test_importing_the_engine_does_not_import_vllm():
 def test_missing_vllm_is_a_clear_error(tmp_path, monkeypatch):
     write_tiny_llama(tmp_path)
     monkeypatch.setitem(sys.modules, "vllm", None)   # import vllm -> ImportError
-    with pytest.raises(VLLMEngineError, match="needs vllm.*rollout_engine=hf"):
+    with pytest.raises(VLLMEngineError, match="needs vllm.*rollout_engine=static"):
         VLLMEngine(tmp_path, dtype="fp32", gpu_memory_utilization=0.2, max_model_len=64,
                    max_num_seqs=4, seed=0, enable_sleep=False)
 

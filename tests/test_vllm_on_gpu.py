@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from edgerl.rollout.base import SamplingParams
-from edgerl.rollout.vllm_engine import VLLMEngine
+from edgerl.rollout.engine_vllm import VLLMEngine
 from vllm_check import PROMPTS, max_diff, needs_platform, perturb, sample, write_tiny_llama
 
 # fp32 on the GPU: vLLM's workers set torch's fp32 matmul precision to "highest" (no TF32), so what is
@@ -38,7 +38,7 @@ def test_logprobs_equal_hf_recomputation_with_cuda_graphs(setup):
 
 
 def test_greedy_equals_hf_generate(setup):
-    from edgerl.rollout.hf import HFGenerateEngine
+    from edgerl.rollout.engine_hf_generate import HFGenerateEngine
     engine, model = setup
     params = SamplingParams(max_new_tokens=12, greedy=True)
     ref = HFGenerateEngine(model, batch_size=8).generate(PROMPTS, 1, params)

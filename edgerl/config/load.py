@@ -171,10 +171,15 @@ def build(cls: type, data: dict[str, Any], src: Sources, prefix: str = "") -> An
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
+    retired, renamed = getattr(cls, "RETIRED", {}), getattr(cls, "RENAMED", {})
     for key, value in data.items():
         full = f"{prefix}{key}"
+        if key in retired:
+            raise ConfigError(f"{src.name(full)}: {full} no longer exists; {retired[key]}")
         if key not in names:
             raise _unknown_key(full, key, names, prefix, src)
+        if isinstance(value, str) and value in renamed.get(key, {}):
+            raise ConfigError(f"{src.name(full)}: {value!r} {renamed[key][value]}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):

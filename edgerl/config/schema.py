@@ -1,10 +1,12 @@
 """The run config: typed, validated, read from TOML and `--set key=value` overrides.
 
 One dataclass per section; every field carries its documentation in `doc=`, every number its
-range in `RANGES`. Loading (edgerl/config_load.py) checks types (an int is accepted where a float
-is wanted, `0.03` stays a float, a bool is never an int) and choices, names the closest valid key
-for an unknown one, and names where a bad value came from (the file or the --set); `validate`
-checks ranges and cross-field rules. `to_toml()` writes a file that `config_load.load_config()` reads back
+range in `RANGES`. The [plan] section is built from the plan's decision table (`edgerl.plan.table`):
+its keys, types, allowed values, ranges and documentation are the table's. Loading
+(edgerl/config/load.py) checks types (an int is accepted where a float is wanted, `0.03` stays a
+float, a bool is never an int) and choices, names the closest valid key for an unknown one (and the
+new key for a retired one), and names where a bad value came from (the file or the --set); `validate`
+checks ranges and cross-field rules. `to_toml()` writes a file that `load.load_config()` reads back
 unchanged.
 """
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from edgerl.core.errors import ConfigError
+from edgerl.plan import table
 
 
 def F(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
@@ -138,44 +141,23 @@ class LoraConfig:
                             "to <run>/final-adapter")
 
 
-@dataclass
-class PlanOverrides:
-    """Force one decision of the plan; None leaves it to the plan (which explains its choice)."""
-    dtype: Optional[Literal["fp32", "fp16", "bf16"]] = F(None, "compute dtype")
-    attention: Optional[Literal["eager", "sdpa", "flash_attention_2"]] = F(None, "attention kernel")
-    rollout_engine: Optional[Literal["hf", "vllm"]] = F(None, "rollout engine")
-    cuda_graphs: Optional[bool] = F(None, "capture the decode step in a CUDA graph (hf engine)")
-    rollout_compile: Optional[bool] = F(None, "torch.compile the decode step's decoder layers inside the CUDA "
-                                        "graph (hf engine; CC >= 8.0, triton and a C compiler)")
-    nf4_kernel: Optional[bool] = F(None, "the rollout's decode step multiplies by an NF4 base through edgerl's fused "
-                                   "kernel (compiled with NVRTC) instead of bitsandbytes' dequantize + matmul")
-    decode_attention: Optional[Literal["sdpa", "bmm", "triton", "triton_rope", "triton_layers", "cuda"]] = F(
-        None, "how the hf engine's decode step attends over its KV cache: edgerl's Triton kernel doing the rotary "
-        "embedding and the cache write too (triton_rope; 16 bits, CC >= 8.0), that kernel between Triton "
-        "projections with the norms, SiLU * up and residual adds fused in (triton_layers; not compiled), the kernel "
-        "alone (triton), edgerl's CUDA C layer kernels (cuda; fp32, any CUDA GPU), SDPA, or baddbmm/softmax/bmm")
-    share_prompts: Optional[bool] = F(None, "the trainer's forward passes compute a prompt its samples share once "
-                                      "per micro-batch")
-    kernel_backend: Optional[Literal["torch", "triton"]] = F(None, "log-prob kernel backend")
-    grad_checkpointing: Optional[bool] = F(None, "recompute activations in the backward pass")
-    param_offload: Optional[bool] = F(None, "keep parameters in host memory (FSDP2 CPU offload)")
-    optimizer_offload: Optional[bool] = F(None, "keep optimizer state in host memory")
-    optimizer: Optional[Literal["adamw", "adamw8bit", "adamw-bf16", "adamw-bf16-sr"]] = F(
-        None, "optimizer and training-state format: fp32 AdamW with fp32 masters (16 bytes per parameter), 8-bit "
-        "AdamW (bitsandbytes, CC >= 6.0, 10 bytes), or bf16 weights and AdamW state with Kahan compensation "
-        "(adamw-bf16, 10 bytes) or stochastic rounding (adamw-bf16-sr, 8 bytes; native bf16, CC >= 8.0)")
-    base_dtype: Optional[Literal["fp32", "fp16", "bf16", "int8", "nf4"]] = F(
-        None, "storage of the frozen LoRA base; None = the plan decides (the compute dtype, fp16 under fp32 "
-        "compute, then int8 and nf4 when a float base does not fit). nf4/int8 quantize it with bitsandbytes "
-        "(QLoRA): the reference and the rollout use the same quantized weights")
-    rollout_batch: Optional[int] = F(None, "sequences generated at once")
-    rollout_resident: Optional[bool] = F(None, "keep the rollout engine's weights, KV cache and CUDA graphs on the "
-                                         "GPU between steps (faster; the plan turns it on when memory allows)")
-    score_micro_batch: Optional[int] = F(None, "sequences per no-grad log-prob pass")
-    headroom_gib: Optional[float] = F(None, "memory kept free beyond the estimate")
-    memory_gib: Optional[float] = F(None, "memory budget in GiB instead of the device's; on a GPU the run keeps it "
-                                    "(torch's allocator is capped at it, less the CUDA context)")
-    rollout_memory_share: Optional[float] = F(None, "share of GPU memory the vllm engine may take")
+def plan_overrides(rows) -> type:
+    """The [plan] section: one key per row of the plan's decision table (`edgerl.plan.table`) that users may
+    force, with the row's type, allowed values, range and documentation; None leaves the decision to the
+    plan (which explains its choice)."""
+    fields = []
+    for d in rows:
+        if d.override is None:
+            continue
+        tp = Literal[d.override] if isinstance(d.override, tuple) else d.override
+        fields.append((d.config_key, Optional[tp], field(default=None, metadata={"doc": d.doc, "range": d.range})))
+    return dataclasses.make_dataclass("PlanOverrides", fields, namespace={
+        "__doc__": "Force one decision of the plan; None leaves it to the plan (which explains its choice).",
+        "__module__": __name__,
+        "RETIRED": dict(table.RETIRED), "RENAMED": {d.config_key: d.renamed for d in rows if d.renamed}})
+
+
+PlanOverrides = plan_overrides(table.TABLE)
 
 
 @dataclass
@@ -199,7 +181,7 @@ class Config:
     algo: AlgoConfig = F(factory=AlgoConfig, doc="advantages, KL and losses")
     train: TrainConfig = F(factory=TrainConfig, doc="optimisation and batch sizes")
     lora: LoraConfig = F(factory=LoraConfig, doc="LoRA adapters")
-    plan: PlanOverrides = F(factory=PlanOverrides, doc="overrides of the hardware plan")
+    plan: PlanOverrides = F(factory=lambda: PlanOverrides(), doc="overrides of the hardware plan")
     run: RunConfig = F(factory=RunConfig, doc="run folder, checkpoints, logging")
 
     @property
@@ -250,7 +232,8 @@ class Config:
 
 
 # The range of every number that has one, as an interval ("(" excludes the bound, "[" includes it),
-# with what the bound means. A value outside would fail later, mid-run, or train nothing.
+# with what the bound means. A value outside would fail later, mid-run, or train nothing. The [plan]
+# keys carry theirs in their field's metadata, from the plan's decision table.
 RANGES: dict[str, tuple[str, str]] = {
     "rollout.n_samples": ("[1, inf)", ""),
     "rollout.max_new_tokens": ("[1, inf)", ""),
@@ -284,11 +267,6 @@ RANGES: dict[str, tuple[str, str]] = {
     "lora.rank": ("[1, inf)", ""),
     "lora.alpha": ("(0, inf)", "the adapter's scale is alpha / rank"),
     "lora.dropout": ("[0, 1)", ""),
-    "plan.rollout_batch": ("[1, inf)", "leave it unset to let the plan choose"),
-    "plan.score_micro_batch": ("[1, inf)", "leave it unset to let the plan choose"),
-    "plan.headroom_gib": ("[0, inf)", ""),
-    "plan.memory_gib": ("(0, inf)", "leave it unset to use the device's memory"),
-    "plan.rollout_memory_share": ("(0, 1]", "a share of the GPU's memory"),
     "run.save_every": ("[0, inf)", "0 writes no periodic checkpoint"),
     "run.keep_last": ("[1, inf)", ""),
     "run.profile_step": ("[0, inf)", "0 records no step"),
@@ -315,7 +293,12 @@ def _check_ranges(cfg: "Config") -> None:
                 raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
             if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
                 raise ConfigError(f"{section.name}.{f.name} must hold finite numbers, got {value}")
-    for key, (spec, why) in RANGES.items():
+    ranges = dict(RANGES)
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            if f.metadata.get("range"):
+                ranges[f"{section.name}.{f.name}"] = f.metadata["range"]
+    for key, (spec, why) in ranges.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value is None:

@@ -1,8 +1,11 @@
-"""Files edgerl writes for the user (prepared data, plots, a rewritten metrics log): never seen
-half-written, never written over something the user had unless asked.
+"""Files edgerl writes for the user (prepared data, plots, run configs, plans, metrics logs): never
+seen half-written, never written over something the user had unless asked. Every file a user relies
+on goes through `write_atomically`, the one atomic writer (checkpoint and export folders have their
+own atomic rename in train/checkpoint.py).
 
     path = output_file(out, (".parquet",), option="--out", overwrite=force)   # checks, no I/O
     write_atomically(path, lambda tmp: pq.write_table(table, tmp))
+    write_atomically(run_dir / "plan.json", text)                          # text: written as UTF-8
 
 Both raise ConfigError: the path is something the user chose, and the message says what to do.
 """
@@ -10,6 +13,7 @@ Both raise ConfigError: the path is something the user chose, and the message sa
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -53,8 +57,9 @@ def output_file(out: Union[str, Path], suffixes: tuple[str, ...], *, option: str
     return p
 
 
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Call `write(tmp)` on a new file beside `path`, flush it to disk, then rename it onto `path`.
+def write_atomically(path: Union[str, Path], write: Union[str, Callable[[Path], None]]) -> None:
+    """Call `write(tmp)` on a new file beside `path` (or write the text `write` to it, UTF-8), flush it
+    to disk, then rename it onto `path`. The file gets the permissions any new file gets (the umask).
 
     A crash leaves either the old file or the new one under `path`, never a part of either (the
     rename is atomic within one folder, hence the temporary file beside it, not in /tmp). The
@@ -64,7 +69,10 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
     try:
-        write(tmp)
+        if isinstance(write, str):
+            tmp.write_text(write, encoding="utf-8")
+        else:
+            write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -84,6 +92,14 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         pass  # some file systems refuse fsync on a folder; the rename is still atomic
     finally:
         os.close(fd)
+
+
+_TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp(\.[^.]*)?$")
+
+
+def temporaries(folder: Path) -> list[Path]:
+    """The temporary files `write_atomically` left in `folder` when it was killed mid-write."""
+    return sorted(p for p in Path(folder).glob(".*") if _TEMPORARY.match(p.name))
 
 
 def cache_root() -> Path:

@@ -205,11 +205,9 @@ def check_c_compiler(dev: Device, env: Environment, plan: Optional[Plan]) -> Opt
     if plan.kernel_backend == "triton":
         uses.append("the fused log-prob kernel" + (" and the bf16 AdamW step" if plan.optimizer.startswith("adamw-bf16")
                                                    else ""))
-    if plan.rollout_compile:
-        uses.append("the compiled decode step")
-    if plan.decode_attention in ("triton", "triton_rope", "triton_layers") and plan.rollout_engine == "hf":
+    if plan.decode_backend in ("triton-attention", "triton-layers"):
         uses.append("the decode-attention kernel" + (" and the decode layers' projections"
-                                                      if plan.decode_attention == "triton_layers" else ""))
+                                                      if plan.decode_backend == "triton-layers" else ""))
     if not uses:
         return None
     cc = env.env.get("CC")
@@ -220,7 +218,7 @@ def check_c_compiler(dev: Device, env: Environment, plan: Optional[Plan]) -> Opt
     return _c("C compiler", "fail", f"{missing}; Triton builds each kernel's launcher with one the first time it runs, "
               f"so {' and '.join(uses)} would stop the run at its first step",
               "install gcc (apt install gcc, dnf install gcc) or set CC to a C compiler; or run without Triton: "
-              "--set plan.kernel_backend=torch --set plan.rollout_compile=false --set plan.decode_attention=sdpa")
+              "--set plan.kernel_backend=torch --set plan.decode_backend=torch")
 
 
 def run_checks(dev: Device, probe: ProbeResult, plan: Optional[Plan], env: Optional[Environment] = None,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from edgerl.plan.decisions import (bnb_support, pick_attention, pick_dtype, pick_kernels, sdpa_backends, vllm_install_advice,
-                        vllm_support)
+from edgerl.plan.decisions import bnb_support, pick_attention, pick_dtype, pick_kernels, sdpa_backends, vllm_install_advice
+from edgerl.plan.engines import vllm_support
 from edgerl.device.device import Device
 from edgerl.doctor.check import Check, _c
 from edgerl.plan.memory import fmt_bytes
@@ -68,8 +68,8 @@ def check_vllm(dev: Device, dtype: object) -> Check:
     if ok:
         return _c("vLLM", "ok", why)
     if dev.software.has("vllm"):
-        return _c("vLLM", "warn", f"installed but not usable here: {why}", "edgerl uses its hf engine instead")
-    engine = "the hf engine (static KV cache + CUDA graphs)" if dev.is_cuda else "the hf engine"
+        return _c("vLLM", "warn", f"installed but not usable here: {why}", "edgerl uses its static engine instead")
+    engine = "the static engine (static KV cache + CUDA graphs)" if dev.is_cuda else "the static engine"
     return _c("vLLM", "ok", f"{why}; {engine} is used", vllm_install_advice(dev))
 
 
@@ -85,9 +85,10 @@ def check_bnb(dev: Device) -> Check:
 
 
 def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Optional[Check]:
-    """Whether NVRTC compiles the fused NF4 decode kernel for this GPU (a QLoRA rollout in fp32 uses it).
-    Only where it could matter: a real CUDA GPU with bitsandbytes installed, or a plan that uses it."""
-    needed = plan is not None and plan.nf4_kernel
+    """Whether NVRTC compiles the fused NF4 decode kernel for this GPU (a QLoRA rollout in fp32 uses it: decode
+    backend cuda-c over an NF4 base). Only where it could matter: a real CUDA GPU with bitsandbytes installed,
+    or a plan that uses it."""
+    needed = plan is not None and plan.decode_backend == "cuda-c" and plan.base_dtype == "nf4"
     if not dev.is_cuda or simulated or not (needed or dev.software.has("bitsandbytes")):
         return None
     from edgerl.kernels.nf4 import SOURCE, decode_kernels
@@ -96,17 +97,17 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
         compile_cubin(SOURCE, decode_kernels(), dev.cc)
     except (KernelUnavailable, OSError, AttributeError) as e:
         then = ("training with this plan stops at its start" if needed else
-                "a QLoRA plan in fp32 needs plan.nf4_kernel=false here (bitsandbytes' own matmul, slower)")
+                "a QLoRA plan in fp32 needs plan.decode_backend=torch here (bitsandbytes' own matmul, slower)")
         return _c("fused NF4 kernel", "fail" if needed else "warn", f"NVRTC cannot compile it for {dev.sm}: {e}; {then}",
                   "torch's CUDA wheels bring NVRTC (nvidia-cuda-nvrtc); reinstall torch from its CUDA index, or "
-                  "set plan.nf4_kernel=false")
+                  "set plan.decode_backend=torch")
     return _c("fused NF4 kernel", "ok", f"NVRTC compiles it for {dev.sm}: QLoRA decode steps in fp32 read the "
               "4-bit weights once" + (" (this plan uses it)" if needed else ""))
 
 
 def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> Optional[Check]:
     """Whether NVRTC compiles the fp32 decode-layer kernels (kernels/decode_cuda.py) this plan's rollout uses."""
-    if plan is None or plan.decode_attention != "cuda" or plan.rollout_engine != "hf" or not dev.is_cuda or simulated:
+    if plan is None or plan.decode_backend != "cuda-c" or not dev.is_cuda or simulated:
         return None
     from edgerl.kernels.decode_cuda import SOURCE, kernel_names
     from edgerl.kernels.nvrtc import KernelUnavailable, compile_cubin
@@ -115,7 +116,7 @@ def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> 
     except (KernelUnavailable, OSError, AttributeError) as e:
         return _c("decode-layer kernels", "fail", f"NVRTC cannot compile them for {dev.sm}: {e}; the rollout would "
                   "stop at its start", "torch's CUDA wheels bring NVRTC (nvidia-cuda-nvrtc); reinstall torch from its "
-                  "CUDA index, or set plan.decode_attention=bmm")
+                  "CUDA index, or set plan.decode_backend=torch")
     return _c("decode-layer kernels", "ok", f"NVRTC compiles them for {dev.sm}: the fp32 decode step attends over "
               "the columns each row sees and fuses its elementwise work (this plan uses them)")
 

@@ -310,7 +310,7 @@ def release_weights(model: nn.Module) -> int:
     """Free the storage of `model`'s parameters (the rollout copy between rollouts); the tensors stay, so
     modules, engines and views keep pointing at them. Returns the bytes freed. `restore_weights` then
     re-allocates, and the next weight sync refills every parameter. The new memory may sit at another
-    address: an engine must not keep CUDA graphs across its `release()` (the hf engines drop them)."""
+    address: an engine must not keep CUDA graphs across its `release()` (the static engine drops them)."""
     freed = 0
     for p in {id(p): p for p in model.parameters()}.values():
         st = p.untyped_storage()

@@ -10,9 +10,9 @@ fp32 products as bitsandbytes' fp32 path, summed in another order. The peft LoRA
 such layer becomes a `DecodeLoraLinear4bit`, which in the same decode steps adds its adapter inside
 the kernel (x A^T as more rows of the weight, scale (x A^T) B^T in the kernel's last sum).
 
-The plan decides (`decisions.pick_nf4_kernel`, `plan.nf4_kernel`); `enable` compiles the kernel for
-the device first, so a machine where NVRTC cannot build it fails at the start of training with one
-line naming the setting, not in the middle of a rollout.
+The plan decides (decode backend `cuda-c` over an NF4 base: rollout/decode_cuda_c.py calls `enable`);
+`enable` compiles the kernel for the device first, so a machine where NVRTC cannot build it fails at
+the start of training with one line naming the setting, not in the middle of a rollout.
 """
 
 from __future__ import annotations
@@ -123,12 +123,12 @@ def check_kernel(device: torch.device) -> None:
         raise
     except (KernelUnavailable, RuntimeError, OSError) as e:   # no NVRTC, an arch it cannot build, a failed launch
         raise TrainingError(f"the plan decodes through the fused NF4 kernel, which cannot run here: "
-                            f"{type(e).__name__}: {str(e).strip()[:400]} (set plan.nf4_kernel=false to use "
+                            f"{type(e).__name__}: {str(e).strip()[:400]} (set plan.decode_backend=torch to use "
                             "bitsandbytes' own matmul)") from None
     err = max((got - want).abs().max().item(), (got_l - want_l).abs().max().item())
     if not err <= 1e-4 * max(want.abs().max().item(), want_l.abs().max().item(), 1.0):
         raise TrainingError(f"the fused NF4 kernel disagrees with its reference on "
-                            f"{torch.cuda.get_device_name(device)} (max error {err:.3g}); set plan.nf4_kernel=false "
+                            f"{torch.cuda.get_device_name(device)} (max error {err:.3g}); set plan.decode_backend=torch "
                             "and report this GPU")
 
 

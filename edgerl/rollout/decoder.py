@@ -7,7 +7,11 @@ no torch.compile needed: Pascal, CC 6.x, has no Triton). The math follows `model
 model's own inverse frequencies, grouped-query attention, the module's own activation), so greedy
 output equals HF `generate`.
 A layer's projections go through a small object (`projections.py`): fused q/k/v and gate/up
-matmuls over plain weights, or the modules themselves (LoRA adapters, quantized layers).
+matmuls over plain weights, or the modules themselves (LoRA adapters, quantized layers). The decode
+step's layers run through a backend (`plan.decode_backend`), one file each beside this one:
+`decode_torch.py` (torch's ops), `decode_triton_attention.py`, `decode_triton_layers.py` and
+`decode_cuda_c.py`; backend `x-y` lives in `decode_x_y.py` and is its `Backend` class. The prefill is
+the same torch code for all of them.
 
 A decode step for a few rows is bound by the number of kernels, not by the weight reads, so the
 step avoids kernels that do no arithmetic HF would not do: rotary on q and k in one pass with the
@@ -20,7 +24,7 @@ sits at column `start[b]`, and its position ids count from there (`column - star
 
 from __future__ import annotations
 
-import math
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +32,12 @@ import torch.nn.functional as F
 from .projections import make_projections
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-ATTENTIONS = ("auto", "bmm", "sdpa", "triton", "triton_rope", "cuda")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at init
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_GQA = _TORCH >= (2, 5)  # `enable_gqa=` of scaled_dot_product_attention
 
 
-def _sdpa(q, k, v, mask, scale, gqa: bool):
+def sdpa(q, k, v, mask, scale, gqa: bool):
     """scaled_dot_product_attention with a mask; on CUDA on the memory-efficient or math backend only,
     the kernels every dtype was checked on against HF's forward (bench/bench_rollout.py). (A bf16
     mismatch once blamed on the backend choice was the rotary frequencies: see `model_inv_freq`.)"""
@@ -56,7 +59,24 @@ class UnsupportedModel(ValueError):
 
 
 class DecodeKernelUnavailable(ValueError):
-    """The decode-attention kernel asked for cannot run here (the message says why)."""
+    """The decode backend asked for cannot run here (the message says why)."""
+
+
+def backend_class(name: str) -> type:
+    """The `Backend` class of decode backend `name` (`decode_<name with - as _>.py` beside this file).
+
+    A backend is built with the decoder (`Backend(dec)`, raising DecodeKernelUnavailable where it cannot
+    run) and runs one decode step's layers: `mask(start, col)` what the layers read to hide the columns a
+    row does not see (an additive mask, or the rows' start columns for a kernel that bounds its reads);
+    `first(x)` -> (x, d) from the embedded tokens x (B, hidden); `layer(x, d, proj, ln1, eps1, ln2, eps2,
+    kv, cos, sin, mask, col)` -> (x, d) for each layer (kv its cache (2, B, KVH, S, D), cos and sin (B, 1,
+    D)); `last(x, d)` the residual stream the final norm reads. d is what a layer hands the next one (the
+    MLP output not yet added, or the rows' sums of squares). `name` and `note` describe it."""
+    try:
+        module = importlib.import_module(f"{__package__}.decode_{name.replace('-', '_')}")
+    except ModuleNotFoundError:
+        raise ValueError(f"no decode backend {name!r} (edgerl/rollout/decode_{name.replace('-', '_')}.py)") from None
+    return module.Backend
 
 
 def check_supported(model: torch.nn.Module, max_seq_len: int) -> None:
@@ -139,7 +159,7 @@ def model_inv_freq(model: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor,
     return inv, scale
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF: normalise in fp32, cast back, then scale. F.rms_norm computes in fp32 internally for 16-bit
     # inputs and rounds once, the same values as HF's upcast/normalise/downcast, in one kernel (CUDA)
     # instead of five plus two casts; the scale stays a separate multiply so it rounds where HF's does.
@@ -159,29 +179,17 @@ class StaticDecoder:
     D head dim, N = (heads + 2 KVH) D the width of the q/k/v projection.
 
     projections: 'auto' (fused where every projection is a plain nn.Linear), 'fused' or 'modules'
-    (see `projections.py`). attention: how a decode step attends, 'bmm' (baddbmm, softmax, bmm: plain
-    kernels every GPU has), 'sdpa' (one scaled_dot_product_attention call, its fused kernel where the
-    device has one), 'triton' (edgerl's decode-attention kernel, `kernels/decode_attention.py`: reads
-    only the columns each row sees; CUDA CC >= 7.0 with triton), 'triton_rope' (the same kernel doing
-    the rotary embedding, the cache write and the query's copy too: three kernels fewer per layer, the
-    plan's choice where the kernel runs), 'cuda' (fp32, any CUDA GPU NVRTC builds for, Pascal included:
-    `kernels/decode_cuda.py` does the rotary embedding, the cache write and attention over the columns
-    each row sees in one kernel, and the layer's residual adds with its RMS norms and SiLU * up in
-    three more, about 18 kernels fewer per layer) or 'auto': bmm in fp32, sdpa in 16 bits. A 16-bit baddbmm
-    rounds the scores to 16 bits before the softmax, where HF's SDPA forward (what training runs) keeps
-    them in fp32: measured on the H200 in bf16 (docs/benchmarks.md, History), bmm agreed with HF's argmax on
-    54-60% of tokens, sdpa on 76-83%, as HF generate itself does (83-87%)."""
+    (see `projections.py`). backend: the decode step's layers (`plan.decode_backend`): 'torch',
+    'triton-attention', 'triton-layers' or 'cuda-c' (`backend_class`); it raises
+    DecodeKernelUnavailable, saying why, where it cannot run."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
-                 projections: str = "auto", attention: str = "auto") -> None:
+                 projections: str = "auto", backend: str = "torch") -> None:
         model = _unwrap(model)
         check_supported(model, max_seq_len)
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTIONS))}, got {attention!r}")
-        if attention == "auto":
-            attention = "bmm" if model.model.embed_tokens.weight.dtype == torch.float32 else "sdpa"
+        cls = backend_class(backend)
         cfg = model.config
-        self.model, self.attention = model, attention
+        self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         # Whole 16-element rows keep the cache and the additive mask aligned for fused attention kernels
         # (they pad a misaligned mask per call); the extra columns are never written and always masked.
@@ -199,7 +207,7 @@ class StaticDecoder:
         acts = {type(layer.mlp.act_fn) for layer in layers}
         if len(acts) != 1:
             raise UnsupportedModel(f"layers use different activations ({acts}); the static engine needs one")
-        self.act = layers[0].mlp.act_fn   # one object for every layer, so a compiled layer is compiled once
+        self.act = layers[0].mlp.act_fn
         self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
         self.embed, self.final_norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
         self.norms = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
@@ -219,28 +227,8 @@ class StaticDecoder:
         half = self.head_dim // 2
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.cols = torch.arange(self.cache_len, device=self.device)       # (S,)
-        self.attend = None
-        if attention in ("triton", "triton_rope"):
-            from ..kernels.decode_attention import attention_op, attention_rope_op, unavailable_reason
-            why = unavailable_reason(self.device, self.head_dim, self.dtype, self.group)
-            if why:
-                raise DecodeKernelUnavailable(f"decode attention {attention!r} cannot run here: {why}; use 'sdpa' or "
-                                              "'bmm'")
-            # the op itself: a compiled layer calls it without a module lookup
-            self.attend = attention_op() if attention == "triton" else attention_rope_op()
-        elif attention == "cuda":
-            from ..kernels import decode_cuda
-            why = decode_cuda.unavailable_reason(self.device, self.head_dim, self.dtype, self.group)
-            if why:
-                raise DecodeKernelUnavailable(f"decode attention 'cuda' cannot run here: {why}; use 'bmm' or 'sdpa'")
-            self.kernels = decode_cuda
-            self.attend = decode_cuda.rope_attend
         self.cache: torch.Tensor | None = None
-        self.split_k = 0   # o and down as S-way split-K products (see `set_split_k`); 0: one matmul each
-        self.linear = None   # kernels/decode_linear.py's launcher under `set_triton_layers`
-        # the engine swaps in a compiled one under compile_step
-        self.layer_step = self._decode_layer_cuda if attention == "cuda" else self._decode_layer
-        self.compiled = False
+        self.backend = cls(self)
 
     # ---- memory and weights ---------------------------------------------------------------------
 
@@ -277,77 +265,9 @@ class StaticDecoder:
             p.refuse()
         return bool(stale)
 
-    def split_k_reason(self, parts: int) -> str | None:
-        """Why the decode step's o and down products cannot run as `parts`-way split-K products, or None."""
-        if any(p.kind != "fused" for p in self.proj):
-            return f"it reads the fused projections' plain weights ({self.proj_note})"
-        if self.attention == "cuda":
-            return "decode attention 'cuda' runs its own layer kernels"
-        if self.linear is not None:
-            return "the Triton layers add the o and down products to the residual stream inside their kernels"
-        if any(p.o_b is not None or p.down_b is not None for p in self.proj):
-            return "the o or down projection has a bias"
-        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"{self.dtype} is not fp32, bf16 or fp16"
-        if self.dtype != torch.float32 and "dtype" not in torch.ops.aten.bmm.overloads():
-            return f"torch {torch.__version__} has no bmm with fp32 output from 16-bit inputs (torch >= 2.8 has)"
-        inner = self.proj[0].o_w.shape[1], self.proj[0].down_w.shape[1]
-        if parts < 2 or any(k % (8 * parts) for k in inner):
-            return f"inner widths {inner} do not split into {parts} parts of whole 8-element groups"
-        return None
+    # ---- pieces of a layer the backends share --------------------------------------------------------------------------------
 
-    def set_split_k(self, parts: int) -> None:
-        """The decode step's o and down products as `parts` batched products over slices of their inner
-        dimension, with fp32 partials (`torch.bmm(out_dtype=float32)` in 16 bits), summed by the kernel that
-        adds them to the residual (Inductor fuses the sum into the residual add + RMS norm): more thread
-        blocks for these short-and-wide products than cuBLAS gives them, and no split-K reduction kernel of
-        its own. The sum rounds once, where F.linear's output rounds. 0 turns it off."""
-        if parts and (why := self.split_k_reason(parts)):
-            raise ValueError(f"split_k={parts} cannot run: {why}")
-        self.split_k = parts
-
-    def triton_layers_reason(self) -> str | None:
-        """Why the decode step's layers cannot run as `kernels/decode_linear.py`'s fused projections, or None."""
-        if any(p.kind != "fused" for p in self.proj):
-            return f"they read the fused projections' weights ({self.proj_note})"
-        if self.attention != "triton_rope":
-            return f"they run with decode attention 'triton_rope' (its rotary and cache write), not {self.attention!r}"
-        if not self.silu:
-            return "the MLP's activation is not SiLU (the kernel's gate/up epilogue computes SiLU(gate) * up)"
-        from ..kernels.decode_linear import unavailable_reason
-        return unavailable_reason(self.device, self.dtype)
-
-    def set_triton_layers(self) -> None:
-        """Run each decode layer as five kernels: the RMS norm fused into the q/k/v product, the rotary
-        attention kernel, the o product with the residual add, the norm fused into the gate/up product with
-        SiLU(gate) * up as its epilogue, and the down product with the residual add (`_decode_layer_triton`),
-        each rounded where HF's ops round. Raises ValueError with the reason where it cannot run."""
-        if why := self.triton_layers_reason():
-            raise ValueError(f"the Triton decode layers cannot run: {why}")
-        from ..kernels.decode_linear import decode_linear
-        self.linear = decode_linear
-        self.layer_step = self._decode_layer_triton
-
-    def _partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x (B, K) @ w (N, K)^T as split_k fp32 partial products (S, B, N) over K / S slices (views, no copy)."""
-        S, (B, K), N = self.split_k, x.shape, w.shape[0]
-        a = x.view(B, S, K // S).transpose(0, 1)                                          # (S, B, K/S)
-        b = w.view(N, S, K // S).permute(1, 2, 0)                                         # (S, K/S, N)
-        return torch.bmm(a, b) if x.dtype == torch.float32 else torch.bmm(a, b, out_dtype=torch.float32)
-
-    def _plus(self, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """x + d, where d may be split-K partials (S, B, N) in fp32: summed one by one (elementwise, so a
-        compiled layer fuses the sum into the add) and rounded once to the compute dtype."""
-        if d.dim() == x.dim():
-            return x + d
-        total = d[0]
-        for i in range(1, d.shape[0]):
-            total = total + d[i]
-        return x + total.to(x.dtype)
-
-    # ---- one layer --------------------------------------------------------------------------------
-
-    def _rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotary embedding of q and k together, in place in the q/k columns of qkv (..., N).
         HF: q * cos + rotate_half(q) * sin, the products and the sum each rounded in the compute dtype."""
         qk = qkv[..., :self.q_width + self.kv_width].unflatten(-1, (-1, self.head_dim))
@@ -356,77 +276,13 @@ class StaticDecoder:
         r.mul_(sin)
         qk.mul_(cos).add_(r)
 
-    def _mlp_hidden(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
+    def mlp_hidden(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
         """act(gate) * up of the normed rows: the down projection's input."""
-        gate, up = proj.gate_up(_rms_norm(x, ln2, eps2))
+        gate, up = proj.gate_up(rms_norm(x, ln2, eps2))
         return self.act(gate) * up
 
     def _mlp_in(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
-        return proj.down(self._mlp_hidden(x, proj, ln2, eps2))
-
-    def _decode_layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, bias, col):
-        """x: (B, hidden) residual stream; d: the previous layer's MLP output, not yet added (None for the
-        first layer), so a compiled layer fuses that add with this layer's norm. kv: this layer's cache
-        (2, B, KVH, S, D); cos, sin: (B, 1, D); bias: additive mask (the rows' start columns (B,) for
-        'triton' attention, which masks by them); col: (1,). Returns (x, d)."""
-        if d is not None:
-            x = self._plus(x, d)
-        B = x.shape[0]
-        qkv = proj.qkv(_rms_norm(x, ln1, eps1))                                     # (B, N)
-        if self.attention == "triton_rope":   # rotary, the cache write and attention in one kernel
-            o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], bias, col, self.scaling,
-                            self.group)
-        else:
-            o = self._attend_cache(qkv, kv, cos, sin, bias, col)
-        # under split-K the o partials are summed into this add, the down partials into the next layer's (d)
-        o = o.reshape(B, self.q_width)
-        x = self._plus(x, self._partials(o, proj.o_w) if self.split_k else proj.o(o))
-        h = self._mlp_hidden(x, proj, ln2, eps2)
-        return x, (self._partials(h, proj.down_w) if self.split_k else proj.down(h))
-
-    def _decode_layer_triton(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
-        """`_decode_layer` as five kernels (`set_triton_layers`). Each product's epilogue adds it to the residual
-        stream itself, so d is not a product to add: it is x's rows' sums of squares as (P, B) fp32 partial
-        sums, which the products that add to the residual stream write for the norm that reads it next.
-        Returns (x, d) for the next layer."""
-        B, lin = x.shape[0], self.linear
-        qkv = lin(x, proj.qkv_w, norm=ln1, eps=eps1, bias=proj.qkv_b, sumsq=d)
-        o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, self.scaling, self.group)
-        x, ss = lin(o.view(B, self.q_width), proj.o_w, bias=proj.o_b, residual=x, return_sumsq=True)
-        h = lin(x, proj.gu_w, norm=ln2, eps=eps2, bias=proj.gu_b, glu=True, sumsq=ss)
-        return lin(h, proj.down_w, bias=proj.down_b, residual=x, return_sumsq=True)
-
-    def _decode_layer_cuda(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
-        """`_decode_layer` through `kernels/decode_cuda.py` (attention 'cuda', fp32): the residual add and
-        norm in one kernel, q, k and v straight from their projections into the rotary + cache write +
-        attention kernel, the second add and norm in one, SiLU * up in one."""
-        k, B = self.kernels, x.shape[0]
-        x, h = k.add_rms_norm(x, d, ln1, eps1)
-        q, kk, v = proj.qkv_parts(h)
-        o = k.rope_attend(q, kk, v, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, self.scaling)
-        x, h = k.add_rms_norm(x, proj.o(o), ln2, eps2)
-        gate, up = proj.gate_up(h)
-        return x, proj.down(k.silu_mul(gate, up) if self.silu else self.act(gate) * up)
-
-    def _attend_cache(self, qkv, kv, cos, sin, bias, col):
-        """The new token's rotary embedding, its k and v written into cache column col, and attention over
-        the cache (sdpa, triton or bmm). Returns the output heads, (B, KVH, G, D) or (B*KVH, G, D)."""
-        B = qkv.shape[0]
-        self._rotate(qkv, cos, sin)
-        # k and v sit side by side after q: one copy puts both in the cache column.
-        kv.index_copy_(3, col, qkv[:, self.q_width:].view(B, 2, self.n_kv, 1, self.head_dim).transpose(0, 1))
-        if self.attention in ("sdpa", "triton"):   # q (B, KVH, G, D): each KV head attends for its G query heads
-            q = qkv[:, :self.q_width].view(B, self.n_kv, self.group, self.head_dim)
-            return (self.attend(q, kv[0], kv[1], bias, col, self.scaling) if self.attend is not None
-                    else _sdpa(q, kv[0], kv[1], bias, self.scaling, False))
-        # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G)
-        BK, S, D = B * self.n_kv, self.cache_len, self.head_dim
-        q = qkv[:, :self.q_width].reshape(BK, self.group, D)                            # (B*KVH, G, D)
-        s = torch.baddbmm(bias, q, kv[0].reshape(BK, S, D).transpose(1, 2), alpha=self.scaling)
-        # HF: softmax in fp32, then cast. A 16-bit softmax computes in fp32 and rounds once: the same
-        # values, one kernel fewer.
-        p = torch.softmax(s, -1, dtype=torch.float32 if s.dtype == torch.float32 else None)
-        return torch.bmm(p, kv[1].reshape(BK, S, D))                                    # (B*KVH, G, D)
+        return proj.down(self.mlp_hidden(x, proj, ln2, eps2))
 
     # ---- prefill and decode -----------------------------------------------------------------------
 
@@ -448,13 +304,13 @@ class StaticDecoder:
         x = self.embed(ids)
         for i, proj in enumerate(self.proj):
             ln1, eps1, ln2, eps2 = self.norms[i]
-            qkv = proj.qkv(_rms_norm(x, ln1, eps1))                              # (B, W, N)
-            self._rotate(qkv, cos, sin)
+            qkv = proj.qkv(rms_norm(x, ln1, eps1))                              # (B, W, N)
+            self.rotate(qkv, cos, sin)
             q = qkv[..., :self.q_width].view(B, W, H, D).transpose(1, 2)         # (B, H, W, D)
             kvn = qkv[..., self.q_width:].view(B, W, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, W, D)
             self.cache[i, :, dst, :, :W] = kvn
             k, v = kvn[0], kvn[1]
-            o = _sdpa(q, k, v, allowed, self.scaling, self.group > 1)
+            o = sdpa(q, k, v, allowed, self.scaling, self.group > 1)
             x = x + proj.o(o.transpose(1, 2).reshape(B, W, -1))
             x = x + self._mlp_in(x, proj, ln2, eps2)
         return self._logits(x[:, -1])
@@ -466,31 +322,18 @@ class StaticDecoder:
             self.cache[:, :, b, :, :width] = self.cache[:, :, a, :, :width]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = _rms_norm(x, self.final_norm.weight, self.final_norm.variance_epsilon)
+        x = rms_norm(x, self.final_norm.weight, self.final_norm.variance_epsilon)
         return self.lm_head(x).float()   # tied models share the embedding Parameter itself
 
     def decode(self, tok: torch.Tensor, col: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """One token per row. tok: (B,) inputs; col: (1,) cache column they go to (all rows share it);
         start: (B,). Returns fp32 logits (B, vocab). No host synchronisation, fixed shapes and
         addresses: safe to capture in a CUDA graph and replay with tok/col/start updated in place."""
-        B, S = tok.shape[0], self.cache_len
+        B, be = tok.shape[0], self.backend
         pos = col - start                                                               # (B,)
         cos, sin = F.embedding(pos, self.cos)[:, None], F.embedding(pos, self.sin)[:, None]   # (B, 1, D)
-        if self.attend is not None:   # the kernel masks by the rows' start columns itself
-            bias = start
-        else:   # one additive mask for all layers, so each layer's scores are a single baddbmm
-            hidden = (self.cols[None, :] < start[:, None]) | (self.cols[None, :] > col)     # (B, S)
-            zero = torch.zeros((), device=tok.device, dtype=self.dtype)
-            bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                  # (B, 1, 1, S)
-        if self.attention == "bmm":
-            bias = bias.expand(B, self.n_kv, 1, S).reshape(B * self.n_kv, 1, S)         # (B*KVH, 1, S)
-        x, d = self.embed(tok), None
-        if self.linear is not None:   # the Triton layers pass the rows' sums of squares along (as d)
-            d = x.float().square().sum(-1)[None]
-        if self.compiled:   # every layer call then has the same signature, so it is compiled once
-            x, d = torch.zeros_like(x), x
-            if self.split_k:   # d as the later layers get it: S partials (the embedding and zeros), fp32
-                d = torch.cat((d.float()[None], d.new_zeros((self.split_k - 1,) + d.shape, dtype=torch.float32)))
+        hide = be.mask(start, col)   # what the layers read to hide the columns a row does not see
+        x, d = be.first(self.embed(tok))
         for i, proj in enumerate(self.proj):
-            x, d = self.layer_step(x, d, proj, *self.norms[i], self.cache[i, :, :B], cos, sin, bias, col)
-        return self._logits(x if self.linear is not None else self._plus(x, d))
+            x, d = be.layer(x, d, proj, *self.norms[i], self.cache[i, :, :B], cos, sin, hide, col)
+        return self._logits(be.last(x, d))

@@ -1,5 +1,5 @@
-"""Checkpoints written atomically (a temporary folder, then one rename), the last K kept; and the
-atomic writers every file a user relies on goes through.
+"""Checkpoints and export folders written atomically (a temporary folder, then one rename), the last K
+kept. Single files go through `edgerl.core.files.write_atomically`.
 
 A checkpoint folder `step-000012/` holds: the actor (and critic) weights as safetensors, the
 optimizer and scheduler states, every RNG state, the data position, the KL controller, the
@@ -23,17 +23,18 @@ from typing import Any, Iterator, Optional
 import torch
 
 from edgerl.core.errors import CheckpointError
+from edgerl.core.files import temporaries
 
 _STEP = re.compile(r"^step-(\d{6,})$")
 
-# mkstemp and mkdtemp make private files (0600) and folders (0700); what edgerl writes for the user
-# gets the permissions any file they save would get (the umask), read once while single-threaded.
+# mkdtemp makes private folders (0700); what edgerl writes for the user gets the permissions any
+# folder they make would get (the umask), read once while single-threaded.
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def _public(path: Path, folder: bool) -> None:
-    os.chmod(path, (0o777 if folder else 0o666) & ~_UMASK)
+def _public(path: Path) -> None:
+    os.chmod(path, 0o777 & ~_UMASK)
 
 
 def rng_state(generator: Optional[torch.Generator] = None) -> dict[str, Any]:
@@ -88,23 +89,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and one rename: a crash
-    leaves the old file or the new one, never half of either."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        _public(Path(tmp), folder=False)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @contextlib.contextmanager
 def atomic_folder(target: Path, aside: Optional[Path] = None) -> Iterator[Path]:
     """Yield a temporary folder beside `target`; on success it becomes `target` in one rename. An
@@ -114,7 +98,7 @@ def atomic_folder(target: Path, aside: Optional[Path] = None) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-tmp-", dir=target.parent))
     try:
-        _public(tmp, folder=True)
+        _public(tmp)
         yield tmp
         for f in tmp.rglob("*"):
             if f.is_file():
@@ -136,8 +120,7 @@ def stale_temporaries(run_dir: Path) -> list[Path]:
     Only meaningful while holding the run folder's lock: then no write is in progress."""
     run_dir = Path(run_dir)
     found = [p for p in run_dir.glob(".*-tmp-*")] + [p for p in (run_dir / "checkpoints").glob(".step-*")]
-    found += [p for p in run_dir.glob(".config.toml-*")] + [p for p in run_dir.glob(".plan.json-*")]
-    found += list(run_dir.glob(".metrics*.tmp.jsonl"))   # metrics.jsonl rewritten on resume (outfiles)
+    found += temporaries(run_dir)   # config.toml, plan.json, metrics.jsonl (core.files.write_atomically)
     return sorted(found)
 
 
@@ -159,7 +142,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
     final = root / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=root))
     try:
-        _public(tmp, folder=True)
+        _public(tmp)
         for name, sd in tensors.items():
             cpu = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
             save_file(_untie(cpu), str(tmp / f"{name}.safetensors"))

@@ -186,10 +186,18 @@ def _check_weights(point: ResumePoint) -> None:
                           f"{', ...' if len(bad) > 3 else ''}): training from it would skip every update; {fix}")
 
 
+EXPORT_MARK = "edgerl-export.json"   # in an export folder: the step it was written at
+
+
+def mark_export(folder: Path, step: int) -> None:
+    """Record in an export folder being written (final/, final-adapter/) the step it holds."""
+    (Path(folder) / EXPORT_MARK).write_text(json.dumps({"step": step}) + "\n")
+
+
 def export_step(folder: Path) -> Optional[int]:
     """The step an export folder (final/, final-adapter/) was written at, or None."""
     try:
-        return int(json.loads((folder / "edgerl-export.json").read_text())["step"])
+        return int(json.loads((Path(folder) / EXPORT_MARK).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from edgerl.train import checkpoint
 from edgerl.train import ranks
 from edgerl.train import runfolder
 from edgerl.config.schema import Config, ConfigError, to_toml
 from edgerl.config.load import SetItem, load_config
 from edgerl.data.prompts import DataReport, Prompt, load_prompts
 from edgerl.core.errors import ModelError, RunDirError
+from edgerl.core.files import write_atomically
 from edgerl.models.load import unreadable_weights
 from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.plan.plan import Plan
-from edgerl.plan.target import Target, model_spec, plan_for, resolve_target
+from edgerl.config.target import Target, model_spec, plan_for, resolve_target
 
 
 @dataclass
@@ -225,8 +225,11 @@ def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.Res
         if branch:  # a branch starts with its trunk's history
             history = runfolder.branch_history(resume)
             if history is not None:
-                checkpoint.atomic_write_text(run_dir / "metrics.jsonl", history)
-        checkpoint.atomic_write_text(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
+                write_atomically(run_dir / "metrics.jsonl", history)
+        write_atomically(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
+    except ConfigError:   # the writer's own one line, naming the file; nothing there was changed
+        lock.release()
+        raise
     except OSError as e:
         lock.release()
         raise RunDirError(f"cannot write to the run folder {run_dir}: {e}") from None
@@ -242,7 +245,7 @@ def _write_config(cfg: Config, run_dir: Path, new: bool, log: Callable[[str], No
         log(f"{run_dir} held a run that stopped before its first step; starting this one there")
     elif not new and (old is None or old == text):
         return
-    checkpoint.atomic_write_text(path, text)
+    write_atomically(path, text)
     if not new:
         log(f"config.toml updated with this run's settings ({', '.join(_changed_keys(old, text)[:6]) or 'notes'})")
 

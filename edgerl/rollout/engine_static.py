@@ -1,10 +1,11 @@
-"""The fast `hf` engine: a static KV cache, an eager prefill, and the decode step replayed from a CUDA graph.
+"""The `static` engine: edgerl's own decoder over a static KV cache, an eager prefill, and the decode step
+replayed from a CUDA graph.
 
 HF `generate` spends most of a small model's step in per-token Python and kernel launches. Here one
 decode step (model, sampling, EOS bookkeeping) works only on fixed tensors updated in place, so it is
 captured once per batch size and replayed per token: one launch instead of ~20 per layer. Plain
-`torch.cuda.CUDAGraph`, no torch.compile needed, so it runs on Pascal (CC 6.x) too; on CC >= 7.0
-`compile_step` can put Inductor's fused layer kernels inside the graph. Without CUDA (or with
+`torch.cuda.CUDAGraph`, no torch.compile needed, so it runs on Pascal (CC 6.x) too. The step's layers
+run through the plan's decode backend (`plan.decode_backend`, decoder.py). Without CUDA (or with
 `cuda_graphs=False`) the same step runs eagerly.
 
 Seeding: each `generate` draws one seed from the caller's generator (or the global torch RNG when
@@ -16,7 +17,6 @@ draw differently (same distribution), and so do the CPU and CUDA.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,15 +25,11 @@ from typing import Optional
 import torch
 
 from edgerl.core.errors import TrainingError
-from .base import RolloutBatch, SamplingParams, cut_at_eos
-from .decoder import StaticDecoder
-from .hf import load_weights
+from .base import ActorWeights, EngineContext, OwnWeights, RolloutBatch, SamplingParams, cut_at_eos, inference_copy
+from .base import load_weights
+from .decoder import DecodeKernelUnavailable, StaticDecoder
 from .sampling import sample
 
-# Split-K of the compiled 16-bit decode step's o and down products (`StaticDecoder.set_split_k`): measured on an
-# H200 at 16 rows (bench/bench_decode_gemm.py; docs/benchmarks.md, Split-K in the compiled step): 4 and 8 parts
-# alike, 2 slower.
-SPLIT_K = 4
 CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each look is a device-to-host copy)
 
 
@@ -71,34 +67,27 @@ def _addresses(dec: StaticDecoder) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in dec.weight_tensors())
 
 
-def _enable_compile(dec: StaticDecoder, device: torch.device) -> None:
-    """Swap in a torch.compile'd decoder layer. Each layer call has the same signature and shapes, so
-    one compilation serves every layer (a whole-step graph unrolls every layer and compiles for far
-    longer). Inductor
-    fuses the elementwise work between the matmuls (residual add + norm, rotary + cache write,
-    softmax, activation x up) into a few generated kernels. (Inductor's max-autotune, Triton matmul
-    templates timed against cuBLAS, made the step slower: docs/benchmarks.md, History.)"""
-    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if cc is not None and cc < (7, 0):
-        raise ValueError(f"compile_step needs CUDA compute capability >= 7.0: Inductor generates Triton kernels "
-                         f"and Triton does not support sm_{cc[0]}{cc[1]} (Pascal); use compile_step=False "
-                         "(CUDA graphs alone run there)")
-    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
-        raise ValueError("compile_step needs triton (Inductor's GPU code generator), which is not installed; "
-                         "use compile_step=False")
-    if dec.attention == "cuda":
-        raise ValueError("compile_step cannot fuse decode attention 'cuda' (its NVRTC kernels are opaque to "
-                         "Inductor and already fuse the layer's elementwise work); use one or the other")
-    if dec.proj[0].kind != "fused":
-        raise ValueError(f"compile_step is implemented for fused projections only ({dec.proj_note}); "
-                         "use compile_step=False")
-    # fullgraph: a graph break would silently fall back to slower eager pieces; fail loudly instead.
-    # emulate_precision_casts: round to 16 bits where the eager ops do (HF's forward, what training
-    # runs); fused kernels otherwise keep intermediates in fp32 and the samples drift from the trainer's
-    # log-probs.
-    dec.layer_step = torch.compile(dec._decode_layer, dynamic=False, fullgraph=True,
-                                   options={"emulate_precision_casts": True})
-    dec.compiled = True
+def build(plan, ctx: EngineContext):
+    """The static engine over its own copy of the weights, or over the actor's own modules when the
+    base is quantized (decisions checked by the plan: `plan/engines.py`). The decoder checks the loaded
+    model again and raises UnsupportedModel if the plan and the model disagree."""
+    from edgerl.models.load import quantized_base
+    cuda = ctx.device.type == "cuda"
+    if quantized_base(plan):
+        engine = _engine(plan, ctx.actor.lm, ctx.max_seq_len, cuda, projections="modules")
+        return ActorWeights(engine, ctx.actor, plan.rollout_resident)
+    copy = inference_copy(plan, ctx)
+    return OwnWeights(_engine(plan, copy, ctx.max_seq_len, cuda), copy, plan.rollout_resident)
+
+
+def _engine(plan, model: torch.nn.Module, max_seq_len: int, cuda: bool, **kw) -> "StaticCacheEngine":
+    """The engine, or a one-line TrainingError naming the plan's setting when its decode backend cannot run
+    here (the plan sees the GPU, not the loaded model's layers or whether NVRTC or triton works on it)."""
+    try:
+        return StaticCacheEngine(model, plan.rollout_batch, max_seq_len, cuda_graphs=cuda, backend=plan.decode_backend,
+                                 note=plan.reasons.get("rollout_engine", ""), **kw)
+    except DecodeKernelUnavailable as e:
+        raise TrainingError(f"{e} (set plan.decode_backend=torch)") from None
 
 
 class StaticCacheEngine:
@@ -109,15 +98,8 @@ class StaticCacheEngine:
     generated at once (the plan's rollout batch); max_seq_len: prompt + response tokens a row may
     reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
     (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
-    each). decode_attention: 'auto' | 'bmm' | 'sdpa' | 'triton' | 'triton_rope' | 'cuda' (`StaticDecoder`;
-    auto: bmm in fp32, sdpa in 16 bits), or 'triton_layers' (the plan's name for triton_rope with
-    triton_layers). compile_step: torch.compile each decoder layer of the decode step (elementwise fusion;
-    CUDA CC >= 7.0, fused projections; the compiled step is what a CUDA graph captures); off by default,
-    never chosen on the CPU. triton_layers: each decode layer as five Triton kernels with the norms, SiLU * up
-    and residual adds fused into the projections (`StaticDecoder.set_triton_layers`; fused projections,
-    decode_attention 'triton_rope', SiLU; not with compile_step). split_k: the decode step's o and down
-    products as that many batched partial products (`StaticDecoder.set_split_k`); None: SPLIT_K when the step
-    is compiled on CUDA in 16 bits, else 0 (off).
+    each). backend: the decode step's layers, `plan.decode_backend` ('torch', 'triton-attention',
+    'triton-layers', 'cuda-c'; decoder.py).
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
 
     Lifetime: the KV cache and static buffers are allocated by the first `generate`, a graph is
@@ -128,20 +110,15 @@ class StaticCacheEngine:
     the graphs and captures again, so keeping an engine is always safe, and fast when the weights stay.
     Raises decoder.UnsupportedModel / NotImplementedError for models or rope types it cannot run."""
 
-    name = "hf"
+    name = "static"
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
-                 cuda_graphs: bool, projections: str = "auto", decode_attention: str = "auto",
-                 compile_step: bool = False, split_k: Optional[int] = None, triton_layers: bool = False,
-                 time_steps: bool = False,
+                 cuda_graphs: bool, projections: str = "auto", backend: str = "torch", time_steps: bool = False,
                  note: str = "") -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
                              f"got max_batch={max_batch}, max_seq_len={max_seq_len}")
-        if decode_attention == "triton_layers":   # the plan's name for the rotary kernel between Triton projections
-            decode_attention, triton_layers = "triton_rope", True
-        self.dec = StaticDecoder(model, max_batch, max_seq_len, projections=projections,
-                                 attention=decode_attention)
+        self.dec = StaticDecoder(model, max_batch, max_seq_len, projections=projections, backend=backend)
         self.device = self.dec.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}; "
@@ -149,21 +126,9 @@ class StaticCacheEngine:
         if cuda_graphs and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
             raise RuntimeError(f"torch {torch.__version__} has no graph-safe generator registration "
                                "(CUDAGraph.register_generator_state); use torch >= 2.6 or cuda_graphs=False")
-        if triton_layers and compile_step:
-            raise ValueError("triton_layers and compile_step are two ways to fuse the decode layers' elementwise "
-                             "work; use one")
-        if triton_layers:
-            self.dec.set_triton_layers()
-        if compile_step:
-            _enable_compile(self.dec, self.device)
-        if split_k is None:   # where Inductor fuses the partials' sum into the residual add: compiled, 16 bits
-            split_k = SPLIT_K if (compile_step and self.device.type == "cuda" and self.dec.dtype != torch.float32
-                                  and self.dec.split_k_reason(SPLIT_K) is None) else 0
-        self.dec.set_split_k(split_k)
         self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.cuda_graphs, self.compile_step, self.time_steps = cuda_graphs, compile_step, time_steps
-        self.triton_layers = triton_layers
+        self.cuda_graphs, self.time_steps = cuda_graphs, time_steps
         self.note = note
         self._gen = torch.Generator(device=self.device)
         self._state: Optional[_State] = None
@@ -177,15 +142,9 @@ class StaticCacheEngine:
 
     def describe(self) -> str:
         mode = "static KV cache + CUDA graph decode" if self.cuda_graphs else "static KV cache, eager decode"
-        if self.compile_step:
-            mode += ", compiled layers"
-        if self.dec.split_k:
-            mode += f", o and down split {self.dec.split_k} ways"
-        if self.triton_layers:
-            mode += ", Triton layers (norms, SiLU * up and residual adds inside the projections)"
         size = f"{self.max_batch} sequences x {self.max_seq_len} tokens, cache {self.dec.cache_bytes() / 2**20:.0f} MiB"
-        return (f"hf engine: {mode} ({size}; {self.dec.proj_note}; {self.dec.attention} attention)"
-                + (f" ({self.note})" if self.note else ""))
+        return (f"static engine: {mode}, decode backend {self.dec.backend.name}: {self.dec.backend.note} ({size}; "
+                f"{self.dec.proj_note})" + (f" ({self.note})" if self.note else ""))
 
     @torch.no_grad()
     def sync_weights(self, weights) -> None:
@@ -275,19 +234,11 @@ class StaticCacheEngine:
         s.done.fill_(False)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(side):   # warm-up off the capture: cuBLAS handles, lazy init, allocator
-                for _ in range(0 if mode in self._warmed else 2):
-                    self._step(mode)
-                    s.col.zero_()
-                    s.step.zero_()
-        except Exception as e:
-            if not self.compile_step or isinstance(e, torch.cuda.OutOfMemoryError):
-                raise
-            # the first call compiles: a missing C compiler or a Triton problem surfaces here
-            raise TrainingError(f"compiling the rollout's decode step (torch.compile) failed: {type(e).__name__}: "
-                                f"{str(e).strip()[:400]}. Inductor needs triton and a C compiler (gcc or cc) "
-                                "on the host; set plan.rollout_compile=false to run without it") from e
+        with torch.cuda.stream(side):   # warm-up off the capture: cuBLAS handles, lazy init, allocator
+            for _ in range(0 if mode in self._warmed else 2):
+                self._step(mode)
+                s.col.zero_()
+                s.step.zero_()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._warmed.add(mode)
         if self._pool is None:
@@ -327,7 +278,7 @@ class StaticCacheEngine:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         self._gen.manual_seed(seed)
 
-        info = {"engine": "static", "cuda_graphs": self.cuda_graphs, "compile_step": self.compile_step,
+        info = {"engine": "static", "cuda_graphs": self.cuda_graphs, "backend": self.dec.backend.name,
                 "capture_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "chunks": 0, "seed": seed,
                 "graphs_dropped": moved, "captures": 0}
         if self.time_steps:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 from edgerl.algos import ESTIMATORS
 from edgerl.config.schema import Config, to_toml
-from edgerl.plan.decisions import DEFAULT_LORA_TARGETS
-from edgerl.plan.dtypes import hf_name
+from edgerl.plan import table
 from edgerl.plan.modelspec import HF_IDS
 from edgerl.plan.plan import Plan
 
@@ -16,30 +15,23 @@ _VERL_KL = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 
 
 def pinned_config(cfg: Config, p: Plan, profile: Optional[str]) -> Config:
-    """`cfg` with the plan's decisions written into [plan] and train.micro_batch, so that
-    `edgerl train --config` reproduces this plan exactly."""
-    po = dataclasses.replace(
-        cfg.plan, dtype=p.dtype.compute, attention=p.attention, rollout_engine=p.rollout_engine,
-        cuda_graphs=p.cuda_graphs, rollout_compile=p.rollout_compile, decode_attention=p.decode_attention,
-        nf4_kernel=p.nf4_kernel, share_prompts=p.share_prompts,
-        kernel_backend=p.kernel_backend,
-        grad_checkpointing=p.grad_checkpointing,
-        param_offload=p.param_offload, optimizer_offload=p.optimizer_offload, optimizer=p.optimizer,
-        base_dtype=p.base_dtype if p.lora else cfg.plan.base_dtype,
-        rollout_batch=p.rollout_batch, score_micro_batch=p.score_micro_batch)
-    lora = dataclasses.replace(cfg.lora, enabled=bool(p.lora))
-    if p.lora:  # the targets the plan counted, so that a different architecture default cannot creep in
-        lora = dataclasses.replace(lora, target_modules=list(p.lora["targets"]))
-    train = dataclasses.replace(cfg.train, micro_batch=p.micro_batch)
-    run = dataclasses.replace(cfg.run, profile=profile or cfg.run.profile)
-    return dataclasses.replace(cfg, plan=po, lora=lora, train=train, run=run)
+    """`cfg` with each decision the table pins written into its key ([plan], train.micro_batch, [lora]),
+    so that `edgerl train --config` reproduces this plan exactly."""
+    for key, value in _pins(p).items():
+        section, name = key.split(".")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, profile=profile or cfg.run.profile))
+
+
+def _pins(p: Plan) -> dict[str, Any]:
+    return {k: v for d in table.TABLE if d.name in p.values for k, v in d.pinned(p.values[d.name]).items()}
 
 
 def plan_toml(cfg: Config, p: Plan, profile: Optional[str]) -> str:
     pinned = pinned_config(cfg, p, profile)
-    notes = {f"plan.{k}": p.reasons.get(k, "") for k in p.DECISIONS}
-    notes["train.micro_batch"] = p.reasons.get("micro_batch", "")
-    notes["lora.enabled"] = p.reasons.get("lora", "")
+    notes = {f"plan.{d.config_key}": p.reasons.get(d.name, "") for d in table.TABLE if d.override is not None}
+    notes |= {k: p.reasons.get(d.name, "") for d in table.TABLE if d.name in p.values
+              for k in d.pinned(p.values[d.name])}
     head = (f"# edgerl run config for {p.device.describe()} and {p.model.name}, written by edgerl recommend.\n"
             f"# {p.task.effective_batch()}\n# memory estimate {p.memory.total / 2**30:.2f} GiB of "
             f"{p.memory.budget / 2**30:.2f} GiB budget (peak in {p.memory.peak_phase})\n\n")
@@ -71,23 +63,12 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
         f"actor_rollout_ref.model.path={HF_IDS.get(cfg.model.path.lower(), cfg.model.path)}",
         f"actor_rollout_ref.rollout.n={n}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={p.micro_batch}",
         f"actor_rollout_ref.actor.ppo_epochs={cfg.train.ppo_epochs}",
         f"actor_rollout_ref.actor.optim.lr={cfg.train.lr}",
-        f"actor_rollout_ref.model.enable_gradient_checkpointing={p.grad_checkpointing}",
-        f"actor_rollout_ref.actor.fsdp_config.param_offload={p.param_offload}",
-        f"actor_rollout_ref.actor.fsdp_config.optimizer_offload={p.optimizer_offload or p.param_offload}",
-        f"actor_rollout_ref.ref.fsdp_config.param_offload={p.swap_models or p.param_offload}",
         f"actor_rollout_ref.rollout.name={'vllm' if dev.is_cuda else 'hf'}",
-        f"actor_rollout_ref.rollout.dtype={hf_name(p.dtype.compute)}",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={max(0.1, round(p.rollout_memory_share, 2))}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={p.score_micro_batch}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={p.score_micro_batch}",
-        f"+actor_rollout_ref.model.override_config.attn_implementation={p.attention}",
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
     ]
-    if p.dtype.compute != "bf16":
-        lines.append(f"+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={hf_name(p.dtype.compute)}")
+    lines += [line for d in table.TABLE if d.verl and d.name in p.values for line in d.verl(p)]
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "loss":
         lines += ["actor_rollout_ref.actor.use_kl_loss=True",
                   f"actor_rollout_ref.actor.kl_loss_coef={cfg.algo.kl_coef}",
@@ -98,12 +79,6 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
         critic = cfg.model.critic_path or cfg.model.path
         lines += [f"critic.model.path={HF_IDS.get(critic.lower(), critic)}",
                   f"critic.ppo_micro_batch_size_per_gpu={p.micro_batch}"]
-    if p.lora:
-        lines += [f"actor_rollout_ref.model.lora_rank={p.lora['rank']}",
-                  f"actor_rollout_ref.model.lora_alpha={p.lora['alpha']:g}",
-                  "actor_rollout_ref.model.target_modules=" + (
-                      "all-linear" if tuple(p.lora["targets"]) == DEFAULT_LORA_TARGETS  # the same 7 projections
-                      else f"[{','.join(p.lora['targets'])}]")]
     if p.kernel_backend == "triton":
         caveats.append("edgerl's fused log-prob kernel has no verl switch; verl's closest is "
                        "actor_rollout_ref.model.use_fused_kernels=True (Ampere and newer).")

@@ -1,0 +1,345 @@
+"""The plan's steps: one function per decision of the table (`plan/table.py`), each `step(c) -> (value,
+reason)`, and the facts several steps share (`@fact`: computed once per plan), such as the compute
+dtype and the memory search.
+
+A step reads the decisions it depends on as `c["name"]`: the plan makes each decision once, on first
+use. So a decision that depends on the memory search is made after it, with the search's result in
+hand and one reason: the weights' dtype under a bf16 optimizer (the `dtype` step reads `optimizer`),
+the engine over a quantized base (the `rollout_engine` step reads the search's base). The search itself
+reads what it needs before it (the compute dtype, the attention, the log-prob kernel, the budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from edgerl.core.errors import ModelSpecError, PlanError
+from edgerl.device.device import GiB
+from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_support, bnb_support,
+                                   choose_logprob_chunk, compute, fact, logit_bytes, lora_targets, optimizer_reason,
+                                   pick_attention, pick_base_dtype, pick_env, pick_headroom, pick_kernels,
+                                   pick_reward_model_dtype, pick_share_prompts, quant_support, share_blocker,
+                                   transfer_note)
+from edgerl.plan.engines import engine_choice, rollout_share_reason
+from edgerl.plan.dtypes import nbytes
+from edgerl.plan.memory import OPTIMIZERS, MemoryEstimate, Setting, estimate, fmt_bytes
+from edgerl.plan.moves import STAGE_COST, STAGES, stages_for
+from edgerl.plan.search import Candidate, Found, micro_cost, search, trained_and_base
+
+if TYPE_CHECKING:
+    from edgerl.plan.plan import Ctx
+
+Step = Callable[["Ctx"], tuple[Any, str]]
+
+
+# --- facts (`compute`, the compute dtype, is decisions.py's; `engine_choice`, engines.py's) --------------
+
+
+@fact
+def kernels(c: "Ctx") -> tuple[str, Optional[dict[str, Any]], str]:
+    return pick_kernels(c.device, compute(c)[0], c.model, c.forced("kernel_backend"))
+
+
+@fact
+def budget(c: "Ctx") -> int:
+    return c["memory_limit"] - c["headroom"]
+
+
+@fact
+def optimizers(c: "Ctx") -> bool:
+    """Whether 8-bit AdamW may be tried; refuses a forced optimizer this device cannot run."""
+    dev, forced = c.device, c.forced("optimizer")
+    ok, why = bnb_support(dev)
+    if ok and c.task.world_size > 1:
+        # its quantized state is per shard, which a checkpoint of N processes cannot gather and re-split
+        ok, why = False, (f"8-bit AdamW keeps its state per shard, which edgerl cannot checkpoint across "
+                          f"{c.task.world_size} processes")
+    if forced == "adamw8bit" and not ok:
+        raise PlanError(f"plan.optimizer=adamw8bit is not possible on {dev.describe()}: {why}; use adamw")
+    if forced in ("adamw-bf16", "adamw-bf16-sr"):
+        fits, why = bf16_state_support(dev, bool(c.task.lora))
+        if not fits and dev.is_cuda:
+            raise PlanError(f"plan.optimizer={forced} is not possible: {why}; use adamw")
+    return ok
+
+
+@fact
+def base_choice(c: "Ctx") -> tuple[str, str]:
+    """The frozen LoRA base's storage before the search (which may go down to a quantized one)."""
+    base, reason = pick_base_dtype(c.device, compute(c)[0], c.forced("base_dtype"))
+    if base in QUANT_BASES and c.task.lora is False:
+        raise PlanError(f"plan.base_dtype={base} quantizes a frozen base, which only LoRA has; set "
+                        "lora.enabled=true (or leave it unset to let the plan decide)")
+    return base, reason
+
+
+@fact
+def lora_shape(c: "Ctx") -> tuple[tuple[str, ...], int]:
+    """(adapted modules, trainable adapter parameters) where LoRA may be used."""
+    if c.task.lora is False:
+        return (), 0
+    targets = lora_targets(c.model.model_type, c.task.lora_targets)
+    try:
+        return targets, c.model.lora_params(c.task.lora_rank, targets)
+    except ModelSpecError as e:
+        raise PlanError(f"lora.target_modules: {e}") from None
+
+
+@fact
+def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
+    """The memory search: what is trained and how the base is stored (outer loop), then the fastest
+    setting of the memory knobs that fits the budget. (candidate, found, every attempt)."""
+    dev, model, task = c.device, c.model, c.task
+    dtype = compute(c)[0]
+    attention = c["attention"]
+    engine = engine_choice(c)[0]
+    kernel_backend = c["kernel_backend"]
+    limit = budget(c)
+    chunk, per_logit = c["logprob_chunk"], logit_bytes(kernel_backend, dtype)
+    bnb_ok = optimizers(c)
+    base_dtype = base_choice(c)[0]
+    targets, lora_params = lora_shape(c)
+    forced = {k: c.forced(k) for k in ("grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
+                                       "rollout_batch", "score_micro_batch", "micro_batch", "rollout_resident")}
+    if dev.integrated:  # host memory is the same memory: moving anything there frees nothing
+        for k in ("param_offload", "optimizer_offload", "swap_models"):
+            forced[k] = forced[k] or False
+    # samples of a prompt whose forward passes may compute it once (the decision itself follows the search)
+    share = 1 if share_blocker(attention, model, c.forced("share_prompts")) else task.samples_per_prompt
+
+    def setting(cand: Candidate) -> Setting:
+        quant = cand.base if cand.base in QUANT_BASES else None
+        return Setting(
+            compute_bytes=dtype.compute_bytes,
+            base_bytes=(dtype.compute_bytes if quant else int(nbytes(cand.base))) if cand.lora else dtype.param_bytes,
+            grad_checkpointing=False, swap_models=False, optimizer_offload=False, param_offload=False,
+            micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk, logit_bytes=per_logit,
+            eager_attention=attention == "eager", lora_params=lora_params if cand.lora else 0,
+            critic=task.critic, reference=task.kl and not cand.lora,
+            reward_model_params=task.reward_model_params, cuda=dev.is_cuda, shards=task.world_size,
+            base_quant=quant, rollout_from_actor=quant is not None,
+            lora_input_bytes=lora_input_bytes(model, targets, dtype.compute_bytes) if cand.lora else 0,
+            prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1,
+            # the static engine prefills a prompt once for its samples (a quantized base always runs it)
+            prefill_share=task.samples_per_prompt if engine == "static" or quant else 1)
+
+    host = dev.host_memory if not dev.integrated else 0
+    attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []
+    for cand in trained_and_base(dev, task, base_dtype, bool(c.forced("base_dtype"))):
+        # bf16 weights only where the compute is bf16: plan.dtype=fp32 keeps fp32 weights
+        bf16_ok = bf16_state_support(dev, cand.lora)[0] and dtype.compute == "bf16"
+        stages = stages_for(c.forced("optimizer"), bnb_ok, bf16_ok, cand.param_offload, forced["rollout_resident"])
+        base = setting(cand)
+        found, tried = search(model, task, base, limit, forced, c.calibration, host, stages,
+                              micro_cost(dev, model, task, base))
+        attempts.append((cand, found, tried))
+        if found:
+            return cand, found, attempts
+    if not c.explain:
+        raise PlanError("does not fit")
+    from edgerl.plan.plan import no_fit_message
+    raise PlanError(no_fit_message(c, limit, attempts))
+
+
+def setting(c: "Ctx") -> Setting:
+    return searched(c)[1].setting
+
+
+def memory(c: "Ctx") -> MemoryEstimate:
+    return searched(c)[1].memory
+
+
+def lora_input_bytes(model, targets: tuple[str, ...], compute_bytes: int) -> int:
+    """Per token and layer, what peft's fp32 adapters add to the saved activations beside a 16-bit base:
+    each adapted layer's input is copied to fp32 and saved for the adapter's weight gradient (4 bytes an
+    element), while the frozen base layer saves no input of its own, and the activation model counts one
+    16-bit input per projection: the net is 4 - compute bytes an element. On an H200 (1.7B shape, bf16,
+    16 x 320 tokens, no checkpointing) the update's peak measured 42 KB per token and layer above the
+    model without this term; 4 bytes an element would be 82 KB, this net 41 KB. Zero in fp32."""
+    shapes = model.module_shapes()
+    return max(0, 4 - compute_bytes) * sum(shapes[t][0] for t in targets if t in shapes)
+
+
+def fmt_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+@fact
+def memory_reasons(c: "Ctx") -> dict[str, str]:
+    """Why the search's setting is what it is, for each memory knob."""
+    cand, found, attempts = searched(c)
+    task, device, model = c.task, c.device, c.model
+    s, mem = found.setting, found.memory
+    targets, lora_params = lora_shape(c)
+    reasons: dict[str, str] = {}
+    fits = f"estimate {fmt_bytes(mem.total)} (peak in {mem.peak_phase}) of a {fmt_bytes(mem.budget)} budget"
+    first = found.stage in (STAGES[0].name, STAGES[1].name)
+    micro = found.micro
+    split = micro is not None and s.micro_batch < task.local_mini
+    if s.grad_checkpointing:
+        reasons["grad_checkpointing"] = f"on: without it the update does not fit with a useful micro-batch; {fits}"
+    elif split:
+        reasons["grad_checkpointing"] = (f"off: micro-batches of {s.micro_batch} cost less here than recomputing "
+                                         f"the forward (~{STAGE_COST['grad_checkpointing']:.0%} of a step); {fits}")
+    else:
+        reasons["grad_checkpointing"] = f"not needed: {fits}"
+    ref_bytes = model.n_params() * s.compute_bytes if s.reference else 0
+    state_bytes = (lora_params or model.n_params()) * OPTIMIZERS[s.optimizer].state
+    where = "on the GPU" if device.is_cuda else "in memory"   # the CPU has no device memory apart from the host's
+    reasons["swap_models"] = (f"the reference model stays {where}" if not s.swap_models else
+                              "the reference model moves to host memory outside the scoring phase"
+                              + transfer_note(device, ref_bytes))
+    reasons["optimizer_offload"] = (f"optimizer state stays {where}" if not s.optimizer_offload else
+                                    "optimizer state waits in host memory between updates and comes back "
+                                    "for the optimizer step only" + transfer_note(device, state_bytes))
+    reasons["param_offload"] = (f"weights stay {where}" if not s.param_offload else
+                                f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
+                                "layers stream over PCIe (slow, but it fits)" + transfer_note(device, mem.host_needed))
+    per_gpu = " per GPU" if task.world_size > 1 else ""
+    if micro is not None:
+        reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward{per_gpu}: each micro-step "
+                                  f"beyond the first adds ~{micro.per_step:.1%} of a step on this card (launches"
+                                  + (", dequantizing the base" if s.base_quant else "")
+                                  + f" against fp32 matmuls at its {micro.tflops:g} TFLOP/s and "
+                                  f"{micro.bandwidth_gbs:g} GB/s); the setting with the smallest estimated "
+                                  f"slowdown that fits" + ("" if first else f": {found.stage}"))
+    else:
+        reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
+                                  f"mini-batch ({task.local_mini}{per_gpu}) that fits"
+                                  + ("" if first else f" after {found.stage}"))
+    kept = sum(mem.phases["update"].get(k, 0) for k in ("generation weights", "KV cache", "graph pool"))
+    held = ("KV cache and CUDA graphs (the weights are the actor's own)" if s.rollout_from_actor
+            else "weights, KV cache and CUDA graphs")
+    reasons["rollout_resident"] = (
+        f"on: the engine keeps its {held} between steps ({fmt_bytes(kept)} through scoring and the update), so "
+        "no step re-captures or refills them" if s.rollout_resident else
+        "off: the rollout copy and KV cache are freed after generating so that scoring and the update have the "
+        "memory; each rollout captures its CUDA graphs again" if not s.rollout_from_actor else
+        "off: the engine runs the actor's own weights; its KV cache is freed after generating")
+    reasons["score_micro_batch"] = f"{s.score_micro_batch} sequences per no-grad log-prob pass"
+    reasons["rollout_batch"] = (f"{s.rollout_batch} of {task.local_sequences} sequences generated at once "
+                                f"(KV cache {fmt_bytes(mem.phases['rollout'].get('KV cache', 0))})")
+    if cand.lora:
+        full_tried = attempts[0][2][-1] if attempts[0][2] and not attempts[0][0].lora else ""
+        why = ("asked for" if task.lora else f"full fine-tuning does not fit without streaming every weight "
+               f"over PCIe (most frugal on-GPU setting: {full_tried})")
+        # the same setting with every weight trained, an fp32 master copy and a separate reference
+        full = estimate(model, replace(s, lora_params=0, base_bytes=4, reference=task.kl, base_quant=None,
+                                       rollout_from_actor=False), task.prompt_len, task.response_len, mem.budget,
+                        c.calibration)
+        reasons["lora"] = (f"LoRA r={task.lora_rank} on {', '.join(targets)}: {fmt_count(lora_params)} trainable "
+                           f"parameters ({lora_params / model.n_params():.2%} of {fmt_count(model.n_params())}); "
+                           f"saves {fmt_bytes(full.total - mem.total)} at this setting ({fmt_bytes(full.total)} "
+                           f"-> {fmt_bytes(mem.total)}): no gradients or optimizer state for the frozen base, and "
+                           f"the reference is the base with the adapter disabled; {why}")
+    else:
+        reasons["lora"] = "full fine-tuning fits" if task.lora is None else "full fine-tuning (lora.enabled=false)"
+    return reasons
+
+
+def searched_knob(name: str) -> Step:
+    """The step of a memory knob the search sets: its value in the search's setting, and why."""
+    def step(c: "Ctx") -> tuple[Any, str]:
+        return getattr(setting(c), name), memory_reasons(c)[name]
+    step.__name__ = name
+    return step
+
+
+# --- steps ---------------------------------------------------------------------------------------
+
+def dtype(c: "Ctx") -> tuple[DtypePolicy, str]:
+    """The compute dtype, and the weights' dtype: fp32 masters, or bf16 where the optimizer keeps none."""
+    policy, reason = compute(c)
+    opt = c["optimizer"]
+    if OPTIMIZERS[opt].param_dtype == "bf16":
+        return BF16_PARAMS, f"{reason}; {opt}: bf16 weights and AdamW state (no fp32 master copy)"
+    return policy, reason
+
+
+def attention(c: "Ctx") -> tuple[str, str]:
+    return pick_attention(c.device, compute(c)[0], c.forced("attention"))
+
+
+def kernel_backend(c: "Ctx") -> tuple[str, str]:
+    backend, _, reason = kernels(c)
+    return backend, reason
+
+
+def kernel_tiles(c: "Ctx") -> tuple[Optional[dict[str, Any]], str]:
+    _, tiles, reason = kernels(c)
+    return tiles, reason if tiles else "no Triton kernel on this device"
+
+
+def logprob_chunk(c: "Ctx") -> tuple[int, str]:
+    per_logit = logit_bytes(c["kernel_backend"], compute(c)[0])
+    chunk = choose_logprob_chunk(c.model, budget(c), per_logit)
+    v = c.model.vocab_size
+    return chunk, (f"{chunk} tokens per chunk: the kernel holds {fmt_bytes(chunk * v * per_logit)} of logits at a "
+                   f"time instead of tokens x {v} for the whole batch")
+
+
+def optimizer(c: "Ctx") -> tuple[str, str]:
+    name = setting(c).optimizer
+    return name, optimizer_reason(name, c.forced("optimizer"), c.device, setting(c).param_offload,
+                                  c["kernel_backend"])
+
+
+def lora(c: "Ctx") -> tuple[Optional[dict[str, Any]], str]:
+    cand = searched(c)[0]
+    reason = memory_reasons(c)["lora"]
+    if not cand.lora:
+        return None, reason
+    targets, params = lora_shape(c)
+    return {"rank": c.task.lora_rank, "alpha": c.task.lora_alpha, "targets": list(targets), "params": params}, reason
+
+
+def base_dtype(c: "Ctx") -> tuple[Optional[str], str]:
+    cand, _, attempts = searched(c)
+    if not cand.lora:
+        return None, f"not used: full fine-tuning keeps {c['dtype'].param} master weights"
+    chosen, reason = base_choice(c)
+    if cand.base == chosen:
+        return cand.base, reason
+    wider = attempts[-2][0].base if len(attempts) > 1 else "a float base"
+    return cand.base, (f"{cand.base}: {quant_support(c.device, cand.base)[1]}; LoRA on a {wider} base did not fit. "
+                       "The reference is the same base with the adapter disabled and the rollout runs on it too: "
+                       "one copy of the weights")
+
+
+def reward_model_dtype(c: "Ctx") -> tuple[Optional[str], str]:
+    if not c.task.reward_model_params:
+        return None, "no reward model"
+    return pick_reward_model_dtype(compute(c)[0])
+
+
+def share_prompts(c: "Ctx") -> tuple[bool, str]:
+    s = setting(c)
+    return pick_share_prompts(c["attention"], c.model, c.task, s.micro_batch, s.score_micro_batch,
+                              c.forced("share_prompts"))
+
+
+def rollout_memory_share(c: "Ctx") -> tuple[float, str]:
+    forced = c.forced("rollout_memory_share")
+    if forced is not None:
+        return float(forced), f"asked for with plan.rollout_memory_share={float(forced)}"
+    # vLLM reads its share against the device's whole memory, not against a plan.memory_gib budget
+    whole = c.device.total_memory
+    share = min(1.0, memory(c).phase_totals()["rollout"] / whole) if whole else 0.0
+    return round(share, 4), rollout_share_reason(c["rollout_engine"])
+
+
+def env(c: "Ctx") -> tuple[tuple[tuple[str, str], ...], str]:
+    return pick_env(c.device)
+
+
+def memory_limit(c: "Ctx") -> tuple[int, str]:
+    forced = c.forced("memory_limit")
+    if forced is not None:
+        return int(forced * GiB), (f"asked for with plan.memory_gib={forced:g}"
+                                   + (": the run caps torch's allocator at it" if c.device.is_cuda else ""))
+    return c.device.total_memory, ("the device's memory" if c.device.is_cuda else "the host's RAM")
+
+
+def headroom(c: "Ctx") -> tuple[int, str]:
+    return pick_headroom(c.device, c["memory_limit"], c.forced("headroom"))

@@ -1,0 +1,73 @@
+"""Decode backend `torch`: the decode step's layers as torch's own ops, on every device.
+
+What the plan picks where no edgerl kernel runs: the CPU, fp16 on Volta and Turing (no Triton below CC
+8.0; cuBLAS reaches their tensor cores), and any model or GPU the kernels do not take. On a GPU the
+static engine replays the step from a CUDA graph. Attention over the masked static cache is
+baddbmm/softmax/bmm in fp32 and SDPA in 16 bits: a 16-bit baddbmm rounds the scores to 16 bits
+before the softmax, where HF's SDPA forward (what training runs) keeps them in fp32; on an H200 in
+bf16, bmm agreed with HF's argmax on 54-60% of tokens, SDPA on 76-83%, HF generate itself on 83-87%
+(docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .decoder import StaticDecoder, rms_norm, sdpa
+
+
+class Backend:
+    name = "torch"
+
+    def __init__(self, dec: StaticDecoder) -> None:
+        self.dec = dec
+        self.sdpa = dec.dtype != torch.float32   # else baddbmm, softmax and bmm
+        self.note = f"torch ops ({'SDPA' if self.sdpa else 'baddbmm/softmax/bmm'} attention)"
+
+    def mask(self, start: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """One additive mask for all layers, so each layer's scores are a single baddbmm: (B, 1, 1, S),
+        or (B*KVH, 1, S) for baddbmm."""
+        dec, B, S = self.dec, start.shape[0], self.dec.cache_len
+        hidden = (dec.cols[None, :] < start[:, None]) | (dec.cols[None, :] > col)       # (B, S)
+        zero = torch.zeros((), device=start.device, dtype=dec.dtype)
+        bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                   # (B, 1, 1, S)
+        return bias if self.sdpa else bias.expand(B, dec.n_kv, 1, S).reshape(B * dec.n_kv, 1, S)
+
+    def first(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x, None
+
+    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, mask, col):
+        """x: (B, hidden) residual stream; d: the previous layer's MLP output, not yet added (None for the
+        first layer). kv: this layer's cache (2, B, KVH, S, D); cos, sin: (B, 1, D); col: (1,).
+        Returns (x, d)."""
+        if d is not None:
+            x = x + d
+        B = x.shape[0]
+        qkv = proj.qkv(rms_norm(x, ln1, eps1))                                      # (B, N)
+        o = self.attend(qkv, kv, cos, sin, mask, col).reshape(B, self.dec.q_width)
+        x = x + proj.o(o)
+        return x, proj.down(self.dec.mlp_hidden(x, proj, ln2, eps2))
+
+    def last(self, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return x + d
+
+    def attend(self, qkv, kv, cos, sin, mask, col):
+        """The new token's rotary embedding, its k and v written into cache column col, and attention over
+        the cache. Returns the output heads, (B, KVH, G, D) or (B*KVH, G, D)."""
+        dec, B = self.dec, qkv.shape[0]
+        dec.rotate(qkv, cos, sin)
+        # k and v sit side by side after q: one copy puts both in the cache column.
+        kv.index_copy_(3, col, qkv[:, dec.q_width:].view(B, 2, dec.n_kv, 1, dec.head_dim).transpose(0, 1))
+        if self.sdpa:   # q (B, KVH, G, D): each KV head attends for its G query heads
+            q = qkv[:, :dec.q_width].view(B, dec.n_kv, dec.group, dec.head_dim)
+            return sdpa(q, kv[0], kv[1], mask, dec.scaling, False)
+        # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G)
+        BK, S, D = B * dec.n_kv, dec.cache_len, dec.head_dim
+        q = qkv[:, :dec.q_width].reshape(BK, dec.group, D)                              # (B*KVH, G, D)
+        s = torch.baddbmm(mask, q, kv[0].reshape(BK, S, D).transpose(1, 2), alpha=dec.scaling)
+        # HF: softmax in fp32, then cast. A 16-bit softmax computes in fp32 and rounds once: the same
+        # values, one kernel fewer.
+        p = torch.softmax(s, -1, dtype=torch.float32 if s.dtype == torch.float32 else None)
+        return torch.bmm(p, kv[1].reshape(BK, S, D))                                    # (B*KVH, G, D)
