@@ -22,6 +22,8 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
           out: Optional[Path] = typer.Option(None, "--out", "-o", help="run folder (a new one; with --resume: branch "
                                              "into it from the checkpoint)"),
           resume: Optional[Path] = typer.Option(None, "--resume", help="continue a run folder (or one checkpoint folder)"),
+          restart: bool = typer.Option(False, "--restart", help="start a new run in --out even though it holds "
+                                       "one: that run's files are moved into OUT/earlier-run-N/, nothing is deleted"),
           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
     from edgerl.train import session
@@ -39,7 +41,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
 
     def log(s: str) -> None:
         console.print(f"[dim]{escape(s)}[/]", highlight=False, soft_wrap=True)  # paths stay whole for copying
-    s = session.prepare(cfg, point, log=log)
+    s = session.prepare(cfg, point, log=log, restart=restart)
     try:
         if s.finished:
             run = escape(str(s.run_dir))
@@ -82,7 +84,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"reward: mean {first:.3f} over the first 5 steps, {last:.3f} over the last 5")
     if trainer.state.loop.skipped_total:
         console.print(f"[yellow]{trainer.state.loop.skipped_total} update(s) were skipped for a NaN or infinite "
-                      "loss (metrics: actor/skipped_updates)[/]")
+                      "loss or gradient norm (metrics: actor/skipped_updates)[/]")
     console.print(f"[bold green]done[/]: {trainer.step} steps; run folder {escape(str(s.run_dir))}; plot with "
                   f"edgerl plot {escape(str(s.run_dir))}", soft_wrap=True)
 

@@ -167,6 +167,9 @@ def summary_line(metrics: dict[str, Any]) -> str:
         v = metrics.get(key)
         if isinstance(v, (int, float)) and math.isfinite(v):
             parts.append(f"{label} {fmt.format(v)}")
+    skipped = sum(metrics.get(k) or 0 for k in ("actor/skipped_updates", "critic/skipped_updates"))
+    if skipped:  # shown only when it happens: a NaN/inf loss or gradient norm skipped an update
+        parts.append(f"skipped {skipped:.0f}")
     return "  ".join(parts)
 
 
