@@ -87,7 +87,7 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
               algo: Optional[str] = typer.Option(None, help="gae (PPO with a critic) | grpo | rloo | reinforce++"),
               lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="force LoRA on or off "
                                                   "(default: the config's lora.enabled)"),
-              gpus: int = typer.Option(1, "--gpus", min=1, help="plan for N such GPUs under torchrun (FSDP2 shards "
+              gpus: int = typer.Option(1, "--gpus", min=1, max=4096, help="plan for N such GPUs under torchrun (FSDP2 shards "
                                        "the training state over them); the plan is for one of them"),
               config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt,
               fmt: str = typer.Option("text", "--format", "-f", help="text | toml | json | verl"),
@@ -140,6 +140,7 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
 
 
 @app.command()
+@friendly
 def profiles() -> None:
     """The GPU profiles edgerl can plan for."""
     from rich.table import Table

@@ -91,9 +91,10 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
 
 @friendly
 def plot(run_dir: Path = typer.Argument(..., help="a run folder with metrics.jsonl"),
-         out: Optional[Path] = typer.Option(None, "--out", "-o", help=".png (default RUN_DIR/curves.png), .pdf or "
-                                            ".svg; a folder gets curves.png")) -> None:
+         out: Optional[Path] = typer.Option(None, "--out", "-o", help=".png (default RUN_DIR/curves.png, replaced "
+                                            "each time), .pdf or .svg; a folder gets curves.png"),
+         force: bool = typer.Option(False, "--force", help="replace an existing --out file")) -> None:
     """Write a PNG of a run's curves (reward, length, KL, entropy, losses, speed, memory)."""
     from edgerl.train.metrics import plot as plot_run
-    path = plot_run(run_dir, out)
+    path = plot_run(run_dir, out, overwrite=force or out is None)
     console.print(f"wrote {escape(str(path))}", soft_wrap=True)

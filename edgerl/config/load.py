@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 
 from edgerl.config.schema import Config
 from edgerl.core.errors import ConfigError
+from edgerl.core.files import regular_input
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,6 +76,7 @@ def read_toml(path: Union[str, Path]) -> dict[str, Any]:
     if p.is_dir():
         raise ConfigError(f"config file {p} is a folder; give the .toml file (edgerl config > run.toml writes one "
                           "with every key)")
+    regular_input(p, "config file")
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
@@ -92,6 +94,9 @@ def read_toml(path: Union[str, Path]) -> dict[str, Any]:
         return tomllib.loads(text.removeprefix("\ufeff"))  # some editors start UTF-8 files with a BOM
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {p} nests arrays or tables too deeply to be read; a run config has "
+                          "sections of plain values") from None
 
 
 def _type_name(tp: Any) -> str:
@@ -197,6 +202,8 @@ def parse_set(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word such as grpo or a path
+    except RecursionError:
+        raise ConfigError(f"--set {key}=...: the value nests arrays too deeply to be read") from None
     if raw.lower() in ("none", "null"):
         value = None
     return key.split("."), value
@@ -229,6 +236,9 @@ def load_config(path: Union[str, Path, None] = None, sets: Union[list[SetItem], 
         for k, v in loaded.items():
             src.note(k, v, "file", str(path))
         data = _deep_update(data, loaded)
+    for name, tp in typing.get_type_hints(Config).items():   # `train = 3` in the file is its error, not a --set's
+        if name in data and not isinstance(data[name], dict):
+            raise _section_error(name, [g.name for g in dataclasses.fields(tp)], src)
     for item in sets:
         text, label = item if isinstance(item, tuple) else (item, f"--set {item}")
         keys, value = parse_set(text)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from edgerl.core.errors import ConfigError
+from edgerl.core.files import check_path, shown
 
 
 def F(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
@@ -224,6 +225,11 @@ class Config:
         from edgerl.algos import ESTIMATORS  # the registry says which estimators exist and what they need
         a, r, t = self.algo, self.rollout, self.train
         _check_ranges(self)
+        for key in PATH_KEYS:
+            section, name = key.split(".")
+            value = getattr(getattr(self, section), name)
+            if value is not None:   # reward.function is 'path/to/file.py:fn'
+                check_path(value.rsplit(":", 1)[0] if key == "reward.function" and ":" in value else value, key)
         if a.advantage not in ESTIMATORS:
             names = list(ESTIMATORS)
             close = difflib.get_close_matches(a.advantage, names, n=1)
@@ -305,6 +311,11 @@ RANGES: dict[str, tuple[str, str]] = {
 }
 
 
+# keys that hold a path (or a name that may be one): checked by core.files.check_path
+PATH_KEYS = ("model.path", "model.tokenizer", "model.critic_path", "data.path", "reward.function", "reward.model",
+             "run.out_dir")
+
+
 def _interval(spec: str) -> tuple[float, float, bool, bool]:
     lo, hi = (float(x) for x in spec[1:-1].split(","))
     return lo, hi, spec[0] == "[", spec[-1] == "]"
@@ -325,6 +336,10 @@ def _check_ranges(cfg: "Config") -> None:
                 raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
             if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
                 raise ConfigError(f"{section.name}.{f.name} must hold finite numbers, got {value}")
+            texts = value if isinstance(value, list) else [value]
+            if any(isinstance(v, str) and any("\ud800" <= c <= "\udfff" for c in v) for v in texts):
+                raise ConfigError(f"{section.name}.{f.name} holds bytes that are not UTF-8 text ({shown(str(value))}); "
+                                  "give it as UTF-8")
     for key, (spec, why) in RANGES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

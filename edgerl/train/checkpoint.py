@@ -68,6 +68,9 @@ def checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.exists():
         return []
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is a file, but a run keeps its checkpoints in a folder of that name; move "
+                              f"the file away (mv {root} {root}.file), or choose another run folder")
     found = [p for p in root.iterdir() if p.is_dir() and _STEP.match(p.name)]
     return sorted(found, key=lambda p: int(_STEP.match(p.name).group(1)))
 
