@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from edgerl.config.load import quoted
 from .app import ConfigOpt, SetOpt, console, friendly
 
 
@@ -34,7 +35,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
                             ("reward.function", reward, "--reward"), ("run.profile", profile, "--profile")):
         if value is not None:
-            extra.append((f"{key}={json.dumps(value)}", f"{opt} {value}"))
+            extra.append((f"{key}={quoted(value)}", f"{opt} {value}"))
     if steps is not None:
         extra.append((f"train.steps={steps}", f"--steps {steps}"))
     cfg, point = session.load(config, extra + list(sets or []), resume, out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import sys
 import types
@@ -207,6 +208,14 @@ def parse_set(item: str) -> tuple[list[str], Any]:
     if raw.lower() in ("none", "null"):
         value = None
     return key.split("."), value
+
+
+def quoted(text: str) -> str:
+    """`text` as a TOML string, for a CLI option that stands for a --set (--model PATH). JSON's escapes
+    are TOML's, but for characters outside the BMP (JSON writes a surrogate pair, which TOML refuses):
+    those stay as they are, and so does a lone surrogate (a byte that was not UTF-8), for the config's
+    checks to name."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")   # TOML refuses a raw DEL
 
 
 def _merge(base: dict[str, Any], path: list[str], value: Any, label: str) -> None:

@@ -337,7 +337,7 @@ def _check_ranges(cfg: "Config") -> None:
             if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
                 raise ConfigError(f"{section.name}.{f.name} must hold finite numbers, got {value}")
             texts = value if isinstance(value, list) else [value]
-            if any(isinstance(v, str) and any("\ud800" <= c <= "\udfff" for c in v) for v in texts):
+            if f"{section.name}.{f.name}" not in PATH_KEYS and any(isinstance(v, str) and any("\ud800" <= c <= "\udfff" for c in v) for v in texts):
                 raise ConfigError(f"{section.name}.{f.name} holds bytes that are not UTF-8 text ({shown(str(value))}); "
                                   "give it as UTF-8")
     for key, (spec, why) in RANGES.items():

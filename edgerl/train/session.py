@@ -23,7 +23,7 @@ from edgerl.train import ranks
 from edgerl.train import runfolder
 from edgerl.train import resume as resume_changes
 from edgerl.config.schema import Config, ConfigError, to_toml
-from edgerl.config.load import SetItem, load_config
+from edgerl.config.load import SetItem, load_config, quoted
 from edgerl.data.prompts import DataReport, Prompt, load_prompts
 from edgerl.core.errors import ModelError, RunDirError
 from edgerl.models.load import unreadable_weights
@@ -140,7 +140,7 @@ def _budget_note(cfg: Config, share: float, real: Any) -> str:
 
 def cap_memory(profile: str) -> str:
     """Emulate a profile's memory on this GPU (for benchmarks that run a peer beside edgerl)."""
-    cfg = load_config(None, [f"run.profile={json.dumps(profile)}"])
+    cfg = load_config(None, [f"run.profile={quoted(profile)}"])
     return _device_for(resolve_target(profile), cfg)[1]
 
 
