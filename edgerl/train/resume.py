@@ -88,7 +88,7 @@ def check(point: Any, cfg: Config, plan: Any, n_prompts: int, world: int) -> Non
     new_run = "or train them in a new run from the model (--out NEW_FOLDER without --resume)"
     for key, (old, new) in changes(meta.get("config"), cfg).items():
         if key in REFUSED and (not key.startswith("lora.") or plan.lora is not None):
-            raise _refuse(point, f"{key} changed from {old!r} to {new!r}, but {REFUSED[key]}",
+            raise _refuse(point, f"{key} changed from {json.dumps(old)} to {json.dumps(new)}, but {REFUSED[key]}",
                           f"resume with {key}={json.dumps(old)} (the run's value), {new_run}")
     lora = (folder / "adapter_model.safetensors").exists()
     if lora != (plan.lora is not None):
