@@ -18,6 +18,9 @@ from edgerl.config.load import load_config
 from edgerl.data.prompts import check_data, prepare_gsm8k
 from edgerl.core.errors import USER_ERRORS, DataError
 from edgerl.rewards.rules import KNOWN_SOURCES
+from edgerl.core.files import check_path
+
+from .app import friendly
 
 app = typer.Typer(help="Check training data and prepare datasets (verl-compatible parquet).",
                   no_args_is_help=True, add_completion=False)
@@ -57,6 +60,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
 
 
 @app.command()
+@friendly
 def check(
     file: str = typer.Argument(..., help="a .parquet/.jsonl/.json/.csv file, an HF dataset name, "
                                "or builtin:arithmetic"),
@@ -87,6 +91,8 @@ def check(
             changes["max_prompt_len"] = max_prompt_len
         cfg.data = dataclasses.replace(cfg.data, **changes)
         cfg.validate()
+        if tokenizer is not None:
+            check_path(tokenizer, "--tokenizer")
         tok = load_tokenizer(tokenizer or cfg.model.tokenizer or cfg.model.path, cfg.model.trust_remote_code)
         summary = check_data(cfg.data, tok, seed=0)
     except USER_ERRORS as e:
@@ -129,6 +135,7 @@ def check(
 
 
 @prepare_app.command("gsm8k")
+@friendly
 def prepare_gsm8k_cmd(
     out: Path = typer.Option(..., "--out", help="parquet file to write, e.g. data/gsm8k/train.parquet (its "
                              "folder must exist; '.parquet' is added to a name without a suffix)"),

@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from edgerl.config.schema import ConfigError
-from edgerl.config.load import load_config
+from edgerl.config.load import load_config, quoted
 from edgerl.plan.modelspec import ModelSpecError
 from edgerl.core.files import output_file, write_atomically
 from edgerl.plan.plan import PlanError
@@ -38,7 +38,7 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
     from edgerl.doctor.doctor import Environment, exit_code, run_checks
     from edgerl.config.target import plan_for, resolve_target
     from .render import checks_table, print_plan
-    cfg = load_config(config, list(sets or []) + ([(f"model.path={json.dumps(model)}", f"--model {model}")]
+    cfg = load_config(config, list(sets or []) + ([(f"model.path={quoted(model)}", f"--model {model}")]
                                                   if model else []))
     target = resolve_target(gpu, gpu_spec)
     where = ""
@@ -93,7 +93,7 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
               algo: Optional[str] = typer.Option(None, help="gae (PPO with a critic) | grpo | rloo | reinforce++"),
               lora: Optional[bool] = typer.Option(None, "--lora/--no-lora", help="force LoRA on or off "
                                                   "(default: the config's lora.enabled)"),
-              gpus: int = typer.Option(1, "--gpus", min=1, max=1024, help="plan for N such GPUs per machine under "
+              gpus: int = typer.Option(1, "--gpus", min=1, max=4096, help="plan for N such GPUs per machine under "
                                        "torchrun (FSDP2 shards the training state over all of them); the plan is "
                                        "for one of them"),
               nodes: int = typer.Option(1, "--nodes", min=1, max=1024, help="machines, each with --gpus GPUs "
@@ -121,12 +121,12 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         path = output_file(out, (suffix,), option="--out", default_name=name, overwrite=force)
     extra: list = list(sets or [])
     # (key=value, the option as typed): an error names the option the user gave, not a --set
-    for key, value, opt in (("model.path", json.dumps(model) if model else None, f"--model {model}"),
+    for key, value, opt in (("model.path", quoted(model) if model else None, f"--model {model}"),
                             ("data.max_prompt_len", prompt_len, f"--prompt-len {prompt_len}"),
                             ("rollout.max_new_tokens", response_len, f"--response-len {response_len}"),
                             ("rollout.n_samples", samples, f"--samples {samples}"),
                             ("train.prompts_per_step", prompts, f"--prompts {prompts}"),
-                            ("algo.advantage", json.dumps(algo) if algo else None, f"--algo {algo}"),
+                            ("algo.advantage", quoted(algo) if algo else None, f"--algo {algo}"),
                             ("lora.enabled", str(lora).lower() if lora is not None else None,
                              "--lora" if lora else "--no-lora")):
         if value is not None:
@@ -162,6 +162,7 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
 
 
 @app.command()
+@friendly
 def profiles() -> None:
     """The GPU profiles edgerl can plan for."""
     from rich.table import Table

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from edgerl.config.load import quoted
 from .app import ConfigOpt, SetOpt, console, friendly
 
 
@@ -22,6 +23,8 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
           out: Optional[Path] = typer.Option(None, "--out", "-o", help="run folder (a new one; with --resume: branch "
                                              "into it from the checkpoint)"),
           resume: Optional[Path] = typer.Option(None, "--resume", help="continue a run folder (or one checkpoint folder)"),
+          restart: bool = typer.Option(False, "--restart", help="start a new run in --out even though it holds "
+                                       "one: that run's files are moved into OUT/earlier-run-N/, nothing is deleted"),
           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
     from edgerl.train import session
@@ -32,14 +35,14 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
                             ("reward.function", reward, "--reward"), ("run.profile", profile, "--profile")):
         if value is not None:
-            extra.append((f"{key}={json.dumps(value)}", f"{opt} {value}"))
+            extra.append((f"{key}={quoted(value)}", f"{opt} {value}"))
     if steps is not None:
         extra.append((f"train.steps={steps}", f"--steps {steps}"))
     cfg, point = session.load(config, extra + list(sets or []), resume, out)
 
     def log(s: str) -> None:
         console.print(f"[dim]{escape(s)}[/]", highlight=False, soft_wrap=True)  # paths stay whole for copying
-    s = session.prepare(cfg, point, log=log)
+    s = session.prepare(cfg, point, log=log, restart=restart)
     try:
         if s.finished:
             run = escape(str(s.run_dir))
@@ -82,16 +85,17 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"reward: mean {first:.3f} over the first 5 steps, {last:.3f} over the last 5")
     if trainer.state.loop.skipped_total:
         console.print(f"[yellow]{trainer.state.loop.skipped_total} update(s) were skipped for a NaN or infinite "
-                      "loss (metrics: actor/skipped_updates)[/]")
+                      "loss or gradient norm (metrics: actor/skipped_updates)[/]")
     console.print(f"[bold green]done[/]: {trainer.step} steps; run folder {escape(str(s.run_dir))}; plot with "
                   f"edgerl plot {escape(str(s.run_dir))}", soft_wrap=True)
 
 
 @friendly
 def plot(run_dir: Path = typer.Argument(..., help="a run folder with metrics.jsonl"),
-         out: Optional[Path] = typer.Option(None, "--out", "-o", help=".png (default RUN_DIR/curves.png), .pdf or "
-                                            ".svg; a folder gets curves.png")) -> None:
+         out: Optional[Path] = typer.Option(None, "--out", "-o", help=".png (default RUN_DIR/curves.png, replaced "
+                                            "each time), .pdf or .svg; a folder gets curves.png"),
+         force: bool = typer.Option(False, "--force", help="replace an existing --out file")) -> None:
     """Write a PNG of a run's curves (reward, length, KL, entropy, losses, speed, memory)."""
     from edgerl.train.metrics import plot as plot_run
-    path = plot_run(run_dir, out)
+    path = plot_run(run_dir, out, overwrite=force or out is None)
     console.print(f"wrote {escape(str(path))}", soft_wrap=True)

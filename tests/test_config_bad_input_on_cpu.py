@@ -19,26 +19,26 @@ from edgerl.config.load import load_config
     ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be in [0, 1], got 1.5"),
     ("train.warmup_ratio=1", "train.warmup_ratio must be in [0, 1), got 1.0"),
     ("train.betas=[0.9, 1.0]", "train.betas needs two values in [0, 1)"),
-    ("train.steps=-1", "train.steps must be at least 0, got -1"),
+    ("train.steps=-1", "train.steps must be 0 to 1000000000, got -1"),
     ("algo.gamma=1.01", "algo.gamma must be in [0, 1], got 1.01"),
     ("algo.lam=-0.5", "algo.lam must be in [0, 1], got -0.5"),
     ("algo.clip_low=1", "algo.clip_low must be in [0, 1), got 1.0"),
     ("algo.clip_high=-0.2", "algo.clip_high must be >= 0, got -0.2"),
     ("algo.value_clip=0", "algo.value_clip must be > 0, got 0.0"),
     ("algo.kl_target=0", "algo.kl_target must be > 0, got 0.0"),
-    ("algo.kl_horizon=0", "algo.kl_horizon must be at least 1, got 0"),
+    ("algo.kl_horizon=0", "algo.kl_horizon must be 1 to 1000000000000, got 0"),
     ("algo.kl_coef=-0.1", "algo.kl_coef must be >= 0, got -0.1"),
-    ("rollout.top_k=-1", "rollout.top_k must be at least 0, got -1"),
+    ("rollout.top_k=-1", "rollout.top_k must be 0 to 1048576, got -1"),
     ("rollout.top_p=0", "rollout.top_p must be in (0, 1], got 0.0"),
     ("rollout.temperature=0", "rollout.temperature must be > 0, got 0.0; for near-greedy sampling"),
-    ("data.num_examples=0", "data.num_examples must be at least 1, got 0"),
+    ("data.num_examples=0", "data.num_examples must be 1 to 1000000, got 0"),
     ("data.difficulty=5", "data.difficulty must be 1 to 4, got 5"),
     ("plan.memory_gib=-1", "plan.memory_gib must be > 0, got -1.0"),
     ("plan.headroom_gib=-1", "plan.headroom_gib must be >= 0, got -1.0"),
-    ("plan.rollout_batch=0", "plan.rollout_batch must be at least 1, got 0"),
-    ("plan.score_micro_batch=-2", "plan.score_micro_batch must be at least 1, got -2"),
+    ("plan.rollout_batch=0", "plan.rollout_batch must be 1 to 65536, got 0"),
+    ("plan.score_micro_batch=-2", "plan.score_micro_batch must be 1 to 65536, got -2"),
     ("plan.rollout_memory_share=1.5", "plan.rollout_memory_share must be in (0, 1], got 1.5"),
-    ("run.save_every=-1", "run.save_every must be at least 0, got -1"),
+    ("run.save_every=-1", "run.save_every must be 0 to 1000000000, got -1"),
     ("train.lr=nan", "train.lr must be a finite number, got nan"),
     ("reward.model_coef=inf", "reward.model_coef must be a finite number, got inf"),
     ("train.betas=[0.9, nan]", "train.betas must hold finite numbers"),
@@ -61,6 +61,35 @@ def test_every_range_is_checked_and_the_defaults_are_inside():
             bad = int(bad)
         with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be "):
             load_config(sets=[f"{key}={bad}"])
+
+
+def test_every_integer_key_has_a_finite_range_checked_before_anything_runs():
+    """Python's integers have no bound; every integer key has one (RANGES), and one past it is refused
+    while the config is read (train.seed=10**23 once failed inside torch, mid-run)."""
+    import dataclasses
+    from edgerl.config.schema import Config
+    cfg = load_config()
+    for section in dataclasses.fields(Config):
+        hints = typing.get_type_hints(type(getattr(cfg, section.name)))
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            if int not in (hints[f.name], *typing.get_args(hints[f.name])):
+                continue
+            key = f"{section.name}.{f.name}"
+            assert key in RANGES, f"{key} is an integer without a range in RANGES"
+            hi = float(RANGES[key][0][1:-1].split(",")[1])
+            assert hi != float("inf"), f"{key} has no upper bound"
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be \d+ to {int(hi)}, got "):
+                load_config(sets=[f"{key}={int(hi) + 1}"])
+    with pytest.raises(ConfigError, match=r"^train.seed must be 0 to 4294967295, got 99999999999999999999999"):
+        load_config(sets=["train.seed=99999999999999999999999"])
+
+
+def test_a_step_of_more_sequences_than_edgerl_plans_for_is_refused_with_the_limit():
+    with pytest.raises(ConfigError, match=r"train.prompts_per_step=20000 x rollout.n_samples=4 = 80000 sequences per "
+                                          r"step, more than the 65536 edgerl plans for"):
+        load_config(sets=["train.prompts_per_step=20000"])
+    with pytest.raises(ConfigError, match=r"^train.prompts_per_step must be 1 to 65536, got 100000000"):
+        load_config(sets=["train.prompts_per_step=100000000"])
 
 
 def test_lr_zero_is_refused_with_its_own_reason():

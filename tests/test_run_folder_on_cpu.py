@@ -125,12 +125,16 @@ def test_a_reward_that_raises_keeps_the_last_good_step_and_says_how_to_resume(ti
 
 
 def _poison(ckpt: Path) -> None:
+    """A NaN in the actor's weights, as a run that diverged writes it (its checksum recorded with it)."""
     from safetensors.torch import load_file, save_file
     path = ckpt / "actor.safetensors"
     tensors = load_file(str(path))
     name = sorted(tensors)[0]
     tensors[name][0] = float("nan")
     save_file(tensors, str(path))
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["files"][path.name] = {"bytes": path.stat().st_size, "sha256": checkpoint.sha256(path)}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
 
 
 def test_resume_from_a_checkpoint_with_nan_weights_is_refused_before_anything_is_written(run_copy, tmp_path):
@@ -213,7 +217,7 @@ def test_out_that_is_a_file_or_under_a_file_is_one_line(tiny_llama, tmp_path):
 def test_a_second_process_training_in_the_folder_is_refused(run_copy):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from pathlib import Path; from edgerl.train.runfolder import RunLock; "
-         f"lock = RunLock(Path({str(run_copy)!r})); print('locked', flush=True); sys.stdin.read()"],
+         f"lock = RunLock(Path({str(run_copy)!r})); lock.claim(); print('locked', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"

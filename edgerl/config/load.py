@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import sys
 import types
@@ -22,6 +23,7 @@ from typing import Any, Literal, Optional, Union
 
 from edgerl.config.schema import Config
 from edgerl.core.errors import ConfigError
+from edgerl.core.files import regular_input
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,6 +77,7 @@ def read_toml(path: Union[str, Path]) -> dict[str, Any]:
     if p.is_dir():
         raise ConfigError(f"config file {p} is a folder; give the .toml file (edgerl config > run.toml writes one "
                           "with every key)")
+    regular_input(p, "config file")
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
@@ -92,6 +95,9 @@ def read_toml(path: Union[str, Path]) -> dict[str, Any]:
         return tomllib.loads(text.removeprefix("\ufeff"))  # some editors start UTF-8 files with a BOM
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {p} nests arrays or tables too deeply to be read; a run config has "
+                          "sections of plain values") from None
 
 
 def _type_name(tp: Any) -> str:
@@ -202,9 +208,19 @@ def parse_set(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word such as grpo or a path
+    except RecursionError:
+        raise ConfigError(f"--set {key}=...: the value nests arrays too deeply to be read") from None
     if raw.lower() in ("none", "null"):
         value = None
     return key.split("."), value
+
+
+def quoted(text: str) -> str:
+    """`text` as a TOML string, for a CLI option that stands for a --set (--model PATH). JSON's escapes
+    are TOML's, but for characters outside the BMP (JSON writes a surrogate pair, which TOML refuses):
+    those stay as they are, and so does a lone surrogate (a byte that was not UTF-8), for the config's
+    checks to name."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")   # TOML refuses a raw DEL
 
 
 def _merge(base: dict[str, Any], path: list[str], value: Any, label: str) -> None:
@@ -234,6 +250,9 @@ def load_config(path: Union[str, Path, None] = None, sets: Union[list[SetItem], 
         for k, v in loaded.items():
             src.note(k, v, "file", str(path))
         data = _deep_update(data, loaded)
+    for name, tp in typing.get_type_hints(Config).items():   # `train = 3` in the file is its error, not a --set's
+        if name in data and not isinstance(data[name], dict):
+            raise _section_error(name, [g.name for g in dataclasses.fields(tp)], src)
     for item in sets:
         text, label = item if isinstance(item, tuple) else (item, f"--set {item}")
         keys, value = parse_set(text)

@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 
 from edgerl.core.errors import ConfigError
 from edgerl.plan import table
+from edgerl.core.files import check_path, shown
 
 
 def F(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
@@ -206,6 +207,11 @@ class Config:
         from edgerl.algos import ESTIMATORS  # the registry says which estimators exist and what they need
         a, r, t = self.algo, self.rollout, self.train
         _check_ranges(self)
+        for key in PATH_KEYS:
+            section, name = key.split(".")
+            value = getattr(getattr(self, section), name)
+            if value is not None:   # reward.function is 'path/to/file.py:fn'
+                check_path(value.rsplit(":", 1)[0] if key == "reward.function" and ":" in value else value, key)
         if a.advantage not in ESTIMATORS:
             names = list(ESTIMATORS)
             close = difflib.get_close_matches(a.advantage, names, n=1)
@@ -217,6 +223,10 @@ class Config:
         if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
             raise ConfigError(f"train.betas needs two values in [0, 1), e.g. [0.9, 0.999]; got {t.betas}")
         seqs = self.sequences_per_step
+        if seqs > MAX_SEQUENCES:
+            raise ConfigError(f"train.prompts_per_step={t.prompts_per_step} x rollout.n_samples={r.n_samples} = "
+                              f"{seqs} sequences per step, more than the {MAX_SEQUENCES} edgerl plans for; lower "
+                              "one of them")
         if t.mini_batch is not None and (t.mini_batch < 1 or seqs % t.mini_batch):
             raise ConfigError(f"train.mini_batch={t.mini_batch} must divide the {seqs} sequences per "
                               f"step ({self.train.prompts_per_step} prompts x {r.n_samples} samples); "
@@ -233,16 +243,21 @@ class Config:
 
 # The range of every number that has one, as an interval ("(" excludes the bound, "[" includes it),
 # with what the bound means. A value outside would fail later, mid-run, or train nothing. The [plan]
-# keys carry theirs in their field's metadata, from the plan's decision table.
+# keys carry theirs in their field's metadata, from the plan's decision table. Every integer has a finite
+# upper bound: Python's integers have none, and a value past what torch, numpy or a loop can take (a seed
+# of 10**23, a billion prompts per step) would fail mid-run or compute for hours.
+MAX_SEQUENCES = 65536   # sequences per step (prompts x samples) a plan is searched for
 RANGES: dict[str, tuple[str, str]] = {
-    "rollout.n_samples": ("[1, inf)", ""),
-    "rollout.max_new_tokens": ("[1, inf)", ""),
+    "rollout.n_samples": ("[1, 1024]", ""),
+    "rollout.max_new_tokens": ("[1, 1048576]", ""),
     "rollout.temperature": ("(0, inf)", "for near-greedy sampling use a small value such as 0.1"),
     "rollout.top_p": ("(0, 1]", "1.0 samples from the full distribution"),
-    "rollout.top_k": ("[0, inf)", "0 samples from every token"),
-    "train.steps": ("[0, inf)", ""),
-    "train.prompts_per_step": ("[1, inf)", ""),
-    "train.ppo_epochs": ("[1, inf)", ""),
+    "rollout.top_k": ("[0, 1048576]", "0 samples from every token"),
+    "train.steps": ("[0, 1000000000]", ""),
+    "train.prompts_per_step": ("[1, 65536]", ""),
+    "train.mini_batch": ("[1, 65536]", "sequences; leave it unset for one update per epoch"),
+    "train.micro_batch": ("[1, 65536]", "sequences; leave it unset to let the plan choose"),
+    "train.ppo_epochs": ("[1, 1000]", ""),
     "train.lr": ("(0, inf)", "a negative rate climbs the loss instead of descending it; typical: 1e-6 for full "
                  "fine-tuning, 1e-5 to 1e-4 with LoRA"),
     "train.critic_lr": ("(0, inf)", "typical: 1e-5"),
@@ -251,26 +266,32 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.min_lr_ratio": ("[0, 1]", "the cosine schedule's floor, as a share of train.lr"),
     "train.max_grad_norm": ("(0, inf)", "gradients are scaled down to this norm, so 0 would erase them; a large "
                             "value such as 1e9 clips nothing"),
-    "train.max_bad_steps": ("[1, inf)", ""),
+    "train.max_bad_steps": ("[1, 1000000]", ""),
+    "train.seed": ("[0, 4294967295]", "a 32-bit seed, as numpy and vLLM take"),
     "algo.gamma": ("[0, 1]", "a discount per token: 1.0 does not discount"),
     "algo.lam": ("[0, 1]", "GAE's lambda: 1.0 is Monte Carlo, 0 is one-step TD"),
     "algo.kl_coef": ("[0, inf)", "0 turns the KL term off"),
     "algo.kl_target": ("(0, inf)", "a KL per token such as 0.01; leave it unset for a fixed algo.kl_coef"),
-    "algo.kl_horizon": ("[1, inf)", ""),
+    "algo.kl_horizon": ("[1, 1000000000000]", ""),
     "algo.clip_low": ("[0, 1)", "the ratio is clipped below at 1 - clip_low, which must stay above 0; typical: 0.2"),
     "algo.clip_high": ("[0, inf)", "typical: 0.2 (0.28 for DAPO's clip-higher)"),
     "algo.dual_clip": ("(1, inf)", "e.g. 3.0; leave it unset to turn it off"),
     "algo.value_clip": ("(0, inf)", "typical: 0.2"),
-    "data.max_prompt_len": ("[1, inf)", ""),
+    "data.max_prompt_len": ("[1, 1048576]", ""),
     "data.difficulty": ("[1, 4]", ""),
-    "data.num_examples": ("[1, inf)", ""),
-    "lora.rank": ("[1, inf)", ""),
+    "data.num_examples": ("[1, 1000000]", ""),
+    "lora.rank": ("[1, 65536]", ""),
     "lora.alpha": ("(0, inf)", "the adapter's scale is alpha / rank"),
     "lora.dropout": ("[0, 1)", ""),
-    "run.save_every": ("[0, inf)", "0 writes no periodic checkpoint"),
-    "run.keep_last": ("[1, inf)", ""),
-    "run.profile_step": ("[0, inf)", "0 records no step"),
+    "run.save_every": ("[0, 1000000000]", "0 writes no periodic checkpoint"),
+    "run.keep_last": ("[1, 1000000]", ""),
+    "run.profile_step": ("[0, 1000000000]", "0 records no step"),
 }
+
+
+# keys that hold a path (or a name that may be one): checked by core.files.check_path
+PATH_KEYS = ("model.path", "model.tokenizer", "model.critic_path", "data.path", "reward.function", "reward.model",
+             "run.out_dir")
 
 
 def _interval(spec: str) -> tuple[float, float, bool, bool]:
@@ -282,7 +303,7 @@ def _in_words(spec: str, integer: bool) -> str:
     lo, hi, lo_in, hi_in = _interval(spec)
     if math.isinf(hi):
         return f"at least {lo:g}" if integer and lo_in else f"{'>=' if lo_in else '>'} {lo:g}"
-    return f"in {spec}" if not integer else f"{lo:g} to {hi:g}"
+    return f"in {spec}" if not integer else f"{int(lo)} to {int(hi)}"
 
 
 def _check_ranges(cfg: "Config") -> None:
@@ -293,6 +314,10 @@ def _check_ranges(cfg: "Config") -> None:
                 raise ConfigError(f"{section.name}.{f.name} must be a finite number, got {value}")
             if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
                 raise ConfigError(f"{section.name}.{f.name} must hold finite numbers, got {value}")
+            texts = value if isinstance(value, list) else [value]
+            if f"{section.name}.{f.name}" not in PATH_KEYS and any(isinstance(v, str) and any("\ud800" <= c <= "\udfff" for c in v) for v in texts):
+                raise ConfigError(f"{section.name}.{f.name} holds bytes that are not UTF-8 text ({shown(str(value))}); "
+                                  "give it as UTF-8")
     ranges = dict(RANGES)
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):

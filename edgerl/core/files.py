@@ -12,9 +12,11 @@ Both raise ConfigError: the path is something the user chose, and the message sa
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -100,6 +102,57 @@ _TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp(\.[^.]*)?$")
 def temporaries(folder: Path) -> list[Path]:
     """The temporary files `write_atomically` left in `folder` when it was killed mid-write."""
     return sorted(p for p in Path(folder).glob(".*") if _TEMPORARY.match(p.name))
+NAME_MAX, PATH_MAX = 255, 4096   # bytes in one file name and in a whole path (Linux, every common file system)
+
+
+def shown(text: str) -> str:
+    """`text` as it can be printed: bytes that were not UTF-8 (lone surrogates, as Python decodes
+    such file names) shown as escapes instead of failing the print."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _short(text: str) -> str:
+    return shown(text if len(text) <= 60 else text[:40] + "..." + text[-12:])
+
+
+def check_path(path: Union[str, Path], what: str) -> None:
+    """ConfigError, in one line naming `what` (the option or key), for a path no file can have or that
+    cannot be followed: a name over NAME_MAX bytes or a path over PATH_MAX, bytes that are not UTF-8
+    (they cannot be shown in a message or a config file), or a loop of symbolic links. Anything else
+    (a missing file, say) is for the caller, which knows whether it must exist."""
+    text = str(path)
+    if any("\ud800" <= c <= "\udfff" for c in text):   # how Python decodes bytes that are not UTF-8
+        raise ConfigError(f"{what} {shown(text)}: the path holds bytes that are not UTF-8 text (shown as \\udc.. "
+                          "escapes); rename the file or folder with UTF-8 characters")
+    raw = os.fsencode(text)
+    if len(raw) > PATH_MAX:
+        raise ConfigError(f"{what} {_short(text)}: the path is {len(raw)} bytes long, and paths have at most "
+                          f"{PATH_MAX}; choose a shorter one")
+    for part in Path(text).parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise ConfigError(f"{what} {_short(text)}: the name {_short(part)} is {len(os.fsencode(part))} bytes "
+                              f"long, and a file or folder name has at most {NAME_MAX}; choose a shorter one")
+    try:
+        os.stat(Path(text).expanduser())
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"{what} {shown(text)}: a loop of symbolic links (a link that leads back to itself); "
+                              "fix or remove the link") from None
+    except ValueError:   # an embedded NUL byte
+        raise ConfigError(f"{what} {shown(text)!r}: a path cannot hold a NUL character") from None
+
+
+def regular_input(path: Path, what: str, error: type = ConfigError) -> None:
+    """`error` for an input file that is not a plain file (nor a folder): a FIFO, a device (/dev/zero)
+    or a socket blocks or never ends when read, and its size (0) says nothing about its content."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return   # the reader reports it, with its own words
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise error(f"{what} {shown(str(path))} is {kind}, not a regular file; give a file saved on disk")
 
 
 def cache_root() -> Path:

@@ -6,7 +6,7 @@ so the validation in `edgerl.data.prompts` can name the file, the row, the line 
 is taken silently: a duplicated or unnamed column, a JSON key given twice, a CSV row with the
 wrong number of cells and bytes that are not UTF-8 are errors that say where they are.
 
-This module imports no other part of edgerl but its errors; the built-in task lives in
+This module imports no other part of edgerl but edgerl.core; the built-in task lives in
 `edgerl.data.builtin`, which reads files through the helpers here.
 """
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 from edgerl.core.errors import DataError
+from edgerl.core.files import regular_input
 
 
 @dataclass
@@ -114,8 +115,26 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def json_line(line: str) -> Any:
-    """One JSON value; duplicated keys raise ValueError, bad JSON raises json.JSONDecodeError."""
-    return json.loads(line, object_pairs_hook=_no_duplicate_keys)
+    """One JSON value; duplicated keys, a number Python does not read (over 4300 digits) and nesting too
+    deep to follow raise ValueError saying so; bad JSON raises json.JSONDecodeError."""
+    return _decoded(lambda: json.loads(line, object_pairs_hook=_no_duplicate_keys))
+
+
+def _decoded(read: Any) -> Any:
+    """`read()` of JSON, its failures that are no syntax error worded for the user: Python's own
+    messages name sys.set_int_max_str_digits() and the recursion limit, neither of which a user sets."""
+    try:
+        return read()
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise ValueError("nests arrays or objects too deeply to be read (past Python's recursion limit); "
+                         "flatten it") from None
+    except ValueError as e:
+        if "integer string conversion" not in str(e):
+            raise
+        raise ValueError("holds a number of more than 4300 digits, which Python does not read as a number; "
+                         "write it as a string (in quotes)") from None
 
 
 def _check_header(p: Path, names: list[str], kind: str) -> None:
@@ -133,6 +152,7 @@ def _check_header(p: Path, names: list[str], kind: str) -> None:
 
 
 def _read_file(p: Path) -> RawTable:
+    regular_input(p, "data file", DataError)   # a FIFO or /dev/zero: its size (0) says nothing
     suffix = p.suffix.lower()
     if suffix not in FILE_TYPES:
         raise DataError(f"{p}: unsupported file type '{p.suffix or '(none)'}'; use one of "
@@ -166,9 +186,11 @@ def _read_json(p: Path) -> RawTable:
     start = text.lstrip()[:1]
     if p.suffix.lower() == ".json" and start == "{":
         try:
-            whole = json.loads(text)
+            whole = _decoded(lambda: json.loads(text))
         except json.JSONDecodeError:
             whole = None  # several objects: JSON lines in a .json file, read below
+        except ValueError as e:
+            raise DataError(f"{p} {e}") from None
         if isinstance(whole, dict) and len([ln for ln in text_lines(text) if ln.strip()]) > 1:
             raise DataError(f"{p} holds one JSON object ({', '.join(map(str, list(whole)[:5]))}), not "
                             "rows; write an array [{\"prompt\": ...}, ...] or one object per line (JSONL)")
@@ -188,6 +210,7 @@ def _read_json(p: Path) -> RawTable:
         if not isinstance(obj, dict):
             raise DataError(f"{p}: line {lineno} is {json_type(obj)}, not an object; "
                             "each line must look like {\"prompt\": ..., ...}")
+        _no_surrogates(obj, f"{p}: line {lineno}")
         rows.append(obj)
         lines.append(lineno)
     return RawTable(source=f"{p} (JSON lines)", columns=_union_keys(rows), rows=rows, lines=lines,
@@ -221,7 +244,7 @@ def _read_json_array(p: Path, text: str) -> RawTable:
         while True:
             start = line_at(i)
             try:
-                obj, i = decoder.raw_decode(text, i)
+                obj, i = _decoded(lambda: decoder.raw_decode(text, i))
             except json.JSONDecodeError as e:
                 raise DataError(f"{p}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
             except ValueError as e:
@@ -229,6 +252,7 @@ def _read_json_array(p: Path, text: str) -> RawTable:
             if not isinstance(obj, dict):
                 raise DataError(f"{p}: row {len(rows)} (0-based; line {start}) of the array is {json_type(obj)}, "
                                 "not an object; expected [{\"prompt\": ..., ...}, ...]")
+            _no_surrogates(obj, f"{p}: row {len(rows)} (0-based; line {start})")
             rows.append(obj)
             lines.append(start)
             i = _SPACE.match(text, i).end()
@@ -311,6 +335,23 @@ def _read_hf(name: str, split: str) -> RawTable:
 def _first_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return s[0] if s else type(e).__name__
+
+
+def _no_surrogates(value: Any, where: str, field: str = "") -> None:
+    """JSON's "\\ud800" escapes make strings holding a lone UTF-16 surrogate, which is no character:
+    tokenizers refuse it (TypeError) and no file can hold it as UTF-8. Refused at its row and field."""
+    if isinstance(value, str):
+        bad = next((c for c in value if "\ud800" <= c <= "\udfff"), None)
+        if bad is not None:
+            raise DataError(f"{where}: the field '{field or '?'}' holds \\u{ord(bad):04x}, half of a UTF-16 surrogate "
+                            "pair on its own, which is not a character; remove it or write the whole pair")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_surrogates(k, where, field)
+            _no_surrogates(v, where, f"{field}.{k}" if field else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _no_surrogates(v, where, f"{field}[{i}]")
 
 
 def _union_keys(rows: list[dict[str, Any]]) -> list[str]:

@@ -50,6 +50,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     except OSError as e:
         raise ModelError(f"cannot load the tokenizer of {path!r}: {e}. Offline, pass a local folder "
                          "(--set model.tokenizer=PATH)") from None
+    except Exception as e:   # a damaged tokenizer.json: the tokenizers library raises a bare Exception
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        damaged = [f for f in ("tokenizer.json", "tokenizer_config.json") if (Path(path) / f).is_file()]
+        where = f" ({' or '.join(str(Path(path) / f) for f in damaged)} may be damaged)" if damaged else ""
+        raise ModelError(f"cannot load the tokenizer of {path!r}{where}: {type(e).__name__}: {first}; download "
+                         "the model again, or give a working tokenizer with --set model.tokenizer=PATH") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # generation pads finished rows; the mask hides them
     return tok

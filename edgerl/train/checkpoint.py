@@ -10,6 +10,8 @@ killed while saving resumes from the previous one.
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
 import random
@@ -67,8 +69,15 @@ def checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.exists():
         return []
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is a file, but a run keeps its checkpoints in a folder of that name; move "
+                              f"the file away (mv {root} {root}.file), or choose another run folder")
     found = [p for p in root.iterdir() if p.is_dir() and _STEP.match(p.name)]
     return sorted(found, key=lambda p: int(_STEP.match(p.name).group(1)))
+
+
+def is_step_folder(path: Path) -> bool:
+    return bool(_STEP.match(Path(path).name))
 
 
 def latest(run_dir: Path) -> Optional[Path]:
@@ -99,7 +108,12 @@ def atomic_folder(target: Path, aside: Optional[Path] = None) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-tmp-", dir=target.parent))
     try:
         _public(tmp)
-        yield tmp
+        try:
+            yield tmp
+        except Exception as e:
+            if _write_failure(e):  # safetensors and torch.save do not raise OSError for a full disk
+                raise OSError(errno.EIO, f"writing {target.name} failed ({_last_line(e)}){_free_note(tmp)}") from e
+            raise
         for f in tmp.rglob("*"):
             if f.is_file():
                 with open(f, "rb") as fh:
@@ -135,7 +149,9 @@ def _remove(folder: Path) -> None:
 def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
          meta: dict[str, Any], keep_last: int, files: Optional[dict[str, bytes]] = None) -> Path:
     """Write checkpoint `step`: `tensors` name -> state dict (safetensors), `state` name -> object
-    (torch.save), `meta` -> meta.json, `files` name -> bytes written as is. Returns the folder."""
+    (torch.save), `files` name -> bytes written as is, and meta.json: `meta` plus the size and sha256
+    of every other file (`damage` checks them before a resume). Returns the folder. A failed write (a
+    full disk) is an OSError naming the file, with the earlier checkpoints untouched."""
     from safetensors.torch import save_file
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -145,12 +161,14 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
         _public(tmp)
         for name, sd in tensors.items():
             cpu = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-            save_file(_untie(cpu), str(tmp / f"{name}.safetensors"))
+            _writing(tmp / f"{name}.safetensors", lambda path: save_file(_untie(cpu), str(path)))
         for name, obj in state.items():
-            torch.save(obj, tmp / f"{name}.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+            _writing(tmp / f"{name}.pt", lambda path: torch.save(obj, path))
         for name, data in (files or {}).items():
-            (tmp / name).write_bytes(data)
+            _writing(tmp / name, lambda path: path.write_bytes(data))
+        sums = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
+        text = json.dumps({**meta, "files": sums}, indent=2, default=str)
+        _writing(tmp / "meta.json", lambda path: path.write_text(text))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -168,6 +186,85 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
     for old in checkpoints(run_dir)[:-keep_last]:
         _remove(old)
     return final
+
+
+def _writing(path: Path, write: Any) -> None:
+    """`write(path)`, its failure an OSError naming the file: torch.save raises RuntimeError and
+    safetensors SafetensorError (not OSError) when the disk fills up under them."""
+    from safetensors import SafetensorError
+    try:
+        write(path)
+    except OSError as e:
+        raise OSError(e.errno, f"writing {path.name}: {e.strerror or e}{_free_note(path)}") from e
+    except (RuntimeError, SafetensorError) as e:
+        raise OSError(errno.EIO, f"writing {path.name} failed ({_last_line(e)}){_free_note(path)}") from e
+
+
+def _write_failure(e: BaseException) -> bool:
+    """A failed write reported as safetensors' SafetensorError or torch's RuntimeError ('PytorchStreamWriter
+    failed writing file', 'file write failed')."""
+    from safetensors import SafetensorError
+    return isinstance(e, SafetensorError) or (isinstance(e, RuntimeError) and "writ" in str(e).lower())
+
+
+def _last_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+
+
+def _free_note(path: Path) -> str:
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return ""
+    return f"; the disk holding it has {free / 2**20:.0f} MiB free" if free < 2**30 else ""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# what every checkpoint holds, for checkpoints written before meta.json recorded its files
+_NEEDED = ("train.pt", "optim.pt", "sched.pt")
+
+
+def damage(folder: Path) -> Optional[str]:
+    """Why checkpoint `folder` cannot be trusted, naming the file (missing, cut short, or its bytes not
+    those written: the sha256 in meta.json differs), or None when every file is as written."""
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            raise ValueError("no integer 'step' in it")
+    except FileNotFoundError:
+        return f"{meta_path} is missing"
+    except (OSError, ValueError) as e:
+        return f"{meta_path} is damaged ({getattr(e, 'strerror', None) or e})"
+    sums = meta.get("files")
+    if not isinstance(sums, dict):   # written before checksums were recorded: the files must be there
+        weights = [n for n in ("actor.safetensors", "adapter_model.safetensors") if (folder / n).exists()]
+        missing = [n for n in _NEEDED if not (folder / n).exists()] + ([] if weights else ["actor.safetensors"])
+        return f"{folder / missing[0]} is missing" if missing else None
+    for name, want in sums.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        try:
+            size = path.stat().st_size
+            if size != want.get("bytes"):
+                return (f"{path} is damaged: {size} bytes, but {want.get('bytes')} were written (cut short or "
+                        "replaced)")
+            if sha256(path) != want.get("sha256"):
+                return f"{path} is damaged: its bytes differ from those written (sha256 mismatch)"
+        except OSError as e:
+            return f"{path} cannot be read ({e.strerror or e})"
+        except AttributeError:
+            return f"{meta_path} is damaged (its 'files' entry for {name} is not a record)"
+    return None
 
 
 def _untie(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

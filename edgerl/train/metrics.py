@@ -167,6 +167,9 @@ def summary_line(metrics: dict[str, Any]) -> str:
         v = metrics.get(key)
         if isinstance(v, (int, float)) and math.isfinite(v):
             parts.append(f"{label} {fmt.format(v)}")
+    skipped = sum(metrics.get(k) or 0 for k in ("actor/skipped_updates", "critic/skipped_updates"))
+    if skipped:  # shown only when it happens: a NaN/inf loss or gradient norm skipped an update
+        parts.append(f"skipped {skipped:.0f}")
     return "  ".join(parts)
 
 
@@ -192,17 +195,21 @@ PLOTS = (("reward/mean", "reward (mean)"), ("response/length_mean", "response le
 IMAGE_TYPES = (".png", ".pdf", ".svg")
 
 
-def plot(run_dir: Path, out: Optional[Path] = None, log: Log = print) -> Path:
+def plot(run_dir: Path, out: Optional[Path] = None, log: Log = print, overwrite: bool = True) -> Path:
     """An image of the main curves of a run; returns the path really written.
 
     `out` None or a folder: curves.png in it (the run folder by default); a name without a suffix
     gets '.png'; .pdf and .svg are written as such. A missing folder or another suffix is a
-    ConfigError; no metrics is a RunDirError. The image is replaced atomically."""
+    ConfigError, and so is an existing file unless `overwrite`; no metrics is a RunDirError. The
+    image is replaced atomically."""
+    def target() -> Path:
+        return output_file(out if out is not None else run_dir, IMAGE_TYPES, option="--out",
+                           default_name="curves.png", overwrite=overwrite)
+    path = target() if out is not None else None   # a bad --out fails before the metrics are read
     rows = read_metrics(run_dir, log)
     if not rows:
         raise RunDirError(f"{Path(run_dir) / 'metrics.jsonl'} has no steps yet; plot once a step has finished")
-    path = output_file(out if out is not None else run_dir, IMAGE_TYPES, option="--out",
-                       default_name="curves.png")
+    path = path or target()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from edgerl.core.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Rank:
@@ -28,11 +30,36 @@ class Rank:
 
 
 def from_env(env: Optional[dict[str, str]] = None) -> Rank:
-    """The rank torchrun gave this process (RANK, WORLD_SIZE, LOCAL_RANK), or a single process."""
+    """The rank torchrun gave this process (RANK, WORLD_SIZE, LOCAL_RANK), or a single process. Values
+    torchrun would not set (not a whole number, a rank outside the world, one of RANK and WORLD_SIZE
+    without the other, or no MASTER_ADDR/MASTER_PORT to meet at) are a ConfigError in one line: left in
+    a shell by hand, they would make this process wait for peers that never come, or stay silent."""
     env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return Rank(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])))
-    return Rank()
+    given = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in env]
+    if not given:
+        return Rank()
+    fix = (f"these variables are set by torchrun: unset them (unset {' '.join(given)}) to run one process, or "
+           "start edgerl with torchrun --nproc_per_node N")
+    values = {}
+    for key in given:
+        try:
+            values[key] = int(env[key].strip())
+        except ValueError:
+            raise ConfigError(f"{key}={env[key]!r} is not a whole number; {fix}") from None
+    if "RANK" not in values or "WORLD_SIZE" not in values:
+        if given == ["LOCAL_RANK"]:   # alone it names a GPU for some launchers; edgerl runs one process
+            return Rank()
+        raise ConfigError(f"{' and '.join(given)} set without {'WORLD_SIZE' if 'RANK' in values else 'RANK'}; {fix}")
+    rank, world = values["RANK"], values["WORLD_SIZE"]
+    local = values.get("LOCAL_RANK", rank)
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise ConfigError(f"RANK={rank}, WORLD_SIZE={world}, LOCAL_RANK={local}: a rank must be in 0..WORLD_SIZE-1 "
+                          f"and WORLD_SIZE at least 1; {fix}")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} are set, but not {' and '.join(missing)}: not set by "
+                          f"torchrun, which sets them all; {fix}")
+    return Rank(rank, world, local)
 
 
 def world() -> int:

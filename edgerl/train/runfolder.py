@@ -12,8 +12,13 @@ is overwritten, mixed with another, or lost.
     finished     resuming a run that reached train.steps and exported that step says so and writes
                  nothing
 
-One process trains in a folder at a time (an exclusive lock); temporary files of writes that were
-killed are removed once the lock is held.
+    restart      --out DIR --restart: DIR's run (metrics without a checkpoint, say) is moved into
+                 DIR/earlier-run-N/, nothing deleted, and a new run starts there
+
+One process trains in a folder at a time (an exclusive lock). The folder is checked again once the lock
+is held, so the check and the lock are one step: of two runs started together on one new folder, one
+trains and the other is refused before it writes anything. Temporary files of writes that were killed
+are removed once the lock is held and the checks have passed.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from edgerl.train import checkpoint
 from edgerl.core.errors import CheckpointError, RunDirError
@@ -49,7 +54,7 @@ def resume_point(path: Path) -> ResumePoint:
         raise CheckpointError(f"--resume {path}: no such folder")
     if not path.is_dir():
         raise CheckpointError(f"--resume {path} is a file; give a run folder or a checkpoint folder (step-NNNNNN)")
-    if (path / "meta.json").exists():
+    if (path / "meta.json").exists() or (path.parent.name == "checkpoints" and checkpoint.is_step_folder(path)):
         ckpt = path
     else:
         ckpt = checkpoint.latest(path.parent if path.name == "checkpoints" else path)
@@ -74,9 +79,30 @@ def checkpoint_config(point: ResumePoint) -> Optional[dict]:
 
 def _ckpt_step(ckpt: Path) -> int:
     try:
-        return int(json.loads((ckpt / "meta.json").read_text())["step"])
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({e}); resume from another checkpoint") from None
+        step = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))["step"]
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"its step is {step!r}, not a number")
+        return step
+    except FileNotFoundError:
+        why = f"{ckpt / 'meta.json'} is missing"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = f"{ckpt / 'meta.json'} is damaged ({getattr(e, 'strerror', None) or e})"
+    raise CheckpointError(f"{why}; {_other_checkpoint(ckpt)}") from None
+
+
+def _other_checkpoint(ckpt: Path) -> str:
+    """The way on from the damaged checkpoint `ckpt`: a branch from an earlier one of its run (in
+    place, going back is refused, so the advice cannot lead back here), or a fresh start."""
+    run = ckpt.parent.parent
+    found = checkpoint.checkpoints(run) if ckpt.parent.name == "checkpoints" else []
+    earlier = found[:found.index(ckpt)] if ckpt in found else []
+    if earlier:
+        return (f"continue from the checkpoint before it in a new folder: edgerl train --resume {earlier[-1]} "
+                "--out NEW_FOLDER")
+    if ckpt.parent.name == "checkpoints":
+        return (f"no earlier checkpoint is left: start over with edgerl train --out {run} --restart (the run's files "
+                "are moved aside, nothing is deleted) or with another --out")
+    return "resume from another checkpoint, or start a new run"
 
 
 def _describe_run(run: Path) -> str:
@@ -135,40 +161,89 @@ def _file_above(out: Path) -> Optional[Path]:
     return None
 
 
-def check_new(out: Path, history: Optional[str] = None) -> None:
+def check_new(out: Path, history: Optional[str] = None, restart: bool = False) -> None:
     """`out` can receive a new run: absent, an empty folder, a folder holding no edgerl run, or one
-    where a run stopped before its first step (`never_stepped`; `history` for a branch)."""
+    where a run stopped before its first step (`never_stepped`; `history` for a branch). With
+    `restart`, a run there is no obstacle: its files are moved aside (`move_aside`) before writing."""
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file; give a folder for the run (it is created if missing)")
     above = _file_above(out)
     if above is not None:
         raise RunDirError(f"--out {out}: {above} is a file, so no folder can be made there; choose another --out")
-    if out.is_dir() and any((out / f).exists() for f in RUN_FILES) and not never_stepped(out, history):
-        if checkpoint.latest(out) is None:
-            raise RunDirError(f"{out} already holds a run ({_describe_run(out)}) without a checkpoint to continue "
-                              f"from; choose another --out for a new run (or move {out} away yourself)")
-        raise RunDirError(f"{out} already holds a run ({_describe_run(out)}); continue it with "
-                          f"--resume {out}, or choose another --out for a new run")
+    if restart or not holds_run(out, history):
+        return
+    if checkpoint.latest(out) is None:
+        raise RunDirError(f"{out} already holds a run ({_describe_run(out)}) without a checkpoint to continue "
+                          f"from; start over there with --out {out} --restart (its files are moved into "
+                          f"{_aside_folder(out).name}/ inside it, nothing is deleted), or choose another --out")
+    raise RunDirError(f"{out} already holds a run ({_describe_run(out)}); continue it with "
+                      f"--resume {out}, or choose another --out for a new run")
 
 
-def check_resume(point: ResumePoint, out: Optional[Path]) -> Path:
-    """The folder a resumed run writes to: its own, or `out` for a branch. Refuses to replace history."""
+def holds_run(out: Path, history: Optional[str] = None) -> bool:
+    """`out` holds files of a run that took a step (what a new run there would mix with)."""
+    return out.is_dir() and any((out / f).exists() for f in RUN_FILES) and not never_stepped(out, history)
+
+
+# what a run writes in its folder besides RUN_FILES (a restart moves them aside with the rest)
+_RUN_PATTERNS = ("metrics.*.jsonl", "final-step-*", "final-earlier*", "final-adapter-step-*",
+                 "final-adapter-earlier*", "tensorboard", "profile", "rollout-model", "curves.png", "curves.pdf",
+                 "curves.svg")
+
+
+def _aside_folder(run: Path) -> Path:
+    n = 1
+    while (run / f"earlier-run-{n}").exists():
+        n += 1
+    return run / f"earlier-run-{n}"
+
+
+def move_aside(run: Path, log: Callable[[str], None]) -> Optional[Path]:
+    """Move the files of the run in `run` into run/earlier-run-N/ (a new N), each by one rename;
+    the user's own files stay. Returns that folder, or None when there was nothing to move."""
+    found = [run / f for f in RUN_FILES if (run / f).exists() or (run / f).is_symlink()]
+    found += [p for pattern in _RUN_PATTERNS for p in sorted(run.glob(pattern)) if p not in found]
+    if not found:
+        return None
+    aside = _aside_folder(run)
+    aside.mkdir()
+    for p in found:
+        os.replace(p, aside / p.name)
+    log(f"--restart: moved the earlier run's {', '.join(p.name for p in found)} into {aside} (nothing was "
+        "deleted); starting a new run in " + str(run))
+    return aside
+
+
+def check_resume(point: ResumePoint, out: Optional[Path], verify: bool = True) -> Path:
+    """The folder a resumed run writes to: its own, or `out` for a branch. Refuses to replace history.
+    `verify`: also read the checkpoint's files (checksums, finite weights); the check repeated under
+    the run folder's lock leaves that out (the files are the same ones)."""
     branch = out is not None and out.resolve() != point.run_dir.resolve()
     if not point.in_run and not branch:  # its grandparent folder is no run: it must not be written as one
         raise RunDirError(f"--resume {point.checkpoint} is a checkpoint outside a run folder (runs keep them in "
                           f"RUN/checkpoints/); start a run from it with --resume {point.checkpoint} --out NEW_FOLDER")
     if branch:
         check_new(out, branch_history(point))
+    else:
+        latest = checkpoint.latest(point.run_dir)
+        if latest is not None and latest.resolve() != point.checkpoint.resolve():
+            raise RunDirError(
+                f"--resume {point.checkpoint} goes back to step {point.step}, but {point.run_dir} went on to "
+                f"{latest.name}: continuing there would replace that history. Branch into a new folder with "
+                f"--resume {point.checkpoint} --out NEW_FOLDER, or continue the latest with --resume {point.run_dir}")
+    if verify:
+        _check_files(point)
         _check_weights(point)
-        return out
-    latest = checkpoint.latest(point.run_dir)
-    if latest is not None and latest.resolve() != point.checkpoint.resolve():
-        raise RunDirError(
-            f"--resume {point.checkpoint} goes back to step {point.step}, but {point.run_dir} went on to "
-            f"{latest.name}: continuing there would replace that history. Branch into a new folder with "
-            f"--resume {point.checkpoint} --out NEW_FOLDER, or continue the latest with --resume {point.run_dir}")
-    _check_weights(point)
-    return point.run_dir
+    return out if branch else point.run_dir
+
+
+def _check_files(point: ResumePoint) -> None:
+    """Refuse a checkpoint whose files are missing or not as written (checksums in its meta.json),
+    naming the file, before anything is written."""
+    why = checkpoint.damage(point.checkpoint)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {point.checkpoint.name} cannot be resumed: {why}; "
+                              f"{_other_checkpoint(point.checkpoint)}")
 
 
 def _check_weights(point: ResumePoint) -> None:
@@ -210,7 +285,8 @@ def finished(point: Optional[ResumePoint], run_dir: Path, steps: int, exports: l
 
 
 class RunLock:
-    """An exclusive lock on a run folder for the life of a training process."""
+    """An exclusive lock on a run folder for the life of a training process. Taking it writes
+    nothing; `claim` writes this process's id into the lock file once the run may go ahead."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK
@@ -223,6 +299,8 @@ class RunLock:
             self.fh.close()
             raise RunDirError(f"another edgerl process (pid {pid}) is training in {run_dir}; wait for it to "
                               "finish or stop it, or choose another --out") from None
+
+    def claim(self) -> None:
         self.fh.seek(0)
         self.fh.truncate()
         self.fh.write(str(os.getpid()))
@@ -234,9 +312,14 @@ class RunLock:
             self.fh.close()
 
 
-def open_run(run_dir: Path, log: Callable[[str], None]) -> RunLock:
-    """Create (if needed) and lock the run folder, check it is writable, clean interrupted writes
-    (only once the lock is held: then no other process is writing there)."""
+def open_run(run_dir: Path, log: Callable[[str], None], check: Callable[[], Any] = lambda: None,
+             clean: bool = True) -> RunLock:
+    """Create (if needed) and lock the run folder, then `check` it again while holding the lock: the
+    check and the lock are one step, so a run that another process started (or finished) there while
+    this one was loading its data is seen, and this one stops before writing anything. A folder this
+    call created is removed again when the check fails. `clean`: remove temporary files of interrupted
+    writes now (only with the lock held: then no other process is writing there); `clean_up` later."""
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock(run_dir)
@@ -246,11 +329,26 @@ def open_run(run_dir: Path, log: Callable[[str], None]) -> RunLock:
     except OSError as e:
         if isinstance(e, RunDirError):
             raise
-        raise RunDirError(f"cannot use {run_dir} as a run folder: {e}") from None
+        raise RunDirError(f"cannot use {run_dir} as a run folder: {e.strerror or e}") from None
+    try:
+        check()
+    except BaseException:
+        lock.release()
+        if created and [p.name for p in run_dir.iterdir()] == [LOCK]:
+            lock.path.unlink(missing_ok=True)
+            run_dir.rmdir()
+        raise
+    lock.claim()
+    if clean:
+        clean_up(run_dir, log)
+    return lock
+
+
+def clean_up(run_dir: Path, log: Callable[[str], None]) -> None:
+    """Remove temporary files and folders of writes that were killed (the run folder's lock is held)."""
     for tmp in checkpoint.stale_temporaries(run_dir):
         shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         log(f"removed {tmp.name}: left by a write that was interrupted")
-    return lock
 
 
 def aside_name(target: Path, step: Optional[int]) -> Path:

@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from edgerl.train import ranks
 from edgerl.train import runfolder
+from edgerl.train import resume as resume_changes
 from edgerl.config.schema import Config, ConfigError, to_toml
-from edgerl.config.load import SetItem, load_config
+from edgerl.config.load import SetItem, load_config, quoted
 from edgerl.data.prompts import DataReport, Prompt, load_prompts
 from edgerl.core.errors import ModelError, RunDirError
 from edgerl.core.files import write_atomically
@@ -47,6 +48,15 @@ class Session:
     finished: bool = False               # resumed a run that already reached train.steps and exported
     log: Callable[[str], None] = print
     lock: Optional[runfolder.RunLock] = field(default=None, repr=False)
+    pending: Optional[Callable[[], None]] = field(default=None, repr=False)
+
+    def commit(self) -> None:
+        """The writes a run resumed in place makes once its checkpoint has loaded (config.toml, plan.json,
+        removing interrupted writes): a resume that is refused, or whose checkpoint does not load, has
+        changed nothing in the folder."""
+        if self.pending is not None:
+            write, self.pending = self.pending, None
+            write()
 
     def close(self) -> None:
         if self.lock is not None:
@@ -130,7 +140,7 @@ def _budget_note(cfg: Config, share: float, real: Any) -> str:
 
 def cap_memory(profile: str) -> str:
     """Emulate a profile's memory on this GPU (for benchmarks that run a peer beside edgerl)."""
-    cfg = load_config(None, [f"run.profile={json.dumps(profile)}"])
+    cfg = load_config(None, [f"run.profile={quoted(profile)}"])
     return _device_for(resolve_target(profile), cfg)[1]
 
 
@@ -161,10 +171,14 @@ def apply_switches(plan: Plan, device: Any) -> None:
 
 
 def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log: Callable[[str], None] = print,
-            probe_fn: Optional[Callable[[], Any]] = None) -> Session:
+            probe_fn: Optional[Callable[[], Any]] = None, restart: bool = False) -> Session:
     """A session ready for `Trainer(session)`. Raises a user error (edgerl.core.errors) for anything the
     user typed or pointed at, before any file is written. Under torchrun every rank calls it; rank 0
-    alone checks and writes the run folder and logs, and its verdict reaches every rank."""
+    alone checks and writes the run folder and logs, and its verdict reaches every rank. `restart`
+    (--restart): a run in the --out folder is moved aside into it, and a new one starts there."""
+    if restart and resume is not None:
+        raise ConfigError("--restart starts a new run in --out (the run there is moved aside); it does not go "
+                          "with --resume, which continues a run")
     from edgerl.models.load import init_distributed, load_tokenizer
     rank = ranks.from_env()
     if not rank.main:
@@ -180,7 +194,7 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
 
     out = Path(cfg.run.out_dir).expanduser() if cfg.run.out_dir else \
         Path("runs") / f"{Path(cfg.model.path).name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = ranks.agree(lambda: runfolder.check_new(out) or out if resume is None else
+    run_dir = ranks.agree(lambda: runfolder.check_new(out, restart=restart) or out if resume is None else
                           runfolder.check_resume(resume, out), rank.main)
     cfg.run.out_dir = str(run_dir)
 
@@ -191,12 +205,16 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
     # the generated task is seeded apart from train.seed: every run trains on the same problems
     prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log)
+    if resume is not None:   # what the checkpoint cannot follow is refused before anything is written
+        ranks.agree(lambda: resume_changes.check(resume, cfg, plan, len(prompts), rank.world), rank.main)
     finished = runfolder.finished(resume, run_dir, cfg.train.steps, _exports(cfg, plan))
-    held: list[runfolder.RunLock] = []   # the lock stays in this process; only the verdict is shared
-    ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log, write=not finished)), rank.main)
+    held: list[tuple[runfolder.RunLock, Optional[Callable[[], None]]]] = []   # the lock stays in this process
+    ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log, write=not finished, restart=restart)),
+                rank.main)
+    lock, pending = held[0] if held else (None, None)
     return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
                    prompts=prompts, data_report=report, resume=resume, rank=rank, emulation=emulation,
-                   finished=finished, log=log, lock=held[0] if held else None)
+                   finished=finished, log=log, lock=lock, pending=pending)
 
 
 def _quiet(_: str) -> None:
@@ -213,27 +231,42 @@ def _exports(cfg: Config, plan: Plan) -> list[str]:
 
 
 def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.ResumePoint],
-          log: Callable[[str], None], write: bool = True) -> runfolder.RunLock:
-    """Lock the run folder and write its config and plan (rank 0). `write=False` (a finished run
-    resumed: nothing to do) only locks it, so nothing in it changes."""
-    lock = runfolder.open_run(run_dir, log)
+          log: Callable[[str], None], write: bool = True,
+          restart: bool = False) -> tuple[runfolder.RunLock, Optional[Callable[[], None]]]:
+    """Lock the run folder, check it again under the lock (rank 0), and write its config and plan: now
+    for a new run or a branch (a run whose model then fails to load leaves them, and may start there
+    again), or, for a run resumed in place, in the returned function, which the trainer calls once the
+    checkpoint has loaded. `write=False` (a finished run resumed: nothing to do) only locks it."""
+    branch = resume is not None and run_dir.resolve() != resume.run_dir.resolve()
+    in_place = resume is not None and not branch
+    check = ((lambda: runfolder.check_new(run_dir, restart=restart)) if resume is None else
+             (lambda: runfolder.check_resume(resume, run_dir, verify=False)))
+    lock = runfolder.open_run(run_dir, log, check, clean=not in_place)
     if not write:
-        return lock
-    branch = resume is not None and run_dir != resume.run_dir
-    try:
-        _write_config(cfg, run_dir, resume is None or branch, log)
-        if branch:  # a branch starts with its trunk's history
-            history = runfolder.branch_history(resume)
-            if history is not None:
-                write_atomically(run_dir / "metrics.jsonl", history)
-        write_atomically(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
-    except ConfigError:   # the writer's own one line, naming the file; nothing there was changed
-        lock.release()
-        raise
-    except OSError as e:
-        lock.release()
-        raise RunDirError(f"cannot write to the run folder {run_dir}: {e}") from None
-    return lock
+        return lock, None
+
+    def files() -> None:
+        try:
+            if in_place:
+                runfolder.clean_up(run_dir, log)
+            if restart:
+                runfolder.move_aside(run_dir, log)
+            _write_config(cfg, run_dir, not in_place, log)
+            if branch:  # a branch starts with its trunk's history
+                history = runfolder.branch_history(resume)
+                if history is not None:
+                    write_atomically(run_dir / "metrics.jsonl", history)
+            write_atomically(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
+        except ConfigError:   # the writer's own one line, naming the file; nothing there was changed
+            lock.release()
+            raise
+        except OSError as e:
+            lock.release()
+            raise RunDirError(f"cannot write to the run folder {run_dir}: {e.strerror or e}") from None
+    if in_place:
+        return lock, files
+    files()
+    return lock, None
 
 
 def _write_config(cfg: Config, run_dir: Path, new: bool, log: Callable[[str], None]) -> None:

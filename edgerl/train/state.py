@@ -19,7 +19,7 @@ import torch.distributed as dist
 from edgerl.train import checkpoint
 from edgerl.train import ranks
 from edgerl.models import lora as lora_io
-from edgerl.core.errors import CheckpointError
+from edgerl.core.errors import CheckpointError, TrainingError
 from edgerl.train.update import Learner
 
 
@@ -90,6 +90,10 @@ def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Ca
     state["train"] = {"step": lp.step, "sampler": lp.sampler.state_dict(), "rng": rngs[0], "rng_by_rank": rngs,
                       "world_size": len(rngs), "kl_ctl": lp.kl_ctl.state_dict(), "bad_in_a_row": lp.bad_in_a_row,
                       "scaler": lp.scaler.state_dict() if lp.scaler is not None else None}
+    bad = ranks.agree(lambda: non_finite(tensors), is_writer)
+    if bad:
+        raise TrainingError(f"the weights after step {lp.step} hold NaN or infinite values ({_names(bad)}): not "
+                            f"saved, so {last_good(run_dir)}")
     if not is_writer:
         return None
     folder = checkpoint.save(run_dir, lp.step, tensors, state, {"step": lp.step, **st.meta}, keep_last, files)
@@ -97,12 +101,34 @@ def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Ca
     return folder
 
 
-def restore(folder: Path, st: TrainState, log: Callable[[str], None], seed: int = 0) -> None:
-    """Load a checkpoint written by `save` into `st` (weights, optimizers, schedules, loop state). Its
-    weights were checked for NaN before the run folder was touched (runfolder.check_resume)."""
+def non_finite(tensors: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """'file/tensor' names of the floating-point tensors holding NaN or infinity."""
+    return [f"{name}/{k}" for name, sd in tensors.items() for k, v in sd.items()
+            if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def _names(bad: list[str]) -> str:
+    return ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+
+
+def last_good(run_dir: Path) -> str:
+    """Where a run whose weights went bad goes on from: its latest checkpoint, kept as it was."""
+    latest = checkpoint.latest(run_dir)
+    if latest is None:
+        return (f"no checkpoint of {run_dir} holds good weights; start again (--out {run_dir} --restart) with a "
+                "lower train.lr, or plan.dtype=fp32 if fp16 overflowed")
+    return (f"the last good checkpoint stays: {latest}; resume from it with a lower learning rate "
+            f"(edgerl train --resume {run_dir} --set train.lr=...), or plan.dtype=fp32 if fp16 overflowed")
+
+
+def restore(folder: Path, st: TrainState, log: Callable[[str], None], seed: int = 0) -> dict[str, Any]:
+    """Load a checkpoint written by `save` into `st` (weights, optimizers, schedules, loop state), on this
+    run's number of processes whatever the checkpoint's; returns its meta.json. Its files and weights were
+    checked before the run folder was touched (runfolder.check_resume), and what this run changed against
+    it (resume.check)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
-    tensors, state, _ = checkpoint.load(folder)
+    tensors, state, meta = checkpoint.load(folder)
     saved_world, world = state["train"].get("world_size", 1), ranks.world()
     full = StateDictOptions(full_state_dict=True)
     kind = "adapter_model" if st.lora else "actor"
@@ -147,7 +173,8 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None], seed: int 
         # new one from the seed, the step and its rank (the same on every resume to this world size).
         checkpoint.set_rng_state(tr["rng"])
         lp.gen.manual_seed(reseed(seed, lp.step, rank))
-    lp.kl_ctl.load_state_dict(tr["kl_ctl"])
+    # the coefficient reached so far; an adaptive controller's target and horizon are the config's
+    lp.kl_ctl.value = float(tr["kl_ctl"]["value"])
     lp.bad_in_a_row = tr["bad_in_a_row"]
     if lp.scaler is not None and tr.get("scaler"):
         lp.scaler.load_state_dict(tr["scaler"])
@@ -156,6 +183,7 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None], seed: int 
         log(f"resumed on {world} process(es) from a checkpoint written by {saved_world}: weights and optimizer "
             f"state re-sharded from its full state dicts, the prompt order continues where it stopped, and "
             f"each rank's sampling stream restarts from train.seed={seed}, the step and the rank")
+    return meta
 
 
 def reseed(seed: int, step: int, rank: int) -> int:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from edgerl import algos
 from edgerl.train import ranks
+from edgerl.train import resume as resume_changes
 from edgerl.train import state
 from edgerl.models import lora as lora_io
 from edgerl.config.schema import Config, to_dict
@@ -119,7 +120,9 @@ class Trainer:
             save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor))), actor=self.actor))
         self.stop_signal: Optional[str] = None
         if s.resume is not None:
-            state.restore(s.resume.checkpoint, self.state, self.log, seed=cfg.train.seed)
+            saved = state.restore(s.resume.checkpoint, self.state, self.log, seed=cfg.train.seed)
+            resume_changes.apply(self.state, cfg, saved.get("config"), self.log)
+        s.commit()   # a run resumed in place writes its config and plan once its checkpoint has loaded
         self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None, log=self.log) \
             if self.rank == 0 else _NoMetrics()   # rank 0 alone writes files
         if s.resume is not None:
@@ -228,7 +231,7 @@ class Trainer:
                       agg=a.loss_agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
                       scaler=lp.scaler)
         res = run_update(self.state.actor, exp, actor_loss, **common)
-        out = {**res.stats, "actor/skipped_updates": float(res.skipped)}
+        out = {**res.stats, "actor/skipped_updates": float(res.skipped + res.skipped_norm)}
         if epoch0["logp"]:
             logp, ent, mask = (torch.cat(epoch0[k]) for k in ("logp", "ent", "mask"))
             out["actor/entropy"] = global_mean(ent, mask, self.device)
@@ -238,18 +241,23 @@ class Trainer:
             if exp.sampled_logp is not None and common["mini"] == len(exp):  # rows in rollout order
                 # the engine's log-probs against the trainer's own: a rollout/training mismatch shows here
                 out["rollout/logprob_diff"] = global_mean((logp - exp.sampled_logp).abs(), mask, self.device)
+        loss_bad, norm_bad = res.skipped, res.skipped_norm
         if self.critic is not None:
             cres = run_update(self.state.critic, exp, critic_loss, **common)
             out |= cres.stats
             out["critic/values_mean"] = global_mean(exp.values, exp.response_mask, self.device)
             out["critic/explained_var"] = global_explained_variance(exp, self.device)
-        lp.skipped_total += res.skipped
-        lp.bad_in_a_row = lp.bad_in_a_row + 1 if res.skipped else 0
-        if res.skipped:
-            self.log(f"step {lp.step + 1}: the loss was NaN or infinite; {res.skipped} update(s) skipped "
+            out["critic/skipped_updates"] = float(cres.skipped + cres.skipped_norm)
+            loss_bad, norm_bad = loss_bad + cres.skipped, norm_bad + cres.skipped_norm
+        skipped = loss_bad + norm_bad
+        what = " and ".join(w for w, n in (("the loss", loss_bad), ("the gradient norm", norm_bad)) if n)
+        lp.skipped_total += skipped
+        lp.bad_in_a_row = lp.bad_in_a_row + 1 if skipped else 0
+        if skipped:
+            self.log(f"step {lp.step + 1}: {what} was NaN or infinite; {skipped} update(s) skipped "
                      f"({lp.bad_in_a_row} step(s) in a row, the run stops at {cfg.train.max_bad_steps})")
         if lp.bad_in_a_row >= cfg.train.max_bad_steps:
-            raise TrainingError(f"the loss was NaN or infinite in {lp.bad_in_a_row} steps in a row (updates "
+            raise TrainingError(f"{what} was NaN or infinite in {lp.bad_in_a_row} steps in a row (updates "
                                 f"skipped); lower train.lr (now {cfg.train.lr}), check the rewards, or use fp32 "
                                 f"(--set plan.dtype=fp32) if fp16 overflows")
         return out
@@ -314,6 +322,7 @@ class Trainer:
         step = self.state.loop.step
         if self.lora:
             adapter = lora_io.adapter_state(self.actor)
+            self._finite_export({"adapter": adapter})
             target = out.with_name(out.name + "-adapter")
             if self.rank == 0:
                 with checkpoint.atomic_folder(target, aside_name(target, export_step(target))) as tmp:
@@ -329,12 +338,22 @@ class Trainer:
         out_dtype = (torch.float16 if self.plan.dtype.compute == "fp16" else torch.bfloat16) \
             if quantized_base(self.plan) else torch.float32
         weights = {k: (v.to(out_dtype) if self.lora else v).cpu() for k, v in lm_weights(self.actor)}
+        self._finite_export({"model": weights})
         if self.rank == 0:
             with checkpoint.atomic_folder(out, aside_name(out, export_step(out))) as tmp:
                 self._write_hf(tmp, weights)
                 mark_export(tmp, step)
             self.log(f"final model: {out}" + (" (merged: plain transformers, no peft needed)" if self.lora else ""))
         return out
+
+    def _finite_export(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Refuse to export weights that are not finite (NaN, inf, or past the largest value of the
+        export's dtype): nothing is written, and the last good checkpoint stays."""
+        bad = ranks.agree(lambda: state.non_finite(tensors), self.rank == 0)
+        if bad:
+            raise TrainingError(f"the final weights (step {self.step}) hold NaN or infinite values "
+                                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): not exported; "
+                                f"{state.last_good(self.run_dir)}")
 
     def _write(self, fn: Callable[[], Any]) -> Any:
         """A checkpoint or export: a full disk or a folder that went read-only is one clear error (the

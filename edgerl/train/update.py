@@ -13,6 +13,7 @@ world size, so N processes take the step one process would take on the same roll
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -45,6 +46,7 @@ class UpdateResult:
     stats: dict[str, float] = field(default_factory=dict)   # averaged over the mini-batches that stepped
     grad_norms: list[float] = field(default_factory=list)
     skipped: int = 0                                          # mini-batches whose loss was not finite
+    skipped_norm: int = 0                                     # ... whose gradient norm was not finite
 
 
 LossFn = Callable[[Experience, int], tuple[torch.Tensor, dict[str, float]]]
@@ -69,13 +71,27 @@ def finite_everywhere(loss: torch.Tensor) -> bool:
     return bool(ok.item())
 
 
-def optimizer_step(learner: Learner, max_grad_norm: float, scaler: Optional[torch.amp.GradScaler]) -> float:
-    """Clip, step (through the fp16 scaler when there is one), free the gradients. Returns the norm."""
+def optimizer_step(learner: Learner, max_grad_norm: float, scaler: Optional[torch.amp.GradScaler]) -> Optional[float]:
+    """Clip, step (through the fp16 scaler when there is one), free the gradients. Returns the norm, or
+    None when the step was skipped because the norm was not finite.
+
+    A NaN or infinite norm with finite losses means the weights or activations have blown up: clipping
+    would multiply the gradients by 0 (inf * 0 = NaN), and the step would write NaN into every weight,
+    so it is skipped. Under the fp16 loss scaler an overflow is the scaler's business (it skips the
+    step and halves the scale); it counts as a skipped update only once the scale is already at or
+    below 1, when the unscaled gradients themselves overflow. The norm is the same on every rank
+    (FSDP2's is the global norm), so every rank skips together."""
     params = [p for p in learner.model.parameters() if p.grad is not None]
     if scaler is not None:
         scaler.unscale_(learner.optim)
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    finite = math.isfinite(norm)
+    if not finite and (scaler is None or scaler.get_scale() <= 1.0):
+        learner.optim.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.update()   # the scaler saw the overflow in unscale_; it lowers the scale as usual
+        return None
     with learner.offload.resident():  # offloaded state comes back for the step only
         if scaler is not None:
             scaler.step(learner.optim)
@@ -83,7 +99,7 @@ def optimizer_step(learner: Learner, max_grad_norm: float, scaler: Optional[torc
         else:
             learner.optim.step()
     learner.optim.zero_grad(set_to_none=True)  # gradients are dead weight during the next rollout
-    return float(norm)
+    return norm if finite else float("nan")
 
 
 def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int, epochs: int, micro: int,
@@ -115,7 +131,12 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
             learner.optim.zero_grad(set_to_none=True)
             out.skipped += 1
             continue
-        out.grad_norms.append(optimizer_step(learner, max_grad_norm, scaler))
+        norm = optimizer_step(learner, max_grad_norm, scaler)
+        if norm is None:
+            out.skipped_norm += 1
+            continue
+        if math.isfinite(norm):
+            out.grad_norms.append(norm)
         stepped += 1
         for k, v in acc.items():
             sums[k] = sums.get(k, 0.0) + v
