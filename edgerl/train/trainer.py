@@ -196,6 +196,7 @@ class Trainer:
     def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
         """PPO epochs for the actor, then the critic; counts skipped (non-finite) updates."""
         cfg, a, lp = self.cfg, self.cfg.algo, self.state.loop
+        (clip_low, clip_high), agg = a.clip_range(), a.loss_agg_mode()
         epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
 
         def actor_loss(part: Experience, epoch: int):
@@ -203,13 +204,13 @@ class Trainer:
                                    cfg.rollout.temperature)
             old = part.old_logp if part.old_logp is not None else logp.detach()
             mask = part.response_mask
-            loss, st = algos.policy_loss(logp, old, part.advantages, mask, a.clip_low, a.clip_high, a.dual_clip,
-                                         a.loss_agg)
+            loss, st = algos.compute_policy_loss(a.policy_loss, logp, old, part.advantages, mask, clip_low,
+                                                 clip_high, a.dual_clip, agg)
             st["pg_loss"] = loss.detach()
             if a.entropy_coef:
-                loss = loss - a.entropy_coef * algos.aggregate(ent, mask, a.loss_agg)
+                loss = loss - a.entropy_coef * algos.aggregate(ent, mask, agg)
             if part.ref_logp is not None and a.kl_in == "loss" and kl_coef > 0:
-                loss = loss + kl_coef * algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, a.loss_agg)
+                loss = loss + kl_coef * algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, agg)
             if epoch == 0:
                 epoch0["logp"].append(logp.detach().float().cpu())
                 epoch0["ent"].append(ent.detach().float().cpu())
@@ -220,12 +221,12 @@ class Trainer:
 
         def critic_loss(part: Experience, epoch: int):
             v = self.critic(part.input_ids, part.attention_mask, part.start, part.response_ids.shape[1])
-            loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask, a.value_clip, a.loss_agg)
+            loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask, a.value_clip, agg)
             return loss, {"vf_loss": loss.detach(), "vf_clip_frac": st["vf_clip_frac"]}
 
         common = dict(mini=(cfg.train.mini_batch or cfg.sequences_per_step) // self.world, epochs=cfg.train.ppo_epochs,
                       micro=self.plan.micro_batch,
-                      agg=a.loss_agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
+                      agg=agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
                       scaler=lp.scaler)
         res = run_update(self.state.actor, exp, actor_loss, **common)
         out = {**res.stats, "actor/skipped_updates": float(res.skipped)}
