@@ -67,9 +67,10 @@ class RewardConfig:
     model: Optional[str] = F(None, "HF sequence-classification reward model (folder or id) whose score is "
                              "added to the rule reward")
     model_coef: float = F(1.0, "weight of the reward model's score")
-    timeout_s: Optional[float] = F(30.0, "seconds one call of reward.function may take (one sample; the call "
-                                   "runs in a separate process, which is stopped when the time is up; the run "
-                                   "then stops with the last completed step saved); None waits forever")
+    timeout_s: Optional[float] = F(30.0, "seconds one call of reward.function may take (a call scores one "
+                                   "sample); the function runs in a process of its own, stopped when the time is "
+                                   "up, and the run stops with its last completed step saved. None: no limit "
+                                   "(Ctrl-C still stops it)")
 
 
 @dataclass
