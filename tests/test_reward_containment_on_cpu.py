@@ -135,6 +135,24 @@ def test_every_way_out_is_one_error_naming_function_and_sample(user_file, name, 
     fn.close()
 
 
+def test_other_signatures_and_callers_names(tmp_path):
+    """A batched function (TRL's signature) loads with its own keyword check, and call_user's caller
+    names it and the sample in every error, the process's own included."""
+    path = tmp_path / "batched.py"
+    path.write_text("import sys\ndef lengths(prompts, completions, **kw):\n"
+                    "    if 'stop' in completions:\n        sys.exit(1)\n    return [float(len(c)) for c in completions]\n")
+    with pytest.raises(RewardError, match="cannot be called with verl's keyword arguments"):
+        load_reward_function(f"{path}:lengths")
+    fn = load_reward_function(f"{path}:lengths", 5.0, call_with={"prompts": [], "completions": []},
+                              signature="fn(prompts, completions, **kwargs) -> list[float]")
+    who = "reward function 2 of reward.functions (lengths)"
+    assert call_user(fn, who, "batch 0", prompts=["p", "q"], completions=["ab", "c"]) == [2.0, 1.0]
+    with pytest.raises(RewardError, match=r"^reward function 2 of reward.functions \(lengths\) failed on batch 1: "
+                                          r"exited with sys.exit\(1\)"):
+        call_user(fn, who, "batch 1", prompts=["p"], completions=["stop"])
+    fn.close()
+
+
 def test_an_exception_keeps_the_process_and_chains_builtin_causes(user_file):
     fn = load(user_file, "raises")
     with pytest.raises(RewardError) as e:

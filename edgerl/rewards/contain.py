@@ -153,7 +153,7 @@ def call_user(fn: Callable[..., Any], who: str, sample: Sample, *args: Any, time
     carries its own (reward.timeout_s) unless one is given. Exceptions of the `passthrough` types
     (e.g. torch.OutOfMemoryError, which the trainer turns into advice) are raised as they are."""
     if isinstance(fn, UserFunction):
-        return fn.call(sample, args, kwargs, fn.timeout_s if timeout_s is None else timeout_s)
+        return fn.call(who, sample, args, kwargs, fn.timeout_s if timeout_s is None else timeout_s)
     with signals_raise(who) as got, _alarm(timeout_s) as fired:
         try:
             result = fn(*args, **kwargs)
@@ -243,13 +243,17 @@ class UserFunction:
     """A function `name` of the file `path`, imported and called in a worker process (see the module
     docstring). Calls are contained as `call_user`'s; calling the object is `call_user(self, ...)`."""
 
-    def __init__(self, spec: str, path: Path, name: str, timeout_s: Optional[float] = None):
+    def __init__(self, spec: str, path: Path, name: str, timeout_s: Optional[float] = None,
+                 call_with: Optional[dict[str, Any]] = None, signature: Optional[str] = None):
+        """Start the process and import the function there; `call_with` (keyword arguments) must bind
+        to its signature, else RewardError quoting `signature` (by default verl's, see rules.py)."""
         self.spec, self.path, self.name, self.timeout_s = spec, path, name, timeout_s
         self.who = f"reward function {name} in {path}"
         self._proc: Optional[subprocess.Popen] = None
         self._start()
         limit = max(timeout_s or 0.0, IMPORT_TIMEOUT_S)
-        reply = self._exchange(("load", str(path), name, spec, list(sys.path)), f"the import of {path.name}", limit,
+        reply = self._exchange(self.who, ("load", str(path), name, spec, list(sys.path), call_with, signature),
+                               f"the import of {path.name}", limit,
                                f"importing {path} took longer than {limit:g} s, so its process was stopped; does the "
                                "file run something at import that does not end?")
         if reply[0] != "ok":
@@ -296,16 +300,16 @@ class UserFunction:
         except Exception:
             pass
 
-    def _exchange(self, msg: tuple, sample: Sample, timeout_s: Optional[float],
+    def _exchange(self, who: str, msg: tuple, sample: Sample, timeout_s: Optional[float],
                   overran: Optional[str] = None) -> tuple:
         if self._proc is None:
-            raise RewardError(f"{self.who} cannot be called: its process was stopped earlier in this run")
-        with signals_raise(self.who):
+            raise RewardError(f"{who} cannot be called: its process was stopped earlier in this run")
+        with signals_raise(who):
             try:
                 try:
                     self._to.send(msg)
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
-                    raise RewardError(f"{self.who}: the arguments for {_text(sample)} cannot be sent to its "
+                    raise RewardError(f"{who}: the arguments for {_text(sample)} cannot be sent to its "
                                       f"process ({type(e).__name__}: {e})") from None
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
                 # short waits: the deadline is checked, and a signal handler runs, between them
@@ -314,19 +318,20 @@ class UserFunction:
                         self._kill()
                         if overran is not None:
                             raise RewardError(f"--reward {self.spec!r}: {overran}")
-                        raise _timed_out(self.who, sample, timeout_s or 0.0, "its process was stopped")
+                        raise _timed_out(who, sample, timeout_s or 0.0, "its process was stopped")
                 return self._from.recv()
             except Interrupted:
                 self._kill()
                 raise
             except (EOFError, OSError):
                 code = self._kill()
-                raise RewardError(f"{self.who} ended its process on {_text(sample)} ({_exit_words(code)}); a "
+                raise RewardError(f"{who} ended its process on {_text(sample)} ({_exit_words(code)}); a "
                                   "reward function must return a value (os._exit, a crash and a kill end it)") \
                     from None
 
-    def call(self, sample: Sample, args: tuple, kwargs: dict, timeout_s: Optional[float]) -> Any:
-        reply = self._exchange(("call", args, kwargs), sample, timeout_s)
+    def call(self, who: str, sample: Sample, args: tuple, kwargs: dict, timeout_s: Optional[float]) -> Any:
+        """One call, contained (call_user's way in): `who` and `sample` name it in any error."""
+        reply = self._exchange(who, ("call", args, kwargs), sample, timeout_s)
         if reply[0] == "ok":
             return reply[1]
         cause = None
@@ -335,7 +340,7 @@ class UserFunction:
                 cause = pickle.loads(reply[2])
             except Exception:
                 cause = None
-        raise _failure(self.who, sample, reply[1]) from cause
+        raise _failure(who, sample, reply[1]) from cause
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call_user(self, self.who, "a call", *args, **kwargs)

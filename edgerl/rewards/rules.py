@@ -29,6 +29,7 @@ RewardFn = Callable[..., RewardResult]
 
 SIGNATURE = ("fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None) "
              "-> float | dict with a 'score' key")
+VERL_CALL = dict(data_source="", solution_str="", ground_truth="", extra_info=None)  # checked at load
 
 
 
@@ -273,20 +274,23 @@ def check_sources(data_sources: Iterable[str]) -> None:
             raise _unknown_source(source)
 
 
-def load_reward_function(spec: str, timeout_s: Optional[float] = None) -> UserFunction:
+def load_reward_function(spec: str, timeout_s: Optional[float] = None, call_with: Optional[dict[str, Any]] = None,
+                         signature: str = SIGNATURE) -> UserFunction:
     """Load `path/to/file.py:fn` (the `--reward` option) into a process of its own, where every call
     runs contained (edgerl.rewards.contain: an exit, a hang past `timeout_s` seconds, a crash is one
-    RewardError); check that fn takes verl's keyword arguments."""
+    RewardError); check that fn accepts the keyword arguments `call_with` (None: verl's, with
+    placeholder values), else a RewardError quoting `signature`."""
     path_s, sep, name = spec.rpartition(":")
     if not sep or not path_s or not name or "/" in name or "\\" in name:
         raise RewardError(f"--reward {spec!r}: expected path/to/file.py:function_name")
     path = Path(path_s).expanduser()
     if not path.is_file():
         raise RewardError(f"--reward {spec!r}: no such file {path.resolve()}")
-    return UserFunction(spec, path.resolve(), name, timeout_s)
+    return UserFunction(spec, path.resolve(), name, timeout_s, call_with, signature)
 
 
-def import_function(spec: str, path_s: str, name: str) -> RewardFn:
+def import_function(spec: str, path_s: str, name: str, call_with: Optional[dict[str, Any]] = None,
+                    signature: str = SIGNATURE) -> RewardFn:
     """Import `name` from the file `path_s` here (the worker process does; `load_reward_function` is
     the way in). Anything the import does, an exit included, becomes a RewardError."""
     path = Path(path_s)
@@ -311,10 +315,11 @@ def import_function(spec: str, path_s: str, name: str) -> RewardFn:
     if not callable(fn):
         raise RewardError(f"--reward {spec!r}: '{name}' in {path} is a {type(fn).__name__}, not a function")
     try:
-        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None)
+        inspect.signature(fn).bind(**(call_with if call_with is not None else VERL_CALL))
     except TypeError as e:
-        raise RewardError(f"--reward {spec!r}: '{name}' cannot be called with verl's keyword arguments "
-                          f"({e}); it must be {SIGNATURE}") from None
+        which = "verl's keyword arguments" if call_with is None else f"the keyword arguments {', '.join(call_with)}"
+        raise RewardError(f"--reward {spec!r}: '{name}' cannot be called with {which} ({e}); it must be "
+                          f"{signature}") from None
     except ValueError:
         pass  # builtins without an inspectable signature: let the first call tell
     return fn

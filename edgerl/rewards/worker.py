@@ -1,7 +1,7 @@
 """The process a user's reward function runs in: `python -m edgerl.rewards.worker FD_IN FD_OUT`,
 started by `edgerl.rewards.contain.UserFunction`, which it answers over two pipes.
 
-Requests: ("load", path, name, spec, sys.path) imports the function; ("call", args, kwargs) calls it.
+Requests: ("load", path, name, spec, sys.path, call_with, signature) imports the function; ("call", args, kwargs) calls it.
 Replies: ("ok", value), ("error", message) for a load, ("raised", what happened, the pickled
 exception when it is a built-in one) for a call. Any exception or exit of the user's code is answered,
 never fatal; the trainer stops this process when a call overruns or the run ends. It ignores SIGINT
@@ -39,7 +39,7 @@ def _raised(e: BaseException, where: str) -> tuple:
 
 
 def serve(inbox: Connection, outbox: Connection) -> None:
-    from edgerl.rewards.rules import RewardError, import_function
+    from edgerl.rewards.rules import SIGNATURE, RewardError, import_function
     fn, where = None, ""
     while True:
         try:
@@ -47,11 +47,11 @@ def serve(inbox: Connection, outbox: Connection) -> None:
         except (EOFError, OSError):
             return  # the trainer closed the pipe
         if msg[0] == "load":
-            _, path, name, spec, path_list = msg
+            _, path, name, spec, path_list, call_with, signature = msg
             sys.path[:] = path_list  # the trainer's import path, so the file imports what it would there
             where = str(path)
             try:
-                fn = import_function(spec, path, name)
+                fn = import_function(spec, path, name, call_with, signature or SIGNATURE)
                 reply: tuple = ("ok", None)
             except RewardError as e:
                 reply = ("error", str(e))
