@@ -82,6 +82,12 @@ def a_lambda(data_source, solution_str, ground_truth, extra_info=None):
 
 def an_object(data_source, solution_str, ground_truth, extra_info=None):
     return object()
+
+class Score(float):
+    pass
+
+def own_class(data_source, solution_str, ground_truth, extra_info=None):
+    return Score(1.0)
 '''
 
 ITEMS = [RewardItem("s", "first", "g", {"i": 0}, row=4), RewardItem("s", "second", "g", {"i": 1}, row=7)]
@@ -122,6 +128,7 @@ def test_a_good_function_runs_in_its_own_process(user_file):
     ("huge_component", "returned component 'bonus' = an integer of 1329 bits"),
     ("a_lambda", "returned a function, which cannot be sent back to the trainer"),
     ("an_object", "returned object <object object at"),
+    ("own_class", "returned a value the trainer cannot read"),
 ])
 def test_every_way_out_is_one_error_naming_function_and_sample(user_file, name, why):
     fn = load(user_file, name)
@@ -312,7 +319,7 @@ def test_a_run_saves_the_last_completed_step(tiny_llama, tmp_path, how, sets, ma
 def test_ctrl_c_while_the_reward_hangs_stops_the_run_with_step_saved(tiny_llama, tmp_path):
     from conftest import prepare_trainer
     path, marker = run_file(tmp_path, "hang")
-    t = prepare_trainer(tiny_llama, tmp_path / "run", FAST + ["reward.timeout_s=none",
+    t = prepare_trainer(tiny_llama, tmp_path / "run", FAST + ["reward.timeout_s=0",
                                                                f'reward.function="{path}:later"'])
     _signal_me_when(signal.SIGINT, ready=marker, after_s=0.2)
     t.run()  # returns: the CLI turns stop_signal into exit status 130

@@ -67,10 +67,9 @@ class RewardConfig:
     model: Optional[str] = F(None, "HF sequence-classification reward model (folder or id) whose score is "
                              "added to the rule reward")
     model_coef: float = F(1.0, "weight of the reward model's score")
-    timeout_s: Optional[float] = F(30.0, "seconds one call of reward.function may take (a call scores one "
-                                   "sample); the function runs in a process of its own, stopped when the time is "
-                                   "up, and the run stops with its last completed step saved. None: no limit "
-                                   "(Ctrl-C still stops it)")
+    timeout_s: float = F(30.0, "seconds one call of reward.function may take (a call scores one sample); the "
+                         "function runs in a process of its own, stopped when the time is up, and the run stops "
+                         "with its last completed step saved. 0: no limit (Ctrl-C still stops it)")
 
 
 @dataclass
@@ -311,7 +310,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "algo.clip_high": ("[0, inf)", "typical: 0.2 (0.28 for DAPO's clip-higher)"),
     "algo.dual_clip": ("(1, inf)", "e.g. 3.0; leave it unset to turn it off"),
     "algo.value_clip": ("(0, inf)", "typical: 0.2"),
-    "reward.timeout_s": ("(0, inf)", "leave it unset to wait forever"),
+    "reward.timeout_s": ("[0, inf)", "0 waits as long as the function takes"),
     "data.max_prompt_len": ("[1, inf)", ""),
     "data.difficulty": ("[1, 4]", ""),
     "data.num_examples": ("[1, inf)", ""),

@@ -319,7 +319,7 @@ class UserFunction:
                         if overran is not None:
                             raise RewardError(f"--reward {self.spec!r}: {overran}")
                         raise _timed_out(who, sample, timeout_s or 0.0, "its process was stopped")
-                return self._from.recv()
+                reply = self._from.recv_bytes()
             except Interrupted:
                 self._kill()
                 raise
@@ -328,6 +328,11 @@ class UserFunction:
                 raise RewardError(f"{who} ended its process on {_text(sample)} ({_exit_words(code)}); a "
                                   "reward function must return a value (os._exit, a crash and a kill end it)") \
                     from None
+        try:
+            return pickle.loads(reply)
+        except Exception as e:  # e.g. an instance of a class defined in the reward file
+            raise _failure(who, sample, f"returned a value the trainer cannot read ({type(e).__name__}: "
+                                        f"{_short(str(e), 80)}); return a float or a dict of floats") from None
 
     def call(self, who: str, sample: Sample, args: tuple, kwargs: dict, timeout_s: Optional[float]) -> Any:
         """One call, contained (call_user's way in): `who` and `sample` name it in any error."""

@@ -82,7 +82,7 @@ class Trainer:
         self.rank, self.world = s.rank.rank, s.rank.world
         m, t = cfg.model, cfg.train
         if cfg.reward.function:  # in a process of its own: an exit, a hang or a crash there cannot end the run
-            self.reward_fn = load_reward_function(cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+            self.reward_fn = load_reward_function(cfg.reward.function, timeout_s=cfg.reward.timeout_s or None)
         else:
             check_sources({p.data_source for p in self.prompts})
             self.reward_fn = default_compute_score
