@@ -4,6 +4,7 @@ values and gradients; and `recommend --format verl` against a transcription of v
 (verl/trainer/config/_generated_ppo_trainer.yaml, same commit)."""
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -436,3 +437,20 @@ def test_verl_export_says_what_verl_cannot_match():
     assert "KL loss keeps actor.kl_loss_coef=0.001 fixed" in text
     assert "seq-mean-token-sum-norm" in text and "warm-up" in text
     assert verl_algorithm(load_config(None, []), critic=False)[1] == []
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_policy_losses_train_in_the_loop(tiny_llama, tmp_path, loss):
+    """Wired into the update: two epochs (so the ratios leave 1 and the clips act), finite metrics."""
+    from conftest import prepare_trainer
+    from edgerl.train.metrics import read_metrics
+    t = prepare_trainer(tiny_llama, tmp_path / "run", [
+        'run.profile="cpu"', "rollout.max_new_tokens=8", "train.prompts_per_step=2", "rollout.n_samples=4",
+        "run.tensorboard=false", "data.num_examples=64", "train.lr=1e-3", "train.steps=1", "train.ppo_epochs=2",
+        "run.save_every=0", "run.export_final=false", f"algo.policy_loss={loss}",
+        f'reward.function="{Path(__file__).with_name("reward_fns.py")}:vowel_share"'])  # scores that vary
+    t.run()
+    row = read_metrics(tmp_path / "run")[-1]
+    for key in ("actor/pg_loss", "actor/clip_frac", "actor/approx_kl", "actor/ratio_mean", "actor/grad_norm"):
+        assert math.isfinite(row[key]), (key, row[key])
+    assert row["actor/approx_kl"] > 0  # the second epoch saw moved log-probs
