@@ -143,7 +143,6 @@ def verl_algorithm(cfg: Config, critic: bool) -> tuple[list[str], list[str]]:
         f"{actor}.kl_loss_type={_VERL_KL[a.kl_estimator]}",
         f"{actor}.policy_loss.loss_mode={loss.verl_name}",
         f"{actor}.clip_ratio_low={clip_low}", f"{actor}.clip_ratio_high={clip_high}",
-        f"{actor}.clip_ratio_c={float(a.dual_clip if a.dual_clip is not None else VERL_NO_DUAL_CLIP)!r}",
         f"{actor}.loss_agg_mode={agg}", f"{actor}.entropy_coeff={a.entropy_coef}",
         f"{actor}.grad_clip={t.max_grad_norm}",
         f"{actor}.optim.weight_decay={t.weight_decay}", f"{actor}.optim.betas={_v(t.betas)}",
@@ -154,6 +153,8 @@ def verl_algorithm(cfg: Config, critic: bool) -> tuple[list[str], list[str]]:
         f"actor_rollout_ref.rollout.top_k={r.top_k or -1}",   # verl's "off" is -1, edgerl's 0
         f"actor_rollout_ref.rollout.ignore_eos={not r.stop_at_eos}",
     ]
+    if loss.dual_clip:  # verl's PPO loss (vanilla) alone reads clip_ratio_c
+        lines.append(f"{actor}.clip_ratio_c={float(a.dual_clip if a.dual_clip is not None else VERL_NO_DUAL_CLIP)!r}")
     if a.kl_target:
         lines += [f"algorithm.kl_ctrl.target_kl={a.kl_target}", f"algorithm.kl_ctrl.horizon={a.kl_horizon}"]
         if kl_loss:
