@@ -27,6 +27,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
                                        "one: that run's files are moved into OUT/earlier-run-N/, nothing is deleted"),
           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
+    from edgerl.rewards.contain import Interrupted
     from edgerl.train import session
     from edgerl.train.metrics import read_metrics, summary_line
     from edgerl.train.trainer import Trainer
@@ -59,7 +60,11 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"[bold]Effective batch[/]: {cfg.effective_batch(s.plan.micro_batch)}")
         console.print(f"[bold]Run folder[/]: {escape(str(s.run_dir))}  (config.toml, plan.json, metrics.jsonl, "
                       "checkpoints/)", soft_wrap=True)
-        trainer = Trainer(s)
+        try:
+            trainer = Trainer(s)
+        except Interrupted as e:  # a signal while the reward file was imported
+            console.print(f"[yellow]stopped: {escape(str(e))}; no step was trained[/]", soft_wrap=True)
+            raise typer.Exit(130) from None
         log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.tb_note}")
         with Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[line]}"), console=console, transient=False) as bar:

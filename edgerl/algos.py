@@ -110,15 +110,18 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
       k1 = logp - ref_logp                       (unbiased, high variance, can be negative)
       k2 = 0.5 * (logp - ref_logp)^2             (biased, low variance, >= 0)
       k3 = exp(ref - logp) - (ref - logp) - 1    (unbiased, low variance, >= 0)
-    For k3 the log-ratio is clamped to [-20, 20] before exp, as verl does, so one token far off the
-    reference cannot overflow fp32 (exp(89) is inf). Returns (B, T)."""
+    k3 is clamped as verl's "low_var_kl" (verl/trainer/ppo/core_algos.py, kl_penalty_forward): the
+    log-ratio to [-20, 20] before exp, so one token far off the reference cannot overflow fp32
+    (exp(89) is inf), and the estimate itself to [-10, 10]. Where k3 would exceed 10 (a log-ratio
+    above about 2.6 or below -11) the value is 10 and its gradient is 0, as in verl; without that
+    clamp the gradient exp(d) - 1 reaches about e^20. Returns (B, T)."""
     if kind == "k1":
         return logp - ref_logp
     if kind == "k2":
         return 0.5 * (logp - ref_logp) ** 2
     if kind == "k3":
         d = (ref_logp - logp).clamp(-20.0, 20.0)
-        return torch.exp(d) - d - 1
+        return (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
     raise ValueError(f"unknown KL estimator kind={kind!r}; choose one of {KL_KINDS}")
 
 
@@ -424,14 +427,105 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         l3 = -advantages * dual_clip
         dual = (advantages < 0) & (loss_mat > l3)
         loss_mat = torch.where(dual, l3, loss_mat)
-    with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((l2 > l1).to(logp.dtype), m),
-            "dual_clip_frac": masked_mean(dual.to(logp.dtype), m),
-            "approx_kl": masked_mean(kl_estimate(old_logp, logp.detach(), "k3"), m),
-            "ratio_mean": masked_mean(ratio.detach(), m),
-        }
+    stats = _ratio_stats(logp, old_logp, ratio, l2 > l1, dual, m)
     return aggregate(loss_mat, m, agg), stats
+
+
+def _ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor,
+                 dual: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The statistics every policy loss reports (0-d, detached). approx_kl is k3 of the token ratios
+    without kl_estimate's clamp of the estimate at 10: a diagnostic should show a blow-up."""
+    with torch.no_grad():
+        d = (logp.detach() - old_logp).clamp(-20.0, 20.0)
+        return {"clip_frac": masked_mean(clipped.to(logp.dtype), m),
+                "dual_clip_frac": masked_mean(dual.to(logp.dtype), m),
+                "approx_kl": masked_mean(torch.exp(d) - d - 1, m),
+                "ratio_mean": masked_mean(ratio.detach(), m)}
+
+
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float = 3e-4, clip_high: float = 4e-4, dual_clip: float | None = None,
+              agg: str = "seq-mean-token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """logp (with grad), old_logp, advantages, mask: (B, T). GSPO (Zheng et al. 2025, "Group Sequence
+    Policy Optimization"): one importance ratio per sequence, the geometric mean of its token ratios,
+      s_b = exp(mean over the valid tokens t of row b of (logp - old_logp))
+    and PPO's clipped surrogate on it, l = max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high)), averaged
+    per sequence (agg must be seq-mean-token-mean). As verl's compute_policy_loss_gspo, every token
+    carries s_b in value with the gradient s_b * d logp_t (log s_bt = sg(log s_b) + logp_t - sg(logp_t)),
+    so the per-sequence mean of the token gradients is d s_b; log s is clamped above at 10. The clip
+    ranges are small because s is a per-token geometric mean (the paper uses 3e-4 and 4e-4); no dual
+    clip. Returns (loss, stats as policy_loss; ratio_mean is the mean of s over valid tokens)."""
+    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp)
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got clip_low={clip_low}, "
+                         f"clip_high={clip_high}")
+    if dual_clip is not None:
+        raise ValueError("gspo has no dual clip; leave dual_clip unset")
+    if agg != "seq-mean-token-mean":
+        raise ValueError(f"gspo's ratio is one per sequence, so its loss is a mean over sequences: "
+                         f"agg must be 'seq-mean-token-mean', got {agg!r}")
+    seq_log = masked_sum(logp - old_logp, m, dim=1) / m.sum(1).clamp(min=1).to(logp.dtype)
+    log_s = (logp - logp.detach() + seq_log.detach()[:, None]).clamp(max=10.0)
+    s = torch.exp(log_s)
+    l1 = -advantages * s
+    l2 = -advantages * s.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(l1, l2)
+    stats = _ratio_stats(logp, old_logp, s, l2 > l1, torch.zeros_like(m), m)
+    return aggregate(loss_mat, m, agg), stats
+
+
+def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               clip_low: float = 1.0, clip_high: float = 0.2, dual_clip: float | None = None,
+               agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """logp (with grad), old_logp, advantages, mask: (B, T). CISPO (MiniMax-M1, 2025): REINFORCE with
+    a clipped, stop-gradient importance weight, so that no token's gradient is dropped by the clip:
+      r = exp(logp - old_logp)  (log-ratio clamped to [-20, 20])
+      l = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp
+    as verl's compute_policy_loss_cispo. clip_low = 1 bounds r below at 0, i.e. not at all (the
+    paper's choice); no dual clip. The loss value is -A * logp, not comparable to PPO's. Returns
+    (aggregate(l, mask, agg), stats as policy_loss; clip_frac = share of valid tokens whose weight
+    was clipped)."""
+    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp)
+    if not (clip_low >= 0.0 and clip_high >= 0.0):
+        raise ValueError(f"need clip_low >= 0 and clip_high >= 0; got clip_low={clip_low}, clip_high={clip_high}")
+    if dual_clip is not None:
+        raise ValueError("cispo has no dual clip; leave dual_clip unset")
+    ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    loss_mat = -weight * advantages * logp
+    stats = _ratio_stats(logp, old_logp, ratio, ratio.detach() != weight, torch.zeros_like(m), m)
+    return aggregate(loss_mat, m, agg), stats
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss: fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg) ->
+    (loss, stats), with the clip ranges it uses when the config leaves them unset."""
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    clip_low: float
+    clip_high: float
+    agg: str | None        # the aggregation the loss needs; None: any (algo.loss_agg, token-mean by default)
+    dual_clip: bool        # takes a dual-clip bound
+    verl_name: str         # actor.policy_loss.loss_mode in verl
+    paper: str
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "ppo": PolicyLoss("ppo", policy_loss, 0.2, 0.2, None, True, "vanilla", "Schulman et al. 2017"),
+    "gspo": PolicyLoss("gspo", gspo_loss, 3e-4, 4e-4, "seq-mean-token-mean", False, "gspo",
+                       "Zheng et al. 2025, arXiv:2507.18071"),
+    "cispo": PolicyLoss("cispo", cispo_loss, 1.0, 0.2, None, False, "cispo", "MiniMax 2025, arXiv:2506.13585"),
+}
+
+
+def compute_policy_loss(name: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip_low: float, clip_high: float, dual_clip: float | None,
+                        agg: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The registered policy loss `name` ('ppo', 'gspo', 'cispo'). Returns (loss, stats)."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name].fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

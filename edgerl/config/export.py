@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from edgerl.algos import ESTIMATORS
+from edgerl.algos import ESTIMATORS, POLICY_LOSSES
 from edgerl.config.schema import Config, to_toml
 from edgerl.plan import table
 from edgerl.plan.modelspec import HF_IDS
@@ -69,12 +69,9 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
     ]
     lines += [line for d in table.TABLE if d.verl and d.name in p.values for line in d.verl(p)]
-    if cfg.algo.kl_coef > 0 and cfg.algo.kl_in == "loss":
-        lines += ["actor_rollout_ref.actor.use_kl_loss=True",
-                  f"actor_rollout_ref.actor.kl_loss_coef={cfg.algo.kl_coef}",
-                  f"actor_rollout_ref.actor.kl_loss_type={_VERL_KL[cfg.algo.kl_estimator]}"]
-    elif cfg.algo.kl_coef > 0:
-        lines += ["algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={cfg.algo.kl_coef}"]
+    math_lines, math_caveats = verl_algorithm(cfg, p.task.critic)
+    lines += math_lines
+    caveats += math_caveats
     if p.task.critic:
         critic = cfg.model.critic_path or cfg.model.path
         lines += [f"critic.model.path={HF_IDS.get(critic.lower(), critic)}",
@@ -82,4 +79,73 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
     if p.kernel_backend == "triton":
         caveats.append("edgerl's fused log-prob kernel has no verl switch; verl's closest is "
                        "actor_rollout_ref.model.use_fused_kernels=True (Ampere and newer).")
+    return lines, caveats
+
+
+# verl's PPO loss always applies its dual clip (actor.clip_ratio_c, 3.0 by default). It clamps the
+# log-ratio to [-20, 20], so the ratio never exceeds e^20 < 4.9e8, and a bound of 1e9 x |A| never binds:
+# that is edgerl's dual clip turned off.
+VERL_NO_DUAL_CLIP = 1e9
+
+
+def _v(x: object) -> str:
+    """A value as a Hydra override writes it."""
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, (list, tuple)):
+        return "[" + ",".join(_v(v) for v in x) + "]"
+    return str(x)
+
+
+def verl_algorithm(cfg: Config, critic: bool) -> tuple[list[str], list[str]]:
+    """(overrides, caveats) that make verl's RL math that of `cfg`: every setting of the loss, the
+    advantages, the KL, the optimizer, the schedule and the sampling, written whether or not verl's
+    default agrees (its defaults differ in lam, the KL estimator, the dual clip, the weight decay, the
+    critic's value clip and top_k, and they may change)."""
+    a, t, r = cfg.algo, cfg.train, cfg.rollout
+    loss = POLICY_LOSSES[a.policy_loss]
+    (clip_low, clip_high), agg = a.clip_range(), a.loss_agg_mode()
+    kl_loss = a.kl_coef > 0 and a.kl_in == "loss"
+    kl_reward = a.kl_coef > 0 and a.kl_in == "reward"
+    actor, caveats = "actor_rollout_ref.actor", []
+    lines = [
+        f"algorithm.gamma={a.gamma}", f"algorithm.lam={a.lam}",
+        f"algorithm.norm_adv_by_std_in_grpo={a.norm_adv_by_std}",
+        f"algorithm.use_kl_in_reward={kl_reward}", f"algorithm.kl_penalty={_VERL_KL[a.kl_estimator]}",
+        f"algorithm.kl_ctrl.kl_coef={a.kl_coef}",
+        f"algorithm.kl_ctrl.type={'adaptive' if a.kl_target else 'fixed'}",
+        f"{actor}.use_kl_loss={kl_loss}", f"{actor}.kl_loss_coef={a.kl_coef}",
+        f"{actor}.kl_loss_type={_VERL_KL[a.kl_estimator]}",
+        f"{actor}.policy_loss.loss_mode={loss.verl_name}",
+        f"{actor}.clip_ratio_low={clip_low}", f"{actor}.clip_ratio_high={clip_high}",
+        f"{actor}.loss_agg_mode={agg}", f"{actor}.entropy_coeff={a.entropy_coef}",
+        f"{actor}.grad_clip={t.max_grad_norm}",
+        f"{actor}.optim.weight_decay={t.weight_decay}", f"{actor}.optim.betas={_v(t.betas)}",
+        f"{actor}.optim.lr_warmup_steps_ratio={t.warmup_ratio}",
+        f"{actor}.optim.lr_scheduler_type={t.lr_schedule}", f"{actor}.optim.min_lr_ratio={t.min_lr_ratio}",
+        f"trainer.total_training_steps={t.steps}",
+        f"actor_rollout_ref.rollout.temperature={r.temperature}", f"actor_rollout_ref.rollout.top_p={r.top_p}",
+        f"actor_rollout_ref.rollout.top_k={r.top_k or -1}",   # verl's "off" is -1, edgerl's 0
+        f"actor_rollout_ref.rollout.ignore_eos={not r.stop_at_eos}",
+    ]
+    if loss.dual_clip:  # verl's PPO loss (vanilla) alone reads clip_ratio_c
+        lines.append(f"{actor}.clip_ratio_c={float(a.dual_clip if a.dual_clip is not None else VERL_NO_DUAL_CLIP)!r}")
+    if a.kl_target:
+        lines += [f"algorithm.kl_ctrl.target_kl={a.kl_target}", f"algorithm.kl_ctrl.horizon={a.kl_horizon}"]
+        if kl_loss:
+            caveats.append("verl adapts the KL coefficient only for the KL in the reward (algorithm.kl_ctrl); "
+                           f"its KL loss keeps actor.kl_loss_coef={a.kl_coef} fixed, where edgerl adapts it "
+                           f"toward algo.kl_target={a.kl_target}. Use algo.kl_in=reward to match.")
+    if critic:
+        lines += [f"critic.optim.lr={t.critic_lr}", f"critic.cliprange_value={a.value_clip}",
+                  f"critic.grad_clip={t.max_grad_norm}", f"critic.optim.weight_decay={t.weight_decay}",
+                  f"critic.optim.betas={_v(t.betas)}", f"critic.optim.lr_warmup_steps_ratio={t.warmup_ratio}",
+                  f"critic.optim.lr_scheduler_type={t.lr_schedule}", f"critic.optim.min_lr_ratio={t.min_lr_ratio}"]
+    if agg == "seq-mean-token-sum-norm":
+        caveats.append("edgerl's seq-mean-token-sum-norm divides the summed loss by sequences x the step's longest "
+                       "response; verl's divides by the padded response length only (actor.loss_scale_factor), "
+                       "so verl's loss, and its effective learning rate, is larger by about the batch size.")
+    if t.warmup_ratio > 0:
+        caveats.append("the warm-up ramps differ by one step: verl's learning rate starts at 0 (step/warm-up), "
+                       "edgerl's at 1/(warm-up + 1) ((step + 1)/(warm-up + 1)).")
     return lines, caveats

@@ -71,6 +71,9 @@ class RewardConfig:
     model: Optional[str] = F(None, "HF sequence-classification reward model (folder or id) whose score is "
                              "added to the rule reward")
     model_coef: float = F(1.0, "weight of the reward model's score")
+    timeout_s: float = F(30.0, "seconds one call of reward.function may take (a call scores one sample); the "
+                         "function runs in a process of its own, stopped when the time is up, and the run stops "
+                         "with its last completed step saved. 0: no limit (Ctrl-C still stops it)")
 
 
 @dataclass
@@ -96,13 +99,33 @@ class AlgoConfig:
                                          "from the token rewards (classic PPO)")
     kl_target: Optional[float] = F(None, "adaptive KL: the target KL per token; None keeps kl_coef fixed")
     kl_horizon: int = F(10000, "adaptive KL controller horizon")
-    clip_low: float = F(0.2, "PPO ratio clip below 1")
-    clip_high: float = F(0.2, "PPO ratio clip above 1 (DAPO's clip-higher uses 0.28)")
-    dual_clip: Optional[float] = F(None, "dual-clip bound c > 1 for negative advantages; None disables")
+    policy_loss: Literal["ppo", "gspo", "cispo"] = F(
+        "ppo", "policy loss: PPO's clipped surrogate per token; gspo: the same on one importance ratio per "
+        "sequence (Zheng et al. 2025), averaged per sequence; cispo: REINFORCE weighted by the clipped "
+        "importance ratio, with no gradient through the weight (MiniMax-M1)")
+    clip_low: Optional[float] = F(None, "ratio clip below 1 (the ratio is clipped at 1 - clip_low); None: the "
+                                  "policy loss's own, 0.2 for ppo, 3e-4 for gspo, none for cispo")
+    clip_high: Optional[float] = F(None, "ratio clip above 1 (at 1 + clip_high); None: the policy loss's own, "
+                                   "0.2 for ppo (DAPO's clip-higher uses 0.28), 4e-4 for gspo, 0.2 for cispo")
+    dual_clip: Optional[float] = F(None, "ppo's dual-clip bound c > 1 for negative advantages; None disables")
     value_clip: float = F(0.2, "critic value clip")
     entropy_coef: float = F(0.0, "entropy bonus coefficient")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                      "seq-mean-token-sum-norm"] = F("token-mean", "how token losses are averaged")
+    loss_agg: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                               "seq-mean-token-sum-norm"]] = F(
+        None, "how token losses are averaged; None: seq-mean-token-mean for gspo (its ratio is per "
+        "sequence), token-mean otherwise")
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high) in effect: the ones set, else the policy loss's own."""
+        from edgerl.algos import POLICY_LOSSES
+        own = POLICY_LOSSES[self.policy_loss]
+        return (own.clip_low if self.clip_low is None else self.clip_low,
+                own.clip_high if self.clip_high is None else self.clip_high)
+
+    def loss_agg_mode(self) -> str:
+        """The aggregation in effect: the one set, else the policy loss's own, else token-mean."""
+        from edgerl.algos import POLICY_LOSSES
+        return self.loss_agg or POLICY_LOSSES[self.policy_loss].agg or "token-mean"
 
 
 @dataclass
@@ -235,6 +258,15 @@ class Config:
         if t.micro_batch is not None and (t.micro_batch < 1 or mini % t.micro_batch):
             raise ConfigError(f"train.micro_batch={t.micro_batch} must divide the mini-batch of {mini}; "
                               f"try one of {_divisors(mini)}")
+        from edgerl.algos import POLICY_LOSSES
+        own = POLICY_LOSSES[a.policy_loss]
+        if a.dual_clip is not None and not own.dual_clip:
+            raise ConfigError(f"algo.dual_clip is ppo's; algo.policy_loss={a.policy_loss} has no dual clip: "
+                              "leave algo.dual_clip unset")
+        if own.agg is not None and a.loss_agg not in (None, own.agg):
+            raise ConfigError(f"algo.policy_loss={a.policy_loss} averages per sequence ({own.agg}), its ratio "
+                              f"being one per sequence; algo.loss_agg={a.loss_agg} contradicts it: leave "
+                              f"algo.loss_agg unset or set it to {own.agg}")
         if self.lora.target_modules is not None and not self.lora.target_modules:
             raise ConfigError("lora.target_modules is an empty list; name modules such as "
                               "[\"q_proj\", \"v_proj\"], or leave it unset for the architecture's defaults")
@@ -277,6 +309,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "algo.clip_high": ("[0, inf)", "typical: 0.2 (0.28 for DAPO's clip-higher)"),
     "algo.dual_clip": ("(1, inf)", "e.g. 3.0; leave it unset to turn it off"),
     "algo.value_clip": ("(0, inf)", "typical: 0.2"),
+    "reward.timeout_s": ("[0, inf)", "0 waits as long as the function takes"),
     "data.max_prompt_len": ("[1, 1048576]", ""),
     "data.difficulty": ("[1, 4]", ""),
     "data.num_examples": ("[1, 1000000]", ""),

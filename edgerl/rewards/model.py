@@ -29,7 +29,7 @@ class RewardModel:
             self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             self.model = AutoModelForSequenceClassification.from_pretrained(
                 path, dtype=dtype, trust_remote_code=trust_remote_code)
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # remote code may exit; a Ctrl-C stays an interrupt
             raise RewardError(f"cannot load the reward model {path!r}: {type(e).__name__}: {e}") from e
         if self.model.config.num_labels != 1:
             raise RewardError(f"reward model {path!r} has num_labels={self.model.config.num_labels}; a "

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 from edgerl.core.errors import RewardError
+from edgerl.rewards.contain import UserFunction, call_user, check_result
 
 RewardResult = Union[float, dict]
 RewardFn = Callable[..., RewardResult]
 
 SIGNATURE = ("fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None) "
              "-> float | dict with a 'score' key")
+VERL_CALL = dict(data_source="", solution_str="", ground_truth="", extra_info=None)  # checked at load
 
 
 
@@ -272,14 +274,26 @@ def check_sources(data_sources: Iterable[str]) -> None:
             raise _unknown_source(source)
 
 
-def load_reward_function(spec: str) -> RewardFn:
-    """Load `path/to/file.py:fn` (the `--reward` option); check that fn takes verl's keyword arguments."""
+def load_reward_function(spec: str, timeout_s: Optional[float] = None, call_with: Optional[dict[str, Any]] = None,
+                         signature: str = SIGNATURE) -> UserFunction:
+    """Load `path/to/file.py:fn` (the `--reward` option) into a process of its own, where every call
+    runs contained (edgerl.rewards.contain: an exit, a hang past `timeout_s` seconds, a crash is one
+    RewardError); check that fn accepts the keyword arguments `call_with` (None: verl's, with
+    placeholder values), else a RewardError quoting `signature`."""
     path_s, sep, name = spec.rpartition(":")
     if not sep or not path_s or not name or "/" in name or "\\" in name:
         raise RewardError(f"--reward {spec!r}: expected path/to/file.py:function_name")
     path = Path(path_s).expanduser()
     if not path.is_file():
         raise RewardError(f"--reward {spec!r}: no such file {path.resolve()}")
+    return UserFunction(spec, path.resolve(), name, timeout_s, call_with, signature)
+
+
+def import_function(spec: str, path_s: str, name: str, call_with: Optional[dict[str, Any]] = None,
+                    signature: str = SIGNATURE) -> RewardFn:
+    """Import `name` from the file `path_s` here (the worker process does; `load_reward_function` is
+    the way in). Anything the import does, an exit included, becomes a RewardError."""
+    path = Path(path_s)
     module_name = f"edgerl_user_reward_{abs(hash(str(path.resolve())))}"
     try:
         module_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -288,9 +302,10 @@ def load_reward_function(spec: str) -> RewardFn:
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module  # lets dataclasses/pickle in the user file find its module
         module_spec.loader.exec_module(module)
-    except Exception as e:
+    except BaseException as e:  # noqa: B036 - a file that exits or raises anything at import
+        from edgerl.rewards.contain import describe
         sys.modules.pop(module_name, None)
-        raise RewardError(f"--reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+        raise RewardError(f"--reward {spec!r}: importing {path} failed: {describe(e, str(path))}") from None
     if not hasattr(module, name):
         funcs = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
                        and getattr(v, "__module__", None) == module_name)
@@ -300,10 +315,11 @@ def load_reward_function(spec: str) -> RewardFn:
     if not callable(fn):
         raise RewardError(f"--reward {spec!r}: '{name}' in {path} is a {type(fn).__name__}, not a function")
     try:
-        inspect.signature(fn).bind(data_source="", solution_str="", ground_truth="", extra_info=None)
+        inspect.signature(fn).bind(**(call_with if call_with is not None else VERL_CALL))
     except TypeError as e:
-        raise RewardError(f"--reward {spec!r}: '{name}' cannot be called with verl's keyword arguments "
-                          f"({e}); it must be {SIGNATURE}") from None
+        which = "verl's keyword arguments" if call_with is None else f"the keyword arguments {', '.join(call_with)}"
+        raise RewardError(f"--reward {spec!r}: '{name}' cannot be called with {which} ({e}); it must be "
+                          f"{signature}") from None
     except ValueError:
         pass  # builtins without an inspectable signature: let the first call tell
     return fn
@@ -313,11 +329,13 @@ def load_reward_function(spec: str) -> RewardFn:
 
 @dataclass(frozen=True)
 class RewardItem:
-    """One response to score: its prompt row's data_source, ground truth and extra_info."""
+    """One response to score: its prompt row's data_source, ground truth and extra_info, and the
+    prompt's row in the data (named when the reward fails on it)."""
     data_source: str
     response: str
     ground_truth: Optional[str]
     extra: Optional[dict] = None
+    row: Optional[int] = None
 
 
 def _excerpt(text: Any, n: int = 80) -> str:
@@ -325,42 +343,46 @@ def _excerpt(text: Any, n: int = 80) -> str:
     return repr(s if len(s) <= n else "..." + s[-n:])
 
 
+def sample_text(i: int, item: Any) -> str:
+    """How an error names a sample: its place in the batch, its prompt's data row, what was scored."""
+    row = getattr(item, "row", None)
+    return (f"sample {i} of the batch ({'' if row is None else f'prompt row {row} of the data, '}data_source "
+            f"{item.data_source!r}, response {_excerpt(item.response)}, ground truth {_excerpt(item.ground_truth, 40)})")
+
+
 def _sample_error(i: int, item: Any, why: str) -> RewardError:
-    return RewardError(f"reward failed on sample {i} of the batch (data_source {item.data_source!r}, "
-                       f"response {_excerpt(item.response)}, ground truth {_excerpt(item.ground_truth, 40)}): "
-                       f"{why}")
+    return RewardError(f"reward failed on {sample_text(i, item)}: {why}")
 
 
-def score_batch(reward_fn: RewardFn, items: Sequence[Any]) -> tuple[list[float], dict[str, list[float]]]:
+def score_batch(reward_fn: RewardFn, items: Sequence[Any], timeout_s: Optional[float] = None
+                ) -> tuple[list[float], dict[str, list[float]]]:
     """Score `items` (RewardItem or anything with data_source/response/ground_truth/extra).
 
     Returns (scores, components): components maps each extra numeric key of dict results to one value
-    per item (NaN where an item's result lacks it). Any exception inside `reward_fn`, and any result
-    that is not a finite number or a dict with a finite 'score', becomes a RewardError naming the
-    sample; the original exception is chained.
+    per item (NaN where an item's result lacks it). A user function is called through
+    `edgerl.rewards.contain.call_user` (an exception, exit or overrun of `timeout_s` seconds is a
+    RewardError naming the function and the sample, a signal raises Interrupted); edgerl's own
+    `default_compute_score` is called directly, its errors naming the sample too. A result that is not
+    a number or a dict with a 'score', or a score that is not finite or beyond +-MAX_ABS_REWARD, is a
+    RewardError naming the sample; the original exception is chained.
     """
     scores: list[float] = []
     rows: list[dict[str, float]] = []
+    who = getattr(reward_fn, "who", None) or f"reward function {getattr(reward_fn, '__qualname__', reward_fn)}"
     for i, item in enumerate(items):
+        kw = dict(data_source=item.data_source, solution_str=item.response, ground_truth=item.ground_truth,
+                  extra_info=item.extra)
+        if reward_fn is default_compute_score:  # edgerl's own code: no timer, no signal handlers
+            try:
+                res = reward_fn(**kw)
+            except Exception as e:
+                raise _sample_error(i, item, f"{type(e).__name__}: {e}") from e
+        else:
+            res = call_user(reward_fn, who, lambda i=i, item=item: sample_text(i, item), timeout_s=timeout_s, **kw)
         try:
-            res = reward_fn(data_source=item.data_source, solution_str=item.response,
-                            ground_truth=item.ground_truth, extra_info=item.extra)
-        except Exception as e:
-            raise _sample_error(i, item, f"{type(e).__name__}: {e}") from e
-        extra: dict[str, float] = {}
-        if isinstance(res, dict):
-            if "score" not in res:
-                raise _sample_error(i, item, f"the result dict has no 'score' key (keys: {', '.join(map(str, res))})")
-            extra = {k: float(v) for k, v in res.items() if k != "score" and isinstance(v, (int, float))}
-            res = res["score"]
-        if isinstance(res, (str, bytes)) or res is None:
-            raise _sample_error(i, item, f"returned {res!r}; expected a float or a dict with a 'score' key")
-        try:
-            value = float(res)
-        except (TypeError, ValueError) as e:
-            raise _sample_error(i, item, f"returned {type(res).__name__} {res!r}, not a number") from e
-        if not math.isfinite(value):
-            raise _sample_error(i, item, f"returned a non-finite score {value}")
+            value, extra = check_result(res)
+        except ValueError as e:
+            raise RewardError(f"{who} failed on {sample_text(i, item)}: {e}") from None
         scores.append(value)
         rows.append(extra)
     keys = sorted({k for r in rows for k in r})

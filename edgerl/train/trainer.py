@@ -27,14 +27,16 @@ from edgerl.models import lora as lora_io
 from edgerl.config.schema import Config, to_dict
 from edgerl.data.prompts import Prompt, PromptSampler
 from edgerl.plan.dtypes import torch_dtype
-from edgerl.core.errors import USER_ERRORS, RunDirError, TrainingError
+from edgerl.core.errors import USER_ERRORS, RewardError, RunDirError, TrainingError
 from edgerl.train.experience import Experience, advantages, critic_values, pad_batch, policy_logprobs
 from edgerl.train.metrics import MetricsWriter
 from edgerl.core.files import write_atomically
 from edgerl.models.load import (build_actor, build_critic, build_frozen, init_distributed, lm_weights, on_device, save_hf)
 from edgerl.plan.moves import next_moves
 from edgerl.train.optim import StateOffload, make_optimizer
-from edgerl.rewards.rules import RewardItem, check_sources, default_compute_score, load_reward_function, score_batch
+from edgerl.rewards.contain import MAX_ABS_REWARD, Interrupted, call_user
+from edgerl.rewards.rules import (RewardItem, check_sources, default_compute_score, load_reward_function, sample_text,
+                                  score_batch)
 from edgerl.rollout import EngineContext, build_engine
 from edgerl.rollout.base import RolloutBatch, SamplingParams
 from edgerl.train.runfolder import aside_name, export_step, mark_export
@@ -65,9 +67,11 @@ class Trainer:
         """Build models, optimizers and the engine, and restore the checkpoint to resume from. The
         session's run-folder lock is released when this fails, or when `run` ends."""
         self.session = session
+        self.reward_fn: Callable[..., Any] = default_compute_score
         try:
             self._build(session)
         except BaseException:
+            self._close_user_code()
             session.close()
             raise
 
@@ -78,8 +82,8 @@ class Trainer:
         init_distributed(device)
         self.rank, self.world = s.rank.rank, s.rank.world
         m, t = cfg.model, cfg.train
-        if cfg.reward.function:
-            self.reward_fn = load_reward_function(cfg.reward.function)
+        if cfg.reward.function:  # in a process of its own: an exit, a hang or a crash there cannot end the run
+            self.reward_fn = load_reward_function(cfg.reward.function, timeout_s=cfg.reward.timeout_s or None)
         else:
             check_sources({p.data_source for p in self.prompts})
             self.reward_fn = default_compute_score
@@ -170,10 +174,18 @@ class Trainer:
         n = self.cfg.rollout.n_samples
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         rows = [p for p in prompts for _ in range(n)]
-        items = [RewardItem(p.data_source, text, p.ground_truth, p.extra) for p, text in zip(rows, texts)]
+        items = [RewardItem(p.data_source, text, p.ground_truth, p.extra, p.row) for p, text in zip(rows, texts)]
         scores, components = score_batch(self.reward_fn, items)
         if self.reward_model is not None:
-            rm = self.reward_model.score([p.raw_prompt for p in rows], texts)
+            # its forward is model code (remote code, with trust_remote_code): contained as a reward function
+            who = f"reward model {self.cfg.reward.model}"
+            rm = call_user(self.reward_model.score, who, f"the batch of {len(texts)} responses",
+                           [p.raw_prompt for p in rows], texts, passthrough=(torch.OutOfMemoryError, RewardError))
+            for i, (r, item) in enumerate(zip(rm, items)):
+                if not (math.isfinite(r) and abs(r) <= MAX_ABS_REWARD):
+                    raise RewardError(f"{who} scored {r:g} on {sample_text(i, item)}; a reward must be finite and "
+                                      f"within +-{MAX_ABS_REWARD:g} (in fp16 the model may overflow: --set "
+                                      "plan.dtype=fp32)")
             components["reward_model"] = rm
             scores = [s + self.cfg.reward.model_coef * r for s, r in zip(scores, rm)]
         return scores, components
@@ -199,6 +211,7 @@ class Trainer:
     def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
         """PPO epochs for the actor, then the critic; counts skipped (non-finite) updates."""
         cfg, a, lp = self.cfg, self.cfg.algo, self.state.loop
+        (clip_low, clip_high), agg = a.clip_range(), a.loss_agg_mode()
         epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
 
         def actor_loss(part: Experience, epoch: int):
@@ -206,13 +219,13 @@ class Trainer:
                                    cfg.rollout.temperature)
             old = part.old_logp if part.old_logp is not None else logp.detach()
             mask = part.response_mask
-            loss, st = algos.policy_loss(logp, old, part.advantages, mask, a.clip_low, a.clip_high, a.dual_clip,
-                                         a.loss_agg)
+            loss, st = algos.compute_policy_loss(a.policy_loss, logp, old, part.advantages, mask, clip_low,
+                                                 clip_high, a.dual_clip, agg)
             st["pg_loss"] = loss.detach()
             if a.entropy_coef:
-                loss = loss - a.entropy_coef * algos.aggregate(ent, mask, a.loss_agg)
+                loss = loss - a.entropy_coef * algos.aggregate(ent, mask, agg)
             if part.ref_logp is not None and a.kl_in == "loss" and kl_coef > 0:
-                loss = loss + kl_coef * algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, a.loss_agg)
+                loss = loss + kl_coef * algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, agg)
             if epoch == 0:
                 epoch0["logp"].append(logp.detach().float().cpu())
                 epoch0["ent"].append(ent.detach().float().cpu())
@@ -223,12 +236,12 @@ class Trainer:
 
         def critic_loss(part: Experience, epoch: int):
             v = self.critic(part.input_ids, part.attention_mask, part.start, part.response_ids.shape[1])
-            loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask, a.value_clip, a.loss_agg)
+            loss, st = algos.value_loss(v, part.values, part.returns, part.response_mask, a.value_clip, agg)
             return loss, {"vf_loss": loss.detach(), "vf_clip_frac": st["vf_clip_frac"]}
 
         common = dict(mini=(cfg.train.mini_batch or cfg.sequences_per_step) // self.world, epochs=cfg.train.ppo_epochs,
                       micro=self.plan.micro_batch,
-                      agg=a.loss_agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
+                      agg=agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
                       scaler=lp.scaler)
         res = run_update(self.state.actor, exp, actor_loss, **common)
         out = {**res.stats, "actor/skipped_updates": float(res.skipped + res.skipped_norm)}
@@ -283,7 +296,7 @@ class Trainer:
         with phase("rollout"):
             batch = self.rollout(prompts)
         with phase("reward"):
-            scores, components = self.rewards(prompts, batch)
+            scores, components = self._agreed(lambda: self.rewards(prompts, batch))
         exp = pad_batch(batch, self.tokenizer.pad_token_id, scores)
         self.engine.release()   # its memory serves scoring and the update
         kl_coef = lp.kl_ctl.value
@@ -303,6 +316,31 @@ class Trainer:
                  "train/bad_steps_in_a_row": lp.bad_in_a_row}
         return step_metrics(batch, scores, components, {**stats, **extra}, times, time.perf_counter() - t0,
                             self.device)
+
+    def _agreed(self, fn: Callable[[], Any]) -> Any:
+        """fn(), but under torchrun a reward that failed or was interrupted on one rank stops every rank
+        here, before the next collective, so that all of them save the last good step together."""
+        if self.world == 1:
+            return fn()
+        failure: Optional[BaseException] = None
+        try:
+            out = fn()
+        except (RewardError, Interrupted) as e:
+            failure = e
+        interrupted = ranks.any_rank(isinstance(failure, Interrupted), self.device)
+        failed = ranks.any_rank(failure is not None, self.device)
+        if failure is not None:
+            raise failure
+        if interrupted:
+            raise Interrupted("a signal to another rank", "another rank's reward")
+        if failed:
+            raise RewardError("the reward failed on another rank; that rank's message says why")
+        return out
+
+    def _close_user_code(self) -> None:
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
 
     # --- checkpoints, export, failures -------------------------------------------------------------
 
@@ -413,6 +451,11 @@ class Trainer:
                         stats = self.step_once()
                 except TrainingError:
                     raise
+                except Interrupted as e:  # user code was stopped mid-step: save the last completed step
+                    saved = state.failed_step(self.state, before, snap, self.save)
+                    self.stop_signal = e.signal
+                    self.log(f"{e}: step {lp.step + 1} abandoned; {saved}")
+                    break
                 except Exception as e:  # save what the completed steps earned, then stop with the cause
                     err = self._failed(e, before, snap)
                     if err is e:
@@ -436,6 +479,7 @@ class Trainer:
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)
+            self._close_user_code()
             self.metrics.close()
             self.session.close()
         return self.run_dir
