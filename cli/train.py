@@ -57,7 +57,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"[bold]Run folder[/]: {escape(str(s.run_dir))}  (config.toml, plan.json, metrics.jsonl, "
                       "checkpoints/)", soft_wrap=True)
         trainer = Trainer(s)
-        log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.tb_note}")
+        log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.note}")
         with Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[line]}"), console=console, transient=False) as bar:
             task = bar.add_task("train", total=cfg.train.steps, completed=trainer.step, line="")

@@ -29,6 +29,7 @@ from edgerl.models.load import unreadable_weights
 from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.plan.plan import Plan
 from edgerl.plan.target import Target, model_spec, plan_for, resolve_target
+from edgerl.train.loggers import check_installed
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Session:
     prompts: list[Prompt]
     data_report: DataReport
     resume: Optional[runfolder.ResumePoint] = None
+    eval_prompts: list[Prompt] = field(default_factory=list)   # eval.data's held-out prompts
+    reward_functions: list[Any] = field(default_factory=list)   # reward.functions, loaded and checked
     rank: ranks.Rank = field(default_factory=ranks.Rank)
     emulation: str = ""                  # how a profile is emulated on this GPU; "" when not
     finished: bool = False               # resumed a run that already reached train.steps and exported
@@ -189,12 +192,46 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
     # the generated task is seeded apart from train.seed: every run trains on the same problems
     prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log)
+    eval_prompts = _eval_prompts(cfg, tokenizer, prompts, rank.world, log)
+    functions = _reward_functions(cfg, prompts + eval_prompts, log)
+    check_installed(cfg.run.loggers if rank.main else [])
     finished = runfolder.finished(resume, run_dir, cfg.train.steps, _exports(cfg, plan))
     held: list[runfolder.RunLock] = []   # the lock stays in this process; only the verdict is shared
     ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log, write=not finished)), rank.main)
     return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
-                   prompts=prompts, data_report=report, resume=resume, rank=rank, emulation=emulation,
-                   finished=finished, log=log, lock=held[0] if held else None)
+                   prompts=prompts, data_report=report, resume=resume, eval_prompts=eval_prompts,
+                   reward_functions=functions, rank=rank, emulation=emulation, finished=finished, log=log,
+                   lock=held[0] if held else None)
+
+
+def _eval_prompts(cfg: Config, tokenizer: Any, train: list[Prompt], world: int, log: Callable[[str], None]
+                  ) -> list[Prompt]:
+    """eval.data's prompts, checked before anything is written; none without eval.data."""
+    if cfg.eval.data is None:
+        return []
+    from edgerl.data.heldout import load_eval_prompts
+    prompts, _ = load_eval_prompts(cfg, tokenizer, train, log)
+    if len(prompts) < world:
+        raise ConfigError(f"eval.data has {len(prompts)} prompt(s) for {world} processes; each process evaluates "
+                          "a share, so give at least one per process")
+    return prompts
+
+
+def _reward_functions(cfg: Config, prompts: list[Prompt], log: Callable[[str], None]) -> list[Any]:
+    """reward.functions loaded (a bad file or signature is a RewardError now, before anything is written);
+    the 'answer' rule needs a rule for every data_source. Logs which functions and, for math rows,
+    which scorer."""
+    from edgerl.rewards.builtins import is_math_source, math_scorer
+    from edgerl.rewards.functions import load_functions
+    from edgerl.rewards.rules import check_sources
+    functions = load_functions(cfg.reward.functions, cfg.reward.weights, cfg.data.answer_key)
+    sources = {p.data_source for p in prompts}
+    if any(f.spec == "answer" for f in functions):
+        check_sources(sources)
+    math = any(is_math_source(s) for s in sources) and any(f.spec == "answer" for f in functions)
+    log("rewards: " + ", ".join(f.describe() for f in functions) + (
+        f"; math answers scored by {math_scorer()}" if math else ""))
+    return functions
 
 
 def _quiet(_: str) -> None:
@@ -221,9 +258,10 @@ def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.Res
     try:
         _write_config(cfg, run_dir, resume is None or branch, log)
         if branch:  # a branch starts with its trunk's history
-            history = runfolder.branch_history(resume)
-            if history is not None:
-                checkpoint.atomic_write_text(run_dir / "metrics.jsonl", history)
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                history = runfolder.branch_history(resume, name)
+                if history is not None:
+                    checkpoint.atomic_write_text(run_dir / name, history)
         checkpoint.atomic_write_text(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
     except OSError as e:
         lock.release()
