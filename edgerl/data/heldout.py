@@ -52,8 +52,8 @@ def load_eval_prompts(cfg: Config, tokenizer, train: list[Prompt],
     builtin = e.data.startswith(BUILTIN_PREFIX)
     limit = e.max_prompts or (BUILTIN_EVAL_PROMPTS if builtin else None)
     dc = dataclasses.replace(cfg.data, path=e.data, split=split or "test", shuffle=False)
-    if builtin:
-        dc = dataclasses.replace(dc, num_examples=limit or BUILTIN_EVAL_PROMPTS)
+    if builtin:   # more than needed: those that are also training problems are left out below
+        dc = dataclasses.replace(dc, num_examples=2 * (limit or BUILTIN_EVAL_PROMPTS) + 16)
         seed = HELDOUT_SEED if split in (None, "test") else 0
     else:
         seed = 0
