@@ -2,7 +2,7 @@
 
     import edgerl
     run = edgerl.prepare("examples/demo-cpu.toml", train={"steps": 4}, **{"eval.every": 2})
-    print(run.plan.summary(), run.run_dir)
+    print(run.plan.reasons["micro_batch"], run.run_dir)
     run.train()                      # returns the run folder; run.metrics() reads metrics.jsonl
 
 `prepare` reads the config (a TOML path, a Config, a dict of sections, or None for the defaults), applies
