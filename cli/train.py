@@ -76,10 +76,15 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     shutdown()
     if not s.rank.main:
         return
-    rewards = [r["reward/mean"] for r in read_metrics(s.run_dir) if isinstance(r.get("reward/mean"), float)]
+    rows = read_metrics(s.run_dir)
+    rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), float)]
     if len(rewards) >= 10:
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         console.print(f"reward: mean {first:.3f} over the first 5 steps, {last:.3f} over the last 5")
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if isinstance(r.get("eval/accuracy"), (int, float))]
+    if len(evals) >= 2:
+        console.print(f"held-out accuracy: {evals[0][1]:.3f} at step {evals[0][0]}, {evals[-1][1]:.3f} at step "
+                      f"{evals[-1][0]}")
     if trainer.state.loop.skipped_total:
         console.print(f"[yellow]{trainer.state.loop.skipped_total} update(s) were skipped for a NaN or infinite "
                       "loss (metrics: actor/skipped_updates)[/]")

@@ -199,3 +199,33 @@ def test_the_greedy_params_keep_the_rollout_limits():
              load_functions(["answer"], None), p, 0, 0, 0, torch.device("cpu"))
     assert seen[0].greedy and seen[0].max_new_tokens == 7 and seen[0].eos_token_ids == (2,)
 
+
+
+def test_a_damaged_samples_file_is_one_error_and_stays_as_it_was(tmp_path):
+    from edgerl.core.errors import RunDirError
+    from edgerl.train.metrics import MetricsWriter
+    run = tmp_path / "run"
+    run.mkdir()
+    text = '{"step": 1, "kind": "train"}\nnot json\n{"step": 2, "kind": "train"}\n'
+    (run / "samples.jsonl").write_text(text)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError, match="samples.jsonl: line 2 is not a samples row"):
+        MetricsWriter(run, resume=True, log=None, loggers=[], samples=True)
+    assert (run / "samples.jsonl").read_text() == text
+
+
+def test_resume_moves_later_samples_aside_and_drops_a_torn_line(tmp_path):
+    from edgerl.train.metrics import MetricsWriter
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (0, 1, 2, 3)))
+    (run / "samples.jsonl").write_text("".join(f'{{"step": {s}, "kind": "train"}}\n' for s in (1, 2, 3))
+                                       + '{"step": 4, "ki')
+    notes: list[str] = []
+    w = MetricsWriter(run, resume=True, log=notes.append, loggers=[], samples=True)
+    w.archive_after(2)
+    w.write_samples(3, "train", [{"prompt": "p", "response": "r", "reward": 1.0}])
+    w.close()
+    assert [s["step"] for s in read_samples(run)] == [1, 2, 3]
+    assert [json.loads(x)["step"] for x in (run / "samples.after-step-2.jsonl").read_text().splitlines()] == [3]
+    assert any(n.startswith("samples: ignored line 4") for n in notes)

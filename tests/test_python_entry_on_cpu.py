@@ -73,3 +73,8 @@ def test_the_example_script_runs(tmp_path):
                           str(tmp_path / "run")], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "held-out accuracy by step: [(0," in out.stdout
+    from edgerl.train.metrics import plot, read_samples
+    samples = read_samples(tmp_path / "run")
+    assert {(s["step"], s["kind"]) for s in samples} == {(0, "eval"), (1, "train"), (1, "eval"), (2, "train"),
+                                                         (2, "eval")}
+    assert plot(tmp_path / "run").stat().st_size > 0

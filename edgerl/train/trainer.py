@@ -84,6 +84,12 @@ class Trainer:
         self.functions = s.reward_functions or evaluation.reward_functions(cfg)
         self.skip_rows, why = skip_policy(cfg, self.world)
         self.log(why)
+        if self.eval_prompts:
+            e = cfg.eval
+            when = f"every {e.every} steps" if e.every else "before the first step and after the last"
+            self.log(f"eval: {len(self.eval_prompts)} held-out prompts {when}, greedy"
+                     + (f" and {e.samples} samples each" if e.samples else "") + f"; on the rollout engine, "
+                     f"{plan.rollout_batch} sequences at a time, in the rollout phase's memory")
         self.reward_model = None
         if plan.reward_model_dtype:
             from edgerl.rewards.model import RewardModel
