@@ -155,6 +155,7 @@ def test_edgerl_eval_a_run_and_a_model(evaluated_run, tiny_llama, tmp_path):
     (['eval.data="builtin:arithmetic"', "eval.max_prompts=0"], "eval.max_prompts must be at least 1"),
     (['eval.data="builtin:nope"'], "unknown built-in task"),
     (['eval.data="builtin:arithmetic"', 'eval.every="often"'], "expected int"),
+    (["run.log_samples=-1"], "run.log_samples must be at least 0"),
 ])
 def test_hostile_eval_settings_are_one_line_exit_2_and_write_nothing(tiny_llama, tmp_path, sets, message):
     out = tmp_path / "run"
@@ -229,3 +230,13 @@ def test_resume_moves_later_samples_aside_and_drops_a_torn_line(tmp_path):
     assert [s["step"] for s in read_samples(run)] == [1, 2, 3]
     assert [json.loads(x)["step"] for x in (run / "samples.after-step-2.jsonl").read_text().splitlines()] == [3]
     assert any(n.startswith("samples: ignored line 4") for n in notes)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["eval", "smollm2-135m-instruct"], "edgerl eval needs the held-out prompts: --data"),
+    (["eval", "smollm2-135m-instruct", "--data", "builtin:arithmetic", "--out", "/no/such/folder/r.json"],
+     "the folder /no/such/folder does not exist"),
+])
+def test_hostile_edgerl_eval_is_one_line(args, message):
+    r = CliRunner().invoke(app, [*args, "--set", 'run.profile="cpu"'])
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output, r.output

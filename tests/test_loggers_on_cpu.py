@@ -164,3 +164,14 @@ def test_bad_loggers(value, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"run.loggers={value}"])
     assert message in str(e.value)
+
+
+def test_a_damaged_ids_file_starts_new_runs_and_says_so(fakes, tmp_path):
+    wb, _ = fakes
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "loggers.json").write_text("{not json")
+    notes: list[str] = []
+    MetricsWriter(run, resume=True, log=notes.append, loggers=["wandb"]).close()
+    assert wb.calls[0][1]["id"] is None and any("loggers.json is unreadable" in n for n in notes)
+    assert json.loads((run / "loggers.json").read_text()) == {"wandb": "wb-1"}
