@@ -140,3 +140,22 @@ def test_bad_group_settings(sets, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, sets)
     assert message in str(e.value)
+
+
+def test_draws_join_and_select_whole_groups():
+    from edgerl.rollout.base import RolloutBatch
+    from edgerl.train.groups import Drawn, fill_with_informative
+
+    def drawn(tag: str, scores: list[float], comp: dict) -> Drawn:
+        k = len(scores)
+        batch = RolloutBatch([[0]] * k, [[i] for i in range(k)], [False] * k, None, {"decode_s": 1.0})
+        return Drawn([f"{tag}{g}" for g in range(k // 2)], batch, scores, {"answer": list(scores)}, comp)
+    a = drawn("a", [1.0, 1.0, 0.0, 1.0], {})                     # groups of 2: a0 uniform, a1 informative
+    b = drawn("b", [0.0, 1.0, 0.5, 0.5], {"marker": [1.0] * 4})  # b0 informative, b1 uniform
+    both = a.extend(b)
+    assert both.prompts == ["a0", "a1", "b0", "b1"] and both.batch.info["decode_s"] == 2.0
+    marker = both.components["marker"]   # NaN where draw a had no marker
+    assert all(x != x for x in marker[:4]) and marker[4:] == [1.0] * 4
+    chosen, informative = fill_with_informative(both, 2, 3)
+    assert chosen.prompts == ["a1", "b0", "a0"] and informative == 2
+    assert chosen.scores == [0.0, 1.0, 0.0, 1.0, 1.0, 1.0] and chosen.by_function["answer"] == chosen.scores

@@ -57,10 +57,11 @@ class Drawn:
                 info[k] = info[k] + v
         batch = RolloutBatch(b.prompt_ids + o.prompt_ids, b.response_ids + o.response_ids, b.truncated + o.truncated,
                              logprobs, info)
+        def joined(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str, list[float]]:
+            nan = float("nan")   # a key one draw's results lack (a dict key, say) is NaN on its rows
+            return {k: a.get(k, [nan] * len(self.scores)) + b.get(k, [nan] * len(other.scores)) for k in {**a, **b}}
         return Drawn(self.prompts + other.prompts, batch, self.scores + other.scores,
-                     {k: v + other.by_function.get(k, []) for k, v in self.by_function.items()},
-                     {k: v + other.components.get(k, [float("nan")] * len(other.scores))
-                      for k, v in self.components.items()})
+                     joined(self.by_function, other.by_function), joined(self.components, other.components))
 
     def select(self, groups: Sequence[int], n: int) -> "Drawn":
         """The groups of these indices, in this order."""
