@@ -30,9 +30,12 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     from .render import print_plan
     extra: list = []  # (key=value, the option as typed): an error names the option, not a --set
     for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
-                            ("reward.function", reward, "--reward"), ("run.profile", profile, "--profile")):
+                            ("run.profile", profile, "--profile")):
         if value is not None:
             extra.append((f"{key}={json.dumps(value)}", f"{opt} {value}"))
+    if reward is not None:   # the run's reward from now on: it replaces reward.functions (a resumed run's too)
+        extra += [(f"reward.functions=[{json.dumps(reward)}]", f"--reward {reward}"),
+                  ("reward.weights=none", f"--reward {reward}")]
     if steps is not None:
         extra.append((f"train.steps={steps}", f"--steps {steps}"))
     cfg, point = session.load(config, extra + list(sets or []), resume, out)
