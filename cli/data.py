@@ -117,7 +117,7 @@ def check(
     console.print(table)
 
     unknown = sorted(s for s in summary.sources if s not in KNOWN_SOURCES)
-    if unknown and not cfg.reward.function:
+    if unknown and "answer" in cfg.reward.functions:   # the 'answer' reward needs a rule for every data_source
         console.print(f"[yellow]note:[/yellow] no built-in reward for data source(s) {', '.join(unknown)}; "
                       "train with --reward path/to/file.py:fn", highlight=False)
     if over and (summary.on_too_long == "error" or over == summary.rows):

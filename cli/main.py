@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import List, Optional
@@ -15,6 +16,7 @@ from edgerl.core.files import output_file, write_atomically
 from edgerl.plan.plan import PlanError
 from edgerl.device.profiles import list_profiles
 from . import data as data_cmd
+from . import evaluate as eval_cmd
 from . import train as train_cmd
 from rich.markup import escape
 
@@ -190,6 +192,7 @@ def config_cmd(config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = S
 
 app.command()(train_cmd.train)
 app.command()(train_cmd.plot)
+app.command("eval")(eval_cmd.evaluate)
 app.add_typer(data_cmd.app, name="data")
 
 

@@ -34,9 +34,12 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     from .render import print_plan
     extra: list = []  # (key=value, the option as typed): an error names the option, not a --set
     for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
-                            ("reward.function", reward, "--reward"), ("run.profile", profile, "--profile")):
+                            ("run.profile", profile, "--profile")):
         if value is not None:
             extra.append((f"{key}={quoted(value)}", f"{opt} {value}"))
+    if reward is not None:   # the run's reward from now on: it replaces reward.functions (a resumed run's too)
+        extra += [(f"reward.functions=[{quoted(reward)}]", f"--reward {reward}"),
+                  ("reward.weights=none", f"--reward {reward}")]
     if steps is not None:
         extra.append((f"train.steps={steps}", f"--steps {steps}"))
     cfg, point = session.load(config, extra + list(sets or []), resume, out)
@@ -65,7 +68,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         except Interrupted as e:  # a signal while the reward file was imported
             console.print(f"[yellow]stopped: {escape(str(e))}; no step was trained[/]", soft_wrap=True)
             raise typer.Exit(130) from None
-        log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.tb_note}")
+        log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.note}")
         with Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[line]}"), console=console, transient=False) as bar:
             task = bar.add_task("train", total=cfg.train.steps, completed=trainer.step, line="")
@@ -84,10 +87,15 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     shutdown()
     if not s.rank.main:
         return
-    rewards = [r["reward/mean"] for r in read_metrics(s.run_dir) if isinstance(r.get("reward/mean"), float)]
+    rows = read_metrics(s.run_dir)
+    rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), float)]
     if len(rewards) >= 10:
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         console.print(f"reward: mean {first:.3f} over the first 5 steps, {last:.3f} over the last 5")
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if isinstance(r.get("eval/accuracy"), (int, float))]
+    if len(evals) >= 2:
+        console.print(f"held-out accuracy: {evals[0][1]:.3f} at step {evals[0][0]}, {evals[-1][1]:.3f} at step "
+                      f"{evals[-1][0]}")
     if trainer.state.loop.skipped_total:
         console.print(f"[yellow]{trainer.state.loop.skipped_total} update(s) were skipped for a NaN or infinite "
                       "loss or gradient norm (metrics: actor/skipped_updates)[/]")

@@ -1,3 +1,17 @@
-"""edgerl: hardware-adaptive RL fine-tuning of LLMs on the GPUs people actually have."""
+"""edgerl: hardware-adaptive RL fine-tuning of LLMs on the GPUs people actually have.
+
+    import edgerl
+    run = edgerl.prepare("run.toml", train={"steps": 20})   # plan, checks, run folder (docs/python.md)
+    run.train()
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def prepare(config: Any = None, **kwargs: Any) -> Any:
+    """A prepared run (edgerl.train.api.prepare): `run.train()` trains it. Imported on first use, so that
+    `import edgerl` stays light."""
+    from edgerl.train.api import prepare as _prepare
+    return _prepare(config, **kwargs)

@@ -28,7 +28,7 @@ def make_trainer(model_dir: Path, run_dir: Path, *sets: str, resume: Path | None
 
 
 REQUIRED = ["reward/mean", "reward/std", "response/length_mean", "response/length_min", "response/length_max",
-            "response/clip_ratio", "actor/kl", "actor/entropy", "actor/pg_loss", "actor/clip_frac",
+            "response/truncated", "actor/kl", "actor/entropy", "actor/pg_loss", "actor/clip_frac",
             "actor/approx_kl", "actor/grad_norm", "actor/lr", "perf/tokens_per_s", "perf/step_s",
             "time/rollout_s", "time/score_s", "time/update_s", "memory/host_rss_gib"]
 

@@ -55,7 +55,8 @@ class DataConfig:
     chat_template: Literal["auto", "always", "never"] = F(
         "auto", "wrap plain prompt strings in the tokenizer's chat template: 'auto' when it has one")
     system_prompt: Optional[str] = F(None, "system message prepended when a chat template is applied")
-    max_prompt_len: int = F(256, "prompt length limit in tokens")
+    max_prompt_len: int = F(512, "prompt length limit in tokens (the longest prompt of GSM8K's train split, as `edgerl data "
+                            "prepare gsm8k` writes it, is 268 tokens under SmolLM2's chat template)")
     on_too_long: Literal["error", "filter"] = F(
         "error", "prompts over max_prompt_len: stop with the row numbers, or drop them and print how many")
     shuffle: bool = F(True, "shuffle prompts each epoch (seeded by train.seed)")
@@ -65,9 +66,15 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    function: Optional[str] = F(None, "custom reward 'path/to/file.py:fn' with verl's signature fn(data_source, "
-                                "solution_str, ground_truth, extra_info) -> float | dict; None scores each row "
-                                "by its data_source (gsm8k, math, arithmetic)")
+    functions: list[str] = F(factory=lambda: ["answer"], doc=(
+        "reward functions summed with reward.weights, each a built-in name or 'path/to/file.py:fn': 'answer' "
+        "(each row's answer checked by its data_source's rule: gsm8k, math, arithmetic), 'format' (<think>...</think> "
+        "then an answer); a user function takes verl's per-sample arguments (data_source, solution_str, "
+        "ground_truth, extra_info) or TRL's batched ones (prompts, completions, **kwargs) -> list[float] "
+        "(docs/rewards.md). Each one's mean is logged as reward/<name>"))
+    weights: Optional[list[float]] = F(None, "one weight per reward function; None weighs each 1.0")
+    function: Optional[str] = F(None, "one user reward 'path/to/file.py:fn' (the --reward option): the same as "
+                                "reward.functions = [it]")
     model: Optional[str] = F(None, "HF sequence-classification reward model (folder or id) whose score is "
                              "added to the rule reward")
     model_coef: float = F(1.0, "weight of the reward model's score")
@@ -79,7 +86,8 @@ class RewardConfig:
 @dataclass
 class RolloutConfig:
     n_samples: int = F(4, "responses sampled per prompt (the GRPO group size)")
-    max_new_tokens: int = F(128, "response length limit in tokens")
+    max_new_tokens: int = F(1024, "response length limit in tokens (step-by-step answers to GSM8K take a few "
+                            "hundred; the plan sizes the KV cache and activations for it)")
     temperature: float = F(1.0, "sampling temperature (also applied to the log-probs the loss uses)")
     top_p: float = F(1.0, "nucleus sampling threshold; 1.0 samples from the full distribution")
     top_k: int = F(0, "sample from the k most likely tokens; 0 disables")
@@ -126,6 +134,21 @@ class AlgoConfig:
         """The aggregation in effect: the one set, else the policy loss's own, else token-mean."""
         from edgerl.algos import POLICY_LOSSES
         return self.loss_agg or POLICY_LOSSES[self.policy_loss].agg or "token-mean"
+    skip_uniform_groups: bool = F(True, "leave the rows of a group whose rewards are all equal (zero advantages "
+                                  "under grpo and rloo) out of the update's forward and backward passes, where that "
+                                  "changes nothing: no KL loss term, no entropy bonus, no LoRA dropout, one process; "
+                                  "the run log says when it cannot. Logged: batch/uniform_groups")
+    dynamic_sampling: bool = F(False, "DAPO's dynamic sampling: draw more prompts until the step holds "
+                               "train.prompts_per_step groups whose rewards differ (at most algo.max_extra_draws "
+                               "more batches; the rest is filled with uniform groups)")
+    max_extra_draws: int = F(3, "dynamic sampling: batches of prompts drawn beyond the first, at most, per step")
+    overlong: Literal["none", "mask", "soft_penalty"] = F(
+        "none", "responses cut at rollout.max_new_tokens: 'mask' leaves them out of the loss (DAPO's overlong "
+        "filtering); 'soft_penalty' subtracts DAPO's length penalty, growing linearly over the last "
+        "algo.overlong_buffer tokens to algo.overlong_penalty at the limit")
+    overlong_buffer: Optional[int] = F(None, "soft_penalty: tokens before rollout.max_new_tokens where the penalty "
+                                       "starts; None = a quarter of rollout.max_new_tokens")
+    overlong_penalty: float = F(1.0, "soft_penalty: the penalty at rollout.max_new_tokens")
 
 
 @dataclass
@@ -190,10 +213,31 @@ class RunConfig:
     save_every: int = F(10, "checkpoint every N steps (and on SIGINT/SIGTERM); 0 disables")
     keep_last: int = F(2, "checkpoints kept")
     export_final: bool = F(True, "write the final model as an HF folder in <run>/final")
-    tensorboard: bool = F(True, "also log to TensorBoard when it is installed")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = F(
+        factory=lambda: ["jsonl", "tensorboard"], doc="where metrics go besides metrics.jsonl (always written): "
+        "'tensorboard' (when installed), 'wandb' (pip install 'edgerl[wandb]'), 'mlflow' (pip install "
+        "'edgerl[mlflow]'); rank 0 only")
+    tensorboard: Optional[bool] = F(None, "false drops 'tensorboard' from run.loggers, true adds it (the key "
+                                    "before run.loggers)")
+    project: Optional[str] = F(None, "wandb project / MLflow experiment; None: $WANDB_PROJECT or "
+                               "$MLFLOW_EXPERIMENT_NAME, else 'edgerl'")
+    log_samples: int = F(0, "prompt/response/reward rows written per step and per evaluation to "
+                         "<run>/samples.jsonl (and TensorBoard's text tab); 0 writes none")
     profile: Optional[str] = F(None, "plan for (and emulate) this GPU profile instead of the probed GPU")
     profile_step: int = F(0, "record step N with torch's profiler: <run>/profile/step-N.txt (operators by "
                              "device and host time) and a Chrome trace beside it; 0 records none")
+
+
+@dataclass
+class EvalConfig:
+    data: Optional[str] = F(None, "held-out prompts: a .parquet/.jsonl/.json/.csv file, an HF dataset name or "
+                            "'builtin:arithmetic' (problems generated apart from the training ones); columns as "
+                            "data.*. None: no evaluation")
+    split: Optional[str] = F(None, "split of an HF dataset; None: 'test', else 'validation', where the dataset has one")
+    every: int = F(0, "evaluate every N steps, besides before the first step and after the last; 0: only those two")
+    samples: int = F(0, "k responses sampled per prompt (at rollout.temperature) for eval/mean@k and eval/pass@k "
+                     "besides the greedy eval/accuracy; 0: greedy only")
+    max_prompts: Optional[int] = F(None, "evaluate the first N prompts; None: all (the built-in task: 256)")
 
 
 @dataclass
@@ -206,6 +250,7 @@ class Config:
     train: TrainConfig = F(factory=TrainConfig, doc="optimisation and batch sizes")
     lora: LoraConfig = F(factory=LoraConfig, doc="LoRA adapters")
     plan: PlanOverrides = F(factory=lambda: PlanOverrides(), doc="overrides of the hardware plan")
+    eval: EvalConfig = F(factory=EvalConfig, doc="held-out evaluation while training")
     run: RunConfig = F(factory=RunConfig, doc="run folder, checkpoints, logging")
 
     @property
@@ -270,7 +315,58 @@ class Config:
         if self.lora.target_modules is not None and not self.lora.target_modules:
             raise ConfigError("lora.target_modules is an empty list; name modules such as "
                               "[\"q_proj\", \"v_proj\"], or leave it unset for the architecture's defaults")
+        self._validate_rewards()
+        if a.dynamic_sampling and not ESTIMATORS[a.advantage].groups:
+            raise ConfigError(f"algo.dynamic_sampling keeps groups whose rewards differ, and {a.advantage} has no "
+                              "groups; use algo.advantage=grpo or rloo, or set algo.dynamic_sampling=false")
+        if a.overlong_buffer is not None and a.overlong_buffer > r.max_new_tokens:
+            raise ConfigError(f"algo.overlong_buffer={a.overlong_buffer} is longer than rollout.max_new_tokens="
+                              f"{r.max_new_tokens}; the penalty starts that many tokens before the limit: lower it")
+        e = self.eval
+        if e.data is None:
+            for key, value, default in (("every", e.every, 0), ("samples", e.samples, 0),
+                                        ("max_prompts", e.max_prompts, None), ("split", e.split, None)):
+                if value != default:
+                    raise ConfigError(f"eval.{key} is set but eval.data is not; name the held-out prompts with "
+                                      "eval.data (a file, an HF dataset or builtin:arithmetic)")
+        self._validate_loggers()
         return self
+
+    def _validate_rewards(self) -> None:
+        from edgerl.rewards.functions import BUILTIN_REWARDS   # the registry says which built-ins exist
+        rw = self.reward
+        if rw.function is not None:
+            if rw.functions != ["answer"]:
+                raise ConfigError("reward.function and reward.functions are both set; list every function in "
+                                  "reward.functions (reward.function is the same as reward.functions = [it])")
+            rw.functions, rw.function = [rw.function], None
+        if not rw.functions:
+            raise ConfigError("reward.functions is empty; name at least one, e.g. [\"answer\"]")
+        for i, spec in enumerate(rw.functions):
+            if ":" in spec or spec in BUILTIN_REWARDS:
+                continue
+            close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
+            raise ConfigError(f"reward.functions[{i}] = {spec!r} is neither a built-in reward "
+                              f"({', '.join(map(repr, BUILTIN_REWARDS))}) nor 'path/to/file.py:function'"
+                              + (f"; did you mean {close[0]!r}?" if close else ""))
+        if rw.weights is not None and len(rw.weights) != len(rw.functions):
+            raise ConfigError(f"reward.weights has {len(rw.weights)} value(s) for {len(rw.functions)} reward "
+                              f"function(s) {rw.functions}; give one weight per function")
+
+    def _validate_loggers(self) -> None:
+        run = self.run
+        seen: list[str] = []
+        for name in run.loggers:
+            if name in seen:
+                raise ConfigError(f"run.loggers names {name!r} twice: {run.loggers}")
+            seen.append(name)
+        if run.tensorboard is not None:   # the key before run.loggers, mapped onto it
+            if run.tensorboard and "tensorboard" not in seen:
+                seen.append("tensorboard")
+            elif not run.tensorboard and "tensorboard" in seen:
+                seen.remove("tensorboard")
+            run.tensorboard = None
+        run.loggers = seen
 
 
 # The range of every number that has one, as an interval ("(" excludes the bound, "[" includes it),
@@ -319,6 +415,13 @@ RANGES: dict[str, tuple[str, str]] = {
     "run.save_every": ("[0, 1000000000]", "0 writes no periodic checkpoint"),
     "run.keep_last": ("[1, 1000000]", ""),
     "run.profile_step": ("[0, 1000000000]", "0 records no step"),
+    "run.log_samples": ("[0, 1000000]", "0 writes no samples"),
+    "algo.max_extra_draws": ("[0, 1000]", "0 draws no more prompts than a plain step"),
+    "algo.overlong_buffer": ("[1, 1048576]", "leave it unset for a quarter of rollout.max_new_tokens"),
+    "algo.overlong_penalty": ("[0, inf)", "the penalty at the length limit, e.g. 1.0"),
+    "eval.every": ("[0, 1000000000]", "0 evaluates before the first step and after the last only"),
+    "eval.samples": ("[0, 1024]", "0 evaluates greedy answers only"),
+    "eval.max_prompts": ("[1, 1000000]", "leave it unset to evaluate every prompt"),
 }
 
 

@@ -259,6 +259,7 @@ class UserFunction:
         if reply[0] != "ok":
             self.close()
             raise RewardError(reply[1])
+        self.loaded = reply[1]   # call_with="detect": (kind, keyword arguments) of its signature
 
     def _start(self) -> None:
         to_r, to_w = os.pipe()

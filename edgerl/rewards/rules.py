@@ -314,6 +314,8 @@ def import_function(spec: str, path_s: str, name: str, call_with: Optional[dict[
     fn = getattr(module, name)
     if not callable(fn):
         raise RewardError(f"--reward {spec!r}: '{name}' in {path} is a {type(fn).__name__}, not a function")
+    if call_with == "detect":   # reward.functions: the caller reads the signature (functions.signature_of)
+        return fn
     try:
         inspect.signature(fn).bind(**(call_with if call_with is not None else VERL_CALL))
     except TypeError as e:

@@ -51,8 +51,14 @@ def serve(inbox: Connection, outbox: Connection) -> None:
             sys.path[:] = path_list  # the trainer's import path, so the file imports what it would there
             where = str(path)
             try:
-                fn = import_function(spec, path, name, call_with, signature or SIGNATURE)
-                reply: tuple = ("ok", None)
+                if call_with == "detect":   # reward.functions: verl's or TRL's signature, read here
+                    from edgerl.rewards.functions import signature_of
+                    label, answer_arg = signature
+                    fn = import_function(spec, path, name, "detect")
+                    reply: tuple = ("ok", signature_of(fn, label, answer_arg))
+                else:
+                    fn = import_function(spec, path, name, call_with, signature or SIGNATURE)
+                    reply = ("ok", None)
             except RewardError as e:
                 reply = ("error", str(e))
         else:

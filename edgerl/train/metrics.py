@@ -23,7 +23,8 @@ Log = Optional[Callable[[str], None]]
 # shown live in the progress bar, in this order
 KEY_METRICS = (("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "len", "{:.0f}"),
                ("actor/kl", "kl", "{:.4f}"), ("actor/entropy", "ent", "{:.2f}"),
-               ("perf/step_s", "s/step", "{:.1f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"))
+               ("perf/step_s", "s/step", "{:.1f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+               ("eval/accuracy", "eval acc", "{:.3f}"))
 
 
 def _clean(v: Any) -> Any:
@@ -42,7 +43,7 @@ def _row(line: str) -> Optional[dict[str, Any]]:
     return row if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def _parse(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], Optional[tuple[int, str]]]:
+def _parse(path: Path, label: str = "metrics") -> tuple[list[tuple[str, dict[str, Any]]], Optional[tuple[int, str]]]:
     """([(line text, row)], the torn last line as (1-based number, text) or None).
 
     Each row is written as one line ending in a newline, flushed at once, so a crash can leave
@@ -57,14 +58,14 @@ def _parse(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], Optional[tuple
         elif k == len(numbered) - 1:
             return rows, (i, line)
         else:
-            raise RunDirError(f"{path}: line {i} is not a metrics row (a JSON object with an integer 'step'): "
+            raise RunDirError(f"{path}: line {i} is not a {label} row (a JSON object with an integer 'step'): "
                               f"{line[:60]!r}; only the last line can be cut short by a crash, so the file was "
                               f"edited or damaged: repair or delete line {i}, then run again")
     return rows, None
 
 
-def _torn_note(path: Path, torn: tuple[int, str]) -> str:
-    return (f"metrics: ignored line {torn[0]} of {path}, cut short when the run stopped "
+def _torn_note(path: Path, torn: tuple[int, str], label: str = "metrics") -> str:
+    return (f"{label}: ignored line {torn[0]} of {path}, cut short when the run stopped "
             f"({torn[1][:40]!r}...)")
 
 
@@ -82,13 +83,14 @@ def _lines(rows: list[tuple[str, dict[str, Any]]]) -> str:
     return "".join(line + "\n" for line, _ in rows)
 
 
-class MetricsWriter:
-    """Appends one row per step to RUN/metrics.jsonl (and TensorBoard). `resume` continues the file
+class StepLog:
+    """Appends rows keyed by 'step' to a JSON-lines file in the run folder. `resume` continues the file
     (a torn last line is dropped with a note through `log`); otherwise rows already there, from an
-    earlier run in the same folder, are moved to metrics.previous.jsonl first."""
+    earlier run in the same folder, are moved to <name>.previous.jsonl first. The rows of one call are
+    one write, flushed at once, so a crash can cut only the last line short."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False, log: Log = print) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(self, path: Path, label: str, resume: bool = False, log: Log = print) -> None:
+        self.path, self.label = Path(path), label
         self.log = log or (lambda s: None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() and self.path.stat().st_size > 0:
@@ -97,37 +99,28 @@ class MetricsWriter:
             else:
                 moved = _free_name(self.path, "previous")
                 os.replace(self.path, moved)
-                self.log(f"metrics: {self.path} held the steps of an earlier run; moved them to {moved}")
+                self.log(f"{label}: {self.path} held the steps of an earlier run; moved them to {moved}")
         self._fh = open(self.path, "a", encoding="utf-8")
-        self.tb = None
-        self.tb_note = "off"
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-                self.tb_note = f"TensorBoard logs in {Path(run_dir) / 'tensorboard'}"
-            except ImportError:
-                self.tb_note = "TensorBoard not installed (pip install tensorboard)"
 
     def _repair(self) -> None:
         """Drop a torn last line, and end the file with a newline: the next row appended to a line
         without one would be glued to it, making a bad line in the middle."""
-        rows, torn = _parse(self.path)
+        rows, torn = _parse(self.path, self.label)
         if torn is not None:
-            self.log(_torn_note(self.path, torn) + "; dropped it")
+            self.log(_torn_note(self.path, torn, self.label) + "; dropped it")
         if torn is not None or not self.path.read_bytes().endswith(b"\n"):
             write_atomically(self.path, lambda tmp: tmp.write_text(_lines(rows), encoding="utf-8"))
 
     def archive_after(self, step: int) -> Optional[Path]:
         """Move the rows of steps after `step` (those a resume from the checkpoint of `step` redoes)
-        to metrics.after-step-<step>.jsonl beside the log; return that file, or None when there were
+        to <name>.after-step-<step>.jsonl beside the log; return that file, or None when there were
         none. The side file is written before the log is shortened, each atomically, so a crash in
         between leaves the rows in both files, never in neither."""
         self._fh.close()
         try:
-            rows, torn = _parse(self.path)
+            rows, torn = _parse(self.path, self.label)
             if torn is not None:
-                self.log(_torn_note(self.path, torn) + "; dropped it")
+                self.log(_torn_note(self.path, torn, self.label) + "; dropped it")
             later = [r for r in rows if r[1]["step"] > step]
             if not later and torn is None:
                 return None
@@ -139,37 +132,93 @@ class MetricsWriter:
             write_atomically(self.path, lambda tmp: tmp.write_text(_lines(keep), encoding="utf-8"))
             if side is not None:
                 steps = [r["step"] for _, r in later]
-                self.log(f"metrics: moved {len(later)} row(s) of steps {min(steps)}-{max(steps)}, after the "
+                self.log(f"{self.label}: moved {len(later)} row(s) of steps {min(steps)}-{max(steps)}, after the "
                          f"checkpoint of step {step}, to {side}")
             return side
         finally:
             self._fh = open(self.path, "a", encoding="utf-8")
 
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        self._fh.write(json.dumps(row) + "\n")
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        self._fh.write("".join(json.dumps(r) + "\n" for r in rows))
         self._fh.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
 
     def close(self) -> None:
         self._fh.close()
-        if self.tb is not None:
-            self.tb.close()
+
+
+SAMPLES = "samples.jsonl"
+
+
+class MetricsWriter:
+    """Appends one row per step to RUN/metrics.jsonl, sample rows to RUN/samples.jsonl (`samples`), and
+    passes both to the loggers of run.loggers (TensorBoard, wandb, MLflow: edgerl.train.loggers).
+    `resume` continues the files; otherwise rows already there are moved aside (StepLog)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False, log: Log = print,
+                 loggers: Optional[list[str]] = None, samples: bool = False, config: Optional[dict] = None,
+                 project: Optional[str] = None) -> None:
+        from edgerl.train.loggers import open_loggers
+        self.log = log or (lambda s: None)
+        self.jsonl = StepLog(Path(run_dir) / "metrics.jsonl", "metrics", resume, self.log)
+        self.path = self.jsonl.path
+        self.samples_log = StepLog(Path(run_dir) / SAMPLES, "samples", resume, self.log) if samples else None
+        names = list(loggers) if loggers is not None else (["tensorboard"] if tensorboard else [])
+        self.loggers, self.note = open_loggers([n for n in names if n != "jsonl"], Path(run_dir), config or {},
+                                               project, resume, self.log)
+
+    @property
+    def tb_note(self) -> str:
+        return self.note
+
+    def archive_after(self, step: int) -> Optional[Path]:
+        """metrics.jsonl's rows after `step` moved aside (StepLog.archive_after); samples.jsonl's too."""
+        if self.samples_log is not None:
+            self.samples_log.archive_after(step)
+        return self.jsonl.archive_after(step)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        self.jsonl.append([{"step": step, **{k: _clean(v) for k, v in metrics.items()}}])
+        for lg in self.loggers:
+            lg.metrics(step, metrics)
+
+    def write_samples(self, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
+        """Sample rows ({'prompt', 'response', 'reward', ...}) of a step ('train') or an evaluation ('eval')."""
+        if not rows or self.samples_log is None:
+            return
+        full = [{"step": step, "kind": kind, **{k: _clean(v) for k, v in r.items()}} for r in rows]
+        self.samples_log.append(full)
+        for lg in self.loggers:
+            lg.samples(step, kind, full)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.samples_log is not None:
+            self.samples_log.close()
+        for lg in self.loggers:
+            lg.close()
+
+
+def _eval_keys(keys: Any) -> list[str]:
+    """The evaluation's headline keys present: accuracy (or the reward where there is no rule to say
+    what is correct), then mean@k and pass@k."""
+    keys = list(keys)
+    head = ["eval/accuracy"] if "eval/accuracy" in keys else ["eval/reward"] if "eval/reward" in keys else []
+    return head + sorted(k for k in keys if k.startswith(("eval/mean@", "eval/pass@")))
 
 
 def summary_line(metrics: dict[str, Any]) -> str:
     parts = []
     for key, label, fmt in KEY_METRICS:
         v = metrics.get(key)
-        if isinstance(v, (int, float)) and math.isfinite(v):
+        if isinstance(v, (int, float)) and math.isfinite(v) and not key.startswith("eval/"):
             parts.append(f"{label} {fmt.format(v)}")
     skipped = sum(metrics.get(k) or 0 for k in ("actor/skipped_updates", "critic/skipped_updates"))
     if skipped:  # shown only when it happens: a NaN/inf loss or gradient norm skipped an update
         parts.append(f"skipped {skipped:.0f}")
+    for key in _eval_keys(metrics):   # on the steps that evaluated
+        v = metrics[key]
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            parts.append(f"{key.replace('/accuracy', ' acc').replace('/', ' ')} {v:.3f}")
     return "  ".join(parts)
 
 
@@ -183,6 +232,17 @@ def read_metrics(run_dir: Path, log: Log = print) -> list[dict[str, Any]]:
     rows, torn = _parse(path)
     if torn is not None and log is not None:
         log(_torn_note(path, torn))
+    return [row for _, row in rows]
+
+
+def read_samples(run_dir: Path, log: Log = print) -> list[dict[str, Any]]:
+    """The rows of RUN/samples.jsonl (run.log_samples), read as read_metrics reads metrics.jsonl."""
+    path = Path(run_dir) / SAMPLES
+    if not path.is_file():
+        raise RunDirError(f"{path} does not exist: the run wrote no samples (set run.log_samples)")
+    rows, torn = _parse(path, "samples")
+    if torn is not None and log is not None:
+        log(_torn_note(path, torn, "samples"))
     return [row for _, row in rows]
 
 
@@ -213,13 +273,20 @@ def plot(run_dir: Path, out: Optional[Path] = None, log: Log = print, overwrite:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    shown = [(k, t) for k, t in PLOTS if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    shown: list[tuple[Any, str]] = [(k, t) for k, t in PLOTS if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    evals = _eval_keys({k for r in rows for k, v in r.items() if isinstance(v, (int, float))})
+    if evals:   # the held-out curves first: they say whether the run learns what it should
+        shown.insert(0, (evals, "held-out evaluation"))
     cols = 3
     nrows = max(1, math.ceil(len(shown) / cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, shown):
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        for k in (key if isinstance(key, list) else [key]):
+            pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None,
+                    label=k.removeprefix("eval/"))
+        if isinstance(key, list):
+            ax.legend(fontsize=8)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -130,12 +130,14 @@ def _metric_steps(run: Path) -> list[int]:
     return out
 
 
-def branch_history(point: ResumePoint) -> Optional[str]:
-    """The metrics a branch from `point` starts with: its run's rows up to the checkpoint's step."""
-    if not point.in_run or not (point.run_dir / "metrics.jsonl").exists():
+def branch_history(point: ResumePoint, name: str = "metrics.jsonl") -> Optional[str]:
+    """The metrics (or samples.jsonl's rows) a branch from `point` starts with: its run's rows up to
+    the checkpoint's step."""
+    if not point.in_run or not (point.run_dir / name).exists():
         return None
-    from edgerl.train.metrics import read_metrics
-    rows = [r for r in read_metrics(point.run_dir, log=None) if r.get("step", 0) <= point.step]
+    from edgerl.train.metrics import read_metrics, read_samples
+    read = read_metrics if name == "metrics.jsonl" else read_samples
+    rows = [r for r in read(point.run_dir, log=None) if r.get("step", 0) <= point.step]
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
@@ -148,8 +150,8 @@ def never_stepped(run: Path, history: Optional[str] = None) -> bool:
     if any(p.name != "metrics.jsonl" for p in run.glob("metrics*.jsonl")):   # rows moved aside are history
         return False
     metrics = run / "metrics.jsonl"
-    if not metrics.exists() or metrics.stat().st_size == 0:
-        return True
+    if not metrics.exists() or metrics.stat().st_size == 0 or set(_metric_steps(run)) == {0}:
+        return True   # step 0: only the evaluation before the first step (moved aside, not lost)
     return history is not None and metrics.read_bytes() == history.encode("utf-8")
 
 

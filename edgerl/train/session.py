@@ -30,6 +30,7 @@ from edgerl.models.load import unreadable_weights
 from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.plan.plan import Plan
 from edgerl.config.target import Target, model_spec, plan_for, resolve_target
+from edgerl.train.loggers import check_installed
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Session:
     prompts: list[Prompt]
     data_report: DataReport
     resume: Optional[runfolder.ResumePoint] = None
+    eval_prompts: list[Prompt] = field(default_factory=list)   # eval.data's held-out prompts
+    reward_functions: list[Any] = field(default_factory=list)   # reward.functions, loaded and checked
     rank: ranks.Rank = field(default_factory=ranks.Rank)
     emulation: str = ""                  # how a profile is emulated on this GPU; "" when not
     finished: bool = False               # resumed a run that already reached train.steps and exported
@@ -207,14 +210,49 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
     prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log)
     if resume is not None:   # what the checkpoint cannot follow is refused before anything is written
         ranks.agree(lambda: resume_changes.check(resume, cfg, plan, len(prompts), rank.world), rank.main)
+    eval_prompts = _eval_prompts(cfg, tokenizer, prompts, rank.world, log)
+    functions = _reward_functions(cfg, prompts + eval_prompts, log)
+    check_installed(cfg.run.loggers if rank.main else [])
     finished = runfolder.finished(resume, run_dir, cfg.train.steps, _exports(cfg, plan))
     held: list[tuple[runfolder.RunLock, Optional[Callable[[], None]]]] = []   # the lock stays in this process
     ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log, write=not finished, restart=restart)),
                 rank.main)
     lock, pending = held[0] if held else (None, None)
     return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
-                   prompts=prompts, data_report=report, resume=resume, rank=rank, emulation=emulation,
-                   finished=finished, log=log, lock=lock, pending=pending)
+                   prompts=prompts, data_report=report, resume=resume, eval_prompts=eval_prompts,
+                   reward_functions=functions, rank=rank, emulation=emulation, finished=finished, log=log,
+                   lock=lock, pending=pending)
+
+
+def _eval_prompts(cfg: Config, tokenizer: Any, train: list[Prompt], world: int, log: Callable[[str], None]
+                  ) -> list[Prompt]:
+    """eval.data's prompts, checked before anything is written; none without eval.data."""
+    if cfg.eval.data is None:
+        return []
+    from edgerl.data.heldout import load_eval_prompts
+    prompts, _ = load_eval_prompts(cfg, tokenizer, train, log)
+    if len(prompts) < world:
+        raise ConfigError(f"eval.data has {len(prompts)} prompt(s) for {world} processes; each process evaluates "
+                          "a share, so give at least one per process")
+    return prompts
+
+
+def _reward_functions(cfg: Config, prompts: list[Prompt], log: Callable[[str], None]) -> list[Any]:
+    """reward.functions loaded (a bad file or signature is a RewardError now, before anything is written);
+    the 'answer' rule needs a rule for every data_source. Logs which functions and, for math rows,
+    which scorer."""
+    from edgerl.rewards.builtins import is_math_source, math_scorer
+    from edgerl.rewards.functions import load_functions
+    from edgerl.rewards.rules import check_sources
+    functions = load_functions(cfg.reward.functions, cfg.reward.weights, cfg.data.answer_key,
+                               cfg.reward.timeout_s or None)
+    sources = {p.data_source for p in prompts}
+    if any(f.spec == "answer" for f in functions):
+        check_sources(sources)
+    math = any(is_math_source(s) for s in sources) and any(f.spec == "answer" for f in functions)
+    log("rewards: " + ", ".join(f.describe() for f in functions) + (
+        f"; math answers scored by {math_scorer()}" if math else ""))
+    return functions
 
 
 def _quiet(_: str) -> None:
@@ -253,9 +291,10 @@ def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.Res
                 runfolder.move_aside(run_dir, log)
             _write_config(cfg, run_dir, not in_place, log)
             if branch:  # a branch starts with its trunk's history
-                history = runfolder.branch_history(resume)
-                if history is not None:
-                    write_atomically(run_dir / "metrics.jsonl", history)
+                for name in ("metrics.jsonl", "samples.jsonl"):
+                    history = runfolder.branch_history(resume, name)
+                    if history is not None:
+                        write_atomically(run_dir / name, history)
             write_atomically(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
         except ConfigError:   # the writer's own one line, naming the file; nothing there was changed
             lock.release()

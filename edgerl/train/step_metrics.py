@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -34,20 +34,24 @@ def global_explained_variance(exp: Experience, device: torch.device) -> float:
 
 def step_metrics(batch: RolloutBatch, scores: list[float], components: dict[str, list[float]],
                  stats: dict[str, float], times: dict[str, float], step_s: float,
-                 device: torch.device) -> dict[str, Any]:
-    """Rewards, lengths and speed of the global batch, the update's `stats` and the phase `times`."""
+                 device: torch.device, by_function: Optional[dict[str, list[float]]] = None) -> dict[str, Any]:
+    """Rewards (the total, each reward function's mean as reward/<name>, the components of dict results),
+    lengths and speed of the global batch, the update's `stats` and the phase `times`."""
+    by_function = by_function or {}
     shares = ranks.gather({"scores": scores, "lengths": [len(r) for r in batch.response_ids],
-                           "truncated": list(batch.truncated), "components": components})
+                           "truncated": list(batch.truncated), "components": components, "functions": by_function})
     scores = [x for sh in shares for x in sh["scores"]]
     lengths = [x for sh in shares for x in sh["lengths"]]
     truncated = [x for sh in shares for x in sh["truncated"]]
     components = {k: [x for sh in shares for x in sh["components"].get(k, [])] for k in components}
+    functions = {k: [x for sh in shares for x in sh["functions"].get(k, [])] for k in by_function}
     tokens = sum(lengths)
     sc = torch.tensor(scores)
     out = {"reward/mean": sc.mean().item(), "reward/std": sc.std().item() if len(sc) > 1 else 0.0,
+           **{f"reward/{k}": _nanmean(v) for k, v in functions.items()},
            **{f"reward/{k}_mean": _nanmean(v) for k, v in components.items()},
            "response/length_mean": sum(lengths) / len(lengths), "response/length_min": min(lengths),
-           "response/length_max": max(lengths), "response/clip_ratio": sum(truncated) / len(truncated),
+           "response/length_max": max(lengths), "response/truncated": sum(truncated) / len(truncated),
            **stats, "perf/step_s": step_s, "perf/tokens_per_s": tokens / step_s,
            "perf/rollout_tokens_per_s": tokens / max(times["time/rollout_s"], 1e-9), **times,
            "dist/world_size": ranks.world(), "batch/sequences": len(scores)}

@@ -35,13 +35,15 @@ from edgerl.models.load import (build_actor, build_critic, build_frozen, init_di
 from edgerl.plan.moves import next_moves
 from edgerl.train.optim import StateOffload, make_optimizer
 from edgerl.rewards.contain import MAX_ABS_REWARD, Interrupted, call_user
-from edgerl.rewards.rules import (RewardItem, check_sources, default_compute_score, load_reward_function, sample_text,
-                                  score_batch)
+from edgerl.rewards.builtins import RewardRow
+from edgerl.rewards.functions import sample_text, score as score_rewards
 from edgerl.rollout import EngineContext, build_engine
 from edgerl.rollout.base import RolloutBatch, SamplingParams
 from edgerl.train.runfolder import aside_name, export_step, mark_export
 from edgerl.train.session import Session
 from edgerl.train.step_metrics import global_explained_variance, global_mean, step_metrics
+from edgerl.train import evaluate as evaluation
+from edgerl.train.groups import Drawn, draw, overlong_penalty, rows_with_gradient, skip_policy, uniform_groups
 from edgerl.train.update import Learner, run_update
 
 __all__ = ["Trainer", "TrainingError", "lr_lambda"]
@@ -67,7 +69,7 @@ class Trainer:
         """Build models, optimizers and the engine, and restore the checkpoint to resume from. The
         session's run-folder lock is released when this fails, or when `run` ends."""
         self.session = session
-        self.reward_fn: Callable[..., Any] = default_compute_score
+        self.functions: list[Any] = session.reward_functions
         try:
             self._build(session)
         except BaseException:
@@ -82,11 +84,16 @@ class Trainer:
         init_distributed(device)
         self.rank, self.world = s.rank.rank, s.rank.world
         m, t = cfg.model, cfg.train
-        if cfg.reward.function:  # in a process of its own: an exit, a hang or a crash there cannot end the run
-            self.reward_fn = load_reward_function(cfg.reward.function, timeout_s=cfg.reward.timeout_s or None)
-        else:
-            check_sources({p.data_source for p in self.prompts})
-            self.reward_fn = default_compute_score
+        self.eval_prompts = s.eval_prompts
+        self.functions = s.reward_functions or evaluation.reward_functions(cfg)
+        self.skip_rows, why = skip_policy(cfg, self.world)
+        self.log(why)
+        if self.eval_prompts:
+            e = cfg.eval
+            when = f"every {e.every} steps" if e.every else "before the first step and after the last"
+            self.log(f"eval: {len(self.eval_prompts)} held-out prompts {when}, greedy"
+                     + (f" and {e.samples} samples each" if e.samples else "") + f"; on the rollout engine, "
+                     f"{plan.rollout_batch} sequences at a time, in the rollout phase's memory")
         self.reward_model = None
         if plan.reward_model_dtype:
             from edgerl.rewards.model import RewardModel
@@ -117,17 +124,20 @@ class Trainer:
             actor=self._learner("actor", self.actor, t.lr),
             critic=self._learner("critic", self.critic, t.critic_lr) if self.critic is not None else None,
             loop=loop, lora=self.lora, meta={"config": to_dict(cfg), "plan": plan.decisions()})
-        max_len = max(len(x.input_ids) for x in self.prompts) + cfg.rollout.max_new_tokens
+        # held-out prompts are no longer than data.max_prompt_len either: the plan's KV cache holds them
+        max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.max_new_tokens
         self.engine = build_engine(plan, EngineContext(
             model_path=m.path, trust_remote_code=m.trust_remote_code, device=device, max_seq_len=max_len,
             seed=t.seed, work_dir=self.run_dir,
             save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor))), actor=self.actor))
         self.stop_signal: Optional[str] = None
+        self._samples: list[dict[str, Any]] = []
         if s.resume is not None:
             saved = state.restore(s.resume.checkpoint, self.state, self.log, seed=cfg.train.seed)
             resume_changes.apply(self.state, cfg, saved.get("config"), self.log)
         s.commit()   # a run resumed in place writes its config and plan once its checkpoint has loaded
-        self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None, log=self.log) \
+        self.metrics = MetricsWriter(self.run_dir, resume=s.resume is not None, log=self.log, loggers=cfg.run.loggers,
+                                     samples=cfg.run.log_samples > 0, config=to_dict(cfg), project=cfg.run.project) \
             if self.rank == 0 else _NoMetrics()   # rank 0 alone writes files
         if s.resume is not None:
             moved = self.metrics.archive_after(self.state.loop.step)
@@ -169,13 +179,17 @@ class Trainer:
         return self.engine.generate([list(p.input_ids) for p in prompts], self.cfg.rollout.n_samples,
                                     self.sampling, self.state.loop.gen)
 
-    def rewards(self, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list[float], dict[str, list[float]]]:
-        """One score per response: the rule or user reward, plus the reward model's score if any."""
-        n = self.cfg.rollout.n_samples
+    def rewards(self, prompts: list[Prompt], batch: RolloutBatch) -> Drawn:
+        """One score per response: reward.functions weighted, plus the reward model's score if any, and
+        DAPO's length penalty under algo.overlong=soft_penalty."""
+        cfg = self.cfg
+        n = cfg.rollout.n_samples
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         rows = [p for p in prompts for _ in range(n)]
-        items = [RewardItem(p.data_source, text, p.ground_truth, p.extra, p.row) for p, text in zip(rows, texts)]
-        scores, components = score_batch(self.reward_fn, items)
+        items = [RewardRow(p.data_source, p.raw_prompt, p.text, text, tuple(ids), p.ground_truth, p.extra)
+                 for p, text, ids in zip(rows, texts, batch.response_ids)]
+        res = score_rewards(self.functions, items, cfg.data.answer_key)
+        scores, components = res.total, res.components
         if self.reward_model is not None:
             # its forward is model code (remote code, with trust_remote_code): contained as a reward function
             who = f"reward model {self.cfg.reward.model}"
@@ -183,12 +197,18 @@ class Trainer:
                            [p.raw_prompt for p in rows], texts, passthrough=(torch.OutOfMemoryError, RewardError))
             for i, (r, item) in enumerate(zip(rm, items)):
                 if not (math.isfinite(r) and abs(r) <= MAX_ABS_REWARD):
-                    raise RewardError(f"{who} scored {r:g} on {sample_text(i, item)}; a reward must be finite and "
+                    raise RewardError(f"{who} scored {r:g} {sample_text(i, item)}; a reward must be finite and "
                                       f"within +-{MAX_ABS_REWARD:g} (in fp16 the model may overflow: --set "
                                       "plan.dtype=fp32)")
             components["reward_model"] = rm
-            scores = [s + self.cfg.reward.model_coef * r for s, r in zip(scores, rm)]
-        return scores, components
+            scores = [s + cfg.reward.model_coef * r for s, r in zip(scores, rm)]
+        if cfg.algo.overlong == "soft_penalty":
+            r = cfg.rollout.max_new_tokens
+            pen = overlong_penalty([len(x) for x in batch.response_ids], r, cfg.algo.overlong_buffer or max(1, r // 4),
+                                   cfg.algo.overlong_penalty)
+            components["overlong_penalty"] = pen
+            scores = [s + p for s, p in zip(scores, pen)]
+        return Drawn(list(prompts), batch, scores, res.by_function, components)
 
     def score(self, exp: Experience, kl_coef: float) -> Experience:
         """Old and reference log-probs and the critic's values, without gradients."""
@@ -209,9 +229,11 @@ class Trainer:
         return exp
 
     def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
-        """PPO epochs for the actor, then the critic; counts skipped (non-finite) updates."""
+        """PPO epochs for the actor, then the critic; counts skipped (non-finite) updates. Rows whose loss is
+        exactly 0 are not computed where skip_policy allows it."""
         cfg, a, lp = self.cfg, self.cfg.algo, self.state.loop
         (clip_low, clip_high), agg = a.clip_range(), a.loss_agg_mode()
+        keep = rows_with_gradient(exp.advantages, exp.response_mask) if self.skip_rows else None
         epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
 
         def actor_loss(part: Experience, epoch: int):
@@ -243,8 +265,10 @@ class Trainer:
                       micro=self.plan.micro_batch,
                       agg=agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
                       scaler=lp.scaler)
-        res = run_update(self.state.actor, exp, actor_loss, **common)
+        res = run_update(self.state.actor, exp, actor_loss, keep=keep, **common)
         out = {**res.stats, "actor/skipped_updates": float(res.skipped + res.skipped_norm)}
+        if keep is not None:
+            out["batch/skipped_sequences"] = ranks.sum_floats([float((~keep).sum())], self.device)[0]
         if epoch0["logp"]:
             logp, ent, mask = (torch.cat(epoch0[k]) for k in ("logp", "ent", "mask"))
             out["actor/entropy"] = global_mean(ent, mask, self.device)
@@ -253,7 +277,8 @@ class Trainer:
                 out["actor/kl"] = global_mean(kl, mask, self.device)
             if exp.sampled_logp is not None and common["mini"] == len(exp):  # rows in rollout order
                 # the engine's log-probs against the trainer's own: a rollout/training mismatch shows here
-                out["rollout/logprob_diff"] = global_mean((logp - exp.sampled_logp).abs(), mask, self.device)
+                sampled = exp.sampled_logp if keep is None else exp.sampled_logp[keep]
+                out["rollout/logprob_diff"] = global_mean((logp - sampled).abs(), mask, self.device)
         loss_bad, norm_bad = res.skipped, res.skipped_norm
         if self.critic is not None:
             cres = run_update(self.state.critic, exp, critic_loss, **common)
@@ -288,16 +313,24 @@ class Trainer:
             yield
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            times[f"time/{name}_s"] = time.perf_counter() - start
+            key = f"time/{name}_s"
+            times[key] = times.get(key, 0.0) + time.perf_counter() - start   # dynamic sampling draws again
 
-        mine = lp.sampler.next_batch()  # the global batch, the same on every rank; this rank takes its share
-        k = len(mine) // self.world
-        prompts = [self.prompts[i] for i in mine[self.rank * k:(self.rank + 1) * k]]
-        with phase("rollout"):
-            batch = self.rollout(prompts)
-        with phase("reward"):
-            scores, components = self._agreed(lambda: self.rewards(prompts, batch))
+        def one() -> Drawn:
+            mine = lp.sampler.next_batch()  # the global batch, the same on every rank; this rank takes its share
+            k = len(mine) // self.world
+            prompts = [self.prompts[i] for i in mine[self.rank * k:(self.rank + 1) * k]]
+            with phase("rollout"):
+                batch = self.rollout(prompts)
+            with phase("reward"):
+                return self.rewards(prompts, batch)
+        n, a = self.cfg.rollout.n_samples, self.cfg.algo
+        drawn, drew = self._agreed(lambda: draw(one, n, a.max_extra_draws, self.device) if a.dynamic_sampling
+                                   else (one(), {}))
+        batch, scores, components = drawn.batch, drawn.scores, drawn.components
         exp = pad_batch(batch, self.tokenizer.pad_token_id, scores)
+        if a.overlong == "mask":   # DAPO's overlong filtering: cut responses carry no loss
+            exp.response_mask[torch.tensor(batch.truncated, dtype=torch.bool)] = 0
         self.engine.release()   # its memory serves scoring and the update
         kl_coef = lp.kl_ctl.value
         with phase("score"):
@@ -313,9 +346,35 @@ class Trainer:
         if "actor/kl" in stats:
             lp.kl_ctl.update(stats["actor/kl"], len(exp))
         extra = {"actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
-                 "train/bad_steps_in_a_row": lp.bad_in_a_row}
+                 "train/bad_steps_in_a_row": lp.bad_in_a_row, **drew,
+                 "batch/uniform_groups": ranks.sum_floats([float(sum(uniform_groups(scores, n)))], self.device)[0]}
+        self._samples = self._sample_rows(drawn)
         return step_metrics(batch, scores, components, {**stats, **extra}, times, time.perf_counter() - t0,
-                            self.device)
+                            self.device, drawn.by_function)
+
+    def _sample_rows(self, drawn: Drawn) -> list[dict[str, Any]]:
+        """The first run.log_samples responses of this step (this process's share), for samples.jsonl."""
+        k = self.cfg.run.log_samples
+        if not k:
+            return []
+        n = self.cfg.rollout.n_samples
+        texts = self.tokenizer.batch_decode(drawn.batch.response_ids[:k], skip_special_tokens=True)
+        return [{"prompt": drawn.prompts[i // n].text, "response": t, "reward": drawn.scores[i],
+                 "rewards": {name: v[i] for name, v in drawn.by_function.items()},
+                 "ground_truth": drawn.prompts[i // n].ground_truth, "truncated": drawn.batch.truncated[i]}
+                for i, t in enumerate(texts)]
+
+    def evaluate(self) -> dict[str, float]:
+        """eval.data's held-out prompts on the engine's current weights (every rank calls it); writes their
+        samples. {} without eval.data."""
+        if not self.eval_prompts:
+            return {}
+        cfg = self.cfg
+        res = evaluation.evaluate(self.engine, self.tokenizer, self.eval_prompts, self.functions, self.sampling,
+                                  cfg.eval.samples, cfg.train.seed, self.step, self.device, cfg.data.answer_key,
+                                  keep=cfg.run.log_samples)
+        self.metrics.write_samples(self.step, "eval", res.samples)
+        return res.metrics
 
     def _agreed(self, fn: Callable[[], Any]) -> Any:
         """fn(), but under torchrun a reward that failed or was interrupted on one rank stops every rank
@@ -338,9 +397,11 @@ class Trainer:
         return out
 
     def _close_user_code(self) -> None:
-        close = getattr(self.reward_fn, "close", None)
-        if close is not None:
-            close()
+        """Stop the processes of the user's reward functions (edgerl.rewards.contain.UserFunction)."""
+        for f in self.functions:
+            close = getattr(f.fn, "close", None)
+            if close is not None:
+                close()
 
     # --- checkpoints, export, failures -------------------------------------------------------------
 
@@ -443,7 +504,13 @@ class Trainer:
             except ValueError:  # not in the main thread
                 pass
         start = lp.step
+        last = self.cfg.train.steps
         try:
+            if lp.step == 0 and self.eval_prompts:   # the held-out score before training: the baseline
+                base = self._evaluated({})
+                self.metrics.write(0, base)
+                if on_step:
+                    on_step(0, base)
             while lp.step < self.cfg.train.steps and self.stop_signal is None:
                 snap, before = lp.snapshot(), self.state.actor.optimizer_steps()
                 try:
@@ -462,6 +529,9 @@ class Trainer:
                         raise
                     raise err from e
                 lp.step += 1
+                self.metrics.write_samples(lp.step, "train", self._samples)
+                if self.eval_prompts and evaluation.due(lp.step, self.cfg.eval.every, last):
+                    stats = self._evaluated(stats)
                 self.metrics.write(lp.step, stats)
                 if on_step:
                     on_step(lp.step, stats)
@@ -483,6 +553,23 @@ class Trainer:
             self.metrics.close()
             self.session.close()
         return self.run_dir
+
+    def _evaluated(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """`stats` with the evaluation's metrics. A failure in it (a reward function that raised on a
+        held-out answer) saves the step just completed first."""
+        try:
+            return {**stats, **self.evaluate()}
+        except Exception as e:
+            saved = "no checkpoint written (no step had completed)"
+            if self.step > 0:   # the step itself completed: its metrics and weights are kept
+                self.metrics.write(self.step, stats)
+                folder = self._write(self.save)
+                saved = f"saved step {self.step} to {folder}"
+            if isinstance(e, USER_ERRORS):
+                raise type(e)(f"evaluation after step {self.step}: {e}\n{saved}; fix the cause, then resume with "
+                              f"--resume {self.run_dir}") from e
+            self.log(f"evaluation after step {self.step} failed ({type(e).__name__}); {saved}")
+            raise
 
     @contextlib.contextmanager
     def _profiled(self, step: int):
@@ -521,9 +608,12 @@ class Trainer:
 
 class _NoMetrics:
     """The metrics writer of ranks other than 0."""
-    tb_note = "metrics written by rank 0"
+    tb_note = note = "metrics written by rank 0"
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def write_samples(self, step: int, kind: str, rows: list) -> None:
         pass
 
     def archive_after(self, step: int) -> None:

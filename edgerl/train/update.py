@@ -52,14 +52,26 @@ class UpdateResult:
 LossFn = Callable[[Experience, int], tuple[torch.Tensor, dict[str, float]]]
 
 
-def mini_batches(exp: Experience, mini: int, epochs: int, gen: torch.Generator) -> Iterator[tuple[int, Experience]]:
-    """(epoch, mini-batch) for every PPO epoch; rows are reshuffled each epoch when a step holds more
-    than one mini-batch. A mini-batch keeps its rows in rollout order, so the samples of a prompt that
-    it holds sit together and a micro-batch computes their prompt once (edgerl/packing.py)."""
+def mini_batches(exp: Experience, mini: int, epochs: int, gen: torch.Generator,
+                 keep: Optional[torch.Tensor] = None) -> Iterator[tuple[int, Experience, Optional[torch.Tensor]]]:
+    """(epoch, mini-batch, its rows of `keep`) for every PPO epoch; rows are reshuffled each epoch when a
+    step holds more than one mini-batch. A mini-batch keeps its rows in rollout order, so the samples of
+    a prompt that it holds sit together and a micro-batch computes their prompt once (edgerl/packing.py)."""
     for epoch in range(epochs):
         order = torch.randperm(len(exp), generator=gen) if mini < len(exp) else torch.arange(len(exp))
         for m0 in range(0, len(exp), mini):
-            yield epoch, exp.rows(order[m0:m0 + mini].sort().values)
+            idx = order[m0:m0 + mini].sort().values
+            yield epoch, exp.rows(idx), keep[idx] if keep is not None else None
+
+
+def zero_gradients(learner: Learner, scaler: Optional[torch.amp.GradScaler], device: torch.device) -> None:
+    """The gradients a mini-batch of zero-loss rows leaves: zeros (not None: the optimizer still steps,
+    its moments decay and weight decay applies, as they would after computing those rows)."""
+    for p in learner.model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    if scaler is not None:
+        scaler.scale(torch.zeros((), device=device))   # the scaler's state is made on its first scale()
 
 
 def finite_everywhere(loss: torch.Tensor) -> bool:
@@ -104,18 +116,26 @@ def optimizer_step(learner: Learner, max_grad_norm: float, scaler: Optional[torc
 
 def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int, epochs: int, micro: int,
                agg: str, gen: torch.Generator, device: torch.device, max_grad_norm: float,
-               scaler: Optional[torch.amp.GradScaler]) -> UpdateResult:
-    """PPO epochs of `loss_fn(micro-batch on device, epoch) -> (loss, stats)` over `exp`."""
+               scaler: Optional[torch.amp.GradScaler], keep: Optional[torch.Tensor] = None) -> UpdateResult:
+    """PPO epochs of `loss_fn(micro-batch on device, epoch) -> (loss, stats)` over `exp`. `keep` (B,) bool:
+    the rows to compute; the others must have a loss of exactly 0 (they are left out of the passes, the
+    mini-batches and their loss weights stay those of every row, so the step is the same). The stats
+    are then means over the rows computed."""
     out = UpdateResult()
     sums: dict[str, float] = {}
+    weights = 0.0
     stepped = 0
     world = ranks.world()
     learner.model.train()  # HF checkpoints activations (and applies LoRA dropout) only in training mode
-    for epoch, mexp in mini_batches(exp, mini, epochs, gen):
+    for epoch, mexp, mkeep in mini_batches(exp, mini, epochs, gen, keep):
         learner.optim.zero_grad(set_to_none=True)
         whole = tuple(ranks.sum_floats(list(algos.batch_counts(mexp.response_mask)), device))
         acc: dict[str, float] = {}
         finite = True
+        if mkeep is not None:
+            mexp = mexp.rows(mkeep.nonzero().squeeze(1))
+            if len(mexp) == 0:
+                zero_gradients(learner, scaler, device)
         for sl in micro_batches(len(mexp), micro):
             part = mexp.rows(sl).to(device)
             loss, stats = loss_fn(part, epoch)
@@ -127,6 +147,7 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + float(v) * w
+            acc[""] = acc.get("", 0.0) + w   # the share of the mini-batch's loss computed
         if not finite:
             learner.optim.zero_grad(set_to_none=True)
             out.skipped += 1
@@ -138,12 +159,14 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
         if math.isfinite(norm):
             out.grad_norms.append(norm)
         stepped += 1
+        weights += acc.pop("", 0.0)
         for k, v in acc.items():
             sums[k] = sums.get(k, 0.0) + v
     learner.model.eval()
     keys = sorted(sums)  # the same on every rank: each runs the same loss on its share
-    totals = dict(zip(keys, ranks.sum_floats([sums[k] for k in keys], device)))
-    out.stats = {f"{learner.name}/{k}": v / stepped for k, v in totals.items()} if stepped else {}
+    totals = ranks.sum_floats([sums[k] for k in keys] + [weights], device)
+    done = totals.pop() if keep is not None else stepped   # every row computed: each mini-batch's weights sum to 1
+    out.stats = {f"{learner.name}/{k}": v / done for k, v in zip(keys, totals)} if done > 0 else {}
     if out.grad_norms:
         out.stats[f"{learner.name}/grad_norm"] = sum(out.grad_norms) / len(out.grad_norms)
     return out

@@ -1,0 +1,106 @@
+"""`edgerl eval RUN_DIR|CHECKPOINT|MODEL --data ...`: a held-out evaluation on its own, built the way a
+run builds its actor and rollout engine (the same plan, so the same memory), without writing anything
+in the run folder.
+
+    a run folder       its latest checkpoint's weights, with the run's config (data columns, rewards, lengths)
+    a checkpoint       RUN/checkpoints/step-N: its weights, with its run's config
+    a model            an HF folder or id, a catalogue name, or an export (RUN/final) with the config given
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from edgerl.config.load import SetItem, load_config
+from edgerl.config.schema import Config
+from edgerl.core.errors import ConfigError
+
+
+def _is_run(p: Path) -> bool:
+    return p.is_dir() and ((p / "meta.json").exists() or (p / "checkpoints").is_dir())
+
+
+def load_eval_config(target: str, sets: Sequence[SetItem], config: Optional[Path] = None
+                     ) -> tuple[Config, Optional[Path]]:
+    """The config to evaluate with and the checkpoint folder to load (None for a model)."""
+    from edgerl.train import runfolder, session
+    p = Path(target).expanduser()
+    if _is_run(p):
+        point = runfolder.resume_point(p)
+        cfg, _ = session.load(config, sets, resume=p)
+        return cfg, point.checkpoint
+    cfg = load_config(config, [*sets, (f'model.path="{target}"', f"edgerl eval {target}")])
+    return cfg, None
+
+
+def _load_checkpoint(actor: Any, folder: Path, lora: bool) -> None:
+    """The trained weights of a checkpoint into a freshly built actor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from edgerl.core.errors import CheckpointError
+    from edgerl.models import lora as lora_io
+    from edgerl.train import checkpoint
+    tensors, _, _ = checkpoint.load(folder)
+    kind = "adapter_model" if lora else "actor"
+    if kind not in tensors:
+        raise CheckpointError(f"{folder} holds {'a LoRA adapter' if 'adapter_model' in tensors else 'full weights'}, "
+                              f"and the plan {'trains LoRA' if lora else 'trains every weight'}: evaluate with the "
+                              "run's lora.enabled (--set lora.enabled=...)")
+    if lora:
+        lora_io.load_adapter_state(actor, tensors["adapter_model"], str(folder))
+    else:
+        set_model_state_dict(actor, tensors["actor"], options=StateDictOptions(full_state_dict=True))
+
+
+def run_eval(cfg: Config, checkpoint_folder: Optional[Path], log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Evaluate cfg.eval on the model (and checkpoint). Returns {"metrics": {...}, "samples": [...],
+    "model": ..., "checkpoint": ...}."""
+    import torch
+    from edgerl.data.heldout import load_eval_prompts
+    from edgerl.data.prompts import load_prompts
+    from edgerl.models.load import build_actor, init_distributed, lm_weights, load_tokenizer
+    from edgerl.plan.target import model_spec, plan_for, resolve_target
+    from edgerl.rollout import EngineContext, build_engine
+    from edgerl.rollout.base import SamplingParams
+    from edgerl.train.evaluate import evaluate
+    from edgerl.train.session import _device_for, _reward_functions, apply_env, apply_switches
+    if cfg.eval.data is None:
+        raise ConfigError("edgerl eval needs the held-out prompts: --data FILE|DATASET|builtin:arithmetic")
+    target = resolve_target(cfg.run.profile)
+    device, emulation = _device_for(target, cfg)
+    if emulation:
+        log(emulation)
+    init_distributed(device)
+    plan = plan_for(cfg, target, model_spec(cfg))
+    apply_env(plan, device)
+    apply_switches(plan, device)
+    m = cfg.model
+    tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
+    train = load_prompts(cfg.data, tokenizer, seed=0, log=None)[0] if cfg.eval.data.startswith("builtin:") else []
+    prompts, _ = load_eval_prompts(cfg, tokenizer, train, log)
+    functions = _reward_functions(cfg, prompts, log)
+    torch.manual_seed(cfg.train.seed)
+    actor = build_actor(m.path, plan, device, m.trust_remote_code, cfg.lora.dropout)
+    if checkpoint_folder is not None:
+        _load_checkpoint(actor, checkpoint_folder, plan.lora is not None)
+    r = cfg.rollout
+    with tempfile.TemporaryDirectory(prefix="edgerl-eval-") as work:
+        from edgerl.models.load import save_hf
+        engine = build_engine(plan, EngineContext(
+            model_path=m.path, trust_remote_code=m.trust_remote_code, device=device,
+            max_seq_len=max(len(p.input_ids) for p in prompts) + r.max_new_tokens, seed=cfg.train.seed,
+            work_dir=Path(work), actor=actor,
+            save_initial=lambda folder: save_hf(dict(lm_weights(actor)), m.path, tokenizer, folder,
+                                                m.trust_remote_code)))
+        if engine.needs_weights:
+            engine.sync_weights(lm_weights(actor))
+        log(f"rollout: {engine.describe()}")
+        eos = tokenizer.eos_token_id
+        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                  top_k=r.top_k, eos_token_ids=(eos,) if (r.stop_at_eos and eos is not None) else (),
+                                  pad_token_id=tokenizer.pad_token_id)
+        res = evaluate(engine, tokenizer, prompts, functions, sampling, cfg.eval.samples, cfg.train.seed, 0, device,
+                       cfg.data.answer_key, keep=len(prompts))
+    return {"model": m.path, "checkpoint": str(checkpoint_folder) if checkpoint_folder else None,
+            "data": cfg.eval.data, "metrics": res.metrics, "samples": res.samples}
