@@ -300,15 +300,15 @@ def step_folders(run: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("how, sets, match", [
-    ("exit0", [], r"reward function later in .* failed on sample 0 of the batch \(prompt row \d+ of the data, "
-                  r".*exited with sys.exit\(0\)"),
-    ("hang", ["reward.timeout_s=1"], r"reward function later in .* did not return within reward.timeout_s=1 s"),
+    ("exit0", [], r"reward function later in .* failed on sample 0 of the batch \(data_source .*exited with "
+                      r"sys.exit\(0\)"),
+        ("hang", ["reward.timeout_s=1"], r"reward function later in .* did not return within reward.timeout_s=1 s"),
 ])
 def test_a_run_saves_the_last_completed_step(tiny_llama, tmp_path, how, sets, match):
     from conftest import prepare_trainer
     path, _ = run_file(tmp_path, how)
     t = prepare_trainer(tiny_llama, tmp_path / "run", FAST + sets + [f'reward.function="{path}:later"'])
-    proc = t.reward_fn._proc
+    proc = t.functions[0].fn._proc
     with pytest.raises(RewardError, match=match) as e:
         t.run()
     assert "saved the last good state (step 1)" in str(e.value)

@@ -129,7 +129,7 @@ def test_signature_by_marker_and_none_means_not_applicable(user_file):
     ("text", "reward function text returned str '1.0' on a batch of 2 completions; a batched function"),
     ("nan", "reward function nan returned nan for completion 0 of a batch of 2; a reward must be a finite"),
     ("word", "reward function word returned str 'high' for completion 0"),
-    ("exits", "reward function exits failed on a batch of 2 completions: SystemExit: 3"),
+    ("exits", "rw.py failed on a batch of 2 completions: exited with sys.exit(3) (at rw.py:"),
     ("nan_sample", "reward function nan_sample returned inf on sample 0 of the batch"),
 ])
 def test_a_wrong_return_is_one_error_naming_the_function(user_file, fn, message):

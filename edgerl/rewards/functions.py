@@ -66,7 +66,8 @@ def call_reward(fn: Callable[..., Any], name: str, where: Callable[[], str], **k
     stops it at once (Interrupted)."""
     from edgerl.rewards.contain import UserFunction, call_user
     if isinstance(fn, UserFunction):
-        return call_user(fn, f"reward function {name}", lambda: where().removeprefix("on ").removeprefix("for "),
+        return call_user(fn, f"reward function {name} in {fn.path}",
+                         lambda: where().removeprefix("on ").removeprefix("for "),
                          **kwargs)
     try:   # edgerl's own built-ins, in this process
         return fn(**kwargs)
