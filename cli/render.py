@@ -12,12 +12,14 @@ from edgerl.plan.memory import fmt_bytes
 from edgerl.plan.plan import Plan
 
 STATUS_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]skip[/]"}
-LABELS = {"dtype": "dtype", "attention": "attention", "rollout_engine": "rollout engine",
+LABELS = {"dtype": "dtype", "attention": "attention", "attention_chunk": "attention chunk",
+          "rollout_engine": "rollout engine",
           "cuda_graphs": "CUDA graphs", "rollout_compile": "compiled decode step",
           "decode_attention": "decode attention",
           "nf4_kernel": "fused NF4 decode kernel",
           "kernel_backend": "log-prob kernel", "kernel_tiles": "kernel tiles",
           "logprob_chunk": "log-prob chunk", "grad_checkpointing": "grad checkpointing",
+          "activation_offload": "activation offload", "micro_batch_tokens": "micro-batch tokens",
           "swap_models": "swap models", "optimizer_offload": "optimizer offload",
           "param_offload": "param offload", "optimizer": "optimizer", "lora": "LoRA", "base_dtype": "LoRA base dtype",
           "reward_model_dtype": "reward model dtype", "rollout_resident": "rollout engine resident",

@@ -157,7 +157,12 @@ class PlanOverrides:
     share_prompts: Optional[bool] = F(None, "the trainer's forward passes compute a prompt its samples share once "
                                       "per micro-batch")
     kernel_backend: Optional[Literal["torch", "triton"]] = F(None, "log-prob kernel backend")
+    attention_chunk: Optional[int] = F(None, "attend in chunks of this many query rows in training, each chunk's "
+                                       "scores recomputed in the backward (0 or unset: one fused SDPA call where "
+                                       "the GPU has an O(L)-memory kernel)")
     grad_checkpointing: Optional[bool] = F(None, "recompute activations in the backward pass")
+    activation_offload: Optional[bool] = F(None, "move the checkpointed layers' inputs to pinned host memory during "
+                                           "the forward and back one layer ahead in the backward (CUDA)")
     param_offload: Optional[bool] = F(None, "keep parameters in host memory (FSDP2 CPU offload)")
     optimizer_offload: Optional[bool] = F(None, "keep optimizer state in host memory")
     optimizer: Optional[Literal["adamw", "adamw8bit", "adamw-bf16", "adamw-bf16-sr"]] = F(
@@ -286,6 +291,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "lora.dropout": ("[0, 1)", ""),
     "plan.rollout_batch": ("[1, inf)", "leave it unset to let the plan choose"),
     "plan.score_micro_batch": ("[1, inf)", "leave it unset to let the plan choose"),
+    "plan.attention_chunk": ("[0, inf)", "leave it unset to let the plan choose (0: one fused SDPA call)"),
     "plan.headroom_gib": ("[0, inf)", ""),
     "plan.memory_gib": ("(0, inf)", "leave it unset to use the device's memory"),
     "plan.rollout_memory_share": ("(0, 1]", "a share of the GPU's memory"),

@@ -23,7 +23,8 @@ def pinned_config(cfg: Config, p: Plan, profile: Optional[str]) -> Config:
         cuda_graphs=p.cuda_graphs, rollout_compile=p.rollout_compile, decode_attention=p.decode_attention,
         nf4_kernel=p.nf4_kernel, share_prompts=p.share_prompts,
         kernel_backend=p.kernel_backend,
-        grad_checkpointing=p.grad_checkpointing,
+        grad_checkpointing=p.grad_checkpointing, activation_offload=p.activation_offload,
+        attention_chunk=p.attention_chunk or None,
         param_offload=p.param_offload, optimizer_offload=p.optimizer_offload, optimizer=p.optimizer,
         base_dtype=p.base_dtype if p.lora else cfg.plan.base_dtype,
         rollout_batch=p.rollout_batch, score_micro_batch=p.score_micro_batch)

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_support, bnb_support, choose_logprob_chunk,
+from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, activation_offload_reason, bf16_state_support,
+                        bnb_support, choose_logprob_chunk, pick_attention_chunk,
                         quant_support, logit_bytes, lora_targets, optimizer_reason,
                         pick_attention, pick_base_dtype, pick_dtype, pick_env, pick_headroom, pick_kernels,
                         pick_decode_attention, pick_nf4_kernel, pick_reward_model_dtype, pick_rollout, pick_share_prompts,
@@ -34,6 +35,7 @@ class Plan:
     task: Task
     dtype: DtypePolicy
     attention: str
+    attention_chunk: int                 # query rows per attention chunk in training (0: one fused SDPA call)
     rollout_engine: str
     cuda_graphs: bool
     rollout_compile: bool                # the hf engine's decode step compiled (torch.compile)
@@ -45,6 +47,7 @@ class Plan:
     kernel_tiles: Optional[dict[str, Any]]
     logprob_chunk: int
     grad_checkpointing: bool
+    activation_offload: bool             # checkpointed layers' inputs wait in pinned host memory
     swap_models: bool
     optimizer_offload: bool
     param_offload: bool
@@ -53,6 +56,7 @@ class Plan:
     base_dtype: Optional[str]            # storage of the frozen LoRA base (a float dtype, int8 or nf4); None
     reward_model_dtype: Optional[str]    # None without a reward model
     micro_batch: int
+    micro_batch_tokens: int              # token budget of a micro-batch: micro_batch x (prompt + response)
     score_micro_batch: int
     rollout_batch: int
     rollout_resident: bool               # the engine keeps weights, KV cache and CUDA graphs between steps
@@ -62,12 +66,12 @@ class Plan:
     headroom: int
     reasons: dict[str, str] = field(default_factory=dict)
 
-    DECISIONS = ("dtype", "attention", "rollout_engine", "cuda_graphs", "rollout_compile", "decode_attention",
-                 "nf4_kernel",
-                 "kernel_backend", "kernel_tiles", "logprob_chunk", "grad_checkpointing", "swap_models",
-                 "optimizer_offload", "param_offload", "optimizer", "lora", "base_dtype", "reward_model_dtype",
-                 "micro_batch", "score_micro_batch", "share_prompts", "rollout_batch", "rollout_resident", "rollout_memory_share",
-                 "env")
+    DECISIONS = ("dtype", "attention", "attention_chunk", "rollout_engine", "cuda_graphs", "rollout_compile",
+                 "decode_attention", "nf4_kernel",
+                 "kernel_backend", "kernel_tiles", "logprob_chunk", "grad_checkpointing", "activation_offload",
+                 "swap_models", "optimizer_offload", "param_offload", "optimizer", "lora", "base_dtype",
+                 "reward_model_dtype", "micro_batch", "micro_batch_tokens", "score_micro_batch", "share_prompts",
+                 "rollout_batch", "rollout_resident", "rollout_memory_share", "env")
 
     def value(self, key: str) -> Any:
         v = getattr(self, key)
@@ -111,6 +115,10 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     reasons: dict[str, str] = {}
     dtype, reasons["dtype"] = pick_dtype(device, o.get("dtype"))
     attention, reasons["attention"] = pick_attention(device, dtype, o.get("attention"))
+    attention_chunk, kv_copies, reasons["attention_chunk"] = pick_attention_chunk(device, dtype, attention, model,
+                                                                               o.get("attention_chunk"))
+    env, reasons["env"] = pick_env(device)
+    expandable = any(k == "PYTORCH_CUDA_ALLOC_CONF" and "expandable_segments:True" in v for k, v in env)
     engine, graphs, reasons["rollout_engine"], reasons["cuda_graphs"] = pick_rollout(
         device, dtype, model, task.prompt_len + task.response_len, o.get("rollout_engine"), o.get("cuda_graphs"),
         task.world_size)
@@ -147,10 +155,17 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     host = device.host_memory if not device.integrated else 0
 
     forced = {k: o.get(k) for k in ("grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
-                                    "rollout_batch", "score_micro_batch", "micro_batch", "rollout_resident")}
+                                    "rollout_batch", "score_micro_batch", "micro_batch", "rollout_resident",
+                                    "activation_offload")}
     if device.integrated:  # host memory is the same memory: moving anything there frees nothing
         for k in ("param_offload", "optimizer_offload", "swap_models"):
             forced[k] = forced[k] or False
+    if device.integrated or not device.is_cuda:   # pinned host memory is the same memory (or there is no GPU)
+        if forced["activation_offload"]:
+            raise PlanError("plan.activation_offload=true moves activations from the GPU to host memory; here "
+                            + ("the GPU's memory is the host's" if device.is_cuda else "there is no GPU")
+                            + ": use plan.activation_offload=false")
+        forced["activation_offload"] = False
     lora_targets_, lora_params = (), 0
     if task.lora is not False:
         lora_targets_ = lora_targets(model.model_type, task.lora_targets)
@@ -160,7 +175,7 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             raise PlanError(f"lora.target_modules: {e}") from None
 
     # samples of a prompt whose forward passes may compute it once (the decision itself follows the search)
-    share = 1 if share_blocker(attention, model, o.get("share_prompts")) else task.samples_per_prompt
+    share = 1 if share_blocker(attention, model, o.get("share_prompts"), task) else task.samples_per_prompt
 
     def setting(config: Candidate) -> Setting:
         quant = config.base if config.base in QUANT_BASES else None
@@ -177,13 +192,16 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             lora_input_bytes=_lora_input_bytes(model, lora_targets_, dtype.compute_bytes) if config.lora else 0,
             prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1,
             # the static engine prefills a prompt once for its samples (a quantized base always runs it)
-            prefill_share=task.samples_per_prompt if engine == "hf" or quant else 1)
+            prefill_share=task.samples_per_prompt if engine == "hf" or quant else 1,
+            attention_chunk=attention_chunk, kv_copies=kv_copies, expandable_segments=expandable,
+            head_trains=not config.lora, logprob_upcast=backend == "torch")
 
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []
     for config in trained_and_base(device, task, base_dtype, bool(o.get("base_dtype"))):
         # bf16 weights only where the compute is bf16: plan.dtype=fp32 keeps fp32 weights
         bf16_ok = bf16_state_support(device, config.lora)[0] and dtype.compute == "bf16"
-        stages = stages_for(forced_opt, bnb_ok, bf16_ok, config.param_offload, forced["rollout_resident"])
+        stages = stages_for(forced_opt, bnb_ok, bf16_ok, config.param_offload, forced["rollout_resident"],
+                            forced["activation_offload"])
         base = setting(config)
         found, tried = search(model, task, base, budget, forced, calibration, host, stages,
                               micro_cost(device, model, task, base))
@@ -232,19 +250,27 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
     fused_nf4, reasons["nf4_kernel"] = pick_nf4_kernel(device, dtype, base, engine, o.get("nf4_kernel"))
     packed, reasons["share_prompts"] = pick_share_prompts(attention, model, task, s.micro_batch, s.score_micro_batch,
                                                           o.get("share_prompts"))
-    env, reasons["env"] = pick_env(device)
     lora_info = None
     if use_lora:
         lora_info = {"rank": task.lora_rank, "alpha": task.lora_alpha, "targets": list(lora_targets_),
                      "params": lora_params}
-    return Plan(device=device, model=model, task=task, dtype=dtype, attention=attention, rollout_engine=engine,
+    reasons["activation_offload"] = activation_offload_reason(device, s.activation_offload, s.grad_checkpointing,
+                                                              mem.host_needed, o.get("activation_offload"))
+    tokens = task.prompt_len + task.response_len
+    reasons["micro_batch_tokens"] = (f"{s.micro_batch} x ({task.prompt_len} + {task.response_len}) tokens: micro-batches "
+                                     "are cut by tokens, so rows whose responses ended early (EOS) share a "
+                                     "micro-batch with more rows; each is trimmed to its longest response")
+    return Plan(device=device, model=model, task=task, dtype=dtype, attention=attention,
+                attention_chunk=attention_chunk, rollout_engine=engine,
                 cuda_graphs=graphs, rollout_compile=compiled, decode_attention=decode_attention,
                 nf4_kernel=fused_nf4, share_prompts=packed, kernel_backend=backend,
                 kernel_tiles=tiles, logprob_chunk=chunk,
-                grad_checkpointing=s.grad_checkpointing, swap_models=s.swap_models,
+                grad_checkpointing=s.grad_checkpointing, activation_offload=s.activation_offload,
+                swap_models=s.swap_models,
                 optimizer_offload=s.optimizer_offload, param_offload=s.param_offload, optimizer=optimizer,
                 lora=lora_info, base_dtype=base, reward_model_dtype=rm_dtype,
-                micro_batch=s.micro_batch, score_micro_batch=s.score_micro_batch,
+                micro_batch=s.micro_batch, micro_batch_tokens=s.micro_batch * tokens,
+                score_micro_batch=s.score_micro_batch,
                 rollout_batch=s.rollout_batch, rollout_resident=s.rollout_resident,
                 rollout_memory_share=round(share, 4), env=env,
                 memory=mem, headroom=headroom, reasons=reasons | {"headroom": hreason})

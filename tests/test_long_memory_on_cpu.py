@@ -1,0 +1,162 @@
+"""Long responses on the CPU: attention without an L x L mask (rolled rows, chunked query rows),
+against slow references (each row alone through HF's own forward; SDPA over the whole sequence)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edgerl.models import attention
+from edgerl.models.load import PolicyHead, ValueModel, enable_checkpointing
+from rollout_helpers import PROMPTS, tiny_llama, tiny_qwen2
+
+
+def _rows(lens: list[int], R: int = 9, seed: int = 0):
+    """Left-padded PROMPTS followed by right-padded random responses of the given real lengths."""
+    g = torch.Generator().manual_seed(seed)
+    W = max(len(p) for p in PROMPTS)
+    ids = torch.zeros(len(lens), W + R, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lens):
+        p = PROMPTS[i % len(PROMPTS)]
+        ids[i, W - len(p):W] = torch.tensor(p)
+        ids[i, W:W + n] = torch.randint(3, 500, (n,), generator=g)
+        mask[i, W - len(p):W + n] = 1
+    return ids, mask, W - 1, ids[:, W:], mask[:, W:].bool()
+
+
+def _head(model, chunk: int = 0) -> PolicyHead:
+    return PolicyHead(model, SimpleNamespace(kernel_backend="torch", logprob_chunk=16, kernel_tiles=None,
+                                             share_prompts=False, attention_chunk=chunk))
+
+
+def _alone(model, ids, mask, start, T):
+    """Slow reference: each row without its padding through HF's own forward (logits, log_softmax)."""
+    out = torch.zeros(ids.shape[0], T, dtype=torch.float64)
+    for b in range(ids.shape[0]):
+        real = mask[b].bool()
+        first = int(real.nonzero()[0])
+        row = ids[b, real][None]
+        logits = model(input_ids=row).logits[0].double()
+        lp = torch.log_softmax(logits, -1)
+        for t in range(T):
+            col = start + t - first            # hidden column predicting response token t
+            if start + 1 + t < ids.shape[1] and real[start + 1 + t]:
+                out[b, t] = lp[col, ids[b, start + 1 + t]]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_rolled_forward_equals_each_row_alone(arch, chunk):
+    """The trainer's forward (rows rolled to column 0, no mask; chunk > 0: 3 query rows at a time) gives
+    every real response token the log-prob HF's own forward gives the row alone."""
+    model = (tiny_llama() if arch == "llama" else tiny_qwen2()).to(torch.float64)
+    ids, mask, start, targets, rmask = _rows([9, 4, 1, 7])
+    with torch.no_grad():
+        lp, _ = _head(model, chunk)(ids, mask, targets, start, 1.0)
+        ref = _alone(model, ids, mask, start, targets.shape[1])
+    torch.testing.assert_close(lp[rmask].double(), ref[rmask], rtol=0, atol=2e-6)   # log-probs come back in fp32
+
+
+def test_the_forward_hands_no_mask_to_attention(monkeypatch):
+    """No (B, 1, L, L) mask reaches attention: every layer's call takes the causal path."""
+    model = tiny_llama().to(torch.float64)
+    head = _head(model)
+    seen = []
+    real = attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **k: seen.append(a[0].shape) or real(*a, **k))
+    ids, mask, start, targets, _ = _rows([9, 4, 1])
+    with torch.no_grad():
+        head(ids, mask, targets, start, 1.0)
+    assert len(seen) == model.config.num_hidden_layers and seen[0][2] == ids.shape[1]
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_rolled_and_chunked_gradients_equal_the_unchunked_ones(ckpt):
+    """Gradients through the chunked attention (each chunk recomputed in the backward) equal those of the
+    fused path, with and without layer checkpointing."""
+    grads = []
+    for chunk in (0, 4):
+        model = tiny_llama().to(torch.float64)
+        if ckpt:
+            enable_checkpointing(model)
+        model.train()
+        ids, mask, start, targets, rmask = _rows([9, 4, 1, 7])
+        lp, ent = _head(model, chunk)(ids, mask, targets, start, 0.8)
+        ((lp * rmask).sum() + 0.1 * (ent * rmask).sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=1e-10, msg=n)
+
+
+@pytest.mark.parametrize("L,chunk,heads,kv", [(37, 8, 4, 2), (16, 16, 2, 2), (33, 5, 6, 3), (1, 4, 2, 1)])
+def test_chunked_causal_attention_equals_sdpa_over_the_whole_sequence(L, chunk, heads, kv):
+    g = torch.Generator().manual_seed(L)
+    q = torch.randn(2, heads, L, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv, L, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv, L, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    out = attention.causal_attention(q, k, v, 0.3, chunk)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (out * w).sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    rep = heads // kv
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                         is_causal=True, scale=0.3)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for a, t in zip(got, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, rtol=0, atol=1e-12)
+
+
+def test_roll_left_refuses_holes_in_a_row():
+    ids = torch.arange(6)[None]
+    with pytest.raises(ValueError, match="contiguous"):
+        attention.roll_left(ids, torch.tensor([[0, 1, 0, 1, 1, 0]]))
+    rolled, lead = attention.roll_left(ids, torch.tensor([[0, 0, 1, 1, 1, 0]]))
+    assert lead.tolist() == [2] and rolled[0, :3].tolist() == [2, 3, 4]
+
+
+def test_critic_values_equal_the_masked_forward():
+    model = tiny_llama().to(torch.float64)
+    critic = ValueModel(model).to(torch.float64)
+    ids, mask, start, targets, rmask = _rows([9, 4, 1, 7])
+    with torch.no_grad():
+        v = critic(ids, mask, start, targets.shape[1])
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        h = critic.lm.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        ref = critic.value_head(h[:, start:start + targets.shape[1]]).squeeze(-1)
+    torch.testing.assert_close(v[rmask], ref[rmask].float(), rtol=0, atol=1e-6)   # values come back in fp32
+
+
+def test_offloaded_layer_inputs_give_the_same_gradients_and_leave_the_device():
+    """Checkpointed layers whose inputs wait on the host (here a clone: the CPU has no pinned copy) give the
+    gradients of plain checkpointing; after the forward no layer input is held on the device, and a forward
+    without a backward (a skipped micro-batch) does not confuse the next one."""
+    from edgerl.models import offload
+    from edgerl.models.load import decoder_layers
+    grads, held = [], None
+    for off in (False, True):
+        model = tiny_llama().to(torch.float64)
+        enable_checkpointing(model)
+        if off:
+            held = offload.enable(decoder_layers(model), torch.device("cpu"))
+        model.train()
+        ids, mask, start, targets, rmask = _rows([9, 4, 1, 7])
+        head = _head(model)
+        if off:
+            head(ids, mask, targets, start, 0.8)          # no backward: its inputs are dropped at the next forward
+        lp, ent = head(ids, mask, targets, start, 0.8)
+        if off:
+            assert len(held.held) == model.config.num_hidden_layers
+            assert all(h.gpu is None and h.host is not None for h in held.held)
+        ((lp * rmask).sum() + 0.1 * (ent * rmask).sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert held.held == []   # the backward took every input back
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=n)
