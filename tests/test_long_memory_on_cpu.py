@@ -160,3 +160,55 @@ def test_offloaded_layer_inputs_give_the_same_gradients_and_leave_the_device():
     assert held.held == []   # the backward took every input back
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=n)
+
+
+def _eos_tokens(model, prompts, n=48):
+    """Tokens a sampled rollout emits often enough that rows finish at different steps."""
+    from edgerl.rollout import SamplingParams, StaticCacheEngine
+    import collections
+    eng = StaticCacheEngine(model, 16, 96, cuda_graphs=False)
+    out = eng.generate(prompts, 4, SamplingParams(max_new_tokens=n, temperature=1.5), torch.Generator().manual_seed(3))
+    counts = collections.Counter(t for r in out.response_ids for t in r)
+    return tuple(t for t, _ in counts.most_common(12))[4:12]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_dropping_finished_rows_keeps_every_response_and_log_prob(greedy):
+    """Rows that finished (EOS) leave the decode batch; the rollout is the one the engine gives when it
+    decodes every row to the end: the same tokens and the same log-probs, row by row (to fp32 rounding: a
+    smaller batch's matmuls may round differently)."""
+    from edgerl.rollout import SamplingParams, StaticCacheEngine
+    model = tiny_llama(seed=5)
+    if greedy:   # greedy samples of one prompt are alike: distinct prompts, and EOS at different steps of each
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(3, 500, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (10,), generator=g)]
+        free = StaticCacheEngine(model, 16, 96, cuda_graphs=False).generate(
+            prompts, 1, SamplingParams(max_new_tokens=48, greedy=True), None).response_ids
+        eos = tuple({r[3 + 4 * i] for i, r in enumerate(free[:7])})
+        samples = 1
+    else:
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+        eos, samples = _eos_tokens(model, prompts), 4
+    params = SamplingParams(max_new_tokens=48, temperature=1.3, top_k=50, top_p=0.95, eos_token_ids=eos,
+                            pad_token_id=0, greedy=greedy)
+    runs = []
+    for drop in (False, True):
+        eng = StaticCacheEngine(model, 16, 96, cuda_graphs=False)
+        eng.drop_finished = drop
+        runs.append(eng.generate(prompts, samples, params, torch.Generator().manual_seed(11)))
+    ref, got = runs
+    assert got.info["compactions"] >= 1 and got.info["row_steps"] < ref.info["row_steps"]
+    lens = [len(r) for r in ref.response_ids]
+    assert min(lens) < 48 and len(set(lens)) > 2            # rows finished at different steps
+    assert got.response_ids == ref.response_ids and got.truncated == ref.truncated
+    for a, b in zip(got.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-6)
+
+
+def test_the_kv_cache_holds_the_rows_a_call_decodes():
+    from edgerl.rollout import SamplingParams, StaticCacheEngine
+    eng = StaticCacheEngine(tiny_llama(), 16, 64, cuda_graphs=False)
+    eng.generate([PROMPTS[0]], 3, SamplingParams(max_new_tokens=4, greedy=True), None)
+    assert eng.dec.cache.shape[2] == 3
+    eng.generate([PROMPTS[0]], 5, SamplingParams(max_new_tokens=4, greedy=True), None)   # more rows: a new cache
+    assert eng.dec.cache.shape[2] == 5

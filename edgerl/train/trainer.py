@@ -27,7 +27,7 @@ from edgerl.config.schema import Config, to_dict
 from edgerl.data.prompts import Prompt, PromptSampler
 from edgerl.plan.dtypes import torch_dtype
 from edgerl.core.errors import USER_ERRORS, RunDirError, TrainingError
-from edgerl.train.experience import Experience, advantages, critic_values, pad_batch, policy_logprobs
+from edgerl.train.experience import Experience, advantages, critic_values, pad_batch, pad_columns, policy_logprobs
 from edgerl.train.metrics import MetricsWriter
 from edgerl.core.files import write_atomically
 from edgerl.models.load import (build_actor, build_critic, build_frozen, init_distributed, lm_weights, on_device, save_hf)
@@ -180,23 +180,27 @@ class Trainer:
         cfg, p = self.cfg, self.plan
         T = cfg.rollout.temperature
         updates = (len(exp) // (cfg.train.mini_batch or len(exp))) * cfg.train.ppo_epochs
+        # the scoring micro-batch's token budget (rows whose responses ended early share one); one process only,
+        # since under torchrun every rank must take as many forward passes as the others
+        score_tokens = p.score_micro_batch * p.micro_batch_tokens // p.micro_batch if self.world == 1 else None
         self.actor.eval()
         # On-policy with one update per step, the old log-probs equal the current ones: the update's
         # own forward provides them (ratio 1), and this pass is skipped.
         if updates > 1 or (kl_coef > 0 and cfg.algo.kl_in == "reward"):
-            exp.old_logp, _ = policy_logprobs(self.actor, exp, p.score_micro_batch, T, self.device)
+            exp.old_logp, _ = policy_logprobs(self.actor, exp, p.score_micro_batch, T, self.device, score_tokens)
         if self.ref is not None:
             with on_device(self.ref, self.device, p.swap_models and not self.lora):
-                exp.ref_logp, _ = policy_logprobs(self.ref, exp, p.score_micro_batch, T, self.device)
+                exp.ref_logp, _ = policy_logprobs(self.ref, exp, p.score_micro_batch, T, self.device, score_tokens)
         if self.critic is not None:
             self.critic.eval()
-            exp.values = critic_values(self.critic, exp, p.score_micro_batch, self.device)
+            exp.values = critic_values(self.critic, exp, p.score_micro_batch, self.device, score_tokens)
         return exp
 
     def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
         """PPO epochs for the actor, then the critic; counts skipped (non-finite) updates."""
         cfg, a, lp = self.cfg, self.cfg.algo, self.state.loop
         epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
+        R = exp.response_ids.shape[1]   # micro-batches come trimmed to their longest response
 
         def actor_loss(part: Experience, epoch: int):
             logp, ent = self.actor(part.input_ids, part.attention_mask, part.response_ids, part.start,
@@ -211,11 +215,11 @@ class Trainer:
             if part.ref_logp is not None and a.kl_in == "loss" and kl_coef > 0:
                 loss = loss + kl_coef * algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, a.loss_agg)
             if epoch == 0:
-                epoch0["logp"].append(logp.detach().float().cpu())
-                epoch0["ent"].append(ent.detach().float().cpu())
-                epoch0["mask"].append(mask.cpu())
+                epoch0["logp"].append(pad_columns(logp.detach().float().cpu(), R))
+                epoch0["ent"].append(pad_columns(ent.detach().float().cpu(), R))
+                epoch0["mask"].append(pad_columns(mask.cpu(), R))
                 if part.ref_logp is not None:
-                    epoch0["ref"].append(part.ref_logp.cpu())
+                    epoch0["ref"].append(pad_columns(part.ref_logp.cpu(), R))
             return loss, st
 
         def critic_loss(part: Experience, epoch: int):
@@ -226,7 +230,7 @@ class Trainer:
         common = dict(mini=(cfg.train.mini_batch or cfg.sequences_per_step) // self.world, epochs=cfg.train.ppo_epochs,
                       micro=self.plan.micro_batch,
                       agg=a.loss_agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
-                      scaler=lp.scaler)
+                      scaler=lp.scaler, tokens=self.plan.micro_batch_tokens)
         res = run_update(self.state.actor, exp, actor_loss, **common)
         out = {**res.stats, "actor/skipped_updates": float(res.skipped)}
         if epoch0["logp"]:

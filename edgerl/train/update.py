@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from edgerl import algos
 from edgerl.train import ranks
-from edgerl.train.experience import Experience, micro_batches
+from edgerl.train.experience import Experience, micro_batches, token_micro_batches
 from edgerl.train.optim import StateOffload
 
 
@@ -88,8 +88,10 @@ def optimizer_step(learner: Learner, max_grad_norm: float, scaler: Optional[torc
 
 def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int, epochs: int, micro: int,
                agg: str, gen: torch.Generator, device: torch.device, max_grad_norm: float,
-               scaler: Optional[torch.amp.GradScaler]) -> UpdateResult:
-    """PPO epochs of `loss_fn(micro-batch on device, epoch) -> (loss, stats)` over `exp`."""
+               scaler: Optional[torch.amp.GradScaler], tokens: Optional[int] = None) -> UpdateResult:
+    """PPO epochs of `loss_fn(micro-batch on device, epoch) -> (loss, stats)` over `exp`. Micro-batches hold
+    at most `tokens` tokens each, trimmed to their longest response (`micro` rows each when None; always
+    under torchrun, where every rank must take the same number of micro-steps)."""
     out = UpdateResult()
     sums: dict[str, float] = {}
     stepped = 0
@@ -100,8 +102,9 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
         whole = tuple(ranks.sum_floats(list(algos.batch_counts(mexp.response_mask)), device))
         acc: dict[str, float] = {}
         finite = True
-        for sl in micro_batches(len(mexp), micro):
-            part = mexp.rows(sl).to(device)
+        slices = token_micro_batches(mexp, tokens, micro) if world == 1 else micro_batches(len(mexp), micro)
+        for sl in slices:
+            part = mexp.rows(sl).trimmed().to(device)
             loss, stats = loss_fn(part, epoch)
             if not finite_everywhere(loss):
                 finite = False
