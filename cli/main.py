@@ -122,12 +122,19 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
     target = resolve_target(gpu, gpu_spec)
     p = plan_for(cfg, target, world_size=gpus)
     if fmt == "text":
+        from edgerl.plan.length import longest_line
+        from edgerl.plan.target import overrides_from_config
         print_plan(console, p)
+        console.print(longest_line(p.device, p.model, p.task, overrides_from_config(cfg, target.profile)),
+                      soft_wrap=True, highlight=False)
         return
     if fmt == "toml":
         text = plan_toml(cfg, p, target.profile.name if target.simulated and target.profile else None)
     elif fmt == "json":
-        text = json.dumps(p.to_dict(), indent=2, default=str)
+        from edgerl.plan.length import longest_response
+        from edgerl.plan.target import overrides_from_config
+        longest, _ = longest_response(p.device, p.model, p.task, overrides_from_config(cfg, target.profile))
+        text = json.dumps(p.to_dict() | {"longest_response": longest}, indent=2, default=str)
     else:
         lines, caveats = verl_overrides(cfg, p)
         text = "\n".join([f"# {c}" for c in caveats] + ["python -m verl.trainer.main_ppo \\"]

@@ -212,3 +212,162 @@ def test_the_kv_cache_holds_the_rows_a_call_decodes():
     assert eng.dec.cache.shape[2] == 3
     eng.generate([PROMPTS[0]], 5, SamplingParams(max_new_tokens=4, greedy=True), None)   # more rows: a new cache
     assert eng.dec.cache.shape[2] == 5
+
+
+# --- micro-batches by tokens ------------------------------------------------------------------------
+
+def _exp(lens: list[int], P: int = 4, R: int = 10):
+    from edgerl.train.experience import Experience
+    B = len(lens)
+    rmask = torch.zeros(B, R)
+    for i, n in enumerate(lens):
+        rmask[i, :n] = 1
+    ids = torch.arange(B * (P + R)).view(B, P + R)
+    mask = torch.cat([torch.ones(B, P), rmask], 1).long()
+    return Experience(input_ids=ids, attention_mask=mask, response_ids=ids[:, P:], response_mask=rmask,
+                      start=P - 1, scores=torch.zeros(B), old_logp=torch.randn(B, R))
+
+
+def test_token_micro_batches_against_a_slow_greedy_packing():
+    """Consecutive rows while rows x (prompt + the slice's longest response) stays within the budget."""
+    from edgerl.train.experience import token_micro_batches
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        lens = torch.randint(1, 11, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        budget = int(torch.randint(14, 80, (1,), generator=g))
+        got = token_micro_batches(_exp(lens), budget, 99)
+        want, cur = [], []
+        for i, n in enumerate(lens):
+            if cur and (len(cur) + 1) * (4 + max([lens[j] for j in cur] + [n])) > budget:
+                want.append(slice(cur[0], cur[-1] + 1))
+                cur = []
+            cur.append(i)
+        want.append(slice(cur[0], cur[-1] + 1))
+        assert got == want
+    # full-length responses: exactly budget // (P + R) rows each, as sequence micro-batches
+    assert token_micro_batches(_exp([10] * 8), 3 * 14, 99) == [slice(0, 3), slice(3, 6), slice(6, 8)]
+    assert token_micro_batches(_exp([10] * 8), None, 3) == [slice(0, 3), slice(3, 6), slice(6, 8)]
+
+
+def test_a_trimmed_micro_batch_keeps_every_real_token():
+    e = _exp([3, 5, 2]).trimmed()
+    assert e.response_ids.shape[1] == 5 and e.input_ids.shape[1] == 4 + 5 and e.old_logp.shape == (3, 5)
+    full = _exp([10, 2])
+    assert full.trimmed() is full
+
+
+def test_the_update_by_tokens_takes_the_step_the_update_by_rows_takes():
+    """The accumulated gradient of a mini-batch does not depend on how its rows are split and trimmed."""
+    from edgerl.train.update import Learner, run_update
+    from edgerl.train.optim import StateOffload
+    ids, mask, start, targets, rmask = _rows([20, 18, 2, 1, 1, 2], R=20)
+    from edgerl.train.experience import Experience
+    exp = Experience(input_ids=ids, attention_mask=mask, response_ids=targets, response_mask=rmask.float(),
+                     start=start, scores=torch.zeros(6), advantages=torch.randn(6, targets.shape[1]))
+    grads = []
+    for tokens in (None, 2 * ids.shape[1]):
+        model = tiny_llama().to(torch.float64)
+        head = _head(model)
+        optim = torch.optim.SGD(model.parameters(), lr=0.0)
+        seen = []
+
+        def loss_fn(part, epoch, head=head, seen=seen):
+            seen.append(part.response_ids.shape)
+            lp, _ = head(part.input_ids, part.attention_mask, part.response_ids, part.start, 1.0)
+            return -(lp * part.advantages * part.response_mask).sum() / part.response_mask.sum(), {}
+        learner = Learner("actor", head, optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0),
+                          StateOffload(optim, False, False))
+        captured = {}
+        real_step = optim.step
+
+        def step(*a, captured=captured, model=model, **k):
+            captured.update({n: p.grad.clone() for n, p in model.named_parameters()})
+            return real_step(*a, **k)
+        optim.step = step
+        run_update(learner, exp, loss_fn, mini=6, epochs=1, micro=2, agg="token-mean", gen=torch.Generator(),
+                   device=torch.device("cpu"), max_grad_norm=1e9, scaler=None, tokens=tokens)
+        grads.append(captured)
+        if tokens:   # the last four rows are short: they share one micro-batch, trimmed to 2 response columns
+            assert [tuple(s) for s in seen] == [(2, 20), (4, 2)]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+# --- the longest response, recommend, and a refusal that names it -------------------------------------
+
+def _p40():
+    from edgerl.device.profiles import device_from_profile, get_profile
+    from fakes import fake_probe
+    sw = fake_probe(None, torch_cuda=None, bitsandbytes="0.50.2").software
+    return device_from_profile(get_profile("p40"), sw, 64 * 2**30)
+
+
+def test_the_longest_response_is_the_last_length_that_plans():
+    """Binary search against a slow scan: every multiple of 64 up to the answer plans, the next does not."""
+    from edgerl.core.errors import PlanError
+    from edgerl.plan.length import STEP, longest_response
+    from edgerl.plan.modelspec import CATALOGUE
+    from edgerl.plan.plan import plan
+    from edgerl.plan.task import Task
+    dev, model = _p40(), CATALOGUE["qwen2.5-1.5b"]
+    task = Task(prompt_len=64, response_len=256, prompts_per_step=2, samples_per_prompt=8, lora=False)
+    o = {"param_offload": False}   # else FSDP2's CPU offload fits any length on a host with 64 GiB
+    n, context = longest_response(dev, model, task, o)
+    assert 0 < n < context
+    for k in (n - STEP, n):
+        plan(dev, model, dataclasses_replace(task, response_len=k), o)
+    with pytest.raises(PlanError):
+        plan(dev, model, dataclasses_replace(task, response_len=n + STEP), o)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
+
+
+def test_recommend_shows_the_longest_response_and_refuses_past_it(monkeypatch):
+    import re
+    from typer.testing import CliRunner
+    import edgerl.plan.target
+    from edgerl.cli.main import app
+    from fakes import fake_probe
+    monkeypatch.setattr(edgerl.plan.target, "probe", lambda: fake_probe(None, torch_cuda=None, bitsandbytes="0.50.2"))
+    args = ["recommend", "--gpu", "p40", "--model", "qwen2.5-1.5b", "--prompt-len", "64", "--samples", "8",
+            "--prompts", "2", "--no-lora", "--set", "plan.param_offload=false"]
+    r = CliRunner().invoke(app, args + ["--response-len", "1024"])
+    assert r.exit_code == 0, r.stdout
+    m = re.search(r"longest response that fits: (\d+) tokens", r.stdout)
+    assert m, r.stdout
+    n = int(m.group(1))
+    past = CliRunner().invoke(app, args + ["--response-len", str(n + 64)])
+    assert past.exit_code == 2
+    assert f"the longest response that fits this task here: {n} tokens" in past.output
+    assert f"--set rollout.max_new_tokens={n}" in past.output
+
+
+def test_out_of_memory_writes_oom_json_naming_the_phase_the_estimate_and_the_peak(tiny_llama, tmp_path, monkeypatch):
+    import json
+    from conftest import prepare_trainer
+    from edgerl.train.trainer import TrainingError
+    sets = ['run.profile="cpu"', "rollout.max_new_tokens=8", "train.prompts_per_step=2", "rollout.n_samples=4",
+            "run.tensorboard=false", "data.num_examples=64", "train.steps=2", "run.save_every=0"]
+    t = prepare_trainer(tiny_llama, tmp_path / "run", sets)
+    real = t.update
+
+    def update_oom(exp, kl):
+        if t.step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has ...")
+        return real(exp, kl)
+    monkeypatch.setattr(t, "update", update_oom)
+    with pytest.raises(TrainingError) as e:
+        t.run()
+    msg = str(e.value)
+    est = t.plan.memory.phase_totals()["update"]
+    from edgerl.plan.memory import fmt_bytes
+    assert "out of memory in step 2, in the update phase" in msg and f"the plan estimated {fmt_bytes(est)}" in msg
+    assert "tried to allocate 1.50 GiB" in msg and "that is a bug" in msg and "oom.json" in msg
+    record = json.loads((tmp_path / "run" / "oom.json").read_text())
+    assert record["phase"] == "update" and record["step"] == 2 and record["estimate_phase_bytes"] == est
+    assert record["tried_to_allocate"] == "1.50 GiB" and "reserved_peak" in record["measured"]
+    assert record["plan"]["micro_batch"] == t.plan.micro_batch
+    assert not list((tmp_path / "run").glob(".oom.json-*"))   # written through a temporary file and a rename

@@ -118,6 +118,7 @@ class Trainer:
             seed=t.seed, work_dir=self.run_dir,
             save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor))), actor=self.actor))
         self.stop_signal: Optional[str] = None
+        self.phase = "setup"
         if s.resume is not None:
             state.restore(s.resume.checkpoint, self.state, self.log)
         self.metrics = MetricsWriter(self.run_dir, cfg.run.tensorboard, resume=s.resume is not None, log=self.log) \
@@ -268,11 +269,14 @@ class Trainer:
         @contextlib.contextmanager
         def phase(name: str):
             start = time.perf_counter()
+            self.phase = name   # an out-of-memory error names the phase it happened in
             yield
+            self.phase = f"after the {name} phase"
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             times[f"time/{name}_s"] = time.perf_counter() - start
 
+        self.phase = "before the rollout"
         mine = lp.sampler.next_batch()  # the global batch, the same on every rank; this rank takes its share
         k = len(mine) // self.world
         prompts = [self.prompts[i] for i in mine[self.rank * k:(self.rank + 1) * k]]
@@ -358,13 +362,19 @@ class Trainer:
         saved = state.failed_step(self.state, before_steps, snap, self.save)
         resume = f"then resume with --resume {self.run_dir}"
         if isinstance(e, torch.OutOfMemoryError):
+            from edgerl.train.oom import oom_message, oom_record, write_oom
             p = self.plan
-            measured = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
-            from edgerl.plan.memory import fmt_bytes
+            cuda = self.device.type == "cuda"
+            measured = {"reserved_peak": torch.cuda.max_memory_reserved(self.device) if cuda else 0,
+                        "allocated_peak": torch.cuda.max_memory_allocated(self.device) if cuda else 0,
+                        "reserved_now": torch.cuda.memory_reserved(self.device) if cuda else 0}
+            record = oom_record(p, self.step + 1, self.phase, measured, str(e))
+            try:
+                write_oom(self.run_dir, record, self.rank)
+            except OSError as write_error:   # the report must not hide the out-of-memory error itself
+                self.log(f"could not write oom.json: {write_error}")
             fixes = next_moves(p, self.cfg.rollout.max_new_tokens)
-            return TrainingError(f"CUDA out of memory in step {self.step + 1}: the plan estimated "
-                                 f"{fmt_bytes(p.memory.total)} (peak in {p.memory.peak_phase}), the process reserved "
-                                 f"{fmt_bytes(measured)} before failing. {saved}. Try {fixes[0]}"
+            return TrainingError(oom_message(record, self.run_dir) + f". {saved}. Try {fixes[0]}"
                                  + (f" (next: {fixes[1]})" if len(fixes) > 1 else "")
                                  + (f", or raise plan.memory_gib={self.cfg.plan.memory_gib:g} (the allocator is capped "
                                     "at it)" if self.cfg.plan.memory_gib is not None else "") + f", {resume}")
