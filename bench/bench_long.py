@@ -28,6 +28,7 @@ import benchlib as bl  # noqa: E402
 # name -> (shape, profile, new tokens, extra --set)
 NF4 = ["lora.enabled=true", "lora.rank=16", 'plan.base_dtype="nf4"']
 ROWS: dict[str, tuple[str, str, int, list[str]]] = {
+    "1.5b-p40-512": ("1.5b", "p40", 512, ["lora.enabled=false"]),
     "1.5b-p40-2k": ("1.5b", "p40", 2048, ["lora.enabled=false"]),
     "1.5b-p40-4k": ("1.5b", "p40", 4096, ["lora.enabled=false"]),
     "1.5b-p40-8k": ("1.5b", "p40", 8192, ["lora.enabled=false"]),
@@ -36,10 +37,13 @@ ROWS: dict[str, tuple[str, str, int, list[str]]] = {
     "llama8b-nf4-t4-2k": ("llama8b", "t4", 2048, NF4),
 }
 SMOKE = {"smoke": ("tiny-q", "cpu", 64, ["lora.enabled=false"])}
+# --check: the code paths of the rows on the GPU in a minute (the 1.5B full plan at 256 tokens, an NF4 base)
+CHECK = {"check-1.5b-p40": ("1.5b", "p40", 256, ["lora.enabled=false"]),
+         "check-nf4-t4": ("tiny-q", "t4", 128, NF4)}
 
 
 def command(name: str, steps: int) -> str:
-    shape, profile, n, extra = ROWS[name]
+    shape, profile, n, extra = {**ROWS, **CHECK}[name]
     sets = " ".join(f"--set {s}" for s in [f"rollout.max_new_tokens={n}", *extra])
     return (f"edgerl train --profile {profile} --model <{shape} random weights> {sets} (bench/bench_long.py "
             f"--only {name} --steps {steps})")
@@ -63,7 +67,7 @@ def summary(name: str, res: dict, steps: int) -> dict:
             "error": (est / measured - 1) if est and measured else None,
             "plan": {k: plan.get(k) for k in ("micro_batch", "score_micro_batch", "rollout_batch",
                                                 "grad_checkpointing", "optimizer", "base_dtype")},
-            "command": command(name, steps) if name in ROWS else name, "message": res.get("error", "")[:600]}
+            "command": command(name, steps) if name in ROWS or name in CHECK else name, "message": res.get("error", "")[:600]}
 
 
 def offload_cost(out: Path, tokens: int = 8192, layers: int = 8, reps: int = 3) -> dict:
@@ -117,17 +121,22 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=470, help="seconds per run")
     ap.add_argument("--parallel", action="store_true", help="all rows at once, each under its own cap")
     ap.add_argument("--offload-cost", action="store_true", help="time the activation offload, then stop")
+    ap.add_argument("--check", action="store_true", help=f"the rows {', '.join(CHECK)} instead (2 steps)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="fp32 matmuls on TF32 tensor cores (Ampere and newer): the same memory, a faster update; "
+                         "an emulated P40's plan computes in fp32, which a P40 has no tensor cores for")
     bl.add_run_args(ap, 520, 30, "a tiny shape, 2 steps of 64 tokens on the CPU")
     args = ap.parse_args()
     out, work = bl.out_and_work(args, "bench_long", 30)
     if args.offload_cost:
         print(offload_cost(out.with_name(out.stem + "_offload.json")))
         return
-    rows = SMOKE if args.smoke else {k: ROWS[k] for k in (args.only or list(ROWS))}
-    steps = 2 if args.smoke else args.steps
+    rows = SMOKE if args.smoke else CHECK if args.check else {k: ROWS[k] for k in (args.only or list(ROWS))}
+    steps = 2 if args.smoke or args.check else args.steps
     clock = bl.Clock(args.budget_s)
     results = bl.Results(out, {"script": "bench_long", "argv": sys.argv[1:], "device": bl.device_name(),
-                               "versions": bl.versions(), "steps": steps, "parallel": args.parallel})
+                               "versions": bl.versions(), "steps": steps, "parallel": args.parallel,
+                               "tf32": args.tf32})
 
     def log(s: str) -> None:
         print(f"[{clock.elapsed():5.0f} s] {s}", flush=True)
@@ -140,22 +149,19 @@ def main() -> None:
             models[shape] = bl.ensure_model(work, shape, args.tokenizer, timeout=max(60, int(clock.left()) - 60), log=log)
         except Exception as e:  # noqa: BLE001
             log(f"{shape}: model not built: {str(e)[-500:]}")
-    threads = [threading.Thread(target=build, args=(s,)) for s in shapes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for shape in shapes:   # one after another: each is bound by the disk
+        build(shape)
 
     def run(name: str) -> None:
         shape, profile, n, extra = rows[name]
         if shape not in models:
-            results.put(name, {"status": "error: model not built"})
+            results.put(name, summary(name, {"status": "error: model not built"}, steps))
             return
         run_dir = work / "runs" / name
         import shutil
         shutil.rmtree(run_dir, ignore_errors=True)
         sets = bl.task_sets(work, steps, n) + [f'run.profile="{profile}"', *extra]
-        spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True)
+        spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32)
         res = bl.run_edgerl(name, spec, work, max(10, min(args.timeout, clock.left() - 5)))
         row = summary(name, res, steps)
         results.put(name, row | {"raw": {k: v for k, v in res.items() if k not in ("trace",)}})
@@ -165,6 +171,8 @@ def main() -> None:
             + (f"; {row['message'][:300]}" if row["status"] != "ok" else ""))
 
     if args.parallel:
+        import signal
+        signal.signal(signal.SIGTERM, bl.stop_children)
         threads = [threading.Thread(target=run, args=(name,)) for name in rows]
         for t in threads:
             t.start()

@@ -23,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -248,6 +249,16 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
+_CHILDREN: set = set()   # runs started from threads other than the main one
+
+
+def stop_children(signum: int = signal.SIGTERM, _frame: Any = None) -> None:
+    """A SIGTERM handler for the main thread of a benchmark that starts runs from other threads."""
+    for proc in list(_CHILDREN):
+        _stop_group(proc, grace=3.0)
+    raise SystemExit(128 + signum)
+
+
 def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dict[str, str]] = None
                ) -> tuple[str, Optional[int], str]:
     """Run `cmd` in its own process group, output to `log_path`; on timeout the whole group is
@@ -262,7 +273,12 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dic
         def on_term(signum, _frame):
             _stop_group(proc, grace=3.0)
             raise SystemExit(128 + signum)
-        previous = signal.signal(signal.SIGTERM, on_term)
+        # only the main thread may set a handler; runs started from other threads (bench_long --parallel) are
+        # stopped by their own time limit, and by the main thread's handler through their process groups
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, on_term) if main else None
+        if not main:
+            _CHILDREN.add(proc)
         try:
             rc: Optional[int] = proc.wait(timeout=max(1.0, timeout))
             status = "ok" if rc == 0 else f"exit {rc}"
@@ -270,7 +286,10 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dic
             _stop_group(proc)
             rc, status = None, f"timeout after {timeout:.0f} s"
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if main:
+                signal.signal(signal.SIGTERM, previous)
+            else:
+                _CHILDREN.discard(proc)
     text = log_path.read_text(errors="replace")
     return status, rc, text[-3000:]
 
@@ -529,6 +548,9 @@ def edgerl_child(spec_path: str) -> None:
         import torch
         if spec.get("deterministic"):
             torch.use_deterministic_algorithms(True, warn_only=True)
+        if spec.get("tf32"):   # bench_long --tf32: a faster fp32 update on the H200, the same memory
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         from edgerl.train import session
         from edgerl.train.trainer import Trainer
         resume = Path(spec["resume"]) if spec.get("resume") else None
