@@ -371,3 +371,94 @@ def test_out_of_memory_writes_oom_json_naming_the_phase_the_estimate_and_the_pea
     assert record["tried_to_allocate"] == "1.50 GiB" and "reserved_peak" in record["measured"]
     assert record["plan"]["micro_batch"] == t.plan.micro_batch
     assert not list((tmp_path / "run").glob(".oom.json-*"))   # written through a temporary file and a rename
+
+
+# --- the memory model's per-token terms against what the CPU allocates ------------------------------------
+
+def _malloc_meter():
+    """(bytes in use now) from glibc's mallinfo2, or None where it is missing: torch's CPU allocator takes
+    every tensor from malloc, so the in-use bytes follow the live tensors."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return None
+
+    def used() -> int:
+        m = libc.mallinfo2()
+        return m.uordblks + m.hblkhd
+    return used
+
+
+def _peak(fn, used) -> int:
+    """The most bytes in use above the start while `fn` runs, read after every aten op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Peak(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.base, self.peak = used(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, used() - self.base)
+            return out
+    with Peak() as p:
+        fn()
+    return p.peak
+
+
+@pytest.mark.parametrize("phase,ckpt", [("update", True), ("update", False), ("score", False)])
+def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt):
+    """A micro-step of the trainer's forward (and backward) on the CPU, measured from glibc's in-use bytes,
+    against the memory model's transient terms for it (activations, backward workspace, attention, log-prob
+    pass): never below, and at most 25% above at these small widths (the log-prob chunk is a larger share
+    of them than of a real model's)."""
+    import gc
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from edgerl.models.swiglu import fuse_mlps
+    from edgerl.plan.memory import Setting, estimate
+    from edgerl.plan.modelspec import ModelSpec
+    used = _malloc_meter()
+    if used is None:
+        pytest.skip("needs glibc's mallinfo2 to read the bytes in use")
+    h, inter, layers, heads, kv, V, B, P, R = 128, 512, 4, 4, 2, 2048, 2, 32, 2048
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    fuse_mlps(model.model.layers)
+    if ckpt:
+        enable_checkpointing(model)
+    model.train(phase == "update")
+    head = PolicyHead(model, SimpleNamespace(kernel_backend="torch", logprob_chunk=256, kernel_tiles=None,
+                                             share_prompts=False, attention_chunk=0))
+    ids = torch.randint(3, V, (B, P + R))
+    mask = torch.ones_like(ids)
+    targets = ids[:, P:]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)   # gradients exist from the first micro-step on: the plan counts them apart
+
+    def step():
+        if phase == "update":
+            lp, ent = head(ids, mask, targets, P - 1, 1.0)
+            (lp.sum() + ent.sum()).backward()
+        else:
+            with torch.no_grad():
+                head(ids, mask, targets, P - 1, 1.0)
+    step()
+    gc.collect()
+    measured = _peak(step, used)
+    spec = ModelSpec("t", "llama", V, h, layers, heads, kv, inter, True)
+    s = Setting(compute_bytes=4, base_bytes=4, grad_checkpointing=ckpt, swap_models=False, optimizer_offload=False,
+                param_offload=False, micro_batch=B, score_micro_batch=B, rollout_batch=B, logprob_chunk=256,
+                logit_bytes=8, eager_attention=False, cuda=False, head_trains=True, logprob_upcast=True)
+    comps = estimate(spec, s, P, R, 2**40).phases[phase]
+    est = sum(comps.get(k, 0) for k in ("activations", "backward workspace", "attention workspace", "log-prob pass"))
+    assert measured <= est <= 1.25 * measured, (phase, ckpt, measured, est)

@@ -42,6 +42,7 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
     KV cache              sequences x ceil(L / 16) x 16 x 2 x layers x kv x b_c, and the engine's
                           per-row token and log-prob buffers (12 bytes a column)
     sampling logits       sequences x V x 4 x 3 (fp32 logits, softmax, top-p sort)
+    library workspaces    cuBLAS workspaces inside torch's allocator (a constant)
     CUDA context          a constant per process, outside torch's allocator
     fragmentation         a share of the transient memory (activations, logits, KV cache): smaller
                           where the allocator's expandable segments are on (the plan's environment)
@@ -84,8 +85,8 @@ BF16_STEP_CHUNK = 1 << 21
 BF16_STEP_WORKSPACE = 36 * BF16_STEP_CHUNK
 
 # name -> bytes per trainable parameter (the table is in optim.make_optimizer's docstring). adamw8bit's
-# scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096 values in fp32
-# (8 bytes): both left out. TRL's bf16 model with torch's AdamW is also 2 + 2 + 4 = 8 bytes, but
+# scales add 2 * 4 / 256 = 0.03 bytes (counted in `estimate`), and bitsandbytes keeps tensors under 4096
+# values in fp32 (8 bytes; left out: norms and biases). TRL's bf16 model with torch's AdamW is also 2 + 2 + 4 = 8 bytes, but
 # drops updates below half a bf16 spacing (adamw_bf16.py).
 OPTIMIZERS: dict[str, TrainingBytes] = {
     "adamw": TrainingBytes(4, 4, 8, "fp32"),
@@ -157,6 +158,11 @@ class Calibration:
     # GPUs NCCL may hold more (not measured: no multi-GPU machine has run edgerl yet).
     nccl: int = 490 * MiB
     activation_factor: float = 1.0   # scales the activation formula
+    # cuBLAS workspaces, allocated through torch's allocator: 32 MiB per (handle, stream) on Hopper, and the
+    # rollout's CUDA-graph capture uses a stream of its own. Measured: a 1.5B-width P40 plan's rollout phase on
+    # an H200 allocated 130 MiB beyond the other terms at 256 tokens (docs/long-responses.md), this and
+    # bitsandbytes' block scales
+    libraries: int = 64 * MiB
     # MLP-sized tensors per token alive beside the saved activations while one layer's backward runs
     # (the gradient of the product, then of gate and up, and SiLU(gate) recomputed): 3 measured on the CPU
     backward_mlp: int = 3
@@ -297,6 +303,8 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     master = 0 if s.param_offload else (weights - T * 4 + T * 4 // n if lora else weights // n)
     grads = 0 if s.param_offload else T * tb.grads // n
     state = T * tb.state // n
+    if s.optimizer == "adamw8bit":   # two fp32 block scales per 256 values of its two 8-bit moments
+        state += T * 8 // 256 // n
     optim = 0 if (s.param_offload or s.optimizer_offload) else state
     ref = P * b_c if s.reference else 0
     critic_state = 0
@@ -395,6 +403,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
             "KV cache", "sampling logits", "prefill activations", "activations", "backward workspace",
             "attention workspace", "log-prob pass"))
         comps["fragmentation"] = int(transient * frag)
+        comps["library workspaces"] = cal.libraries if s.cuda else 0
         comps["CUDA context"] = ctx
         phases[name] = {k: int(v) for k, v in comps.items() if v}
 
