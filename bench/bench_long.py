@@ -72,8 +72,10 @@ def summary(name: str, res: dict, steps: int) -> dict:
 
 def offload_cost(out: Path, tokens: int = 8192, layers: int = 8, reps: int = 3) -> dict:
     """Forward + backward of `layers` checkpointed decoder layers at the Qwen2.5-1.5B widths in fp32, one row of
-    `tokens` tokens, with the layer inputs kept on the GPU and offloaded to pinned host memory: median time
-    and peak allocated memory of each."""
+    `tokens` tokens, with the layer inputs kept on the GPU and offloaded to pinned host memory: median time,
+    what the forward leaves allocated for the backward, and the peak. (The gradients are freed between
+    iterations, so the peak falls at the end of the backward, when every layer input has been used: there the
+    two agree; in training the gradients live through every micro-step and the inputs add to them.)"""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from edgerl.models import offload
@@ -99,6 +101,8 @@ def offload_cost(out: Path, tokens: int = 8192, layers: int = 8, reps: int = 3) 
             base = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
             h = model.model(input_ids=ids, use_cache=False, edgerl_attention_chunk=0).last_hidden_state
+            torch.cuda.synchronize()
+            kept = torch.cuda.memory_allocated() - base   # what the forward left for the backward
             h.float().square().mean().backward()
             torch.cuda.synchronize()
             if i:
@@ -106,6 +110,7 @@ def offload_cost(out: Path, tokens: int = 8192, layers: int = 8, reps: int = 3) 
             peak = torch.cuda.max_memory_allocated() - base
             model.zero_grad(set_to_none=True)
         res[mode] = {"median_s": sorted(times)[len(times) // 2], "peak_above_weights_gib": peak / bl.GiB,
+                     "kept_after_forward_gib": kept / bl.GiB,
                      "moved_gib_per_step": (off.bytes_moved / (reps + 1) / bl.GiB) if off else 0.0}
         del model
         torch.cuda.empty_cache()
