@@ -23,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -33,6 +34,7 @@ GiB = 2**30
 SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
     "362m": (960, 32, 15, 5, 2560, True),         # SmolLM2-360M (edgerl.plan.modelspec.CATALOGUE)
     "1.7b": (2048, 24, 32, 32, 8192, True),       # SmolLM2-1.7B
+    "1.5b": (1536, 28, 12, 2, 8960, True),        # Qwen2.5-1.5B widths (llama layers: no q/k/v bias)
     "qwen7b": (3584, 28, 28, 4, 18944, False),    # Qwen2.5-7B widths (llama layers: no q/k/v bias)
     "llama8b": (4096, 32, 32, 8, 14336, False),   # Llama-3.1-8B widths
     "qwen14b": (5120, 48, 40, 8, 13824, False),   # Qwen2.5-14B widths
@@ -43,7 +45,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int, bool]] = {
 SHAPES.update({f"1.7b-l{n}": (2048, n, 32, 32, 8192, True) for n in (28, 32, 36, 40, 44, 48)})
 SHAPES.update({f"small-l{n}": (256, n, 4, 2, 1024, True) for n in (4, 8, 16)})   # its --smoke stand-ins
 STD = 0.02   # HF's initializer_range; norms are ones
-FORMAT = 2   # bumped when build_model writes something else: older folders are rebuilt
+FORMAT = 3   # bumped when build_model writes something else: older folders are rebuilt (3: a 32K context)
 DTYPES = {"bf16": ("BF16", "bfloat16"), "fp16": ("F16", "float16"), "fp32": ("F32", "float32")}
 
 
@@ -131,7 +133,7 @@ def build_model(shape: str, tokenizer: str, out: Path, dtype: str = "bf16", seed
     tmp.mkdir(parents=True)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, intermediate_size=mlp, tie_word_embeddings=tie,
-                      max_position_embeddings=2048, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      max_position_embeddings=32768, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, initializer_range=STD)
     cfg.dtype = tdtype
     cfg.architectures = ["LlamaForCausalLM"]
@@ -247,6 +249,16 @@ def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
+_CHILDREN: set = set()   # runs started from threads other than the main one
+
+
+def stop_children(signum: int = signal.SIGTERM, _frame: Any = None) -> None:
+    """A SIGTERM handler for the main thread of a benchmark that starts runs from other threads."""
+    for proc in list(_CHILDREN):
+        _stop_group(proc, grace=3.0)
+    raise SystemExit(128 + signum)
+
+
 def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dict[str, str]] = None
                ) -> tuple[str, Optional[int], str]:
     """Run `cmd` in its own process group, output to `log_path`; on timeout the whole group is
@@ -261,7 +273,12 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dic
         def on_term(signum, _frame):
             _stop_group(proc, grace=3.0)
             raise SystemExit(128 + signum)
-        previous = signal.signal(signal.SIGTERM, on_term)
+        # only the main thread may set a handler; runs started from other threads (bench_long --parallel) are
+        # stopped by their own time limit, and by the main thread's handler through their process groups
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, on_term) if main else None
+        if not main:
+            _CHILDREN.add(proc)
         try:
             rc: Optional[int] = proc.wait(timeout=max(1.0, timeout))
             status = "ok" if rc == 0 else f"exit {rc}"
@@ -269,7 +286,10 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dic
             _stop_group(proc)
             rc, status = None, f"timeout after {timeout:.0f} s"
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if main:
+                signal.signal(signal.SIGTERM, previous)
+            else:
+                _CHILDREN.discard(proc)
     text = log_path.read_text(errors="replace")
     return status, rc, text[-3000:]
 
@@ -388,6 +408,22 @@ def _nvml_used() -> dict[str, int]:
         return out
     except Exception:
         return {}
+
+
+def process_used() -> Optional[int]:
+    """Device memory NVML counts for this process (its CUDA context and everything torch reserved), or
+    None where NVML cannot see it (no NVML, or a PID namespace that hides the process)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        pid = os.getpid()
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
+                if p.pid == pid and p.usedGpuMemory:
+                    return int(p.usedGpuMemory)
+    except Exception:
+        return None
+    return None
 
 
 def _uuid(s: str) -> str:
@@ -512,6 +548,9 @@ def edgerl_child(spec_path: str) -> None:
         import torch
         if spec.get("deterministic"):
             torch.use_deterministic_algorithms(True, warn_only=True)
+        if spec.get("tf32"):   # bench_long --tf32: a faster fp32 update on the H200, the same memory
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         from edgerl.train import session
         from edgerl.train.trainer import Trainer
         resume = Path(spec["resume"]) if spec.get("resume") else None
@@ -538,6 +577,11 @@ def edgerl_child(spec_path: str) -> None:
                 res["context_after_step1"] = mem.outside_allocator(t.device)
         t.run(on_step)
         res["memory_end"] = mem.outside_allocator(t.device)
+        if t.device.type == "cuda":   # this process alone (several runs may share the GPU)
+            import torch
+            used = process_used()
+            res["process_used_end_gib"] = used / GiB if used is not None else None
+            res["process_reserved_end_gib"] = torch.cuda.memory_reserved(t.device) / GiB
         res.update(status="ok", rows=rows, phase_peaks=t.phase_peaks, logs=logs[-40:])
     except BaseException as e:  # noqa: BLE001 - the parent reports it; OOM is an expected outcome
         import traceback

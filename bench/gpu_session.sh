@@ -45,6 +45,9 @@
 #   tests-layers 120 the CUDA tests of the Triton decode layers and their kernel
 #   layer 150       bench_decode_layer: one decode layer's five Triton kernels, each one's GPU time (LAYER_ARGS=--sweep
 #                   adds the attention kernel at other configurations)
+#   long 560       bench_long --parallel --tf32: the long-response rows (1.5B full at 512-8K under a P40's memory, 7B NF4
+#                   at 2K/4K under a P40's, 8B NF4 at 2K under a T4's), all at once, each under its own cap
+#   long-check 150 bench_long --offload-cost and --check (the code paths of those rows, in a minute)
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,6 +111,8 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
         rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_torch,graph_triton_attention,graph_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
+        long) echo "python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_long$x.json" ;;
+        long-check) echo "python3 bench/bench_long.py --offload-cost --out $OUT/bench_long$x.json; python3 bench/bench_long.py --check --tf32 --tokenizer $TOK --work $w --out $OUT/bench_long_check$x.json" ;;
         fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
         *) return 1 ;;
     esac
@@ -120,7 +125,7 @@ limit_of() {
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
-        fit) echo 300 ;; *) echo 560 ;;
+        fit) echo 300 ;; long) echo 560 ;; long-check) echo 150 ;; *) echo 560 ;;
     esac
 }
 

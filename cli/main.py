@@ -141,14 +141,21 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         from edgerl.plan.traffic import plan_traffic
         traffic = plan_traffic(p, nodes, link_gbps or (1.0 if nodes > 1 else 126.0))
     if fmt == "text":
+        from edgerl.plan.length import longest_line
+        from edgerl.config.target import overrides_from_config
         print_plan(console, p)
         if traffic is not None:
             console.print(traffic.line(), soft_wrap=True, highlight=False)
+        console.print(longest_line(p.device, p.model, p.task, overrides_from_config(cfg, target.profile)),
+                      soft_wrap=True, highlight=False)
         return
     if fmt == "toml":
         text = plan_toml(cfg, p, target.profile.name if target.simulated and target.profile else None)
     elif fmt == "json":
-        doc = p.to_dict()
+        from edgerl.config.target import overrides_from_config
+        from edgerl.plan.length import longest_response
+        longest, _ = longest_response(p.device, p.model, p.task, overrides_from_config(cfg, target.profile))
+        doc = p.to_dict() | {"longest_response": longest}
         if traffic is not None:
             doc["traffic"] = dataclasses.asdict(traffic) | {"total_bytes": traffic.total_bytes, "nodes": nodes}
         text = json.dumps(doc, indent=2, default=str)

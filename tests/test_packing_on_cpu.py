@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from edgerl.models import packing
+from edgerl.models import attention, packing
 from edgerl.models.load import PolicyHead, enable_checkpointing
 from rollout_helpers import tiny_llama, tiny_qwen2, with_lora
 
@@ -115,7 +115,7 @@ def test_a_packed_row_without_its_layout_is_an_error_not_a_wrong_answer():
     packing.install()
     q = torch.zeros(1, 2, 5, 4)
     with pytest.raises(RuntimeError, match="plan.share_prompts=false"):
-        packing._sdpa_or_packed(torch.nn.Module(), q, q, q, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+        attention._sdpa(torch.nn.Module(), q, q, q, torch.ones(1, 1, 1, 1, dtype=torch.bool))
 
 
 def test_plain_calls_still_reach_transformers_sdpa():

@@ -256,8 +256,12 @@ def test_memory_formulas_by_hand():
     assert u["other models"] == P * 2
     per_layer_token = 2 * (5 * 576 + 3 * 576 + 3 * 192 + 3 * 1536)   # the MLP keeps gate, up, product
     assert u["activations"] == 2 * L * 30 * per_layer_token
-    assert u["log-prob logits"] == 256 * 49152 * 8
-    assert e.phases["rollout"]["KV cache"] == 8 * L * 2 * 30 * 192 * 2
+    # the chunk's logits (8 bytes each on the torch path) and the 2 x 28 response tokens' hidden states with
+    # their fp32 gradient
+    assert u["log-prob pass"] == 256 * 49152 * 8 + 2 * 28 * 576 * (2 + 4)
+    assert u["backward workspace"] == 2 * L * 3 * 1536 * 2          # one layer's MLP gradients
+    # 128 columns (a multiple of 16) and 12 bytes a column of per-row token and log-prob buffers
+    assert e.phases["rollout"]["KV cache"] == 8 * L * 2 * 30 * 192 * 2 + 8 * L * 12
     assert u["CUDA context"] == 880 * MiB   # measured on an H200 (memory.Calibration)
     ck = estimate(m, dataclasses.replace(s, grad_checkpointing=True), 100, 28, 100 * GiB)
     assert ck.phases["update"]["activations"] == 2 * L * (30 * 576 * 2 + per_layer_token)
@@ -267,7 +271,7 @@ def test_memory_formulas_by_hand():
     # of prompts shared by 2 computes 2 prompts
     shared = estimate(m, dataclasses.replace(s, prompt_share=2, update_share=2), 100, 28, 100 * GiB)
     assert shared.phases["update"]["activations"] == (100 + 2 * 28) * 30 * per_layer_token
-    no_grad = 2 * (5 * 576 + 3 * 576 + 3 * 192 + 4 * 1536)
+    no_grad = 2 * (5 * 576 + 4 * 1536)   # one layer's most at once: its MLP
     assert e.phases["score"]["activations"] == 4 * L * no_grad
     assert shared.phases["score"]["activations"] == (2 * 100 + 4 * 28) * no_grad
     assert [packed_tokens(r, 8, 64, 256) for r in (1, 2, 3, 8, 12, 16)] == [

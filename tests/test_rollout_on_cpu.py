@@ -55,10 +55,14 @@ def test_greedy_equals_hf_generate_with_eos(name):
     assert got.response_ids == ref.response_ids
     assert got.truncated == ref.truncated
     assert any(not t for t in got.truncated) and any(got.truncated)   # some rows stopped, some ran on
-    for i, (r, cut) in enumerate(zip(got.response_ids, got.truncated)):
+    for r, cut in zip(got.response_ids, got.truncated):
         assert (r[-1] == eos) != cut and eos not in r[:-1]
-        assert eng._state.out_tok[i, len(r):24].eq(0).all()     # finished rows kept emitting pad
     assert torch.isfinite(eng.dec.cache).all()                  # pad columns left nothing that poisons
+    keep = static(model)
+    keep.drop_finished = False   # every row decoded to the end (finished rows otherwise leave the batch)
+    assert keep.generate(PROMPTS, 1, greedy(24, [eos])).response_ids == got.response_ids
+    for i, r in enumerate(got.response_ids):
+        assert keep._state.out_tok[i, len(r):24].eq(0).all()    # finished rows kept emitting pad
     assert [len(lp) for lp in got.logprobs] == [len(r) for r in got.response_ids]
 
 

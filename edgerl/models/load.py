@@ -29,7 +29,9 @@ from torch import nn
 from edgerl.core.errors import ModelError
 from edgerl.plan.dtypes import torch_dtype, with_dtype
 from edgerl.kernels import Tiles, token_logprobs_and_entropy
-from edgerl.models.packing import install, pack, packed_index, plan_layout
+from edgerl.models import offload
+from edgerl.models.attention import gather_columns, install, roll_left
+from edgerl.models.packing import pack, packed_index, plan_layout
 from edgerl.models.swiglu import fuse_mlps
 from edgerl.plan.memory import fmt_bytes
 from edgerl.plan.plan import Plan
@@ -97,6 +99,16 @@ def enable_checkpointing(model: nn.Module) -> None:
     model.config.use_cache = False
 
 
+def causal_forward(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, length: int,
+                   attention_chunk: int) -> torch.Tensor:
+    """The backbone's hidden states (B, length, H) at columns start .. start + length - 1 of left-padded rows
+    (B, L), computed on the rows rolled to column 0 so that attention needs no mask (models/attention.py):
+    no (B, 1, L, L) mask is built, and SDPA runs an O(L)-memory kernel or chunks of query rows."""
+    rolled, lead = roll_left(input_ids, attention_mask)
+    out = lm.model(input_ids=rolled, use_cache=False, edgerl_attention_chunk=attention_chunk)
+    return gather_columns(out.last_hidden_state, start - lead, length)
+
+
 class PolicyHead(nn.Module):
     """The actor as FSDP2's root: forward returns per-token log-probs and entropy of `targets`."""
 
@@ -107,19 +119,18 @@ class PolicyHead(nn.Module):
         self.chunk = plan.logprob_chunk
         self.tiles = Tiles(**plan.kernel_tiles) if plan.kernel_tiles else None
         self.share_prompts = plan.share_prompts
-        if self.share_prompts:
-            install()
+        self.attention_chunk = getattr(plan, "attention_chunk", 0)
+        install()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
                 start: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, attention_mask: (B, L); targets (B, T) are input_ids[:, start + 1 : start + 1 + T].
         Returns log-probs and entropy (B, T) in fp32 for the positions predicting `targets`."""
-        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: count from the first token
         lay = plan_layout(input_ids, attention_mask, start + 1) if self.share_prompts else None
         if lay is None:
-            out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
-            hidden = out.last_hidden_state[:, start:start + targets.shape[1]]
+            hidden = causal_forward(self.lm, input_ids, attention_mask, start, targets.shape[1], self.attention_chunk)
         else:   # each distinct prompt once (edgerl/packing.py)
+            pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: count from the first token
             out = self.lm.model(input_ids=pack(lay, input_ids), attention_mask=lay.sentinel,
                                 position_ids=pack(lay, pos), use_cache=False, edgerl_layout=lay)
             where = packed_index(lay, input_ids.device)[:, start:start + targets.shape[1]]
@@ -132,7 +143,7 @@ class PolicyHead(nn.Module):
 class ValueModel(nn.Module):
     """The critic: the causal LM's backbone with a scalar value head (fp32) on every position."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, attention_chunk: int = 0) -> None:
         super().__init__()
         self.lm = lm
         self.lm.lm_head = nn.Identity()  # the backbone is all a critic needs; frees V x h
@@ -140,11 +151,11 @@ class ValueModel(nn.Module):
         self.value_head = nn.Linear(hidden, 1)
         nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)
         nn.init.zeros_(self.value_head.bias)
+        self.attention_chunk = attention_chunk
+        install()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, length: int) -> torch.Tensor:
-        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
-        hidden = out.last_hidden_state[:, start:start + length]
+        hidden = causal_forward(self.lm, input_ids, attention_mask, start, length, self.attention_chunk)
         # under FSDP2 mixed precision the head's weight arrives in the compute dtype; values are fp32
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).float()
         return values.squeeze(-1).clone()  # not a view: FSDP2 hooks the output
@@ -251,6 +262,8 @@ def build_actor(path: str, plan: Plan, device: torch.device, trust_remote_code: 
     fuse_mlps(decoder_layers(lm))   # SiLU-and-multiply keeps its two inputs only (edgerl/swiglu.py)
     if plan.grad_checkpointing:
         enable_checkpointing(lm)
+        if plan.activation_offload:
+            offload.enable(decoder_layers(lm), device)
     if not plan.param_offload:
         lm.to(device)
     head = PolicyHead(lm, plan)
@@ -265,7 +278,7 @@ def build_critic(path: str, plan: Plan, device: torch.device, trust_remote_code:
     """The critic: its own backbone; under LoRA a frozen base (quantized too, under QLoRA: a second copy)
     with its own adapter, and the value head."""
     lm = _load_base(path, plan, device, trust_remote_code)
-    critic = ValueModel(lm)  # the value head is created in fp32 and stays trainable
+    critic = ValueModel(lm, plan.attention_chunk)  # the value head is created in fp32 and stays trainable
     if plan.dtype.param == "bf16" and not plan.lora:  # FSDP2 wants one dtype for the weights it manages
         critic.value_head.to(torch.bfloat16)
     if plan.lora:
@@ -275,6 +288,8 @@ def build_critic(path: str, plan: Plan, device: torch.device, trust_remote_code:
     fuse_mlps(decoder_layers(lm))
     if plan.grad_checkpointing:
         enable_checkpointing(lm)
+        if plan.activation_offload:
+            offload.enable(decoder_layers(lm), device)
     if not plan.param_offload:
         critic.to(device)
     return shard(critic, decoder_layers(lm), plan, device)

@@ -7,9 +7,8 @@ per-sequence meaning: each prompt attends causally within itself; each response 
 group's prompt keys, then causally to its own. The answer is the unpacked forward's, up to rounding:
 `tests/test_packing_on_cpu.py` checks log-probs and gradients against it.
 
-HF models route attention through `AttentionInterface`: `install()` registers a wrapper under
-"sdpa" that attends packed rows (which carry an `edgerl_layout` keyword) and hands every other call
-to the original SDPA function unchanged. A packed forward passes `Layout.sentinel` as its 4-D
+HF models route attention through `AttentionInterface`: edgerl's wrapper under "sdpa"
+(edgerl/models/attention.py) attends packed rows (which carry an `edgerl_layout` keyword). A packed forward passes `Layout.sentinel` as its 4-D
 attention mask, which HF passes through as it is; a model whose layers do not hand the keyword on
 to attention would reach the wrapper with the sentinel and no layout, and that is an error, never a
 silently wrong answer.
@@ -22,9 +21,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-_ORIGINAL = {}
-
 
 @dataclass
 class Layout:
@@ -118,29 +114,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Lay
     return out.permute(1, 0, 2)[None].contiguous()
 
 
-def _sdpa_or_packed(module, query, key, value, attention_mask, *args, edgerl_layout: Optional[Layout] = None,
-                    **kwargs):
-    if edgerl_layout is None:
-        if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-2:] == (1, 1) \
-                and query.shape[-2] > 1:
-            raise RuntimeError(
-                f"{type(module).__name__} did not hand edgerl's packing layout on to its attention function; "
-                "this model cannot share prompts: set plan.share_prompts=false")
-        return _ORIGINAL["sdpa"](module, query, key, value, attention_mask, *args, **kwargs)
-    dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
-    return packed_attention(query, key, value, edgerl_layout, kwargs.get("scaling"), dropout), None
-
-
 def install() -> None:
-    """Register the packing-aware SDPA function with transformers (once per process). Calls without a
-    layout reach transformers' own SDPA function unchanged."""
-    if "sdpa" in _ORIGINAL:
-        return
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    _ORIGINAL["sdpa"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    try:
-        from transformers import AttentionInterface
-    except ImportError:   # transformers before AttentionInterface: the registry is a plain dict
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = _sdpa_or_packed
-    else:
-        AttentionInterface.register("sdpa", _sdpa_or_packed)
+    """Register edgerl's attention wrapper (edgerl/models/attention.py), which attends packed rows."""
+    from edgerl.models.attention import install as install_attention
+    install_attention()

@@ -246,6 +246,54 @@ def pick_attention(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tu
     return "sdpa", f"{dev.sm}: flash_attn is not installed; " + backends
 
 
+def pick_attention_chunk(dev: Device, dtype: DtypePolicy, attention: str, model: ModelSpec,
+                         forced: Optional[int]) -> tuple[int, bool, str]:
+    """How the trainer's forward passes attend (edgerl/models/attention.py), as (query rows per chunk, 0 for
+    one fused kernel call; whether K and V are repeated to the query heads for it; reason). The rows are
+    rolled to column 0, so no mask is needed: SDPA's FlashAttention (16 bits, sm_80 and up: takes grouped
+    K/V heads as they are) or memory-efficient kernel (fp16/fp32 from sm_50, bf16 from sm_80; K/V repeated)
+    attends causally in O(L) memory. Where neither serves the compute dtype, query rows are attended in
+    chunks whose scores are recomputed in the backward: rows x heads x chunk x L scores, never L x L."""
+    gqa = model.num_heads != model.num_kv_heads
+    if attention != "sdpa":
+        if forced:
+            raise PlanError(f"plan.attention_chunk={forced} chunks SDPA's attention; plan.attention is {attention}")
+        return 0, False, f"attention {attention}: " + ("FlashAttention-2 attends in O(L) memory"
+                                                       if attention == "flash_attention_2" else
+                                                       "eager attention keeps every layer's L x L scores (counted)")
+    backends = sdpa_backends(dev, dtype.compute)
+    flash = "flash" in backends and dev.is_cuda
+    copies = gqa and not flash and dev.is_cuda
+    fused = [b for b in backends if b in ("flash", "mem-efficient", "flash (CPU)")]
+    if forced:
+        return forced, copies, (f"asked for with plan.attention_chunk={forced}: {forced} query rows at a time, "
+                                "each chunk's scores recomputed in the backward")
+    if fused:
+        kv = (f"; K and V repeated to the {model.num_heads} query heads for it (2 x {model.num_heads - model.num_kv_heads}"
+              " heads x L per layer, counted)" if copies else "")
+        return 0, copies, (f"rows rolled to column 0, so attention needs no (B, 1, L, L) mask: SDPA's "
+                           f"{fused[0]} kernel attends causally in O(L) memory{kv}; where it cannot serve a call, "
+                           f"chunks of query rows (plan.attention_chunk=N forces them)")
+    chunk = 256
+    return chunk, copies, (f"SDPA has no O(L)-memory kernel for {dtype.compute} here: {chunk} query rows at a time, "
+                           "each chunk's scores recomputed in the backward (rows x heads x chunk x L, never L x L)")
+
+
+def activation_offload_reason(dev: Device, on: bool, ckpt: bool, host_bytes: int, forced: Optional[bool]) -> str:
+    if forced is not None:
+        return f"asked for with plan.activation_offload={str(forced).lower()}"
+    if not dev.is_cuda or dev.integrated:
+        return "off: host memory is the device's memory here" if dev.integrated else "off: CPU"
+    if not ckpt:
+        return "off: no gradient checkpointing, so no layer inputs to move"
+    if not on:
+        return "off: the checkpointed layer inputs fit on the GPU"
+    return ("on: each checkpointed layer's input goes to pinned host memory on a side stream as its forward ends "
+            "and comes back one layer ahead in the backward, overlapping compute; the GPU keeps two layers' "
+            f"inputs instead of every layer's (host RAM {host_bytes / GiB:.2f} GiB pinned per micro-batch)"
+            + transfer_note(dev, host_bytes))
+
+
 def _asked(setting: str, forced: Optional[bool], impossible: str) -> Optional[tuple[bool, str]]:
     """An on/off decision the user forced with plan.SETTING: (value, reason), a PlanError when on is
     `impossible` (non-empty: why), or None when nothing was forced."""
@@ -263,7 +311,13 @@ PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention ke
 PACK_MIN_HIDDEN = 2048
 
 
-def share_blocker(attention: str, model: ModelSpec, forced: Optional[bool]) -> str:
+# Packed rows attend through an explicit (R x (W + R)) mask per row, which SDPA turns into an additive one in
+# the compute dtype for every layer and which rules out causal kernels; past this many response tokens per
+# prompt token the prompt tokens saved (under W / (W + R) of a forward) no longer pay for it.
+PACK_MAX_RESPONSE_PER_PROMPT = 4
+
+
+def share_blocker(attention: str, model: ModelSpec, forced: Optional[bool], task: Optional[Task] = None) -> str:
     """Why the trainer's forward passes will not share prompts for this model and attention ('' when
     they will): impossible (not SDPA, an unchecked decoder, a sliding window), not worth it (under
     PACK_MIN_HIDDEN unless forced on), or turned off (plan.share_prompts=false). The plan's memory
@@ -280,6 +334,11 @@ def share_blocker(attention: str, model: ModelSpec, forced: Optional[bool]) -> s
         return (f"at hidden size {model.hidden_size} (under {PACK_MIN_HIDDEN}) the packed attention's extra "
                 "kernels cost more than the shared prompt tokens save (measured on an H200); "
                 "plan.share_prompts=true turns it on")
+    if forced is None and task is not None and task.response_len > PACK_MAX_RESPONSE_PER_PROMPT * task.prompt_len:
+        saved = task.prompt_len / (task.prompt_len + task.response_len)
+        return (f"responses of {task.response_len} tokens after prompts of {task.prompt_len}: sharing would save under "
+                f"{saved:.0%} of a forward's tokens, while packed rows attend through an explicit R x (W + R) mask "
+                "per row instead of a causal kernel; plan.share_prompts=true turns it on")
     return ""
 
 
@@ -290,7 +349,7 @@ def pick_share_prompts(attention: str, model: ModelSpec, task: Task, micro_batch
     asked = _asked("share_prompts", forced, share_blocker(attention, model, forced=True))   # what no setting helps
     if asked:
         return asked
-    why_not = share_blocker(attention, model, forced)
+    why_not = share_blocker(attention, model, forced, task)
     if why_not or min(task.samples_per_prompt, max(micro_batch, score_micro_batch)) < 2:
         return False, f"every row holds its own prompt: {why_not or 'no two samples of a prompt share a micro-batch'}"
     W, R = task.prompt_len, task.response_len

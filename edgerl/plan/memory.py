@@ -22,16 +22,30 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
                           step's fixed workspace
     dequantization        one layer's weight dequantized to the compute dtype (quantized base)
     reference             P x b_c, a separate frozen copy; none under LoRA (adapter disabled)
-    activations, no ckpt  tokens x layers x b_c x (5h + 3q + 3kv + 4I)   (+ the eager score matrix:
-                          tokens x heads x L x 2 b_c per layer)
-    activations, ckpt     tokens x layers x h x b_c + one layer's full activations
+    activations, no ckpt  tokens x layers x b_c x (5h + 3q + 3kv + 3I)   (+ K and V repeated to the
+                          query heads where SDPA's memory-efficient kernel attends: 2 (q - kv) b_c;
+                          + the eager score matrix: tokens x heads x L x 2 b_c per layer)
+    activations, ckpt     tokens x layers x h x b_c (each layer's input) + one layer's full activations;
+                          with the inputs offloaded to pinned host memory, two layers' inputs
+    activations, no grad  tokens x b_c x (5h + max(4I, 4q + 2kv (+ 2q repeated K/V)))
+    backward workspace    tokens x 3I x b_c: one layer's MLP gradients while its backward runs
+                          (measured on the CPU: tests/test_long_memory_on_cpu.py)
+    attention workspace   none where a fused SDPA kernel attends (O(L)); chunked attention holds
+                          rows x heads x chunk x L scores x 4 b_c (scores, probabilities, their
+                          recomputation and gradients)
     log-prob pass         chunk x V x b_logit through the chunked kernel (the torch path holds 8
                           bytes per logit of a chunk, the Triton backward one slab in the compute
-                          dtype); never tokens x V
-    KV cache              sequences x L x 2 x layers x kv x b_c
+                          dtype); never tokens x V. Beside it the response's hidden states gathered
+                          (N x h x b_c) and, in the update, their fp32 gradient (N x h x 4); the torch
+                          path's fp32 copy of a 16-bit head (V x h x 4); and the head's own gradient
+                          (V x h x 4) where the head trains
+    KV cache              sequences x ceil(L / 16) x 16 x 2 x layers x kv x b_c, and the engine's
+                          per-row token and log-prob buffers (12 bytes a column)
     sampling logits       sequences x V x 4 x 3 (fp32 logits, softmax, top-p sort)
+    library workspaces    cuBLAS workspaces inside torch's allocator (a constant)
     CUDA context          a constant per process, outside torch's allocator
-    fragmentation         a share of the transient memory (activations, logits, KV cache)
+    fragmentation         a share of the transient memory (activations, logits, KV cache): smaller
+                          where the allocator's expandable segments are on (the plan's environment)
 
 `Calibration` holds the constants; measured peaks (docs/benchmarks.md) calibrate them.
 """
@@ -71,8 +85,8 @@ BF16_STEP_CHUNK = 1 << 21
 BF16_STEP_WORKSPACE = 36 * BF16_STEP_CHUNK
 
 # name -> bytes per trainable parameter (the table is in optim.make_optimizer's docstring). adamw8bit's
-# scales add 2 * 4 / 256 = 0.03 bytes, and bitsandbytes keeps tensors under 4096 values in fp32
-# (8 bytes): both left out. TRL's bf16 model with torch's AdamW is also 2 + 2 + 4 = 8 bytes, but
+# scales add 2 * 4 / 256 = 0.03 bytes (counted in `estimate`), and bitsandbytes keeps tensors under 4096
+# values in fp32 (8 bytes; left out: norms and biases). TRL's bf16 model with torch's AdamW is also 2 + 2 + 4 = 8 bytes, but
 # drops updates below half a bf16 spacing (adamw_bf16.py).
 OPTIMIZERS: dict[str, TrainingBytes] = {
     "adamw": TrainingBytes(4, 4, 8, "fp32"),
@@ -144,12 +158,23 @@ class Calibration:
     # GPUs NCCL may hold more (not measured: no multi-GPU machine has run edgerl yet).
     nccl: int = 490 * MiB
     activation_factor: float = 1.0   # scales the activation formula
+    # cuBLAS workspaces, allocated through torch's allocator: 32 MiB per (handle, stream) on Hopper, and the
+    # rollout's CUDA-graph capture uses a stream of its own. Measured: a 1.5B-width P40 plan's rollout phase on
+    # an H200 allocated 130 MiB beyond the other terms at 256 tokens (docs/long-responses.md), this and
+    # bitsandbytes' block scales
+    libraries: int = 64 * MiB
+    # MLP-sized tensors per token alive beside the saved activations while one layer's backward runs
+    # (the gradient of the product, then of gate and up, and SiLU(gate) recomputed): 3 measured on the CPU
+    backward_mlp: int = 3
 
     def outside_allocator(self, processes: int) -> int:
         """Device memory a process holds outside torch's allocator: the context, and NCCL's buffers
         when it is one of several processes."""
         return self.cuda_context + (self.nccl if processes > 1 else 0)
     fragmentation: float = 0.10      # share of transient memory lost to allocator fragmentation
+    # with expandable segments a segment grows and shrinks in place, so freed memory serves the next
+    # phase's shapes; what stays lost is page rounding and blocks split across phases
+    fragmentation_expandable: float = 0.05
 
 
 DEFAULT_CALIBRATION = Calibration()
@@ -185,6 +210,12 @@ class Setting:
     prefill_share: int = 1          # the same in the rollout's prefill (the static engine: edgerl/rollout/static.py)
     lora_input_bytes: int = 0       # per token and layer: what the fp32 copies of the adapted layers' inputs add
                                     # to the activations beside a 16-bit base (steps.lora_input_bytes)
+    activation_offload: bool = False        # checkpointed layers' inputs wait in pinned host memory
+    attention_chunk: int = 0        # query rows per attention chunk; 0: a fused O(L) SDPA kernel attends
+    kv_copies: bool = False         # SDPA's kernel needs K and V repeated to the query heads (not FlashAttention)
+    expandable_segments: bool = False       # the allocator's expandable segments are on (PYTORCH_CUDA_ALLOC_CONF)
+    head_trains: bool = False       # the LM head is trained (full fine-tuning): its gradient passes through the kernel
+    logprob_upcast: bool = False    # the torch log-prob path copies a 16-bit head to fp32 once per call
 
 
 @dataclass(frozen=True)
@@ -228,14 +259,29 @@ def packed_tokens(rows: int, share: int, prompt_len: int, response_len: int) -> 
     return min(rows, prompts) * prompt_len + rows * response_len
 
 
-def activation_bytes_per_token(m: ModelSpec, b_c: int, seq_len: int, eager: bool, train: bool = True) -> int:
-    """Saved activations of one decoder layer for one token, without checkpointing. The MLP keeps three
-    intermediate-sized tensors in training (gate, up and their product: edgerl/swiglu.py recomputes
-    the SiLU) and holds four at once in a forward without gradients."""
-    per = b_c * (5 * m.hidden_size + 3 * m.q_dim + 3 * m.kv_dim + (3 if train else 4) * m.intermediate_size)
+def activation_bytes_per_token(m: ModelSpec, b_c: int, seq_len: int, eager: bool, train: bool = True,
+                               kv_copies: bool = False) -> int:
+    """Activations of one decoder layer for one token, without checkpointing. In training: what autograd
+    keeps for the backward; the MLP keeps three intermediate-sized tensors (gate, up and their product:
+    edgerl/swiglu.py recomputes the SiLU). Without gradients: the most one layer holds at once (its
+    input, the normed input, and four intermediate-sized tensors in the MLP, or the attention's q, k, v
+    and output). `kv_copies`: K and V repeated to the query heads for SDPA's memory-efficient kernel."""
+    h, q, kv, inter = m.hidden_size, m.q_dim, m.kv_dim, m.intermediate_size
+    copies = 2 * (q - kv) if kv_copies else 0
+    if train:
+        per = b_c * (5 * h + 3 * q + 3 * kv + 3 * inter + copies)
+    else:
+        per = b_c * (5 * h + max(4 * inter, 4 * q + 2 * kv + copies))
     if eager:  # eager attention keeps the (heads x L) score and probability rows per token
         per += 2 * b_c * m.num_heads * seq_len
     return per
+
+
+def kv_cache_bytes(m: ModelSpec, rows: int, seq_len: int, b_c: int) -> int:
+    """The static engine's cache (columns rounded up to 16: rollout/decoder.py) and its per-row token and
+    log-prob buffers (int64 and fp32 per column: rollout/static.py)."""
+    cols = -(-seq_len // 16) * 16
+    return rows * cols * m.kv_bytes_per_token(b_c) + rows * seq_len * 12
 
 
 def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budget: int,
@@ -257,6 +303,8 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     master = 0 if s.param_offload else (weights - T * 4 + T * 4 // n if lora else weights // n)
     grads = 0 if s.param_offload else T * tb.grads // n
     state = T * tb.state // n
+    if s.optimizer == "adamw8bit":   # two fp32 block scales per 256 values of its two 8-bit moments
+        state += T * 8 // 256 // n
     optim = 0 if (s.param_offload or s.optimizer_offload) else state
     ref = P * b_c if s.reference else 0
     critic_state = 0
@@ -268,23 +316,38 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         if s.base_quant else 0
 
     def act(tokens: int, train: bool) -> int:
-        per = activation_bytes_per_token(m, b_c, L, s.eager_attention, train)
+        per = activation_bytes_per_token(m, b_c, L, s.eager_attention, train, s.kv_copies)
         if not train:  # no graph is kept: one layer's intermediates at a time
             full = tokens * per
         elif s.grad_checkpointing:
-            full = tokens * (m.num_layers * m.hidden_size * b_c + per + s.lora_input_bytes)
+            kept = 2 if s.activation_offload else m.num_layers   # offloaded: the one being copied, the one prefetched
+            full = tokens * (kept * m.hidden_size * b_c + per + s.lora_input_bytes)
         else:
             full = tokens * m.num_layers * (per + s.lora_input_bytes)
         return int(full * cal.activation_factor)
 
-    logits = s.logprob_chunk * m.vocab_size * s.logit_bytes
+    def attention(rows: int, train: bool) -> int:
+        if not s.attention_chunk:
+            return 0
+        return rows * m.num_heads * min(s.attention_chunk, L) * L * b_c * (4 if train else 2)
+
+    def logprob(rows: int, train: bool) -> int:
+        """The chunk's logits, the response's hidden states (and their fp32 gradient), the head's copies."""
+        n = rows * response_len
+        out = s.logprob_chunk * m.vocab_size * s.logit_bytes + n * m.hidden_size * (b_c + (4 if train else 0))
+        if s.logprob_upcast and b_c < 4:
+            out += m.vocab_size * m.hidden_size * 4
+        if train and s.head_trains:
+            out += m.vocab_size * m.hidden_size * 4
+        return out
+
     ctx = cal.outside_allocator(s.shards) if s.cuda else 0
-    frag = cal.fragmentation
+    frag = cal.fragmentation_expandable if s.expandable_segments else cal.fragmentation
 
     # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating
     # unless resident; none when the engine runs the actor's own (quantized) modules
     gen_copy = 0 if s.rollout_from_actor else P * b_c
-    kv = s.rollout_batch * L * m.kv_bytes_per_token(b_c)
+    kv = kv_cache_bytes(m, s.rollout_batch, L, b_c)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
     prefill = packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0) * (
         4 * m.hidden_size + 3 * m.intermediate_size) * b_c
@@ -311,27 +374,36 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         stream = 0
         scorers["compute weights"] = 0
     score = {"master weights": master, "optimizer state": optim, **scorers,
-             "activations": act(score_tokens, train=False), "log-prob logits": logits, "dequantization": dequant,
-             **kept}
+             "activations": act(score_tokens, train=False), "attention workspace": attention(s.score_micro_batch, False),
+             "log-prob pass": logprob(s.score_micro_batch, False), "dequantization": dequant, **kept}
 
     tokens = packed_tokens(s.micro_batch, s.update_share, prompt_len, response_len)
     update = {"master weights": master, "gradients": grads,
               "optimizer state": state if not s.param_offload else 0,
               "layer copies": stream, "other models": resident_off,
-              "activations": act(tokens, train=True), "log-prob logits": logits, "dequantization": dequant,
-              **kept}
+              "activations": act(tokens, train=True),
+              "backward workspace": tokens * cal.backward_mlp * m.intermediate_size * b_c,
+              "attention workspace": attention(s.micro_batch, True), "log-prob pass": logprob(s.micro_batch, True),
+              "dequantization": dequant, **kept}
     # the step runs after the backward has freed activations: offloaded state comes back, and the bf16
     # step's workspace is allocated, into room the activations left
     step_extra = tb.step_workspace + (state if s.optimizer_offload and not s.param_offload else 0)
     if s.optimizer_offload and not s.param_offload:
         update["optimizer state"] = 0
-    update["optimizer step"] = max(0, step_extra - update["activations"] - update["log-prob logits"])
+    if s.activation_offload and s.grad_checkpointing:   # every checkpointed layer input of a micro-batch, pinned
+        tokens_in = tokens * m.num_layers * m.hidden_size * b_c
+    else:
+        tokens_in = 0
+    update["optimizer step"] = max(0, step_extra - update["activations"] - update["backward workspace"]
+                                   - update["log-prob pass"])
 
     phases = {"rollout": rollout, "score": score, "update": update}
     for name, comps in phases.items():
         transient = sum(v for k, v in comps.items() if k in (
-            "KV cache", "sampling logits", "prefill activations", "activations", "log-prob logits"))
+            "KV cache", "sampling logits", "prefill activations", "activations", "backward workspace",
+            "attention workspace", "log-prob pass"))
         comps["fragmentation"] = int(transient * frag)
+        comps["library workspaces"] = cal.libraries if s.cuda else 0
         comps["CUDA context"] = ctx
         phases[name] = {k: int(v) for k, v in comps.items() if v}
 
@@ -342,6 +414,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         host += state
     if s.swap_models:
         host += ref
+    host += tokens_in
     return MemoryEstimate(phases=phases, budget=budget, host_needed=host)
 
 

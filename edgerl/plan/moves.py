@@ -19,7 +19,7 @@ from typing import Any, Optional
 # micro-batch below the mini-batch costs launches and smaller matmuls. Relative, not measured per
 # GPU: docs/benchmarks.md holds the frontier they produce on an H200.
 MICRO_HALVING_COST = 0.08
-STAGE_COST = {"rollout_resident": -0.05, "grad_checkpointing": 0.17, "swap_models": 0.12,
+STAGE_COST = {"rollout_resident": -0.05, "grad_checkpointing": 0.17, "activation_offload": 0.03, "swap_models": 0.12,
               "optimizer_offload": 0.15, "param_offload": 1.0,
               "adamw": 0.0, "adamw-bf16-sr": 0.02, "adamw-bf16": 0.03, "adamw8bit": 0.04}
 # Stochastic rounding before Kahan compensation although it is less exact per step: on the CPU demo
@@ -39,11 +39,12 @@ class Stage:
     param_offload: bool
     optimizer: str = "adamw"           # a name of memory.OPTIMIZERS
     rollout_resident: bool = False     # the rollout engine keeps weights, KV cache and graphs between steps
+    activation_offload: bool = False   # checkpointed layers' inputs wait in pinned host memory (async copies)
 
     def knobs(self) -> dict[str, bool]:
         return {"grad_checkpointing": self.grad_checkpointing, "swap_models": self.swap_models,
                 "optimizer_offload": self.optimizer_offload, "param_offload": self.param_offload,
-                "rollout_resident": self.rollout_resident}
+                "rollout_resident": self.rollout_resident, "activation_offload": self.activation_offload}
 
     def cost(self) -> float:
         return sum(STAGE_COST[k] for k, on in self.knobs().items() if on) + STAGE_COST[self.optimizer]
@@ -53,13 +54,20 @@ STAGES = (
     Stage("the rollout engine stays resident between steps", False, False, False, False, rollout_resident=True),
     Stage("the rollout copy is freed between rollouts", False, False, False, False),
     Stage("gradient checkpointing", True, False, False, False),
-    Stage("+ the reference waits in host memory outside scoring", True, True, False, False),
+    # the checkpointed layers' inputs (tokens x layers x hidden) go to pinned host memory as each layer's
+    # forward ends, on a side stream, and come back one layer ahead in the backward: the copies overlap
+    # compute, and at long responses these inputs are the largest saved tensor
+    Stage("+ checkpointed layer inputs in pinned host memory", True, False, False, False, activation_offload=True),
+    Stage("+ the reference waits in host memory outside scoring", True, True, False, False, activation_offload=True),
     # exact fp32 state over PCIe before approximate 8-bit state: offload costs ~2 x 8 bytes per parameter
     # of transfer per step, small next to a rollout on the cards that need it
-    Stage("+ optimizer state in host memory between updates", True, True, True, False),
-    Stage("+ 8-bit AdamW state (bitsandbytes) on the GPU", True, True, False, False, "adamw8bit"),
-    Stage("+ 8-bit AdamW state in host memory between updates", True, True, True, False, "adamw8bit"),
-    Stage("+ FSDP2 CPU offload of parameters, gradients and optimizer", True, True, True, True),
+    Stage("+ optimizer state in host memory between updates", True, True, True, False, activation_offload=True),
+    Stage("+ 8-bit AdamW state (bitsandbytes) on the GPU", True, True, False, False, "adamw8bit",
+          activation_offload=True),
+    Stage("+ 8-bit AdamW state in host memory between updates", True, True, True, False, "adamw8bit",
+          activation_offload=True),
+    Stage("+ FSDP2 CPU offload of parameters, gradients and optimizer", True, True, True, True,
+          activation_offload=True),
 )
 
 # Where bf16 weights and AdamW state can replace fp32 masters (native bf16, full fine-tuning), they
@@ -82,12 +90,14 @@ TASK_MOVES = (
 
 
 def stages_for(optimizer: Optional[str], bnb_ok: bool, bf16_ok: bool, param_offload: bool,
-               resident: Optional[bool] = None) -> list[Stage]:
+               resident: Optional[bool] = None, offload_activations: Optional[bool] = None) -> list[Stage]:
     """STAGES for this run, fastest first. bf16_ok: the bf16 optimizers are allowed (native bf16, full
     fine-tuning): BF16_STAGES follow the first two and later stages use adamw-bf16-sr. 8-bit stages only
     where bitsandbytes runs and no optimizer is forced; a forced `optimizer` is used by every stage
     (duplicates dropped). `param_offload` False drops the last stage (LoRA=auto tries adapters before
-    streaming every weight over PCIe). `resident` forces the rollout engine's residency either way."""
+    streaming every weight over PCIe). `resident` forces the rollout engine's residency either way;
+    `offload_activations` False drops the activation offload (the CPU, a board whose host memory is its
+    GPU's, or plan.activation_offload=false), True keeps it on wherever checkpointing is."""
     base = list(STAGES[:2]) + (list(BF16_STAGES) if bf16_ok and optimizer is None else []) + list(STAGES[2:])
     out, seen = [], set()
     for i, st in enumerate(base):
@@ -105,6 +115,8 @@ def stages_for(optimizer: Optional[str], bnb_ok: bool, bf16_ok: bool, param_offl
         knobs = st.knobs()
         if resident is not None:
             knobs["rollout_resident"] = resident
+        if offload_activations is not None:
+            knobs["activation_offload"] = offload_activations and knobs["grad_checkpointing"]
         key = (tuple(knobs.values()), name)
         if key in seen:
             continue
@@ -126,7 +138,7 @@ def next_moves(plan: Any, response_len: int) -> list[str]:
         out.append(f"--set train.micro_batch={max(1, plan.micro_batch // 2)}")
     mine = {"grad_checkpointing": plan.grad_checkpointing, "swap_models": plan.swap_models,
             "optimizer_offload": plan.optimizer_offload, "param_offload": plan.param_offload,
-            "rollout_resident": plan.rollout_resident}
+            "rollout_resident": plan.rollout_resident, "activation_offload": plan.activation_offload}
     bf16 = plan.optimizer.startswith("adamw-bf16")
     stages = stages_for(None, True, bf16, True)
     later = False

@@ -160,7 +160,15 @@ def no_fit_message(c: Ctx, budget: int, attempts: list) -> str:
 
     fields = {"rollout.max_new_tokens": "response_len", "rollout.n_samples": "samples_per_prompt",
               "train.prompts_per_step": "prompts_per_step"}
+    from edgerl.plan.length import longest_response
+    longest, _ = longest_response(device, model, task, o, cal)
+    if 0 < longest < task.response_len:
+        lines.append(f"  - the longest response that fits this task here: {longest} tokens "
+                     f"(--set rollout.max_new_tokens={longest})")
+        found_any = True
     for label, key, smaller in TASK_MOVES:
+        if key == "rollout.max_new_tokens" and longest:
+            continue
         value = smaller(task)
         if value is not None and fits(**{fields[key]: value}):
             lines.append(f"  - {label}: --set {key}={value}")

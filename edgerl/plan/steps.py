@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from edgerl.core.errors import ModelSpecError, PlanError
 from edgerl.device.device import GiB
-from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, bf16_state_support, bnb_support,
+from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, activation_offload_reason,
+                                   bf16_state_support, bnb_support, pick_attention_chunk,
                                    choose_logprob_chunk, compute, fact, logit_bytes, lora_targets, optimizer_reason,
                                    pick_attention, pick_base_dtype, pick_env, pick_headroom, pick_kernels,
                                    pick_reward_model_dtype, pick_share_prompts, quant_support, share_blocker,
@@ -39,6 +40,12 @@ Step = Callable[["Ctx"], tuple[Any, str]]
 @fact
 def kernels(c: "Ctx") -> tuple[str, Optional[dict[str, Any]], str]:
     return pick_kernels(c.device, compute(c)[0], c.model, c.forced("kernel_backend"))
+
+
+@fact
+def attention_rows(c: "Ctx") -> tuple[int, bool, str]:
+    """(query rows per attention chunk in training, 0: one fused call; K/V repeated for SDPA's kernel; reason)."""
+    return pick_attention_chunk(c.device, compute(c)[0], c["attention"], c.model, c.forced("attention_chunk"))
 
 
 @fact
@@ -101,12 +108,21 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
     base_dtype = base_choice(c)[0]
     targets, lora_params = lora_shape(c)
     forced = {k: c.forced(k) for k in ("grad_checkpointing", "swap_models", "optimizer_offload", "param_offload",
-                                       "rollout_batch", "score_micro_batch", "micro_batch", "rollout_resident")}
+                                       "rollout_batch", "score_micro_batch", "micro_batch", "rollout_resident",
+                                       "activation_offload")}
     if dev.integrated:  # host memory is the same memory: moving anything there frees nothing
         for k in ("param_offload", "optimizer_offload", "swap_models"):
             forced[k] = forced[k] or False
+    if dev.integrated or not dev.is_cuda:   # pinned host memory is the same memory (or there is no GPU)
+        if forced["activation_offload"]:
+            raise PlanError("plan.activation_offload=true moves activations from the GPU to host memory; here "
+                            + ("the GPU's memory is the host's" if dev.is_cuda else "there is no GPU")
+                            + ": use plan.activation_offload=false")
+        forced["activation_offload"] = False
+    chunk_rows, kv_copies, _ = attention_rows(c)
+    expandable = any(k == "PYTORCH_CUDA_ALLOC_CONF" and "expandable_segments:True" in v for k, v in c["env"])
     # samples of a prompt whose forward passes may compute it once (the decision itself follows the search)
-    share = 1 if share_blocker(attention, model, c.forced("share_prompts")) else task.samples_per_prompt
+    share = 1 if share_blocker(attention, model, c.forced("share_prompts"), task) else task.samples_per_prompt
 
     def setting(cand: Candidate) -> Setting:
         quant = cand.base if cand.base in QUANT_BASES else None
@@ -122,14 +138,17 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             lora_input_bytes=lora_input_bytes(model, targets, dtype.compute_bytes) if cand.lora else 0,
             prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1,
             # the static engine prefills a prompt once for its samples (a quantized base always runs it)
-            prefill_share=task.samples_per_prompt if engine == "static" or quant else 1)
+            prefill_share=task.samples_per_prompt if engine == "static" or quant else 1,
+            attention_chunk=chunk_rows, kv_copies=kv_copies, expandable_segments=expandable,
+            head_trains=not cand.lora, logprob_upcast=kernel_backend == "torch")
 
     host = dev.host_memory if not dev.integrated else 0
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []
     for cand in trained_and_base(dev, task, base_dtype, bool(c.forced("base_dtype"))):
         # bf16 weights only where the compute is bf16: plan.dtype=fp32 keeps fp32 weights
         bf16_ok = bf16_state_support(dev, cand.lora)[0] and dtype.compute == "bf16"
-        stages = stages_for(c.forced("optimizer"), bnb_ok, bf16_ok, cand.param_offload, forced["rollout_resident"])
+        stages = stages_for(c.forced("optimizer"), bnb_ok, bf16_ok, cand.param_offload, forced["rollout_resident"],
+                            forced["activation_offload"])
         base = setting(cand)
         found, tried = search(model, task, base, limit, forced, c.calibration, host, stages,
                               micro_cost(dev, model, task, base))
@@ -259,6 +278,24 @@ def dtype(c: "Ctx") -> tuple[DtypePolicy, str]:
 
 def attention(c: "Ctx") -> tuple[str, str]:
     return pick_attention(c.device, compute(c)[0], c.forced("attention"))
+
+
+def attention_chunk(c: "Ctx") -> tuple[int, str]:
+    rows, _, reason = attention_rows(c)
+    return rows, reason
+
+
+def activation_offload(c: "Ctx") -> tuple[bool, str]:
+    s = setting(c)
+    return s.activation_offload, activation_offload_reason(c.device, s.activation_offload, s.grad_checkpointing,
+                                                           memory(c).host_needed, c.forced("activation_offload"))
+
+
+def micro_batch_tokens(c: "Ctx") -> tuple[int, str]:
+    task, mb = c.task, setting(c).micro_batch
+    return mb * (task.prompt_len + task.response_len), (
+        f"{mb} x ({task.prompt_len} + {task.response_len}) tokens: micro-batches are cut by tokens, so rows whose "
+        "responses ended early (EOS) share a micro-batch with more rows; each is trimmed to its longest response")
 
 
 def kernel_backend(c: "Ctx") -> tuple[str, str]:

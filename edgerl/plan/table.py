@@ -105,6 +105,11 @@ TABLE: tuple[Decision, ...] = (
                 if p.dtype.compute != "bf16" else [])),
     Decision("attention", "attention", steps.attention, "attention kernel", ("eager", "sdpa", "flash_attention_2"),
              pin=True, verl=lambda p: [f"+actor_rollout_ref.model.override_config.attn_implementation={p.attention}"]),
+    Decision("attention_chunk", "attention chunk", steps.attention_chunk,
+             "attend in chunks of this many query rows in training, each chunk's scores recomputed in the backward "
+             "(0 or unset: one fused SDPA call where the GPU has an O(L)-memory kernel)", int,
+             range=("[0, 1048576]", "leave it unset to let the plan choose (0: one fused SDPA call)"),
+             pin=lambda v: {"plan.attention_chunk": v} if v else {}),
     Decision("rollout_engine", "rollout engine", engines.rollout_engine,
              "rollout engine: edgerl's static-cache decoder (static), transformers' generate (hf-generate) or a "
              "colocated vLLM (vllm)", tuple(engines.ENGINES), pin=True,
@@ -122,6 +127,9 @@ TABLE: tuple[Decision, ...] = (
     Decision("grad_checkpointing", "grad checkpointing", steps.searched_knob("grad_checkpointing"),
              "recompute activations in the backward pass", bool, pin=True,
              verl=lambda p: [f"actor_rollout_ref.model.enable_gradient_checkpointing={p.grad_checkpointing}"]),
+    Decision("activation_offload", "activation offload", steps.activation_offload,
+             "move the checkpointed layers' inputs to pinned host memory during the forward and back one layer ahead "
+             "in the backward (CUDA)", bool, pin=True),
     Decision("swap_models", "swap models", steps.searched_knob("swap_models"),
              verl=lambda p: [f"actor_rollout_ref.ref.fsdp_config.param_offload={p.swap_models or p.param_offload}"]),
     Decision("optimizer_offload", "optimizer offload", steps.searched_knob("optimizer_offload"),
@@ -146,6 +154,7 @@ TABLE: tuple[Decision, ...] = (
     Decision("micro_batch", "micro-batch", steps.searched_knob("micro_batch"),
              pin=lambda v: {"train.micro_batch": v},
              verl=lambda p: [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={p.micro_batch}"]),
+    Decision("micro_batch_tokens", "micro-batch tokens", steps.micro_batch_tokens),
     Decision("score_micro_batch", "scoring micro-batch", steps.searched_knob("score_micro_batch"),
              "sequences per no-grad log-prob pass", int, range=("[1, 65536]", "leave it unset to let the plan choose"),
              pin=True,

@@ -232,19 +232,22 @@ class StaticDecoder:
 
     # ---- memory and weights ---------------------------------------------------------------------
 
-    def allocate(self) -> None:
-        """(layers, 2, max_batch, KVH, S, D). Zeroed: masked columns get weight 0, and 0 * NaN from
-        uninitialised memory would still poison the weighted sum over V."""
-        if self.cache is None:
-            self.cache = torch.zeros((self.n_layers, 2, self.max_batch, self.n_kv, self.cache_len, self.head_dim),
+    def allocate(self, rows: int | None = None) -> None:
+        """(layers, 2, rows, KVH, S, D), rows at most max_batch (default): what the batch needs. Zeroed: masked
+        columns get weight 0, and 0 * NaN from uninitialised memory would still poison the weighted sum over V.
+        A cache with fewer rows than asked for is replaced (captured graphs must then be dropped)."""
+        rows = min(rows or self.max_batch, self.max_batch)
+        if self.cache is None or self.cache.shape[2] < rows:
+            self.cache = None
+            self.cache = torch.zeros((self.n_layers, 2, rows, self.n_kv, self.cache_len, self.head_dim),
                                      device=self.device, dtype=self.dtype)
 
     def free(self) -> None:
         self.cache = None
 
     def cache_bytes(self) -> int:
-        return (self.n_layers * 2 * self.max_batch * self.n_kv * self.cache_len * self.head_dim
-                * self.dtype.itemsize)
+        rows = self.cache.shape[2] if self.cache is not None else self.max_batch
+        return self.n_layers * 2 * rows * self.n_kv * self.cache_len * self.head_dim * self.dtype.itemsize
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step reads from the model (parameters, buffers, fused weights)."""
@@ -319,7 +322,8 @@ class StaticDecoder:
         """Cache columns [0, width) of row src[i] into row dst[i], for every layer (the prompt a group of
         samples shares, computed once)."""
         for a, b in zip(src, dst):
-            self.cache[:, :, b, :, :width] = self.cache[:, :, a, :, :width]
+            if a != b:
+                self.cache[:, :, b, :, :width] = self.cache[:, :, a, :, :width]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.final_norm.weight, self.final_norm.variance_epsilon)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -31,12 +31,17 @@ from .decoder import DecodeKernelUnavailable, StaticDecoder
 from .sampling import sample
 
 CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each look is a device-to-host copy)
+# Rows that finished (EOS) leave the decode batch once no more than this share of it is still decoding: the
+# live rows move to the front (KV cache rows, state) and decode on as a smaller batch, with a graph captured
+# for that size. Halving keeps the captures to log2(rows) per rollout.
+DROP_AT = 0.5
 
 
 @dataclass(frozen=True)
 class _Mode:
     """What a captured step bakes in (shapes and branches); temperature and top-p are tensors instead."""
     rows: int
+    full: int          # rows the chunk started with: a smaller `rows` means finished rows were dropped
     greedy: bool
     top_k: int
     top_p: bool
@@ -54,6 +59,7 @@ class _State:
         self.done = torch.zeros(max_batch, device=device, dtype=torch.bool)
         self.col = torch.zeros(1, **long)                # cache column the next step writes (shared)
         self.step = torch.zeros(1, **long)               # response index the next sample goes to
+        self.orig = torch.arange(max_batch, **long)       # the chunk row each decoding row started as
         self.out_tok = torch.zeros(max_batch, max_seq_len, **long)
         self.out_logp = torch.zeros(max_batch, max_seq_len, device=device, dtype=torch.float32)
         self.temp = torch.ones(1, device=device, dtype=torch.float32)
@@ -129,6 +135,7 @@ class StaticCacheEngine:
         self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.cuda_graphs, self.time_steps = cuda_graphs, time_steps
+        self.drop_finished = True   # rows that finished leave the decode batch (DROP_AT)
         self.note = note
         self._gen = torch.Generator(device=self.device)
         self._state: Optional[_State] = None
@@ -206,8 +213,10 @@ class StaticCacheEngine:
     def _emit(self, logits: torch.Tensor, mode: _Mode) -> None:
         """Sample from logits (B, V), record token and log-prob at `step`, update done/tok/step in place."""
         s, B = self._state, mode.rows
+        dropped = mode.rows < mode.full
         tok, logp = sample(logits, s.temp, greedy=mode.greedy, top_k=mode.top_k,
-                           top_p=s.top_p if mode.top_p else None, generator=self._gen)
+                           top_p=s.top_p if mode.top_p else None, generator=self._gen,
+                           noise_rows=s.orig[:B] if dropped else None, noise_total=mode.full)
         done = s.done[:B]
         tok = torch.where(done, mode.pad, tok)           # finished rows keep emitting pad, as HF does
         logp = logp.masked_fill(done, 0.0)
@@ -227,8 +236,12 @@ class StaticCacheEngine:
         """Capture the decode step for this mode (once; reused until `release`)."""
         if mode in self._graphs:
             return self._graphs[mode]
-        s = self._state
+        s, B = self._state, mode.rows
         rng = self._gen.get_state()   # the warm-up draws; put them back so capturing changes no samples
+        # a capture in the middle of a rollout (finished rows dropped) must leave its state as it found it: the
+        # warm-up steps write cache column 0 and output column 0 of the rows, and the step counters
+        kept = [t.clone() for t in (s.col, s.step, s.start, s.tok, s.done)]
+        kept_cols = (self.dec.cache[:, :, :B, :, :1].clone(), s.out_tok[:B, :1].clone(), s.out_logp[:B, :1].clone())
         for t in (s.col, s.step, s.start, s.tok):   # keep the warm-up's writes inside the buffers
             t.zero_()
         s.done.fill_(False)
@@ -249,6 +262,10 @@ class StaticCacheEngine:
         with torch.cuda.graph(g, pool=self._pool):
             self._step(mode)
         self._gen.set_state(rng)
+        for t, v in zip((s.col, s.step, s.start, s.tok, s.done), kept):
+            t.copy_(v)
+        for t, v in zip((self.dec.cache[:, :, :B, :, :1], s.out_tok[:B, :1], s.out_logp[:B, :1]), kept_cols):
+            t.copy_(v)
         if not self._graphs:
             self._stamp = _addresses(self.dec)
         self._graphs[mode] = g
@@ -262,9 +279,12 @@ class StaticCacheEngine:
         _check(prompts, n_samples, params, self.max_seq_len)
         rows = [list(p) for p in prompts for _ in range(n_samples)]
         moved = self._weights_moved()
+        need = min(self.max_batch, len(rows))   # the KV cache holds the rows this call decodes at once
+        if self.dec.cache is not None and self.dec.cache.shape[2] < need:
+            self.release()   # a bigger cache: the graphs read the old one's addresses
         if self._state is None:
-            self.dec.allocate()
-            self._state = _State(self.max_batch, self.max_seq_len, self.device)
+            self.dec.allocate(need)
+            self._state = _State(need, self.max_seq_len, self.device)
         s = self._state
         temp = params.temperature if params.temperature > 0 else 1.0   # greedy may say T=0
         s.temp.fill_(temp)
@@ -280,13 +300,14 @@ class StaticCacheEngine:
 
         info = {"engine": "static", "cuda_graphs": self.cuda_graphs, "backend": self.dec.backend.name,
                 "capture_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "chunks": 0, "seed": seed,
-                "graphs_dropped": moved, "captures": 0}
+                "graphs_dropped": moved, "captures": 0, "row_steps": 0, "compactions": 0}
         if self.time_steps:
             info["step_ms"] = []
         responses, logprobs, truncated = [], [], []
-        for first in range(0, len(rows), self.max_batch):
-            chunk = rows[first:first + self.max_batch]
-            mode = _Mode(rows=len(chunk), greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
+        for first in range(0, len(rows), need):
+            chunk = rows[first:first + need]
+            mode = _Mode(rows=len(chunk), full=len(chunk), greedy=params.greedy,
+                         top_k=0 if params.greedy else params.top_k,
                          top_p=not params.greedy and params.top_p < 1.0, eos=eos, pad=params.pad_token_id)
             toks, lps = self._generate_chunk(chunk, mode, params.max_new_tokens, info)
             for tok_row, lp_row in zip(toks, lps):
@@ -313,15 +334,7 @@ class StaticCacheEngine:
 
     def _run_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
         s, B, cuda = self._state, mode.rows, self.device.type == "cuda"
-        graph = None
-        if self.cuda_graphs:
-            t0 = time.perf_counter()
-            fresh = mode not in self._graphs
-            graph = self._graph(mode)
-            if fresh:
-                torch.cuda.synchronize(self.device)
-                info["capture_s"] += time.perf_counter() - t0
-                info["captures"] += 1
+        graph = self._captured(mode, info) if self.cuda_graphs else None
 
         t0 = time.perf_counter()
         width = max(len(p) for p in chunk)
@@ -329,6 +342,7 @@ class StaticCacheEngine:
         for i, p in enumerate(chunk):   # left padding: every prompt ends at column width - 1
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         s.start[:B].copy_(torch.tensor([width - len(p) for p in chunk], dtype=torch.long))
+        s.orig[:B].copy_(torch.arange(B))
         s.done.fill_(False)
         s.step.zero_()
         logits = self._prefill(chunk, ids, width, B)
@@ -340,7 +354,9 @@ class StaticCacheEngine:
 
         t0 = time.perf_counter()
         steps = 1
-        pending: deque = deque()   # (pinned flag, event): read one check late so the GPU queue never drains
+        order = list(range(B))     # the chunk row each decoding row is
+        saved: dict[int, tuple[list[int], list[float]]] = {}   # rows dropped when they finished
+        pending: deque = deque()   # (pinned flags, event): read one check late so the GPU queue never drains
         clock = StepClock(cuda) if self.time_steps else None
         if clock:
             clock.mark()
@@ -352,27 +368,67 @@ class StaticCacheEngine:
             if clock:
                 clock.mark()
             steps = t + 1
+            info["row_steps"] += mode.rows
+            flags = None
             if mode.eos and not cuda:      # on the CPU the look costs nothing: every step
-                if bool(s.done[:B].all()):
-                    break
+                flags = s.done[:mode.rows].tolist()
             elif mode.eos and steps % CHECK_EVERY == 0:
-                flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
-                flag.copy_(s.done[:B].all().view(1), non_blocking=True)
+                buf = torch.empty(mode.rows, dtype=torch.bool, pin_memory=True)
+                buf.copy_(s.done[:mode.rows], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record()
-                pending.append((flag, ev))
+                pending.append((buf, ev))
                 if len(pending) > 1:
-                    old_flag, old_ev = pending.popleft()
+                    old, old_ev = pending.popleft()
                     old_ev.synchronize()
-                    if bool(old_flag[0]):
-                        break
+                    flags = old.tolist()
+            if flags is None:
+                continue
+            if all(flags):
+                break
+            live = [r for r, f in enumerate(flags) if not f]
+            if self.drop_finished and len(live) <= DROP_AT * mode.rows:
+                mode, order = self._drop(mode, live, order, steps, width, saved, info)
+                graph = self._captured(mode, info) if self.cuda_graphs else None
+                pending.clear()   # their flags are of the rows before the move
         if clock:
             info["step_ms"] += clock.ms()
-        toks = s.out_tok[:B, :steps].tolist()
-        lps = s.out_logp[:B, :steps].tolist()
+        toks = s.out_tok[:mode.rows, :steps].tolist()
+        lps = s.out_logp[:mode.rows, :steps].tolist()
+        for r, k in enumerate(order):
+            saved[k] = (toks[r], lps[r])
         info["decode_s"] += time.perf_counter() - t0
         info["decode_steps"] += steps - 1
-        return toks, lps
+        return [saved[k][0] for k in range(B)], [saved[k][1] for k in range(B)]
+
+    def _captured(self, mode: _Mode, info: dict) -> torch.cuda.CUDAGraph:
+        t0 = time.perf_counter()
+        fresh = mode not in self._graphs
+        graph = self._graph(mode)
+        if fresh:
+            torch.cuda.synchronize(self.device)
+            info["capture_s"] += time.perf_counter() - t0
+            info["captures"] += 1
+        return graph
+
+    def _drop(self, mode: _Mode, live: list[int], order: list[int], steps: int, width: int,
+              saved: dict, info: dict) -> tuple[_Mode, list[int]]:
+        """Keep decoding rows `live` only: the others finished, so their tokens so far are their responses
+        (they would only emit padding from here). The live rows move to the front of the KV cache and state,
+        in order; the next steps decode `len(live)` rows. Returns the new mode and row order."""
+        s, n = self._state, len(live)
+        dead = [r for r in range(mode.rows) if r not in set(live)]
+        toks, lps = s.out_tok[dead, :steps].tolist(), s.out_logp[dead, :steps].tolist()
+        for r, tk, lp in zip(dead, toks, lps):
+            saved[order[r]] = (tk, lp)
+        src = torch.tensor(live, device=self.device)
+        for t in (s.tok, s.start, s.done, s.orig):
+            t[:n] = t[src]
+        s.out_tok[:n, :steps] = s.out_tok[src, :steps]
+        s.out_logp[:n, :steps] = s.out_logp[src, :steps]
+        self.dec.copy_rows(live, list(range(n)), min(self.dec.cache_len, width + steps))
+        info["compactions"] += 1
+        return replace(mode, rows=n), [order[r] for r in live]
 
 
 class StepClock:

@@ -32,17 +32,24 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: Optional[torch.Tensor
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, *, greedy: bool, top_k: int,
-           top_p: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+           top_p: Optional[torch.Tensor], generator: Optional[torch.Generator],
+           noise_rows: Optional[torch.Tensor] = None, noise_total: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: (B, V) fp32; temperature: (1,) tensor. Returns (tokens (B,) long, log-probs (B,) fp32)
     where the log-prob is log_softmax(logits / T) at the token: the full tempered softmax, before
-    top-k/top-p, which is what the trainer recomputes."""
+    top-k/top-p, which is what the trainer recomputes. `noise_rows` (B,) and `noise_total`: the rows are
+    rows `noise_rows` of a batch of `noise_total` (finished rows dropped), and draw the noise those rows
+    would draw in it: the samples do not depend on which other rows are still decoding."""
     scaled = logits / temperature
     logp_all = torch.log_softmax(scaled, dim=-1)
     if greedy:
         tok = logits.argmax(-1)
     else:
         kept = filter_logits(scaled, top_k, top_p)
-        u = torch.rand(kept.shape, generator=generator, device=kept.device, dtype=torch.float32)
+        if noise_rows is not None:
+            u = torch.rand((noise_total, kept.shape[1]), generator=generator, device=kept.device,
+                           dtype=torch.float32)[noise_rows]
+        else:
+            u = torch.rand(kept.shape, generator=generator, device=kept.device, dtype=torch.float32)
         # -log(-log(u)): u == 0 gives -inf noise (never chosen), u < 1 always so the noise is finite above.
         tok = (kept - torch.log(-torch.log(u))).argmax(-1)
     return tok, logp_all.gather(-1, tok[:, None])[:, 0]

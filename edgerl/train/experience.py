@@ -42,6 +42,22 @@ class Experience:
             out[f.name] = v[idx] if isinstance(v, torch.Tensor) else v
         return Experience(**out)
 
+    def trimmed(self) -> "Experience":
+        """The same rows without the response columns after their last real token (at least one kept):
+        a micro-batch of responses that ended early (EOS) computes no padding."""
+        R = self.response_ids.shape[1]
+        real = self.response_mask.sum(0).nonzero()
+        keep = max(1, int(real[-1]) + 1) if len(real) else 1
+        if keep == R:
+            return self
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor) and v.dim() == 2:
+                v = v[:, :v.shape[1] - (R - keep)]   # (B, P + R) and (B, R) alike lose the last R - keep columns
+            out[f.name] = v
+        return Experience(**out)
+
     def to(self, device: torch.device) -> "Experience":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if isinstance(getattr(self, f.name), torch.Tensor)})
@@ -73,28 +89,59 @@ def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
 
+def token_micro_batches(exp: Experience, tokens: Optional[int], size: int) -> list[slice]:
+    """Consecutive slices of `exp`'s rows that hold at most `tokens` tokens each once trimmed (rows x
+    (prompt width + the slice's longest response); at least one row per slice). Full-length responses
+    give slices of tokens // (P + R) rows; responses that ended early (EOS) let more rows share one.
+    `tokens` None: slices of `size` rows."""
+    n = len(exp)
+    if tokens is None:
+        return micro_batches(n, size)
+    width = exp.start + 1
+    real = exp.response_mask.bool()
+    cols = torch.arange(real.shape[1])
+    lens = torch.where(real, cols + 1, 0).amax(1).clamp(min=1).tolist()   # each row's last real column + 1
+    out, first, longest = [], 0, 0
+    for i, n_i in enumerate(lens):
+        if i > first and (i - first + 1) * (width + max(longest, n_i)) > tokens:
+            out.append(slice(first, i))
+            first, longest = i, 0
+        longest = max(longest, n_i)
+    out.append(slice(first, n))
+    return out
+
+
+def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, T) -> (B, width) with zeros after column T (a trimmed micro-batch's per-token values)."""
+    return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
 @torch.no_grad()
 def policy_logprobs(head: Callable, exp: Experience, micro: int, temperature: float,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy (B, R) of the responses under `head` (a PolicyHead), no gradients."""
+                    device: torch.device, tokens: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy (B, R) of the responses under `head` (a PolicyHead), no gradients, in
+    micro-batches of at most `tokens` tokens (`micro` rows when None)."""
     logps, ents = [], []
-    for sl in micro_batches(len(exp), micro):
-        part = exp.rows(sl)
+    R = exp.response_ids.shape[1]
+    for sl in token_micro_batches(exp, tokens, micro):
+        part = exp.rows(sl).trimmed()
         logp, ent = head(part.input_ids.to(device), part.attention_mask.to(device), part.response_ids.to(device),
                          part.start, temperature)
-        logps.append(logp.float().cpu())
-        ents.append(ent.float().cpu())
+        logps.append(pad_columns(logp.float().cpu(), R))
+        ents.append(pad_columns(ent.float().cpu(), R))
     return torch.cat(logps), torch.cat(ents)
 
 
 @torch.no_grad()
-def critic_values(critic: Callable, exp: Experience, micro: int, device: torch.device) -> torch.Tensor:
+def critic_values(critic: Callable, exp: Experience, micro: int, device: torch.device,
+                  tokens: Optional[int] = None) -> torch.Tensor:
     vals = []
-    for sl in micro_batches(len(exp), micro):
-        part = exp.rows(sl)
+    R = exp.response_ids.shape[1]
+    for sl in token_micro_batches(exp, tokens, micro):
+        part = exp.rows(sl).trimmed()
         v = critic(part.input_ids.to(device), part.attention_mask.to(device), part.start,
                    part.response_ids.shape[1])
-        vals.append(v.float().cpu())
+        vals.append(pad_columns(v.float().cpu(), R))
     return torch.cat(vals)
 
 

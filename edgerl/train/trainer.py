@@ -28,7 +28,7 @@ from edgerl.config.schema import Config, to_dict
 from edgerl.data.prompts import Prompt, PromptSampler
 from edgerl.plan.dtypes import torch_dtype
 from edgerl.core.errors import USER_ERRORS, RewardError, RunDirError, TrainingError
-from edgerl.train.experience import Experience, advantages, critic_values, pad_batch, policy_logprobs
+from edgerl.train.experience import Experience, advantages, critic_values, pad_batch, pad_columns, policy_logprobs
 from edgerl.train.metrics import MetricsWriter
 from edgerl.core.files import write_atomically
 from edgerl.models.load import (build_actor, build_critic, build_frozen, init_distributed, lm_weights, on_device, save_hf)
@@ -132,6 +132,7 @@ class Trainer:
             save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor))), actor=self.actor))
         self.stop_signal: Optional[str] = None
         self._samples: list[dict[str, Any]] = []
+        self.phase = "setup"
         if s.resume is not None:
             saved = state.restore(s.resume.checkpoint, self.state, self.log, seed=cfg.train.seed)
             resume_changes.apply(self.state, cfg, saved.get("config"), self.log)
@@ -215,17 +216,20 @@ class Trainer:
         cfg, p = self.cfg, self.plan
         T = cfg.rollout.temperature
         updates = (len(exp) // (cfg.train.mini_batch or len(exp))) * cfg.train.ppo_epochs
+        # the scoring micro-batch's token budget (rows whose responses ended early share one); one process only,
+        # since under torchrun every rank must take as many forward passes as the others
+        score_tokens = p.score_micro_batch * p.micro_batch_tokens // p.micro_batch if self.world == 1 else None
         self.actor.eval()
         # On-policy with one update per step, the old log-probs equal the current ones: the update's
         # own forward provides them (ratio 1), and this pass is skipped.
         if updates > 1 or (kl_coef > 0 and cfg.algo.kl_in == "reward"):
-            exp.old_logp, _ = policy_logprobs(self.actor, exp, p.score_micro_batch, T, self.device)
+            exp.old_logp, _ = policy_logprobs(self.actor, exp, p.score_micro_batch, T, self.device, score_tokens)
         if self.ref is not None:
             with on_device(self.ref, self.device, p.swap_models and not self.lora):
-                exp.ref_logp, _ = policy_logprobs(self.ref, exp, p.score_micro_batch, T, self.device)
+                exp.ref_logp, _ = policy_logprobs(self.ref, exp, p.score_micro_batch, T, self.device, score_tokens)
         if self.critic is not None:
             self.critic.eval()
-            exp.values = critic_values(self.critic, exp, p.score_micro_batch, self.device)
+            exp.values = critic_values(self.critic, exp, p.score_micro_batch, self.device, score_tokens)
         return exp
 
     def update(self, exp: Experience, kl_coef: float) -> dict[str, float]:
@@ -235,6 +239,7 @@ class Trainer:
         (clip_low, clip_high), agg = a.clip_range(), a.loss_agg_mode()
         keep = rows_with_gradient(exp.advantages, exp.response_mask) if self.skip_rows else None
         epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
+        R = exp.response_ids.shape[1]   # micro-batches come trimmed to their longest response
 
         def actor_loss(part: Experience, epoch: int):
             logp, ent = self.actor(part.input_ids, part.attention_mask, part.response_ids, part.start,
@@ -249,11 +254,11 @@ class Trainer:
             if part.ref_logp is not None and a.kl_in == "loss" and kl_coef > 0:
                 loss = loss + kl_coef * algos.kl_loss(logp, part.ref_logp, mask, a.kl_estimator, agg)
             if epoch == 0:
-                epoch0["logp"].append(logp.detach().float().cpu())
-                epoch0["ent"].append(ent.detach().float().cpu())
-                epoch0["mask"].append(mask.cpu())
+                epoch0["logp"].append(pad_columns(logp.detach().float().cpu(), R))
+                epoch0["ent"].append(pad_columns(ent.detach().float().cpu(), R))
+                epoch0["mask"].append(pad_columns(mask.cpu(), R))
                 if part.ref_logp is not None:
-                    epoch0["ref"].append(part.ref_logp.cpu())
+                    epoch0["ref"].append(pad_columns(part.ref_logp.cpu(), R))
             return loss, st
 
         def critic_loss(part: Experience, epoch: int):
@@ -264,7 +269,7 @@ class Trainer:
         common = dict(mini=(cfg.train.mini_batch or cfg.sequences_per_step) // self.world, epochs=cfg.train.ppo_epochs,
                       micro=self.plan.micro_batch,
                       agg=agg, gen=lp.gen, device=self.device, max_grad_norm=cfg.train.max_grad_norm,
-                      scaler=lp.scaler)
+                      scaler=lp.scaler, tokens=self.plan.micro_batch_tokens)
         res = run_update(self.state.actor, exp, actor_loss, keep=keep, **common)
         out = {**res.stats, "actor/skipped_updates": float(res.skipped + res.skipped_norm)}
         if keep is not None:
@@ -310,12 +315,15 @@ class Trainer:
         @contextlib.contextmanager
         def phase(name: str):
             start = time.perf_counter()
+            self.phase = name   # an out-of-memory error names the phase it happened in
             yield
+            self.phase = f"after the {name} phase"
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             key = f"time/{name}_s"
             times[key] = times.get(key, 0.0) + time.perf_counter() - start   # dynamic sampling draws again
 
+        self.phase = "before the rollout"
         def one() -> Drawn:
             mine = lp.sampler.next_batch()  # the global batch, the same on every rank; this rank takes its share
             k = len(mine) // self.world
@@ -472,13 +480,19 @@ class Trainer:
         saved = state.failed_step(self.state, before_steps, snap, self.save)
         resume = f"then resume with --resume {self.run_dir}"
         if isinstance(e, torch.OutOfMemoryError):
+            from edgerl.train.oom import oom_message, oom_record, write_oom
             p = self.plan
-            measured = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
-            from edgerl.plan.memory import fmt_bytes
+            cuda = self.device.type == "cuda"
+            measured = {"reserved_peak": torch.cuda.max_memory_reserved(self.device) if cuda else 0,
+                        "allocated_peak": torch.cuda.max_memory_allocated(self.device) if cuda else 0,
+                        "reserved_now": torch.cuda.memory_reserved(self.device) if cuda else 0}
+            record = oom_record(p, self.step + 1, self.phase, measured, str(e))
+            try:
+                write_oom(self.run_dir, record, self.rank)
+            except OSError as write_error:   # the report must not hide the out-of-memory error itself
+                self.log(f"could not write oom.json: {write_error}")
             fixes = next_moves(p, self.cfg.rollout.max_new_tokens)
-            return TrainingError(f"CUDA out of memory in step {self.step + 1}: the plan estimated "
-                                 f"{fmt_bytes(p.memory.total)} (peak in {p.memory.peak_phase}), the process reserved "
-                                 f"{fmt_bytes(measured)} before failing. {saved}. Try {fixes[0]}"
+            return TrainingError(oom_message(record, self.run_dir) + f". {saved}. Try {fixes[0]}"
                                  + (f" (next: {fixes[1]})" if len(fixes) > 1 else "")
                                  + (f", or raise plan.memory_gib={self.cfg.plan.memory_gib:g} (the allocator is capped "
                                     "at it)" if self.cfg.plan.memory_gib is not None else "") + f", {resume}")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from edgerl import algos
 from edgerl.train import ranks
-from edgerl.train.experience import Experience, micro_batches
+from edgerl.train.experience import Experience, micro_batches, token_micro_batches
 from edgerl.train.optim import StateOffload
 
 
@@ -116,11 +116,14 @@ def optimizer_step(learner: Learner, max_grad_norm: float, scaler: Optional[torc
 
 def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int, epochs: int, micro: int,
                agg: str, gen: torch.Generator, device: torch.device, max_grad_norm: float,
-               scaler: Optional[torch.amp.GradScaler], keep: Optional[torch.Tensor] = None) -> UpdateResult:
+               scaler: Optional[torch.amp.GradScaler], keep: Optional[torch.Tensor] = None,
+               tokens: Optional[int] = None) -> UpdateResult:
     """PPO epochs of `loss_fn(micro-batch on device, epoch) -> (loss, stats)` over `exp`. `keep` (B,) bool:
     the rows to compute; the others must have a loss of exactly 0 (they are left out of the passes, the
     mini-batches and their loss weights stay those of every row, so the step is the same). The stats
-    are then means over the rows computed."""
+    are then means over the rows computed. Micro-batches hold at most `tokens` tokens each, trimmed to
+    their longest response (`micro` rows each when None; always under torchrun, where every rank must take
+    the same number of micro-steps)."""
     out = UpdateResult()
     sums: dict[str, float] = {}
     weights = 0.0
@@ -136,8 +139,9 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
             mexp = mexp.rows(mkeep.nonzero().squeeze(1))
             if len(mexp) == 0:
                 zero_gradients(learner, scaler, device)
-        for sl in micro_batches(len(mexp), micro):
-            part = mexp.rows(sl).to(device)
+        slices = token_micro_batches(mexp, tokens, micro) if world == 1 else micro_batches(len(mexp), micro)
+        for sl in slices:
+            part = mexp.rows(sl).trimmed().to(device)
             loss, stats = loss_fn(part, epoch)
             if not finite_everywhere(loss):
                 finite = False

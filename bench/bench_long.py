@@ -1,0 +1,202 @@
+"""Long responses on small cards' memory: each row is a real edgerl run (GRPO with the reference KL, 2 prompts
+x 8 samples, EOS ignored, random weights at a real model's widths with the SmolLM2 vocabulary) under a card's
+memory as the allocator's cap (--profile p40: 22919 MiB, the fp32 plan; --profile t4: 15109 MiB, the fp16
+plan), and the plan's estimate beside the measured peak of every phase.
+
+    python bench/bench_long.py [--only ROW ...] [--steps 3] [--parallel] [--budget-s 480] [--out FILE]
+    python bench/bench_long.py --offload-cost      # the activation offload's cost: 8 layers at the 1.5B widths
+    python bench/bench_long.py --smoke             # tiny shape, 2 steps of 64 tokens, on the CPU: the plumbing
+
+--parallel runs the rows at once, each in its own process under its own cap (the H200 holds six capped runs):
+memory figures are each process's own, but the GPU's time is shared, so s/step is not one run's speed.
+Measured device peak = the allocator's peak reserved bytes over the step's phases + the CUDA context (the
+plan's constant, measured on this H200; NVML's figure for the process is recorded where it can see it).
+Error = estimate / measured - 1: never below 0 (the plan must be an upper bound), at most +15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+# name -> (shape, profile, new tokens, extra --set)
+NF4 = ["lora.enabled=true", "lora.rank=16", 'plan.base_dtype="nf4"']
+ROWS: dict[str, tuple[str, str, int, list[str]]] = {
+    "1.5b-p40-512": ("1.5b", "p40", 512, ["lora.enabled=false"]),
+    "1.5b-p40-2k": ("1.5b", "p40", 2048, ["lora.enabled=false"]),
+    "1.5b-p40-4k": ("1.5b", "p40", 4096, ["lora.enabled=false"]),
+    "1.5b-p40-8k": ("1.5b", "p40", 8192, ["lora.enabled=false"]),
+    "qwen7b-nf4-p40-2k": ("qwen7b", "p40", 2048, NF4),
+    "qwen7b-nf4-p40-4k": ("qwen7b", "p40", 4096, NF4),
+    "llama8b-nf4-t4-2k": ("llama8b", "t4", 2048, NF4),
+}
+SMOKE = {"smoke": ("tiny-q", "cpu", 64, ["lora.enabled=false"])}
+# --check: the code paths of the rows on the GPU in a minute (the 1.5B full plan at 256 tokens, an NF4 base)
+CHECK = {"check-1.5b-p40": ("1.5b", "p40", 256, ["lora.enabled=false"]),
+         "check-nf4-t4": ("tiny-q", "t4", 128, NF4)}
+
+
+def command(name: str, steps: int) -> str:
+    shape, profile, n, extra = {**ROWS, **CHECK}[name]
+    sets = " ".join(f"--set {s}" for s in [f"rollout.max_new_tokens={n}", *extra])
+    return (f"edgerl train --profile {profile} --model <{shape} random weights> {sets} (bench/bench_long.py "
+            f"--only {name} --steps {steps})")
+
+
+def summary(name: str, res: dict, steps: int) -> dict:
+    from edgerl.plan.memory import DEFAULT_CALIBRATION
+    ctx = DEFAULT_CALIBRATION.cuda_context / bl.GiB
+    reserved = res.get("peak_reserved_gib")
+    measured = reserved + ctx if reserved is not None else None
+    est = res.get("estimate_gib")
+    plan = res.get("plan") or {}
+    return {"row": name, "status": res.get("status"), "steps": f"{res.get('steps_done', 0)}/{steps}",
+            "median_step_s": res.get("median_step_s"), "step_s": res.get("step_s"),
+            "tokens_per_s": res.get("tokens_per_s"), "peak_reserved_gib": reserved,
+            "peak_allocated_gib": res.get("peak_allocated_gib"), "measured_gib": measured,
+            "process_used_gib": res.get("process_used_end_gib"), "estimate_gib": est,
+            "estimate_peak_phase": res.get("estimate_peak_phase"),
+            "estimate_phases_gib": res.get("estimate_phases_gib"), "phase_alloc_gib": res.get("phase_alloc_gib"),
+            "phase_reserved_gib": res.get("phase_reserved_gib"),
+            "error": (est / measured - 1) if est and measured else None,
+            "plan": {k: plan.get(k) for k in ("micro_batch", "score_micro_batch", "rollout_batch",
+                                                "grad_checkpointing", "optimizer", "base_dtype")},
+            "command": command(name, steps) if name in ROWS or name in CHECK else name, "message": res.get("error", "")[:600]}
+
+
+def offload_cost(out: Path, tokens: int = 8192, layers: int = 8, reps: int = 3) -> dict:
+    """Forward + backward of `layers` checkpointed decoder layers at the Qwen2.5-1.5B widths in fp32, one row of
+    `tokens` tokens, with the layer inputs kept on the GPU and offloaded to pinned host memory: median time,
+    what the forward leaves allocated for the backward, and the peak. (The gradients are freed between
+    iterations, so the peak falls at the end of the backward, when every layer input has been used: there the
+    two agree; in training the gradients live through every micro-step and the inputs add to them.)"""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from edgerl.models import offload
+    from edgerl.models.attention import install
+    from edgerl.models.load import enable_checkpointing
+    dev = torch.device("cuda")
+    install()
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=1536, intermediate_size=8960, num_hidden_layers=layers,
+                      num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768)
+    cfg._attn_implementation = "sdpa"
+    res = {"tokens": tokens, "layers": layers, "widths": "Qwen2.5-1.5B (fp32)"}
+    for mode in ("on GPU", "offloaded"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(dev)
+        enable_checkpointing(model)
+        off = offload.enable(model.model.layers, dev) if mode == "offloaded" else None
+        model.train()
+        ids = torch.randint(0, 1024, (1, tokens), device=dev)
+        times = []
+        for i in range(reps + 1):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            h = model.model(input_ids=ids, use_cache=False, edgerl_attention_chunk=0).last_hidden_state
+            torch.cuda.synchronize()
+            kept = torch.cuda.memory_allocated() - base   # what the forward left for the backward
+            h.float().square().mean().backward()
+            torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+            peak = torch.cuda.max_memory_allocated() - base
+            model.zero_grad(set_to_none=True)
+        res[mode] = {"median_s": sorted(times)[len(times) // 2], "peak_above_weights_gib": peak / bl.GiB,
+                     "kept_after_forward_gib": kept / bl.GiB,
+                     "moved_gib_per_step": (off.bytes_moved / (reps + 1) / bl.GiB) if off else 0.0}
+        del model
+        torch.cuda.empty_cache()
+    res["slowdown"] = res["offloaded"]["median_s"] / res["on GPU"]["median_s"] - 1
+    bl.Results(out, {"script": "bench_long --offload-cost"}).put("offload_cost", res)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", default=None, help=f"rows (default all: {', '.join(ROWS)})")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=470, help="seconds per run")
+    ap.add_argument("--parallel", action="store_true", help="all rows at once, each under its own cap")
+    ap.add_argument("--offload-cost", action="store_true", help="time the activation offload, then stop")
+    ap.add_argument("--check", action="store_true", help=f"the rows {', '.join(CHECK)} instead (2 steps)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="fp32 matmuls on TF32 tensor cores (Ampere and newer): the same memory, a faster update; "
+                         "an emulated P40's plan computes in fp32, which a P40 has no tensor cores for")
+    bl.add_run_args(ap, 520, 30, "a tiny shape, 2 steps of 64 tokens on the CPU")
+    args = ap.parse_args()
+    out, work = bl.out_and_work(args, "bench_long", 30)
+    if args.offload_cost:
+        print(offload_cost(out.with_name(out.stem + "_offload.json")))
+        return
+    rows = SMOKE if args.smoke else CHECK if args.check else {k: ROWS[k] for k in (args.only or list(ROWS))}
+    steps = 2 if args.smoke or args.check else args.steps
+    clock = bl.Clock(args.budget_s)
+    results = bl.Results(out, {"script": "bench_long", "argv": sys.argv[1:], "device": bl.device_name(),
+                               "versions": bl.versions(), "steps": steps, "parallel": args.parallel,
+                               "tf32": args.tf32})
+
+    def log(s: str) -> None:
+        print(f"[{clock.elapsed():5.0f} s] {s}", flush=True)
+
+    shapes = sorted({r[0] for r in rows.values()})
+    models: dict[str, Path] = {}
+
+    def build(shape: str) -> None:
+        try:
+            models[shape] = bl.ensure_model(work, shape, args.tokenizer, timeout=max(60, int(clock.left()) - 60), log=log)
+        except Exception as e:  # noqa: BLE001
+            log(f"{shape}: model not built: {str(e)[-500:]}")
+    for shape in shapes:   # one after another: each is bound by the disk
+        build(shape)
+
+    def run(name: str) -> None:
+        shape, profile, n, extra = rows[name]
+        if shape not in models:
+            results.put(name, summary(name, {"status": "error: model not built"}, steps))
+            return
+        run_dir = work / "runs" / name
+        import shutil
+        shutil.rmtree(run_dir, ignore_errors=True)
+        sets = bl.task_sets(work, steps, n) + [f'run.profile="{profile}"', *extra]
+        spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32)
+        res = bl.run_edgerl(name, spec, work, max(10, min(args.timeout, clock.left() - 5)))
+        row = summary(name, res, steps)
+        results.put(name, row | {"raw": {k: v for k, v in res.items() if k not in ("trace",)}})
+        log(f"{name}: {row['status']} {row['steps']} steps; median {bl.fmt(row['median_step_s'])} s/step; measured "
+            f"{bl.fmt(row['measured_gib'])} GiB, estimate {bl.fmt(row['estimate_gib'])} GiB "
+            f"({row['estimate_peak_phase']}), error {bl.fmt(row['error'], '{:+.1%}')}"
+            + (f"; {row['message'][:300]}" if row["status"] != "ok" else ""))
+
+    if args.parallel:
+        import signal
+        signal.signal(signal.SIGTERM, bl.stop_children)
+        threads = [threading.Thread(target=run, args=(name,)) for name in rows]
+        for t in threads:
+            t.start()
+            time.sleep(2)   # staggered: the processes' model loads do not all hit the disk at once
+        for t in threads:
+            t.join()
+    else:
+        for name in rows:
+            run(name)
+    table = [[r["row"], str(r["status"])[:30], r["steps"], bl.fmt(r["median_step_s"]), bl.fmt(r["tokens_per_s"], "{:.0f}"),
+              bl.fmt(r["measured_gib"]), bl.fmt(r["estimate_gib"]), str(r["estimate_peak_phase"]),
+              bl.fmt(r["error"], "{:+.1%}")] for r in (results.runs[k] for k in rows if k in results.runs)]
+    text = bl.table(["row", "status", "steps", "s/step", "tok/s", "measured GiB", "estimate GiB", "est. peak",
+                     "error"], table)
+    results.data["table"] = text
+    results.save()
+    print(text)
+    print(f"wrote {out} ({clock.elapsed():.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
