@@ -328,10 +328,10 @@ def dataclasses_replace(obj, **kw):
 def test_recommend_shows_the_longest_response_and_refuses_past_it(monkeypatch):
     import re
     from typer.testing import CliRunner
-    import edgerl.plan.target
+    import edgerl.config.target
     from edgerl.cli.main import app
     from fakes import fake_probe
-    monkeypatch.setattr(edgerl.plan.target, "probe", lambda: fake_probe(None, torch_cuda=None, bitsandbytes="0.50.2"))
+    monkeypatch.setattr(edgerl.config.target, "probe", lambda: fake_probe(None, torch_cuda=None, bitsandbytes="0.50.2"))
     args = ["recommend", "--gpu", "p40", "--model", "qwen2.5-1.5b", "--prompt-len", "64", "--samples", "8",
             "--prompts", "2", "--no-lora", "--set", "plan.param_offload=false"]
     r = CliRunner().invoke(app, args + ["--response-len", "1024"])
