@@ -13,7 +13,7 @@ import torch
 from edgerl import algos
 from edgerl.config.load import load_config
 from edgerl.config.schema import Config, ConfigError
-from edgerl.plan.export import verl_overrides
+from edgerl.config.export import verl_overrides
 
 SEEDS = [0, 1, 2]
 VERL_TOL = 1e-7  # verl's seq-mean-token-mean divides by (tokens + 1e-8): a relative 1e-8 off the exact mean
@@ -178,7 +178,7 @@ def test_kl_loss_through_edgerl_matches_verls_kl_loss():
 @pytest.mark.parametrize("clips", [(0.2, 0.2, None), (0.2, 0.28, 3.0), (0.1, 0.3, 1.5)])
 def test_ppo_equals_verl_vanilla(seed, mode, clips):
     """edgerl's dual clip off is verl's clip_ratio_c at the exported never-binding bound."""
-    from edgerl.plan.export import VERL_NO_DUAL_CLIP
+    from edgerl.config.export import VERL_NO_DUAL_CLIP
     lo, hi, dc = clips
     logp, old, adv, mask = case(seed)
     cfg = SimpleNamespace(clip_ratio_low=lo, clip_ratio_high=hi, clip_ratio_c=dc or VERL_NO_DUAL_CLIP)
@@ -366,7 +366,7 @@ def _parse(v: str):
 
 def verl_effective(cfg: Config) -> dict:
     """verl's setting of every key above once the exported overrides are applied."""
-    from edgerl.plan.target import plan_for, resolve_target
+    from edgerl.config.target import plan_for, resolve_target
     from fakes import fake_probe
     target = resolve_target("rtx3090", probe_fn=lambda: fake_probe(None, torch_cuda=None))
     lines, _ = verl_overrides(cfg, plan_for(cfg, target))
@@ -430,7 +430,7 @@ def test_verl_export_trains_like_edgerl(sets):
 
 
 def test_verl_export_says_what_verl_cannot_match():
-    from edgerl.plan.export import verl_algorithm
+    from edgerl.config.export import verl_algorithm
     cfg = load_config(None, ["algo.kl_target=0.02", "algo.loss_agg=seq-mean-token-sum-norm", "train.warmup_ratio=0.1"])
     _, caveats = verl_algorithm(cfg, critic=False)
     text = " ".join(caveats)

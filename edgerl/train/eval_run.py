@@ -60,7 +60,7 @@ def run_eval(cfg: Config, checkpoint_folder: Optional[Path], log: Callable[[str]
     from edgerl.data.heldout import load_eval_prompts
     from edgerl.data.prompts import load_prompts
     from edgerl.models.load import build_actor, init_distributed, lm_weights, load_tokenizer
-    from edgerl.plan.target import model_spec, plan_for, resolve_target
+    from edgerl.config.target import model_spec, plan_for, resolve_target
     from edgerl.rollout import EngineContext, build_engine
     from edgerl.rollout.base import SamplingParams
     from edgerl.train.evaluate import evaluate
