@@ -289,7 +289,8 @@ def decode_attention_rope(w: Widths, device: torch.device) -> list[Part]:
 
 # ---- the decode layer's projections (Triton) ----------------------------------------------------------
 
-ULP = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}   # a few steps of the largest output
+# fp32: a few steps of the largest output; 16 bits: the relative size of one step (bf16 8 bits, fp16 11)
+ULP = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
 
 
 def _linear_ref(x, wt, norm, eps, bias, residual, glu):
@@ -307,9 +308,11 @@ def _linear_ref(x, wt, norm, eps, bias, residual, glu):
 def decode_linear(w: Widths, device: torch.device) -> list[Part]:
     """`decode_linear` on the four products of a decode layer (q/k/v with the norm and the rows' sums of
     squares passed in, o and down into the residual with the new sums returned, gate/up with the norm and
-    SiLU * up) against the same torch ops in float64: its error may be at most twice theirs in the compute
-    dtype, plus a few steps of the output's size."""
-    from edgerl.kernels.decode_linear import decode_linear as kernel
+    SiLU * up) against the same torch ops: in fp32 its error against their float64 result at most twice
+    theirs; in 16 bits, where it rounds as they do, within four steps of their result (one step where an
+    fp32 sum in another order rounds the other way, and what that step moves downstream of it)."""
+    from edgerl.kernels.decode_linear import decode_linear as kernel, kernel_module
+    interpreted = kernel_module().INTERPRETED
     g = _gen(device, 7)
     B, Hd, I, dt = w.rows, w.hidden, w.intermediate, w.dtype
     qkv_n, q_w = (w.heads + 2 * w.kv_heads) * w.head_dim, w.heads * w.head_dim
@@ -328,9 +331,18 @@ def decode_linear(w: Widths, device: torch.device) -> list[Part]:
         got, got_ssq = out if resid else (out, None)
         args = (x, wt, ln, 1e-5, bias, res, glu)
         exact = _linear_ref(*[a.double() if isinstance(a, torch.Tensor) else a for a in args])
-        rms = float(exact.pow(2).mean().sqrt().clamp(min=1e-30))
-        torch_err = _maxerr(_linear_ref(*args), exact) / rms
-        parts.append(Part(f"decode_linear {name} {K}->{N}", _maxerr(got, exact) / rms, 2 * torch_err + ULP[dt]))
+        want = _linear_ref(*args)
+        if dt == torch.float32:   # sums in another order: no larger an error than torch's, twice over
+            rms = float(exact.pow(2).mean().sqrt().clamp(min=1e-30))
+            parts.append(Part(f"decode_linear {name} {K}->{N}", _maxerr(got, exact) / rms,
+                              2 * _maxerr(want, exact) / rms + ULP[dt]))
+        elif interpreted:   # Triton's interpreter truncates to 16 bits, at up to five roundings (tests/test_decode_linear_on_cpu.py)
+            parts.append(Part(f"decode_linear {name} {K}->{N} (interpreter)",
+                              _maxerr(got, want) / float(want.double().abs().max()), 2 ** -4))
+        else:   # rounded where torch's ops round: within a few steps of their result (near zero, of the mean size)
+            step = ULP[dt] * exact.abs().clamp(min=float(exact.abs().mean()))
+            parts.append(Part(f"decode_linear {name} {K}->{N} (steps of the torch ops' result)",
+                              float(((got.double() - want.double()).abs() / step).max()), 4.0))
         if got_ssq is not None:   # the next norm's sums of squares, summed over its partials
             ref = got.double().square().sum(-1)
             parts.append(_close(f"decode_linear {name} sums of squares", got_ssq.double().sum(0), ref, 1e-5, 0.0))

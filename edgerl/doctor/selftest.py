@@ -191,7 +191,7 @@ def _private_patterns() -> list[tuple[re.Pattern, str]]:
         if path and path != "/":
             out.append((re.compile(re.escape(path) + r"[^\s'\"),;]*"), name))
     for word in (socket.gethostname(), _user()):
-        if word and len(word) > 2:
+        if word and len(word) >= 2:
             out.append((re.compile(rf"\b{re.escape(word)}\b"), "<host>" if word == socket.gethostname() else "<user>"))
     return out
 

@@ -362,7 +362,7 @@ def _two_steps(plan: Plan, folder: Path, device: torch.device, reference: bool) 
         if scaler is not None:
             scaler.unscale_(optim)
         out["grads"].append([_full(p.grad).detach().float().cpu() for p in params])
-        out["loss"].append(float(loss))
+        out["loss"].append(loss.item())
         optimizer_step(learner, 1e9, None if scaler is None else _Unscaled(scaler))
         if cuda:
             torch.cuda.synchronize(device)
