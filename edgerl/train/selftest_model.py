@@ -34,13 +34,25 @@ from edgerl.plan.plan import Plan
 PROMPT, RESPONSE, ROWS = 24, 24, 8   # tokens per prompt and response, sequences: a decode step of 8 rows
 VOCAB, LAYERS, KV = 4096, 2, 2
 # Largest |log-prob difference| between the engine and HF's forward over the same tokens (max, mean), and
-# the top-2 logit gap below which the two may pick different tokens: fp32 agrees to rounding; 16 bits
-# rounds the decode step's ops where HF's SDPA forward keeps fp32 (tests/test_rollout_cuda.py's bounds).
-ENGINE_TOL = {"fp32": (1e-3, 1e-4, 2e-3), "fp16": (0.15, 0.03, 0.3), "bf16": (0.15, 0.03, 0.3)}
+# the top-2 logit gap below which the two may pick different tokens: fp32 agrees to rounding; 16 bits rounds
+# the decode step's ops where HF's SDPA forward keeps fp32 (tests/test_rollout_cuda.py's bounds for fp16), and
+# bf16 keeps 3 bits fewer than fp16: 8 times the rounding (an H200 run at the Qwen2.5-7B head layout over an
+# NF4 base measured mean differences of 0.005 in fp16 and 0.035 in bf16).
+ENGINE_TOL = {"fp32": (1e-3, 1e-4, 2e-3), "fp16": (0.15, 0.03, 0.3), "bf16": (0.3, 0.08, 0.6)}
 # The two training steps' loss (relative) and gradients (relative norm over all trainable parameters)
 # against the reference path: the same model in the same precision, the log-probs' fp32 sums in another order.
 TRAIN_TOL = {"fp32": (1e-5, 1e-4), "fp16": (2e-3, 2e-2), "bf16": (5e-3, 5e-2)}
-MEMORY_SLACK = 1.25, 64 * 2**20   # measured <= estimate x 1.25 + 64 MiB: the memory model holds here
+# After the first update the paths' optimizers may round differently by design: the bf16 step draws its random
+# bits otherwise in the fused kernel than in the eager step, and 8-bit AdamW's quantized state turns the first
+# step's last-bit differences into a step of its 256 levels. The second step's gradients then differ by more
+# (an H200 run: 0.066 with stochastic rounding in bf16, 1.2e-4 with 8-bit state in fp32); the kernels
+# themselves are checked exactly on their own.
+STEP2_GRADIENTS = {"adamw-bf16-sr": 4.0, "adamw-bf16": 4.0, "adamw8bit": 10.0}
+# measured <= estimate x 1.25 + 128 MiB: the memory model holds here. The fixed part is the libraries'
+# workspaces the memory model leaves to the headroom: cuBLAS keeps one per stream it runs on (32 MiB on
+# Hopper), and the engine captures its graph on a stream of its own; on an H200 the small model's decode step
+# measured 74-106 MiB against estimates of 8-20 MiB.
+MEMORY_SLACK = 1.25, 128 * 2**20
 
 
 def small_spec(m: ModelSpec) -> ModelSpec:
@@ -281,7 +293,8 @@ def check_training(plan: Plan, folder: Path, device: torch.device) -> list[Verdi
     parts = {}
     for i in range(2):
         parts[f"loss step {i + 1}"] = (abs(got["loss"][i] - want["loss"][i]) / max(abs(want["loss"][i]), 1e-12), ltol)
-        parts[f"gradients step {i + 1}"] = (_rel_norm(got["grads"][i], want["grads"][i]), gtol)
+        grow = STEP2_GRADIENTS.get(plan.optimizer, 1.0) if i else 1.0
+        parts[f"gradients step {i + 1}"] = (_rel_norm(got["grads"][i], want["grads"][i]), gtol * grow)
     figs = {k: {"error": e, "tolerance": t} for k, (e, t) in parts.items()}
     figs["loss"] = got["loss"]
     figs["reference_loss"] = want["loss"]
