@@ -34,8 +34,14 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
            refresh: bool = typer.Option(False, "--refresh-bench", help="measure again even if a cached result exists"),
            nodes: int = typer.Option(1, "--nodes", min=1, max=1024, help="also check what a run over this many "
                                      "machines needs (NCCL, the network interface; the ranks' clocks under "
-                                     "torchrun)")) -> None:
-    """Is this machine ready to train, and if not, exactly what to fix."""
+                                     "torchrun)"),
+           selftest: bool = typer.Option(False, "--selftest", help="check every kernel the plan launches against its "
+                                         "reference on this GPU, a small model's rollout and training steps, speed "
+                                         "and memory (about two minutes); writes selftest.json"),
+           out: Optional[Path] = typer.Option(None, "--out", "-o", help="--selftest: where selftest.json goes "
+                                              "(a file or a folder; default the current folder)"),
+           force: bool = typer.Option(False, "--force", help="--selftest: replace an existing selftest.json")) -> None:
+    """Is this machine ready to train, and if not, exactly what to fix. --selftest: is edgerl right on it."""
     import dataclasses
     from edgerl.doctor.doctor import Environment, exit_code, run_checks
     from edgerl.config.target import plan_for, resolve_target
@@ -43,6 +49,11 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
     cfg = load_config(config, list(sets or []) + ([(f"model.path={quoted(model)}", f"--model {model}")]
                                                   if model else []))
     target = resolve_target(gpu, gpu_spec)
+    if selftest:
+        from .selftest import run as run_selftest
+        run_selftest(cfg, target, as_json, out, force)
+    elif out is not None or force:
+        raise ConfigError("--out and --force go with --selftest (the doctor's report is printed)")
     where = ""
     if bench or refresh:
         if target.simulated:

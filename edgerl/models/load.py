@@ -28,7 +28,7 @@ from torch import nn
 
 from edgerl.core.errors import ModelError
 from edgerl.plan.dtypes import torch_dtype, with_dtype
-from edgerl.kernels import Tiles, token_logprobs_and_entropy
+from edgerl.kernels import Tiles, naive_logprobs_and_entropy, token_logprobs_and_entropy
 from edgerl.models import offload
 from edgerl.models.attention import gather_columns, install, roll_left
 from edgerl.models.packing import pack, packed_index, plan_layout
@@ -135,8 +135,12 @@ class PolicyHead(nn.Module):
                                 position_ids=pack(lay, pos), use_cache=False, edgerl_layout=lay)
             where = packed_index(lay, input_ids.device)[:, start:start + targets.shape[1]]
             hidden = out.last_hidden_state[0][where]
-        logp, ent = token_logprobs_and_entropy(hidden, self.lm.lm_head.weight, targets, temperature,
-                                               backend=self.backend, chunk=self.chunk, tiles=self.tiles)
+        if self.backend == "naive":   # the self-test's reference: every logit in fp32, no edgerl kernel
+            weight = self.lm.lm_head.weight
+            logp, ent = naive_logprobs_and_entropy(hidden.float(), weight.to(hidden.dtype).float(), targets, temperature)
+        else:
+            logp, ent = token_logprobs_and_entropy(hidden, self.lm.lm_head.weight, targets, temperature,
+                                                   backend=self.backend, chunk=self.chunk, tiles=self.tiles)
         return logp.clone(), ent.clone()  # FSDP2 hooks the outputs' backward; views would lose the hook
 
 

@@ -2,7 +2,8 @@
 CLI, the benchmarks and the tests all use, so that what they measure is what users run.
 
     device (probed, or a profile emulated on this GPU with its real memory cap)
-    -> plan -> environment -> tokenizer and data (validated before anything is written)
+    -> plan -> environment -> the plan's kernels checked against their references
+    -> tokenizer and data (validated before anything is written)
     -> run folder (checked, locked, config and plan written atomically) -> resume point
 
 Under torchrun each rank prepares its own session on its own device; the plan is made per rank
@@ -31,6 +32,7 @@ from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.plan.plan import Plan
 from edgerl.config.target import Target, model_spec, plan_for, resolve_target
 from edgerl.train.loggers import check_installed
+from edgerl.doctor.kernel_checks import check_at_start
 
 
 @dataclass
@@ -141,6 +143,12 @@ def _budget_note(cfg: Config, share: float, real: Any) -> str:
             f" GiB ({share:.1%} of this GPU; the CUDA context is outside it)")
 
 
+def device_for(target: Target, cfg: Config) -> tuple[Any, str]:
+    """The torch device `edgerl train` runs on for `target` (one process), with its memory cap applied, and
+    the emulation note ("" when no profile is emulated)."""
+    return _device_for(target, cfg)
+
+
 def cap_memory(profile: str) -> str:
     """Emulate a profile's memory on this GPU (for benchmarks that run a peer beside edgerl)."""
     cfg = load_config(None, [f"run.profile={quoted(profile)}"])
@@ -194,6 +202,9 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
         check_ranks_agree(ranks.gather(rank_view(cfg, plan, resume)))
     apply_env(plan, device)
     apply_switches(plan, device)
+    # the plan's kernels against their references on small inputs, before anything is written: a kernel
+    # that is wrong on this device stops the run here, naming it and the setting that avoids it
+    check_at_start(plan, device)
 
     out = Path(cfg.run.out_dir).expanduser() if cfg.run.out_dir else \
         Path("runs") / f"{Path(cfg.model.path).name}-{time.strftime('%Y%m%d-%H%M%S')}"
