@@ -64,3 +64,13 @@ def test_clock_check():
     assert check_clocks([100.0, 100.2]).status == "ok"
     late = check_clocks([100.0, 100.1, 104.0])
     assert late.status == "warn" and "rank 2" in late.detail and "+4.0 s" in late.detail
+
+
+def test_recommend_json_for_several_gpus_carries_the_traffic():
+    import json
+    from edgerl.cli.main import app
+    res = CliRunner().invoke(app, ["recommend", "--gpu", "p40", "--model", "qwen2.5-0.5b", "--gpus", "2",
+                                   "--format", "json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["traffic"]["world"] == 2 and doc["traffic"]["total_bytes"] > 0 and doc["traffic"]["nodes"] == 1

@@ -639,9 +639,12 @@ def test_errors_name_the_file_and_the_fix(tmp_path, llama, monkeypatch):
         load_quantized_lm(extra, "nf4", torch.float32, "cpu")
 
 
-@pytest.mark.xfail(strict=True, reason="bitsandbytes 0.50's AVX-512 CPU NF4 decoder indexes block scales per row")
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@pytest.mark.xfail(AVX512, strict=True, reason="bitsandbytes 0.50's AVX-512 CPU NF4 decoder indexes block scales per row")
 def test_bitsandbytes_cpu_nf4_decoder_on_rows_of_16k_not_64k():
-    """Why the loader refuses such widths on the CPU; when this passes, drop `_check_cpu_nf4`."""
+    """Why the loader refuses such widths on an AVX-512 CPU; when this passes there, drop `_check_cpu_nf4`."""
     import bitsandbytes as bnb
     torch.manual_seed(0)
     w = torch.randn(5, 160)
@@ -651,12 +654,32 @@ def test_bitsandbytes_cpu_nf4_decoder_on_rows_of_16k_not_64k():
     torch.testing.assert_close(dequantized_weight(layer), nf4_reference(layer), rtol=0, atol=0)
 
 
-def test_cpu_nf4_refuses_widths_its_kernel_decodes_wrongly(tmp_path):
+def test_the_probe_agrees_with_the_decoder_on_this_cpu():
+    from edgerl.models.quant import cpu_nf4_decodes_rows_wrongly
+    import bitsandbytes as bnb
+    torch.manual_seed(1)
+    layer = bnb.nn.Linear4bit(160, 7, bias=False, compress_statistics=True, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(7, 160), requires_grad=False, compress_statistics=True,
+                                     quant_type="nf4")
+    layer = layer.to("cpu")
+    wrong = not torch.equal(dequantized_weight(layer), nf4_reference(layer).float())
+    assert cpu_nf4_decodes_rows_wrongly() == wrong
+
+
+def test_cpu_nf4_refuses_widths_its_kernel_decodes_wrongly(tmp_path, monkeypatch):
+    import edgerl.models.quant as quant
+    decoder_wrong_here = quant.cpu_nf4_decodes_rows_wrongly()
     folder = make_model(tmp_path / "m", inter=160)
+    monkeypatch.setattr(quant, "cpu_nf4_decodes_rows_wrongly", lambda: True)
     with pytest.raises(ModelError, match="model.layers.0.mlp.down_proj: in_features=160 .* int8"):
         load_quantized_lm(folder, "nf4", torch.float32, "cpu")
     lm = load_quantized_lm(folder, "int8", torch.float32, "cpu")  # int8 rows have no blocks
     assert lm.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+    monkeypatch.setattr(quant, "cpu_nf4_decodes_rows_wrongly", lambda: False)  # a CPU whose decoder is right
+    lm = load_quantized_lm(folder, "nf4", torch.float32, "cpu")
+    down = lm.model.layers[0].mlp.down_proj
+    if not decoder_wrong_here:  # loaded weights are the weights it multiplies by
+        torch.testing.assert_close(dequantized_weight(down), nf4_reference(down).float(), rtol=0, atol=0)
 
 
 def test_a_model_without_nn_linear_is_refused(tmp_path):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import sys
@@ -106,14 +107,31 @@ def quantized_params(model: nn.Module) -> set[nn.Parameter]:
     return {m.weight for m in model.modules() if is_quantized_linear(m)}
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_nf4_decodes_rows_wrongly() -> bool:
+    """Whether this machine's bitsandbytes CPU NF4 decoder gets a row of 160 (a multiple of 16, not of 64) wrong.
+
+    bitsandbytes 0.50's AVX-512 CPU decoder indexes the block scales per row where the CUDA kernels (and its
+    own scalar CPU path) index the flattened weight; which path runs depends on the CPU. Probed once: a 5 x 160
+    weight quantized, decoded by bitsandbytes and by the obvious formula (code x absmax of its block of 64)."""
+    import bitsandbytes.functional as bnbf
+    w = torch.randn(5, 160, generator=torch.Generator().manual_seed(0))
+    q, state = bnbf.quantize_4bit(w, blocksize=NF4_BLOCK, compress_statistics=False, quant_type="nf4")
+    got = bnbf.dequantize_4bit(q, state)
+    packed = q.view(torch.uint8).reshape(-1).long()
+    codes = torch.stack([packed >> 4, packed & 15], dim=1).reshape(-1)[:w.numel()]
+    table = bnbf.get_4bit_type("nf4", device="cpu")
+    ref = (table[codes] * state.absmax[torch.arange(w.numel()) // NF4_BLOCK]).reshape(w.shape)
+    return not torch.equal(got, ref)
+
+
 def _check_cpu_nf4(name: str, in_features: int, device: torch.device) -> None:
-    # bitsandbytes' AVX-512 NF4 decoder on the CPU (0.50) indexes the block scales per row, so a row
-    # whose length is a multiple of 16 but not of 64 is decoded with the wrong scales (the CUDA kernels
-    # index the flattened weight). Refuse rather than compute with other weights than were loaded.
-    if device.type == "cpu" and in_features % 16 == 0 and in_features % NF4_BLOCK != 0:
+    # Refuse rather than compute with other weights than were loaded (see cpu_nf4_decodes_rows_wrongly).
+    if (device.type == "cpu" and in_features % 16 == 0 and in_features % NF4_BLOCK != 0
+            and cpu_nf4_decodes_rows_wrongly()):
         raise ModelError(f"{name}: in_features={in_features} is a multiple of 16 but not of 64, which bitsandbytes' "
-                         "CPU NF4 kernel decodes wrongly; on the CPU use int8, a float base (plan.base_dtype=fp32), "
-                         "or a model whose layer widths are multiples of 64")
+                         "CPU NF4 kernel decodes wrongly on this CPU (its AVX-512 path); on the CPU use int8, a float "
+                         "base (plan.base_dtype=fp32), or a model whose layer widths are multiples of 64")
 
 
 def _empty_quantized(linear: nn.Linear, quant: str, compute_dtype: torch.dtype) -> nn.Linear:
