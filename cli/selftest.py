@@ -20,7 +20,7 @@ def run(cfg, target, as_json: bool, out: Optional[Path], force: bool) -> None:
     from edgerl.core.errors import ConfigError
     from edgerl.core.files import output_file
     from edgerl.doctor.selftest import run_selftest, write_report
-    from edgerl.plan.target import plan_for
+    from edgerl.config.target import plan_for
     from edgerl.train import session
     from edgerl.train.selftest_model import model_checks
     # checked before the run: a bad path fails at once, and an existing report is kept unless --force

@@ -19,7 +19,7 @@ from edgerl.cli.main import app
 from edgerl.config.load import load_config
 from edgerl.core.errors import TrainingError
 from edgerl.doctor import kernel_checks
-from edgerl.plan.target import plan_for, resolve_target
+from edgerl.config.target import plan_for, resolve_target
 
 runner = CliRunner()
 CPU = torch.device("cpu")
