@@ -293,6 +293,30 @@ def test_the_update_by_tokens_takes_the_step_the_update_by_rows_takes():
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-12, msg=n)
 
 
+def test_a_mini_batch_whose_rows_are_all_left_out_steps_on_zero_gradients():
+    """Every group of the step uniform (algo.skip_uniform_groups): no micro-batch by tokens or by rows,
+    and the optimizer steps on zero gradients as it would after computing rows of zero loss."""
+    from edgerl.train.experience import Experience, token_micro_batches
+    from edgerl.train.optim import StateOffload
+    from edgerl.train.update import Learner, run_update
+    assert token_micro_batches(_exp([3, 5]).rows(torch.tensor([], dtype=torch.long)), 40, 2) == []
+    ids, mask, start, targets, rmask = _rows([4, 3, 2, 1], R=4)
+    exp = Experience(input_ids=ids, attention_mask=mask, response_ids=targets, response_mask=rmask.float(),
+                     start=start, scores=torch.zeros(4), advantages=torch.zeros(4, targets.shape[1]))
+    for tokens in (None, 2 * ids.shape[1]):
+        model = tiny_llama().to(torch.float64)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        learner = Learner("actor", _head(model), optim, torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0),
+                          StateOffload(optim, False, False))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        calls = []
+        out = run_update(learner, exp, lambda part, epoch: calls.append(part) or (None, {}), mini=4, epochs=1,
+                         micro=2, agg="token-mean", gen=torch.Generator(), device=torch.device("cpu"),
+                         max_grad_norm=1.0, scaler=None, keep=torch.zeros(4, dtype=torch.bool), tokens=tokens)
+        assert calls == [] and out.skipped == 0 and out.grad_norms == [0.0]
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 # --- the longest response, recommend, and a refusal that names it -------------------------------------
 
 def _p40():

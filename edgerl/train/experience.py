@@ -95,7 +95,7 @@ def token_micro_batches(exp: Experience, tokens: Optional[int], size: int) -> li
     give slices of tokens // (P + R) rows; responses that ended early (EOS) let more rows share one.
     `tokens` None: slices of `size` rows."""
     n = len(exp)
-    if tokens is None:
+    if tokens is None or n == 0:   # no rows (every group of the mini-batch uniform): no micro-batch
         return micro_batches(n, size)
     width = exp.start + 1
     real = exp.response_mask.bool()
