@@ -37,8 +37,8 @@ def run(cfg, target, as_json: bool, out: Optional[Path], force: bool) -> None:
         if emulation:
             console.print(f"[bold yellow]{escape(emulation)}[/]")
         console.print(f"Self-test of the plan for {escape(plan.model.name)} on {escape(plan.device.describe())}: "
-                      f"{plan.dtype.compute}, log-probs {plan.kernel_backend}, decode attention "
-                      f"{plan.decode_attention}, optimizer {plan.optimizer}", highlight=False)
+                      f"{plan.dtype.compute}, log-probs {plan.kernel_backend}, decode backend "
+                      f"{plan.decode_backend}, optimizer {plan.optimizer}", highlight=False)
 
     def show(v) -> None:
         if as_json:

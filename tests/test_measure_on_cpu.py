@@ -180,7 +180,7 @@ class LegacyTorch:
 @pytest.mark.parametrize("before", ["highest", "high", "medium"])
 def test_legacy_torch_gets_highest_and_its_own_setting_back(before):
     t = LegacyTorch(before)
-    with M._strict_fp32(t):
+    with M.strict_fp32(t):
         assert t.precision == "highest" and t.backends.cuda.matmul.allow_tf32 is False
     assert t.precision == before
 

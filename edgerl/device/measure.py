@@ -183,7 +183,7 @@ def _transfer_items(r: _Run, pinned: bool, budget_s: float) -> dict[str, Item]:
 
 
 @contextlib.contextmanager
-def _strict_fp32(torch: Any):
+def strict_fp32(torch: Any):
     """IEEE fp32 matmuls while timing fp32: Ampere and newer use TF32 where allowed, and oneDNN may use
     bf16 on a CPU. torch >= 2.9 keeps a `fp32_precision` per backend, and reading the legacy flags
     after it was set raises; so set it where it exists, else the legacy pair, and restore exactly."""
@@ -273,7 +273,7 @@ def measure(device: Optional[str] = None, budget_s: float = 30.0, item_s: float 
     r.matmul = matmul or (lambda a, b, out: torch.matmul(a, b, out=out))
 
     def fp32(share: float) -> dict[str, Item]:
-        with _strict_fp32(torch):
+        with strict_fp32(torch):
             return _matmul_item(r, "fp32", share)
 
     steps: list[tuple[tuple[str, ...], Callable[[float], dict[str, Item]]]] = [

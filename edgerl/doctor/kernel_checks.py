@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from edgerl.core.errors import TrainingError
+from edgerl.device.measure import strict_fp32
 from edgerl.doctor.verdict import Verdict, within
 from edgerl.plan.plan import Plan
 
@@ -125,7 +126,11 @@ def check_one(name: str, plan: Plan, device, quick: bool = False) -> Verdict:
         w = replace(w, hidden=64, vocab=200, heads=4, kv_heads=2, head_dim=16, intermediate=96, rows=3, cache=40,
                     tokens=24, chunk=8, params=4097, tiles=None)
     t0 = time.perf_counter()
-    parts, error = kernel_refs.run(use.key, w, device)
+    import torch
+    # IEEE fp32 matmuls for the check, also where a script allowed TF32: a kernel is checked for its logic;
+    # TF32's 10-bit mantissa would fail fp32 tolerances on Ampere and newer (the plan's fp32 cards have none)
+    with strict_fp32(torch):
+        parts, error = kernel_refs.run(use.key, w, device)
     took = time.perf_counter() - t0
     shape = w.describe(use.key)
     if error:
