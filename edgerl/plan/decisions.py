@@ -15,7 +15,7 @@ from edgerl.device.device import GiB, MiB, Device
 from edgerl.plan.dtypes import nbytes
 from edgerl.core.errors import PlanError
 from edgerl.plan.memory import packed_tokens
-from edgerl.plan.modelspec import ModelSpec
+from edgerl.plan.modelspec import FAST_TYPES, STATIC_ROPE, ModelSpec
 from edgerl.plan.task import Task
 
 
@@ -45,7 +45,8 @@ POLICIES = {"fp32": FP32, "fp16": FP16_MIXED, "bf16": BF16_MIXED}
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # All attention and MLP projections, not peft's q/v default: QLoRA (Dettmers et al., 2023) found adapters
 # on every linear layer of the block necessary to match full fine-tuning; at r=16 they stay ~1% of the base.
-LORA_TARGETS = {"llama": DEFAULT_LORA_TARGETS, "qwen2": DEFAULT_LORA_TARGETS, "mistral": DEFAULT_LORA_TARGETS}
+LORA_TARGETS = {t: DEFAULT_LORA_TARGETS for t in ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma3")}
+LORA_TARGETS["phi3"] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # Phi-3 fuses q/k/v and gate/up
 
 
 def lora_targets(model_type: str, explicit: Optional[tuple[str, ...] | list[str]]) -> tuple[str, ...]:
@@ -240,19 +241,15 @@ def vllm_support(dev: Device, dtype: DtypePolicy) -> tuple[bool, str]:
     return True, f"vllm {version} supports {dev.sm} in {dtype.compute}"
 
 
-# rope types whose inverse frequencies are fixed at init: the static engine precomputes their tables
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-
-
 def static_engine_support(model: ModelSpec, max_len: int) -> tuple[bool, str]:
-    """Can edgerl's static-cache decoder (rollout/decoder.py) run this model? It implements the
-    llama/qwen2/mistral forward with full attention and rope tables fixed at init."""
+    """Can edgerl's static-cache decoder (rollout/decoder.py) run this model? It implements the llama, qwen2,
+    mistral, qwen3 and gemma3_text forward (sliding-window layers included) with rope tables fixed at init."""
+    if not model.fast_engine:
+        return False, (f"edgerl's static-cache decoder does not implement the {model.model_type} architecture "
+                       f"(it implements {', '.join(FAST_TYPES)}), so transformers' generate runs the rollout")
     if model.rope_type not in STATIC_ROPE:
         return False, (f"rope_type {model.rope_type!r} changes its frequencies with the sequence length; the static "
                        f"engine implements {', '.join(STATIC_ROPE)}")
-    if model.sliding_window is not None and max_len > model.sliding_window:
-        return False, (f"sliding-window attention (window {model.sliding_window}) with sequences of {max_len} tokens; "
-                       "the static engine implements full attention only")
     return True, f"{model.model_type} with {model.rope_type} rope: edgerl's static-cache decoder runs it"
 
 
@@ -339,6 +336,8 @@ def triton_layers_reason(dev: Device, dtype: DtypePolicy, model: ModelSpec, engi
         return why
     if model.hidden_act not in ("silu", "swish"):
         return f"the MLP's activation is {model.hidden_act}, and the gate/up kernel computes SiLU(gate) * up"
+    if model.sandwich_norms:
+        return f"{model.model_type}'s (1 + weight) norms after attention and the MLP are not in the fused kernels"
     return ""
 
 
@@ -428,6 +427,8 @@ def pick_decode_attention(dev: Device, dtype: DtypePolicy, model: ModelSpec, eng
         cuda_why = f"{dtype.compute} compute: the kernels compute in fp32"
     elif compiled:
         cuda_why = "the decode step is compiled (Inductor fuses the layer's elementwise work)"
+    elif model.sandwich_norms:
+        cuda_why = f"the kernels fuse llama-style RMS norms, not {model.model_type}'s (1 + weight) norms around attention"
     else:
         cuda_why = decode_cuda_shape_reason(head, model.num_heads // model.num_kv_heads) or ""
     if forced == "cuda" and cuda_why:

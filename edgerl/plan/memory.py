@@ -28,7 +28,9 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
     log-prob pass         chunk x V x b_logit through the chunked kernel (the torch path holds 8
                           bytes per logit of a chunk, the Triton backward one slab in the compute
                           dtype); never tokens x V
-    KV cache              sequences x L x 2 x layers x kv x b_c
+    KV cache              sequences x L x 2 x layers x kv x b_c; where a layer attends through a sliding
+                          window of W tokens and the engine's cache keeps only the window (transformers'
+                          generate), that layer counts min(L, W) tokens instead of L
     sampling logits       sequences x V x 4 x 3 (fp32 logits, softmax, top-p sort)
     CUDA context          a constant per process, outside torch's allocator
     fragmentation         a share of the transient memory (activations, logits, KV cache)
@@ -185,6 +187,8 @@ class Setting:
     prefill_share: int = 1          # the same in the rollout's prefill (the static engine: edgerl/rollout/static.py)
     lora_input_bytes: int = 0       # per token and layer: what the fp32 copies of the adapted layers' inputs add
                                     # to the activations beside a 16-bit base (plan._lora_input_bytes)
+    kv_window: bool = False         # the rollout's KV cache keeps only the window of sliding-window layers
+                                    # (transformers' generate does; the static engine keeps every token)
 
 
 @dataclass(frozen=True)
@@ -284,7 +288,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating
     # unless resident; none when the engine runs the actor's own (quantized) modules
     gen_copy = 0 if s.rollout_from_actor else P * b_c
-    kv = s.rollout_batch * L * m.kv_bytes_per_token(b_c)
+    kv = s.rollout_batch * m.kv_bytes(L, b_c, windowed=s.kv_window)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
     prefill = packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0) * (
         4 * m.hidden_size + 3 * m.intermediate_size) * b_c

@@ -177,7 +177,8 @@ def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict
             lora_input_bytes=_lora_input_bytes(model, lora_targets_, dtype.compute_bytes) if config.lora else 0,
             prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1,
             # the static engine prefills a prompt once for its samples (a quantized base always runs it)
-            prefill_share=task.samples_per_prompt if engine == "hf" or quant else 1)
+            prefill_share=task.samples_per_prompt if engine == "hf" or quant else 1,
+            kv_window=engine == "hf-generate")
 
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []
     for config in trained_and_base(device, task, base_dtype, bool(o.get("base_dtype"))):

@@ -1,9 +1,10 @@
-"""A llama-family decoder written against a static KV cache, reading an HF model's own weights.
+"""A llama-family decoder written against a static KV cache, reading an HF model's own weights
+(llama, mistral, qwen2, qwen3 and gemma3_text: `arch.py` says how they differ).
 
 HF's forward builds masks and cache objects in Python and synchronises with the host on the way;
 this one does neither in the decode step, so `torch.cuda.CUDAGraph` can capture it (plain graphs,
 no torch.compile needed: Pascal, CC 6.x, has no Triton). The math follows `modeling_llama.py` /
-`modeling_qwen2.py` op for op (RMSNorm in fp32, rotary tables computed as HF computes them from the
+`modeling_qwen3.py` / `modeling_gemma3.py` op for op (RMSNorm in fp32, rotary tables computed as HF computes them from the
 model's own inverse frequencies, grouped-query attention, the module's own activation), so greedy
 output equals HF `generate`.
 A layer's projections go through a small object (`projections.py`): fused q/k/v and gate/up
@@ -25,11 +26,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .arch import (SUPPORTED, UnsupportedModel, check_supported, describe, inv_freq_for, model_inv_freq,  # noqa: F401
+                   rope_parameters)
 from .projections import make_projections
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 ATTENTIONS = ("auto", "bmm", "sdpa", "triton", "triton_rope", "cuda")
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at init
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_GQA = _TORCH >= (2, 5)  # `enable_gqa=` of scaled_dot_product_attention
 
@@ -51,99 +52,8 @@ def _repeat(kv: torch.Tensor, q: torch.Tensor, gqa: bool) -> torch.Tensor:
     return kv.repeat_interleave(q.shape[1] // kv.shape[1], 1) if gqa and q.shape[1] != kv.shape[1] else kv
 
 
-class UnsupportedModel(ValueError):
-    """The static engine cannot run this model; the factory falls back to HF generate and says why."""
-
-
 class DecodeKernelUnavailable(ValueError):
     """The decode-attention kernel asked for cannot run here (the message says why)."""
-
-
-def check_supported(model: torch.nn.Module, max_seq_len: int) -> None:
-    """Raise UnsupportedModel naming what is wrong and what is supported."""
-    arch = type(model).__name__
-    if arch not in SUPPORTED:
-        raise UnsupportedModel(f"{arch} is not a llama-family decoder the static engine implements "
-                               f"(supported: {', '.join(SUPPORTED)} and fine-tunes of them such as SmolLM2)")
-    cfg = model.config
-    need = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
-    for i, layer in enumerate(model.model.layers):
-        for path in need:
-            obj = layer
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-            if obj is None:
-                raise UnsupportedModel(f"{arch} layer {i} has no {path}; the static engine needs the "
-                                       f"llama module structure ({', '.join(SUPPORTED)})")
-    # Sliding-window attention only differs from full attention past the window.
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None) or []
-    sliding = ("sliding_attention" in types) if types else (
-        window is not None and getattr(cfg, "use_sliding_window", True))
-    if sliding and window is not None and max_seq_len > window:
-        raise UnsupportedModel(f"{arch} uses sliding-window attention (window {window}) and sequences "
-                               f"reach {max_seq_len} tokens; the static engine only implements full attention")
-    if getattr(cfg, "pretraining_tp", 1) not in (1, None):
-        raise UnsupportedModel(f"{arch} has pretraining_tp={cfg.pretraining_tp}; only 1 is implemented")
-
-
-def rope_parameters(config) -> tuple[str, dict]:
-    """(rope_type, parameters) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling` (4.x)."""
-    rp = getattr(config, "rope_parameters", None)
-    if rp:
-        if "rope_type" not in rp and all(isinstance(v, dict) for v in rp.values()):
-            raise NotImplementedError("per-layer-type rope parameters are not implemented by the static engine")
-        return rp.get("rope_type", rp.get("type", "default")), dict(rp)
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    rtype = scaling.get("rope_type", scaling.get("type", "default"))
-    return rtype, {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
-
-
-def inv_freq_for(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (fp32, head_dim/2) and the cos/sin scale, as the HF rotary module computes them."""
-    rtype, params = rope_parameters(config)
-    if rtype not in _STATIC_ROPE:
-        raise NotImplementedError(
-            f"rope_type {rtype!r} is not implemented by the static engine (its frequencies change with the "
-            f"sequence length); implemented: {', '.join(_STATIC_ROPE)}. Use the plain HF generate engine.")
-    if rtype == "default":
-        base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scale = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        inv, scale = ROPE_INIT_FUNCTIONS[rtype](config, torch.device("cpu"))
-        inv = inv.float()
-    if inv.numel() * 2 != head_dim:
-        raise NotImplementedError(f"partial rotary embeddings ({inv.numel() * 2} of {head_dim} dims) "
-                                  "are not implemented by the static engine")
-    return inv, float(scale)
-
-
-def model_inv_freq(model: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies (fp32 on the CPU) and cos/sin scale the model's own rotary module uses.
-
-    HF's rotary forward reads its `inv_freq` buffer (as `.float()`), not the config. Loaded with
-    `from_pretrained(dtype=...)` that buffer is fp32 and equals `inv_freq_for(config)`; but
-    `model.to(torch.bfloat16)` casts buffers too, and the model then rotates with bf16-rounded frequencies
-    (0.3% off; 1.4 logit std at the 64th position of a 360M model, a different first token on every row).
-    The engine must compute what the model computes, so it takes the buffer where there is one and the
-    config only to check the rope type (`inv_freq_for` refuses those whose frequencies change)."""
-    inv, scale = inv_freq_for(model.config, head_dim)
-    rot = getattr(model.model, "rotary_emb", None)
-    buf = getattr(rot, "inv_freq", None)
-    if isinstance(buf, torch.Tensor) and buf.shape == inv.shape and buf.device.type != "meta":
-        inv = buf.detach().float().cpu()
-        scale = float(getattr(rot, "attention_scaling", scale))
-    return inv, scale
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF: normalise in fp32, cast back, then scale. F.rms_norm computes in fp32 internally for 16-bit
-    # inputs and rounds once, the same values as HF's upcast/normalise/downcast, in one kernel (CUDA)
-    # instead of five plus two casts; the scale stays a separate multiply so it rounds where HF's does.
-    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -175,7 +85,7 @@ class StaticDecoder:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  projections: str = "auto", attention: str = "auto") -> None:
         model = _unwrap(model)
-        check_supported(model, max_seq_len)
+        check_supported(model)
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTIONS))}, got {attention!r}")
         if attention == "auto":
@@ -202,22 +112,16 @@ class StaticDecoder:
         self.act = layers[0].mlp.act_fn   # one object for every layer, so a compiled layer is compiled once
         self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
         self.embed, self.final_norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
-        self.norms = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                       layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-                      for layer in layers]
+        self.arch = describe(model, self.head_dim)
+        self.norm = self.arch.norm   # the model's RMS norm (llama's, or Gemma's (1 + weight) form)
+        # per layer: (attention-input norm, eps, MLP-input norm, eps) and (q/k norms, post norms) or None each
+        self.norms = [(lay.ln1, lay.eps1, lay.ln2, lay.eps2) for lay in self.arch.layers]
+        self.extras = [(lay.qk, lay.post) for lay in self.arch.layers]
         self.proj, self.proj_note = make_projections(layers, projections)
         emb = self.embed.weight
         self.device, self.dtype = emb.device, emb.dtype
-        inv, scale = model_inv_freq(model, self.head_dim)
-        # Same elementwise fp32 ops as the HF rotary forward, for every position at once, then cast.
-        freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv[None, :]
-        emb_f = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb_f.cos() * scale).to(self.device, self.dtype)   # (max_seq_len, D)
-        sin = (emb_f.sin() * scale).to(self.device, self.dtype)
-        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2) exactly (negation is exact): the sign
-        # lives in the table, which saves a negation kernel per layer and step.
-        half = self.head_dim // 2
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.ropes = [self._rope_table(inv, scale) for inv, scale in self.arch.ropes]   # [(cos, sin)] per table
+        self.cos, self.sin = self.ropes[0]
         self.cols = torch.arange(self.cache_len, device=self.device)       # (S,)
         self.attend = None
         if attention in ("triton", "triton_rope"):
@@ -230,7 +134,9 @@ class StaticDecoder:
             self.attend = attention_op() if attention == "triton" else attention_rope_op()
         elif attention == "cuda":
             from ..kernels import decode_cuda
-            why = decode_cuda.unavailable_reason(self.device, self.head_dim, self.dtype, self.group)
+            why = decode_cuda.unavailable_reason(self.device, self.head_dim, self.dtype, self.group) or (
+                f"its kernels fuse llama-style RMS norms, not {self.arch.name}'s (1 + weight) norms around attention"
+                if self.arch.sandwich else None)
             if why:
                 raise DecodeKernelUnavailable(f"decode attention 'cuda' cannot run here: {why}; use 'bmm' or 'sdpa'")
             self.kernels = decode_cuda
@@ -241,6 +147,18 @@ class StaticDecoder:
         # the engine swaps in a compiled one under compile_step
         self.layer_step = self._decode_layer_cuda if attention == "cuda" else self._decode_layer
         self.compiled = False
+
+    def _rope_table(self, inv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (max_seq_len, D) in the compute dtype: the same elementwise fp32 ops as the HF rotary
+        forward, for every position at once, then cast. rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2)
+        exactly (negation is exact): the sign lives in the sin table, which saves a negation kernel per
+        layer and step."""
+        freqs = torch.arange(self.max_seq_len, dtype=torch.float)[:, None] * inv[None, :]
+        emb_f = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb_f.cos() * scale).to(self.device, self.dtype)
+        sin = (emb_f.sin() * scale).to(self.device, self.dtype)
+        half = self.head_dim // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     # ---- memory and weights ---------------------------------------------------------------------
 
@@ -287,6 +205,8 @@ class StaticDecoder:
             return "the Triton layers add the o and down products to the residual stream inside their kernels"
         if any(p.o_b is not None or p.down_b is not None for p in self.proj):
             return "the o or down projection has a bias"
+        if self.arch.sandwich:
+            return f"{self.arch.name} norms the o and down products before the residual add"
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"{self.dtype} is not fp32, bf16 or fp16"
         if self.dtype != torch.float32 and "dtype" not in torch.ops.aten.bmm.overloads():
@@ -314,6 +234,8 @@ class StaticDecoder:
             return f"they run with decode attention 'triton_rope' (its rotary and cache write), not {self.attention!r}"
         if not self.silu:
             return "the MLP's activation is not SiLU (the kernel's gate/up epilogue computes SiLU(gate) * up)"
+        if self.arch.sandwich:
+            return f"the kernels fuse llama-style RMS norms, not {self.arch.name}'s (1 + weight) norms around attention"
         from ..kernels.decode_linear import unavailable_reason
         return unavailable_reason(self.device, self.dtype)
 
@@ -358,51 +280,72 @@ class StaticDecoder:
 
     def _mlp_hidden(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
         """act(gate) * up of the normed rows: the down projection's input."""
-        gate, up = proj.gate_up(_rms_norm(x, ln2, eps2))
+        gate, up = proj.gate_up(self.norm(x, ln2, eps2))
         return self.act(gate) * up
 
     def _mlp_in(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
         return proj.down(self._mlp_hidden(x, proj, ln2, eps2))
 
-    def _decode_layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, bias, col):
+    def _qk_norm(self, qkv: torch.Tensor, qk) -> None:
+        """Qwen3 and Gemma 3: an RMS norm over each query and key head (q_norm, k_norm), in place in the q and
+        k columns of qkv (..., N), before the rotary embedding."""
+        qn, kn, eps = qk
+        q = qkv[..., :self.q_width].unflatten(-1, (self.n_heads, self.head_dim))
+        k = qkv[..., self.q_width:self.q_width + self.kv_width].unflatten(-1, (self.n_kv, self.head_dim))
+        q.copy_(self.norm(q, qn, eps))
+        k.copy_(self.norm(k, kn, eps))
+
+    def _decode_layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, bias, col, qk=None, post=None):
         """x: (B, hidden) residual stream; d: the previous layer's MLP output, not yet added (None for the
         first layer), so a compiled layer fuses that add with this layer's norm. kv: this layer's cache
-        (2, B, KVH, S, D); cos, sin: (B, 1, D); bias: additive mask (the rows' start columns (B,) for
-        'triton' attention, which masks by them); col: (1,). Returns (x, d)."""
+        (2, B, KVH, S, D); cos, sin: (B, 1, D); bias: additive mask (the rows' first visible columns (B,) for
+        the kernels, which mask by them); col: (1,). qk: the q/k norms or None; post: Gemma's post-attention
+        and post-MLP norms (weights, eps) or None. Returns (x, d)."""
         if d is not None:
             x = self._plus(x, d)
         B = x.shape[0]
-        qkv = proj.qkv(_rms_norm(x, ln1, eps1))                                     # (B, N)
+        qkv = proj.qkv(self.norm(x, ln1, eps1))                                     # (B, N)
+        if qk is not None:
+            self._qk_norm(qkv, qk)
         if self.attention == "triton_rope":   # rotary, the cache write and attention in one kernel
             o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], bias, col, self.scaling,
                             self.group)
         else:
             o = self._attend_cache(qkv, kv, cos, sin, bias, col)
-        # under split-K the o partials are summed into this add, the down partials into the next layer's (d)
         o = o.reshape(B, self.q_width)
+        if post is not None:   # Gemma: each block's output normed before its residual add (no split-K here)
+            x = x + self.norm(proj.o(o), post[0], post[2])
+            return x, self.norm(proj.down(self._mlp_hidden(x, proj, ln2, eps2)), post[1], post[2])
+        # under split-K the o partials are summed into this add, the down partials into the next layer's (d)
         x = self._plus(x, self._partials(o, proj.o_w) if self.split_k else proj.o(o))
         h = self._mlp_hidden(x, proj, ln2, eps2)
         return x, (self._partials(h, proj.down_w) if self.split_k else proj.down(h))
 
-    def _decode_layer_triton(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
-        """`_decode_layer` as five kernels (`set_triton_layers`). Each product's epilogue adds it to the residual
+    def _decode_layer_triton(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col, qk=None, post=None):
+        """`_decode_layer` as five kernels (`set_triton_layers`; one more where q/k norms sit between the
+        projection and the attention kernel). Each product's epilogue adds it to the residual
         stream itself, so d is not a product to add: it is x's rows' sums of squares as (P, B) fp32 partial
         sums, which the products that add to the residual stream write for the norm that reads it next.
         Returns (x, d) for the next layer."""
         B, lin = x.shape[0], self.linear
         qkv = lin(x, proj.qkv_w, norm=ln1, eps=eps1, bias=proj.qkv_b, sumsq=d)
+        if qk is not None:
+            self._qk_norm(qkv, qk)
         o = self.attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, self.scaling, self.group)
         x, ss = lin(o.view(B, self.q_width), proj.o_w, bias=proj.o_b, residual=x, return_sumsq=True)
         h = lin(x, proj.gu_w, norm=ln2, eps=eps2, bias=proj.gu_b, glu=True, sumsq=ss)
         return lin(h, proj.down_w, bias=proj.down_b, residual=x, return_sumsq=True)
 
-    def _decode_layer_cuda(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
+    def _decode_layer_cuda(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col, qk=None, post=None):
         """`_decode_layer` through `kernels/decode_cuda.py` (attention 'cuda', fp32): the residual add and
         norm in one kernel, q, k and v straight from their projections into the rotary + cache write +
         attention kernel, the second add and norm in one, SiLU * up in one."""
         k, B = self.kernels, x.shape[0]
         x, h = k.add_rms_norm(x, d, ln1, eps1)
         q, kk, v = proj.qkv_parts(h)
+        if qk is not None:   # Qwen3's per-head norms, before the kernel rotates
+            q = self.norm(q.unflatten(-1, (self.n_heads, self.head_dim)), qk[0], qk[2]).flatten(-2)
+            kk = self.norm(kk.unflatten(-1, (self.n_kv, self.head_dim)), qk[1], qk[2]).flatten(-2)
         o = k.rope_attend(q, kk, v, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, self.scaling)
         x, h = k.add_rms_norm(x, proj.o(o), ln2, eps2)
         gate, up = proj.gate_up(h)
@@ -440,23 +383,31 @@ class StaticDecoder:
         H, KVH, D = self.n_heads, self.n_kv, self.head_dim
         cols = self.cols[:W]
         pos = (cols[None, :] - start[:, None]).clamp(min=0)                     # (B, W)
-        cos, sin = F.embedding(pos, self.cos)[:, :, None], F.embedding(pos, self.sin)[:, :, None]   # (B, W, 1, D)
+        tables = [(F.embedding(pos, c)[:, :, None], F.embedding(pos, s)[:, :, None]) for c, s in self.ropes]
         # Causal, and pad keys hidden; a pad query sees itself so its (unused) row stays finite.
-        allowed = (cols[None, :] <= cols[:, None])[None] & (
-            (cols[None, None, :] >= start[:, None, None]) | torch.eye(W, dtype=torch.bool, device=ids.device)[None])
-        allowed = allowed[:, None]                                               # (B, 1, W, W)
+        own = torch.eye(W, dtype=torch.bool, device=ids.device)[None]
+        allowed = (cols[None, :] <= cols[:, None])[None] & ((cols[None, None, :] >= start[:, None, None]) | own)
+        # a sliding-window layer's query at column q sees the keys of columns q - window + 1 .. q
+        masks = {None: allowed[:, None]}                                         # (B, 1, W, W)
+        for w in self.arch.windows:
+            masks[w] = (allowed & ((cols[:, None] - cols[None, :] < w)[None] | own))[:, None]
         x = self.embed(ids)
         for i, proj in enumerate(self.proj):
             ln1, eps1, ln2, eps2 = self.norms[i]
-            qkv = proj.qkv(_rms_norm(x, ln1, eps1))                              # (B, W, N)
-            self._rotate(qkv, cos, sin)
+            (qk, post), lay = self.extras[i], self.arch.layers[i]
+            qkv = proj.qkv(self.norm(x, ln1, eps1))                              # (B, W, N)
+            if qk is not None:
+                self._qk_norm(qkv, qk)
+            self._rotate(qkv, *tables[lay.rope])
             q = qkv[..., :self.q_width].view(B, W, H, D).transpose(1, 2)         # (B, H, W, D)
             kvn = qkv[..., self.q_width:].view(B, W, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, W, D)
             self.cache[i, :, dst, :, :W] = kvn
             k, v = kvn[0], kvn[1]
-            o = _sdpa(q, k, v, allowed, self.scaling, self.group > 1)
-            x = x + proj.o(o.transpose(1, 2).reshape(B, W, -1))
-            x = x + self._mlp_in(x, proj, ln2, eps2)
+            o = _sdpa(q, k, v, masks[lay.window], self.scaling, self.group > 1)
+            a = proj.o(o.transpose(1, 2).reshape(B, W, -1))
+            x = x + (a if post is None else self.norm(a, post[0], post[2]))
+            m = self._mlp_in(x, proj, ln2, eps2)
+            x = x + (m if post is None else self.norm(m, post[1], post[2]))
         return self._logits(x[:, -1])
 
     def copy_rows(self, src: list[int], dst: list[int], width: int) -> None:
@@ -466,8 +417,13 @@ class StaticDecoder:
             self.cache[:, :, b, :, :width] = self.cache[:, :, a, :, :width]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = _rms_norm(x, self.final_norm.weight, self.final_norm.variance_epsilon)
-        return self.lm_head(x).float()   # tied models share the embedding Parameter itself
+        norm = self.final_norm
+        x = self.norm(x, norm.weight, getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        logits = self.lm_head(x)   # tied models share the embedding Parameter itself
+        cap = self.arch.final_softcap
+        if cap is not None:   # Gemma's final_logit_softcapping, in the compute dtype as HF computes it
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def decode(self, tok: torch.Tensor, col: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """One token per row. tok: (B,) inputs; col: (1,) cache column they go to (all rows share it);
@@ -475,15 +431,19 @@ class StaticDecoder:
         addresses: safe to capture in a CUDA graph and replay with tok/col/start updated in place."""
         B, S = tok.shape[0], self.cache_len
         pos = col - start                                                               # (B,)
-        cos, sin = F.embedding(pos, self.cos)[:, None], F.embedding(pos, self.sin)[:, None]   # (B, 1, D)
-        if self.attend is not None:   # the kernel masks by the rows' start columns itself
-            bias = start
-        else:   # one additive mask for all layers, so each layer's scores are a single baddbmm
-            hidden = (self.cols[None, :] < start[:, None]) | (self.cols[None, :] > col)     # (B, S)
+        tables = [(F.embedding(pos, c)[:, None], F.embedding(pos, s)[:, None]) for c, s in self.ropes]  # (B, 1, D)
+        biases = {None: start}
+        for w in self.arch.windows:   # a sliding-window layer sees columns col - w + 1 .. col
+            biases[w] = torch.maximum(start, col - (w - 1))
+        if self.attend is None:   # one additive mask per window for all layers: each layer's scores are one baddbmm
             zero = torch.zeros((), device=tok.device, dtype=self.dtype)
-            bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                  # (B, 1, 1, S)
-        if self.attention == "bmm":
-            bias = bias.expand(B, self.n_kv, 1, S).reshape(B * self.n_kv, 1, S)         # (B*KVH, 1, S)
+            for w, first in biases.items():
+                hidden = (self.cols[None, :] < first[:, None]) | (self.cols[None, :] > col)      # (B, S)
+                bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                   # (B, 1, 1, S)
+                if self.attention == "bmm":
+                    bias = bias.expand(B, self.n_kv, 1, S).reshape(B * self.n_kv, 1, S)     # (B*KVH, 1, S)
+                biases[w] = bias
+        # (the kernels mask by the rows' first visible columns themselves)
         x, d = self.embed(tok), None
         if self.linear is not None:   # the Triton layers pass the rows' sums of squares along (as d)
             d = x.float().square().sum(-1)[None]
@@ -492,5 +452,7 @@ class StaticDecoder:
             if self.split_k:   # d as the later layers get it: S partials (the embedding and zeros), fp32
                 d = torch.cat((d.float()[None], d.new_zeros((self.split_k - 1,) + d.shape, dtype=torch.float32)))
         for i, proj in enumerate(self.proj):
-            x, d = self.layer_step(x, d, proj, *self.norms[i], self.cache[i, :, :B], cos, sin, bias, col)
+            lay = self.arch.layers[i]
+            x, d = self.layer_step(x, d, proj, *self.norms[i], self.cache[i, :, :B], *tables[lay.rope],
+                                   biases[lay.window], col, *self.extras[i])
         return self._logits(x if self.linear is not None else self._plus(x, d))
