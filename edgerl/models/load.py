@@ -137,7 +137,7 @@ class PolicyHead(nn.Module):
             lead = hidden.shape[:-1]
             logp, ent = softcapped_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
                                             1.0 / temperature, self.scale, self.cap, self.chunk or 256)
-            return logp.reshape(lead), ent.reshape(lead)
+            return logp.reshape(lead).clone(), ent.reshape(lead).clone()
         logp, ent = token_logprobs_and_entropy(hidden, weight, targets, temperature / self.scale,
                                                backend=self.backend, chunk=self.chunk, tiles=self.tiles)
         return logp.clone(), ent.clone()  # FSDP2 hooks the outputs' backward; views would lose the hook

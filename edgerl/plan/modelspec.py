@@ -252,19 +252,42 @@ def moe_reason(cfg: dict[str, Any]) -> Optional[str]:
     return f"model_type {model_type!r}" if "moe" in model_type else None
 
 
+def _normalized(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config as transformers reads it, where transformers knows its model_type: the fields a config.json
+    leaves at their defaults filled in (Gemma 3 4B's text_config names only five), older names turned into
+    newer ones (Gemma 3's sliding_window_pattern into layer_types, rope_theta and rope_local_base_freq into
+    rope_parameters). Anything transformers cannot read is planned from the file as it is."""
+    try:
+        from transformers import AutoConfig
+        obj = AutoConfig.for_model(str(cfg.get("model_type", "")), **{k: v for k, v in cfg.items() if k != "model_type"})
+        text = obj.get_text_config()
+        out = dict(text.to_dict())
+        if text is not obj:
+            out["tie_word_embeddings"] = getattr(obj, "tie_word_embeddings", out.get("tie_word_embeddings"))
+        return out
+    except Exception:   # an unknown model_type (remote code), a config transformers refuses, no transformers
+        return dict(cfg.get("text_config", cfg), tie_word_embeddings=cfg.get(
+            "tie_word_embeddings", cfg.get("text_config", cfg).get("tie_word_embeddings", False)))
+
+
 def from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     """A spec from the fields of an HF config.json, any decoder-only architecture (its text_config for a
     vision-language model). Mixture-of-experts models are refused: each token runs a few of many expert
     MLPs, which neither the memory model nor the rollout engines count or implement."""
-    text_cfg = cfg.get("text_config", cfg)
-    model_type = str(text_cfg.get("model_type", ""))
-    if cfg.get("is_encoder_decoder") or text_cfg.get("is_encoder_decoder"):
+    model_type = str(cfg.get("text_config", cfg).get("model_type", ""))
+    if cfg.get("is_encoder_decoder") or cfg.get("text_config", cfg).get("is_encoder_decoder"):
         raise ModelSpecError(f"{source}: model_type {model_type!r} is an encoder-decoder model; edgerl trains "
                              "decoder-only causal language models")
-    if (moe := moe_reason(cfg)) is not None:
-        raise ModelSpecError(f"{source}: a mixture-of-experts model ({moe}); edgerl trains dense decoder-only models "
-                             "(its memory model and rollout engines count and run one MLP per layer), e.g. Qwen3 "
-                             "(qwen3-8b) instead of Qwen3-30B-A3B")
+    text_cfg = None
+    for c in (cfg, None):
+        if c is None:
+            text_cfg = _normalized(cfg)
+            c = text_cfg
+        if (moe := moe_reason(c)) is not None:
+            raise ModelSpecError(f"{source}: a mixture-of-experts model ({moe}); edgerl trains dense decoder-only "
+                                 "models (its memory model and rollout engines count and run one MLP per layer), "
+                                 "e.g. Qwen3 (qwen3-8b) instead of Qwen3-30B-A3B")
+    model_type = str(text_cfg.get("model_type") or model_type)
     try:
         hidden, layers, heads = int(_get(text_cfg, "hidden")), int(_get(text_cfg, "layers")), int(_get(text_cfg, "heads"))
         window, sliding = _window(text_cfg, layers)
@@ -274,7 +297,7 @@ def from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
             name=name, model_type=model_type, rope_type=_rope(text_cfg), sliding_window=window, sliding_layers=sliding,
             vocab_size=int(text_cfg["vocab_size"]), hidden_size=hidden, num_layers=layers, num_heads=heads,
             num_kv_heads=int(kv), intermediate_size=int(_get(text_cfg, "inter") or 4 * hidden),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))),
+            tie_embeddings=bool(text_cfg.get("tie_word_embeddings", False)),
             head_dim=int(text_cfg.get("head_dim") or 0),
             qkv_bias=bool(text_cfg.get("attention_bias", model_type == "qwen2")),
             max_position=int(_get(text_cfg, "positions", 4096)),
