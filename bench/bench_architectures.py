@@ -2,7 +2,8 @@
 
 Random weights at catalogue shapes (Qwen3-0.6B: 28 layers, q/k norms, head_dim 128; Gemma-3-1B: 26 layers,
 one KV head of 256, vocabulary 262144), with Gemma's sliding window shortened from 512 to 48 tokens so that
-the rows (64 prompt + 128 new tokens) reach past it, and its norm weights moved off their zero init. Per
+the rows (64 prompt + 128 new tokens) reach past it, its embeddings untied, and the norm weights moved off
+their init. Per
 architecture, dtype and decode attention: 16 rows greedy with the decode step in a CUDA graph, then each
 emitted token checked against HF's forward over the same tokens (teacher forcing, as bench_rollout.py
 does): the share that is HF's argmax given the same prefix and the largest gap to it in units of that
@@ -12,7 +13,7 @@ beside it. Variants: the attention the plan picks per dtype and the alternatives
 `triton_rope`: the rotary decode-attention kernel; `triton_layers`: that kernel between the fused Triton
 projections, SiLU models only; `compile`: Inductor-compiled layers around it).
 
-    python bench/bench_architectures.py --out arch.json          # H200: about two minutes
+    python bench/bench_architectures.py --out arch.json          # H200: under three minutes
     python bench/bench_architectures.py --smoke                  # tiny shapes on the CPU (bmm and sdpa only)
 """
 
@@ -62,7 +63,10 @@ def build(arch: str, dtype, device, smoke: bool):
         cls = tf.Qwen3ForCausalLM
     else:
         n = fields["num_hidden_layers"]
+        # untied: with random weights a tied head scores the sqrt(hidden)-scaled input embedding far above any
+        # other row, and the model repeats the prompt's last token whatever attention computes (measured)
         cfg = tf.Gemma3TextConfig(**fields, **common, sliding_window=48, query_pre_attn_scalar=256,
+                                  tie_word_embeddings=False,
                                   layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                                for i in range(n)])
         cls = tf.Gemma3ForCausalLM

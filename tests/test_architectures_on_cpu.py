@@ -119,18 +119,27 @@ def _tiny(kind: str):
         return tf.GraniteForCausalLM(tf.GraniteConfig(**common, logits_scaling=4.0))
     if kind == "gemma3":     # cap * tanh(logits / cap)
         return tiny_gemma3()
+    if kind == "gemma3-vlm":   # Gemma 3 4B and up: a vision tower beside the language model, text alone here;
+        # its class does not apply the text_config's final_logit_softcapping, so neither may the trainer
+        text = dict(common, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=5.0)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        return tf.AutoModelForCausalLM.from_config(tf.Gemma3Config(
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+            boi_token_index=297, eoi_token_index=298))
     return tiny_llama()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt_neox", "phi3", "cohere", "granite", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "gpt_neox", "phi3", "cohere", "granite", "gemma3", "gemma3-vlm"])
 def test_policy_head_logprobs_are_the_models_own(kind):
     """PolicyHead (what the trainer differentiates) against log_softmax(model(ids).logits / T), with the
     gradient of a soft-capped head against plain autograd through the full logits."""
     from edgerl.models.load import PolicyHead, decoder_layers
     model = _tiny(kind).float()
-    assert len(decoder_layers(model)) == model.config.num_hidden_layers
+    assert len(decoder_layers(model)) == model.config.get_text_config().num_hidden_layers
     plan = SimpleNamespace(kernel_backend="torch", logprob_chunk=5, kernel_tiles=None, share_prompts=False)
-    head = PolicyHead(model, plan)
+    head = PolicyHead(model, plan).train()   # as the trainer runs it (no dropout in these configs)
     ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0                                         # left padding in the second row

@@ -63,8 +63,10 @@ def drop_output_head(lm: nn.Module) -> None:
 
 def logit_transform(config) -> tuple[float, Optional[float]]:
     """(scale, cap): the model's logits are `cap * tanh(scale * z / cap)` of the head's z = h @ W.T (no cap:
-    `scale * z`). Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's 1 / logits_scaling."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    `scale * z`). Gemma's final_logit_softcapping, Cohere's logit_scale, Granite's 1 / logits_scaling: read
+    from the model's own config, not a text_config inside it, as the causal-LM classes read them
+    (Gemma3ForConditionalGeneration does not cap, whatever its text_config says)."""
+    cfg = config
     scale = 1.0
     if getattr(cfg, "logit_scale", None):
         scale *= float(cfg.logit_scale)

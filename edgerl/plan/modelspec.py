@@ -130,7 +130,8 @@ class ModelSpec:
 
 
 # Shapes from each model's config.json on the Hugging Face Hub (huggingface.co/<id>/blob/main/config.json;
-# for Gemma 3 4B, a vision-language model, its text_config: the language model edgerl trains).
+# for Gemma 3 4B, a vision-language model, its text_config: the language model; the vision tower, about 0.4B
+# parameters, is not counted).
 CATALOGUE: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("qwen2.5-0.5b", "qwen2", 151936, 896, 24, 14, 2, 4864, True, qkv_bias=True, max_position=32768),
     ModelSpec("qwen2.5-1.5b", "qwen2", 151936, 1536, 28, 12, 2, 8960, True, qkv_bias=True, max_position=32768),
@@ -145,7 +146,7 @@ CATALOGUE: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("gemma-3-1b", "gemma3_text", 262144, 1152, 26, 4, 1, 6912, True, head_dim=256, max_position=32768,
               sliding_window=512, sliding_layers=22, hidden_act="gelu_pytorch_tanh", qk_norm=True,
               sandwich_norms=True),
-    ModelSpec("gemma-3-4b", "gemma3_text", 262208, 2560, 34, 8, 4, 10240, True, head_dim=256, max_position=131072,
+    ModelSpec("gemma-3-4b", "gemma3", 262208, 2560, 34, 8, 4, 10240, True, head_dim=256, max_position=131072,
               rope_type="linear", sliding_window=1024, sliding_layers=29, hidden_act="gelu_pytorch_tanh",
               qk_norm=True, sandwich_norms=True),
     ModelSpec("llama-3.2-1b", "llama", 128256, 2048, 16, 32, 8, 8192, True, head_dim=64, max_position=131072, rope_type="llama3"),
@@ -287,7 +288,9 @@ def from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
             raise ModelSpecError(f"{source}: a mixture-of-experts model ({moe}); edgerl trains dense decoder-only "
                                  "models (its memory model and rollout engines count and run one MLP per layer), "
                                  "e.g. Qwen3 (qwen3-8b) instead of Qwen3-30B-A3B")
-    model_type = str(text_cfg.get("model_type") or model_type)
+    # a vision-language model keeps its own type (gemma3, not its text model's gemma3_text): what loads is the
+    # whole model, which edgerl's static decoder does not implement
+    model_type = str(cfg.get("model_type") or text_cfg.get("model_type") or model_type)
     try:
         hidden, layers, heads = int(_get(text_cfg, "hidden")), int(_get(text_cfg, "layers")), int(_get(text_cfg, "heads"))
         window, sliding = _window(text_cfg, layers)
