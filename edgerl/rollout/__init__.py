@@ -140,11 +140,14 @@ def _static(plan, ctx: EngineContext) -> RolloutEngine:
         engine = _static_engine(plan, copy, plan.rollout_batch, ctx.max_seq_len, compile_step=plan.rollout_compile,
                                 note=why)
     except ValueError as e:
-        if plan.decode_attention == "triton_layers" and not isinstance(e, UnsupportedModel):
+        if isinstance(e, UnsupportedModel):   # the plan read the config; the loaded model says otherwise
+            raise TrainingError(f"the plan runs the rollout on edgerl's static-cache engine, and it cannot run this "
+                                f"model: {e} (set plan.rollout_engine=hf-generate)") from None
+        if plan.decode_attention == "triton_layers":
             # the plan cannot see the loaded model's layers (fusable projections, activation) or triton's import
             raise TrainingError(f"the plan runs the rollout's decode layers as Triton kernels, and they cannot run "
                                 f"here: {e} (set plan.decode_attention=triton_rope)") from None
-        if not plan.rollout_compile or isinstance(e, UnsupportedModel):
+        if not plan.rollout_compile:
             raise
         # the plan cannot see the loaded model's layers (fusable projections) or the host's compiler
         raise TrainingError(f"the plan compiles the rollout's decode step, and this model cannot: {e} "
