@@ -20,7 +20,7 @@ def run(cfg, target, as_json: bool, out: Optional[Path], force: bool) -> None:
     from edgerl.core.errors import ConfigError
     from edgerl.core.files import output_file
     from edgerl.doctor.selftest import run_selftest, write_report
-    from edgerl.plan.target import plan_for
+    from edgerl.config.target import plan_for
     from edgerl.train import session
     from edgerl.train.selftest_model import model_checks
     # checked before the run: a bad path fails at once, and an existing report is kept unless --force
@@ -37,8 +37,8 @@ def run(cfg, target, as_json: bool, out: Optional[Path], force: bool) -> None:
         if emulation:
             console.print(f"[bold yellow]{escape(emulation)}[/]")
         console.print(f"Self-test of the plan for {escape(plan.model.name)} on {escape(plan.device.describe())}: "
-                      f"{plan.dtype.compute}, log-probs {plan.kernel_backend}, decode attention "
-                      f"{plan.decode_attention}, optimizer {plan.optimizer}", highlight=False)
+                      f"{plan.dtype.compute}, log-probs {plan.kernel_backend}, decode backend "
+                      f"{plan.decode_backend or plan.rollout_engine}, optimizer {plan.optimizer}", highlight=False)
 
     def show(v) -> None:
         if as_json:

@@ -19,7 +19,7 @@ from edgerl.cli.main import app
 from edgerl.config.load import load_config
 from edgerl.core.errors import TrainingError
 from edgerl.doctor import kernel_checks
-from edgerl.plan.target import plan_for, resolve_target
+from edgerl.config.target import plan_for, resolve_target
 
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -59,11 +59,10 @@ def wrong_chunked_logprobs(monkeypatch) -> None:
     ("m40", "smollm2-135m", (), ["logprobs-torch", "decode-cuda"]),
     ("t4", "smollm2-135m", (), ["logprobs-torch"]),
     ("a10", "smollm2-135m", (), ["logprobs-triton", "decode-attention-rope", "decode-linear"]),
-    ("a10", "smollm2-135m", ("plan.decode_attention=\"triton\"", "plan.rollout_compile=true"),
-     ["logprobs-triton", "decode-attention"]),
+    ("a10", "smollm2-135m", ("plan.decode_backend=\"triton-attention\"",), ["logprobs-triton", "decode-attention-rope"]),
     ("a10", "qwen2.5-1.5b", (), ["logprobs-triton", "decode-attention-rope", "decode-linear", "adamw-bf16"]),
     ("p40", "qwen2.5-7b", ("lora.enabled=true",), ["logprobs-torch", "decode-cuda", "nf4"]),
-    ("a10", "smollm2-135m", ("plan.kernel_backend=\"torch\"", "plan.decode_attention=\"sdpa\""), ["logprobs-torch"]),
+    ("a10", "smollm2-135m", ("plan.kernel_backend=\"torch\"", "plan.decode_backend=\"torch\""), ["logprobs-torch"]),
 ])
 def test_plan_kernels_follow_the_plans_decisions(profile, model, sets, want):
     assert kernel_checks.plan_kernels(plan_of(profile, model, *sets)) == want
@@ -110,7 +109,7 @@ def test_a_kernel_that_raises_fails_naming_the_setting(monkeypatch):
     monkeypatch.setattr(kernel_checks, "skip_reason", lambda use, device: None)   # as on a GPU
     with pytest.raises(TrainingError, match=r"fp32 decode-layer kernels \(CUDA C, NVRTC\) is wrong on this device: "
                                             r"it cannot run here .*RuntimeError: NVRTC could not compile for sm_61: "
-                                            r"out of registers; set plan.decode_attention=bmm to run without it"):
+                                            r"out of registers; set plan.decode_backend=torch to run without it"):
         kernel_checks.check_at_start(plan_of("p40"), CPU)
 
 
@@ -136,7 +135,7 @@ def test_selftest_json_on_the_cpu_passes_and_lists_gpu_checks_as_skipped(cpu_sel
     assert out["ok"] and out["counts"]["fail"] == 0
     ran = [n for n, c in checks.items() if c["status"] == "pass"]
     assert "chunked log-probs and entropy (torch)" in ran
-    assert any(n.startswith("rollout engine (hf") for n in ran)
+    assert any(n.startswith("rollout engine (static") for n in ran)
     assert any(n.startswith("two training steps (fp32") for n in ran)
     for name in ("CUDA graph capture of the decode step", "matmul and copy speed", "decode memory", "training memory",
                  "NF4 decode matmul and LoRA adapter sum (CUDA C, NVRTC)"):
@@ -225,4 +224,4 @@ def test_interp_a_wrong_triton_kernel_fails(interpreted, monkeypatch):
     monkeypatch.setattr(dl, "decode_linear", wrong)
     v = kernel_checks.check_one("decode-linear", plan_of("cpu"), CPU, quick=True)
     assert v.status == "fail" and "decode_linear q/k/v" in v.detail
-    assert v.line().endswith("avoid it with --set plan.decode_attention=triton_rope")
+    assert v.line().endswith("avoid it with --set plan.decode_backend=triton-attention")

@@ -97,9 +97,9 @@ def small_plan(plan: Plan, spec: ModelSpec) -> Plan:
         lora = dict(plan.lora, params=spec.lora_params(plan.lora["rank"], plan.lora["targets"]))
     task = dataclasses.replace(plan.task, prompt_len=PROMPT, response_len=RESPONSE, prompts_per_step=ROWS,
                                samples_per_prompt=1, mini_batch=None)
-    return dataclasses.replace(plan, model=spec, task=task, lora=lora, rollout_batch=ROWS, micro_batch=ROWS,
-                               score_micro_batch=ROWS, share_prompts=False, param_offload=False,
-                               optimizer_offload=False, swap_models=False)
+    values = dict(plan.values, lora=lora, rollout_batch=ROWS, micro_batch=ROWS, score_micro_batch=ROWS,
+                  share_prompts=False, param_offload=False, optimizer_offload=False, swap_models=False)
+    return dataclasses.replace(plan, model=spec, task=task, values=values)
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:
