@@ -9,12 +9,13 @@ emitted token checked against HF's forward over the same tokens (teacher forcing
 does): the share that is HF's argmax given the same prefix and the largest gap to it in units of that
 position's logit std. HF generate's own output gets the same check, for scale: in 16 bits HF's cached
 decoding itself is not its own forward's argmax at every token. Rows equal to HF generate are reported
-beside it. Variants: the attention the plan picks per dtype and the alternatives (`cuda`: fp32 CUDA C kernels;
-`triton_rope`: the rotary decode-attention kernel; `triton_layers`: that kernel between the fused Triton
-projections, SiLU models only; `compile`: Inductor-compiled layers around it).
+beside it. Variants: the decode backends (`plan.decode_backend`) per dtype: `torch` (baddbmm/softmax/bmm in
+fp32, SDPA in 16 bits), `cuda-c` (fp32 CUDA C layer kernels), `triton-attention` (the rotary decode-attention
+kernel between torch's layers), `triton-layers` (that kernel between the fused Triton projections, SiLU
+models with llama-style norms only); a backend a model cannot run is reported with its reason.
 
     python bench/bench_architectures.py --out arch.json          # H200: under three minutes
-    python bench/bench_architectures.py --smoke                  # tiny shapes on the CPU (bmm and sdpa only)
+    python bench/bench_architectures.py --smoke                  # tiny shapes on the CPU (torch's bmm and sdpa)
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_rollout import hf_generate, teacher_forced  # noqa: E402
 from edgerl.plan.modelspec import CATALOGUE  # noqa: E402
 from edgerl.rollout import SamplingParams, StaticCacheEngine  # noqa: E402
-from edgerl.train.checkpoint import atomic_write_text  # noqa: E402
+from edgerl.core.files import write_atomically  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# decode attention per dtype: fp32 as the plan runs it on CUDA (the CUDA C kernels; bmm where they cannot),
-# 16 bits as it runs it from CC 8.0 (Triton layers for SiLU models, else the compiled step with the rotary kernel)
-VARIANTS = {"fp32": [("bmm", {}), ("cuda", {}), ("triton_rope", {})],
-            "bf16": [("sdpa", {}), ("triton_rope", {}), ("triton_layers", {}), ("triton_rope+compile",
-                                                                                  {"compile_step": True})],
-            "fp16": [("sdpa", {}), ("triton_rope", {}), ("triton_layers", {})]}
-SMOKE = {"fp32": [("bmm", {}), ("sdpa", {})]}
+# (variant, decode backend, the torch backend's SDPA in fp32) per dtype: fp32 as the plan runs it on CUDA (cuda-c;
+# torch where it cannot), 16 bits as it runs it from CC 8.0 (triton-layers, else triton-attention)
+VARIANTS = {"fp32": [("torch", "torch", False), ("cuda-c", "cuda-c", False),
+                     ("triton-attention", "triton-attention", False)],
+            "bf16": [("torch", "torch", False), ("triton-attention", "triton-attention", False),
+                     ("triton-layers", "triton-layers", False)],
+            "fp16": [("torch", "torch", False), ("triton-attention", "triton-attention", False),
+                     ("triton-layers", "triton-layers", False)]}
+SMOKE = {"fp32": [("torch-bmm", "torch", False), ("torch-sdpa", "torch", True)]}
 
 
 def build(arch: str, dtype, device, smoke: bool):
@@ -90,17 +93,12 @@ def run(arch: str, dtype_name: str, variants, device, rows: int, prompt: int, ne
     out = [{"arch": arch, "dtype": dtype_name, "variant": "hf_generate",
             **teacher_forced(model, ids, ref, 1e-3 if dtype == torch.float32 else 0.75)}]
     params = SamplingParams(max_new_tokens=new, greedy=True, pad_token_id=0)
-    for name, kw in variants:
-        if kw.get("compile_step") and arch != "gemma3":   # the plan compiles only where the Triton layers cannot run
-            continue
+    for name, backend, sdpa in variants:
         row = {"arch": arch, "dtype": dtype_name, "variant": name}
-        attention = name.split("+")[0]
-        layers = attention == "triton_layers"
         try:
-            torch._dynamo.reset()
-            eng = StaticCacheEngine(model, rows, prompt + new, cuda_graphs=cuda,
-                                    decode_attention="triton_rope" if layers else attention, triton_layers=layers,
-                                    **kw)
+            eng = StaticCacheEngine(model, rows, prompt + new, cuda_graphs=cuda, backend=backend)
+            if sdpa:   # the torch backend's 16-bit attention path, on fp32 weights
+                eng.dec.backend.sdpa = True
             t0 = time.perf_counter()
             got = eng.generate(ids.tolist(), 1, params).response_ids
             row["s"] = round(time.perf_counter() - t0, 2)
@@ -121,7 +119,7 @@ def run(arch: str, dtype_name: str, variants, device, rows: int, prompt: int, ne
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, fp32 bmm and sdpa")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, fp32, torch's bmm and sdpa")
     ap.add_argument("--archs", default="qwen3,gemma3")
     ap.add_argument("--dtypes", default="fp32,bf16,fp16")
     ap.add_argument("--rows", type=int, default=16)
@@ -141,7 +139,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}}
     text = json.dumps({"meta": meta, "results": results}, indent=1)
     if args.out:
-        atomic_write_text(args.out, text)
+        write_atomically(args.out, text)
     print(text)
 
 

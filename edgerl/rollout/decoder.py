@@ -30,8 +30,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from .arch import (SUPPORTED, UnsupportedModel, check_supported, describe, inv_freq_for, model_inv_freq,  # noqa: F401
-                   rms_norm, rope_parameters)
+from .arch import UnsupportedModel, check_supported, describe
 from .projections import make_projections
 
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])

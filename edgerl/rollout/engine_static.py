@@ -27,7 +27,8 @@ import torch
 from edgerl.core.errors import TrainingError
 from .base import ActorWeights, EngineContext, OwnWeights, RolloutBatch, SamplingParams, cut_at_eos, inference_copy
 from .base import load_weights
-from .decoder import DecodeKernelUnavailable, StaticDecoder, UnsupportedModel
+from .arch import UnsupportedModel
+from .decoder import DecodeKernelUnavailable, StaticDecoder
 from .sampling import sample
 
 CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each look is a device-to-host copy)
