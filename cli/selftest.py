@@ -38,7 +38,7 @@ def run(cfg, target, as_json: bool, out: Optional[Path], force: bool) -> None:
             console.print(f"[bold yellow]{escape(emulation)}[/]")
         console.print(f"Self-test of the plan for {escape(plan.model.name)} on {escape(plan.device.describe())}: "
                       f"{plan.dtype.compute}, log-probs {plan.kernel_backend}, decode backend "
-                      f"{plan.decode_backend}, optimizer {plan.optimizer}", highlight=False)
+                      f"{plan.decode_backend or plan.rollout_engine}, optimizer {plan.optimizer}", highlight=False)
 
     def show(v) -> None:
         if as_json:

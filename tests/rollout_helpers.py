@@ -173,3 +173,34 @@ def check_decode_attention_rope(case, bf16_exact: bool) -> None:
     want = decode_attention_reference(rotate_reference(q, cos[:, None, None], sin[:, None, None]), kc, vc, start,
                                       col, scale)
     assert got.shape == q.shape and (got.double().cpu() - want).abs().max() <= tol
+
+
+def tiny_qwen3(seed: int = 2, *, tied: bool = True, dtype=torch.float32, device="cpu", **extra):
+    """Qwen3-1.7B's shape at tiny widths: tied embeddings, GQA, an explicit head_dim (32, not hidden / heads),
+    q/k norms on every head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=tied,
+                  initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return _shake(Qwen3ForCausalLM(Qwen3Config(**{**fields, **extra})), seed).to(device=device, dtype=dtype)
+
+
+def tiny_gemma3(seed: int = 3, *, window: int = 6, dtype=torch.float32, device="cpu", **extra):
+    """Gemma-3-1B's shape at tiny widths: one KV head, head_dim 16 != hidden / heads, sliding-window layers
+    (window 6, shorter than the prompts) around a full-attention one with their own rope base, and the
+    settings Gemma 3 leaves at their defaults moved: query_pre_attn_scalar (20, not head_dim), final logit
+    soft-capping at 3 (random logits reach it) and attention soft-capping at 2 (which Gemma3Attention does
+    not apply)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
+                  sliding_window=window, query_pre_attn_scalar=20, final_logit_softcapping=3.0,
+                  attn_logit_softcapping=2.0, bos_token_id=2, eos_token_id=511, pad_token_id=0,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**fields, **extra}))
+    return _shake(model, seed).to(device=device, dtype=dtype)

@@ -179,7 +179,11 @@ def test_plan_lora_errors_and_base_dtype():
     odd = ModelSpec("odd", "gpt_neox", 1000, 64, 2, 4, 4, 128, False)
     with pytest.raises(PlanError, match="no default target modules for model_type 'gpt_neox'.*lora.target_modules"):
         plan(p40, odd, task)
-    assert plan(p40, odd, dataclasses.replace(task, lora_targets=("q_proj",))).lora["targets"] == ["q_proj"]
+    # GPT-NeoX names its layers its own way: its fused q/k/v is a target, a llama name is not
+    assert plan(p40, odd, dataclasses.replace(task, lora_targets=("query_key_value",))).lora["targets"] == \
+        ["query_key_value"]
+    with pytest.raises(PlanError, match="'q_proj'.*not linear layers of gpt_neox.*query_key_value"):
+        plan(p40, odd, dataclasses.replace(task, lora_targets=("q_proj",)))
     with pytest.raises(PlanError, match="lora.target_modules.*'nope'"):
         plan(p40, CATALOGUE["qwen2.5-0.5b"], dataclasses.replace(task, lora_targets=("q_proj", "nope")))
     m = CATALOGUE["qwen2.5-0.5b"]

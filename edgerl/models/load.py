@@ -31,6 +31,8 @@ from edgerl.plan.dtypes import torch_dtype, with_dtype
 from edgerl.kernels import Tiles, naive_logprobs_and_entropy, token_logprobs_and_entropy
 from edgerl.models import offload
 from edgerl.models.attention import gather_columns, install, roll_left
+from edgerl.models.backbone import (backbone, decoder_layers, drop_output_head, logit_transform,  # noqa: F401
+                                    output_head, softcapped_logprobs)
 from edgerl.models.packing import pack, packed_index, plan_layout
 from edgerl.models.swiglu import fuse_mlps
 from edgerl.plan.memory import fmt_bytes
@@ -40,9 +42,15 @@ log = logging.getLogger(__name__)
 
 
 def model_source(path: str) -> str:
-    """The folder or hub id transformers should load (the embedded default is converted once)."""
+    """The folder transformers should load: the embedded default (converted once), a local folder, or a
+    Hugging Face id's snapshot in huggingface_hub's cache (its config, weights and tokenizer, downloaded
+    there first where missing; a one-line ModelError naming the id, the cache and HF_HUB_OFFLINE when
+    neither works)."""
+    from edgerl.core.hub import is_hub_id, snapshot
     from edgerl.models.embedded import embedded_folder, is_embedded
-    return str(embedded_folder(path)) if is_embedded(path) else path
+    if is_embedded(path):
+        return str(embedded_folder(path))
+    return str(snapshot(path)) if is_hub_id(path) else path
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -80,14 +88,6 @@ def load_causal_lm(path: str, dtype: torch.dtype, attention: str, trust_remote_c
             f"{type(e).__name__}: {first}; download the model again, or re-save it with save_pretrained"))) from None
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ModelError(f"{type(model).__name__} has no .model.layers; edgerl wraps llama-style decoders")
-    return layers
-
-
 def enable_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer in the backward (HF does it only in training mode: the trainer
     puts the models in train() for updates). Non-reentrant, so a frozen LoRA base needs no input grads."""
@@ -105,7 +105,9 @@ def causal_forward(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     (B, L), computed on the rows rolled to column 0 so that attention needs no mask (models/attention.py):
     no (B, 1, L, L) mask is built, and SDPA runs an O(L)-memory kernel or chunks of query rows."""
     rolled, lead = roll_left(input_ids, attention_mask)
-    out = lm.model(input_ids=rolled, use_cache=False, edgerl_attention_chunk=attention_chunk)
+    # rolled rows count their positions from column 0, as the left-padded rows counted from their first token
+    pos = torch.arange(rolled.shape[1], device=rolled.device)[None].expand_as(rolled)
+    out = backbone(lm)(input_ids=rolled, position_ids=pos, use_cache=False, edgerl_attention_chunk=attention_chunk)
     return gather_columns(out.last_hidden_state, start - lead, length)
 
 
@@ -121,6 +123,17 @@ class PolicyHead(nn.Module):
         self.share_prompts = plan.share_prompts
         self.attention_chunk = getattr(plan, "attention_chunk", 0)
         install()
+        output_head(lm)   # checked once: a head the log-prob kernel can compute
+        self.scale, self.cap = logit_transform(lm.config)
+
+    # looked up, not stored: a second reference would register the modules twice (state dict, FSDP2)
+    @property
+    def base(self) -> nn.Module:
+        return backbone(self.lm)
+
+    @property
+    def head(self) -> nn.Module:
+        return self.lm.get_output_embeddings()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
                 start: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,15 +144,30 @@ class PolicyHead(nn.Module):
             hidden = causal_forward(self.lm, input_ids, attention_mask, start, targets.shape[1], self.attention_chunk)
         else:   # each distinct prompt once (edgerl/packing.py)
             pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: count from the first token
-            out = self.lm.model(input_ids=pack(lay, input_ids), attention_mask=lay.sentinel,
-                                position_ids=pack(lay, pos), use_cache=False, edgerl_layout=lay)
+            out = self.base(input_ids=pack(lay, input_ids), attention_mask=lay.sentinel,
+                            position_ids=pack(lay, pos), use_cache=False, edgerl_layout=lay)
             where = packed_index(lay, input_ids.device)[:, start:start + targets.shape[1]]
             hidden = out.last_hidden_state[0][where]
+        weight = self.head.weight
         if self.backend == "naive":   # the self-test's reference: every logit in fp32, no edgerl kernel
-            weight = self.lm.lm_head.weight
-            logp, ent = naive_logprobs_and_entropy(hidden.float(), weight.to(hidden.dtype).float(), targets, temperature)
+            hidden, weight = hidden.float(), weight.to(hidden.dtype).float()
+            if self.cap is None:
+                logp, ent = naive_logprobs_and_entropy(hidden, weight, targets, temperature / self.scale)
+            else:   # the same plain torch as below, every token in one chunk
+                lead = hidden.shape[:-1]
+                logp, ent = softcapped_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                                                1.0 / temperature, self.scale, self.cap, max(1, lead.numel()))
+                logp, ent = logp.reshape(lead), ent.reshape(lead)
+        elif self.cap is not None:   # soft-capped logits (Gemma): plain torch, a chunk of tokens at a time
+            if torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != weight.dtype:
+                cast = torch.get_autocast_dtype(hidden.device.type)
+                hidden, weight = hidden.to(cast), weight.to(cast)
+            lead = hidden.shape[:-1]
+            logp, ent = softcapped_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                                            1.0 / temperature, self.scale, self.cap, self.chunk or 256)
+            logp, ent = logp.reshape(lead), ent.reshape(lead)
         else:
-            logp, ent = token_logprobs_and_entropy(hidden, self.lm.lm_head.weight, targets, temperature,
+            logp, ent = token_logprobs_and_entropy(hidden, weight, targets, temperature / self.scale,
                                                    backend=self.backend, chunk=self.chunk, tiles=self.tiles)
         return logp.clone(), ent.clone()  # FSDP2 hooks the outputs' backward; views would lose the hook
 
@@ -150,13 +178,17 @@ class ValueModel(nn.Module):
     def __init__(self, lm: nn.Module, attention_chunk: int = 0) -> None:
         super().__init__()
         self.lm = lm
-        self.lm.lm_head = nn.Identity()  # the backbone is all a critic needs; frees V x h
-        hidden = lm.config.hidden_size
+        drop_output_head(lm)  # the backbone is all a critic needs; frees V x h
+        hidden = lm.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1)
         nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)
         nn.init.zeros_(self.value_head.bias)
         self.attention_chunk = attention_chunk
         install()
+
+    @property
+    def base(self) -> nn.Module:
+        return backbone(self.lm)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int, length: int) -> torch.Tensor:
         hidden = causal_forward(self.lm, input_ids, attention_mask, start, length, self.attention_chunk)

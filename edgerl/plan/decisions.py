@@ -59,7 +59,8 @@ POLICIES = {"fp32": FP32, "fp16": FP16_MIXED, "bf16": BF16_MIXED}
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # All attention and MLP projections, not peft's q/v default: QLoRA (Dettmers et al., 2023) found adapters
 # on every linear layer of the block necessary to match full fine-tuning; at r=16 they stay ~1% of the base.
-LORA_TARGETS = {"llama": DEFAULT_LORA_TARGETS, "qwen2": DEFAULT_LORA_TARGETS, "mistral": DEFAULT_LORA_TARGETS}
+LORA_TARGETS = {t: DEFAULT_LORA_TARGETS for t in ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma3")}
+LORA_TARGETS["phi3"] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # Phi-3 fuses q/k/v and gate/up
 
 
 def lora_targets(model_type: str, explicit: Optional[tuple[str, ...] | list[str]]) -> tuple[str, ...]:

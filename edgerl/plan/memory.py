@@ -40,7 +40,9 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
                           path's fp32 copy of a 16-bit head (V x h x 4); and the head's own gradient
                           (V x h x 4) where the head trains
     KV cache              sequences x ceil(L / 16) x 16 x 2 x layers x kv x b_c, and the engine's
-                          per-row token and log-prob buffers (12 bytes a column)
+                          per-row token and log-prob buffers (12 bytes a column); where a layer attends
+                          through a sliding window of W tokens and the engine's cache keeps only the
+                          window (transformers' generate), that layer counts min(L, W) tokens instead
     sampling logits       sequences x V x 4 x 3 (fp32 logits, softmax, top-p sort)
     library workspaces    cuBLAS workspaces inside torch's allocator (a constant)
     CUDA context          a constant per process, outside torch's allocator
@@ -207,7 +209,7 @@ class Setting:
     rollout_from_actor: bool = False        # the engine runs the actor's own modules: no generation copy
     prompt_share: int = 1           # samples of a prompt a scoring forward computes it once for (edgerl/packing.py)
     update_share: int = 1           # the same in the update (1 where shuffled mini-batches mix the groups)
-    prefill_share: int = 1          # the same in the rollout's prefill (the static engine: edgerl/rollout/static.py)
+    prefill_share: int = 1          # the same in the rollout's prefill (the static engine: edgerl/rollout/engine_static.py)
     lora_input_bytes: int = 0       # per token and layer: what the fp32 copies of the adapted layers' inputs add
                                     # to the activations beside a 16-bit base (steps.lora_input_bytes)
     activation_offload: bool = False        # checkpointed layers' inputs wait in pinned host memory
@@ -216,6 +218,8 @@ class Setting:
     expandable_segments: bool = False       # the allocator's expandable segments are on (PYTORCH_CUDA_ALLOC_CONF)
     head_trains: bool = False       # the LM head is trained (full fine-tuning): its gradient passes through the kernel
     logprob_upcast: bool = False    # the torch log-prob path copies a 16-bit head to fp32 once per call
+    kv_window: bool = False         # the rollout's KV cache keeps only the window of sliding-window layers
+                                    # (transformers' generate does; the static engine keeps every token)
 
 
 @dataclass(frozen=True)
@@ -277,11 +281,12 @@ def activation_bytes_per_token(m: ModelSpec, b_c: int, seq_len: int, eager: bool
     return per
 
 
-def kv_cache_bytes(m: ModelSpec, rows: int, seq_len: int, b_c: int) -> int:
+def kv_cache_bytes(m: ModelSpec, rows: int, seq_len: int, b_c: int, windowed: bool = False) -> int:
     """The static engine's cache (columns rounded up to 16: rollout/decoder.py) and its per-row token and
-    log-prob buffers (int64 and fp32 per column: rollout/static.py)."""
+    log-prob buffers (int64 and fp32 per column: rollout/engine_static.py). windowed: the engine's cache keeps
+    only the window of sliding-window layers (transformers' generate; `ModelSpec.kv_bytes`)."""
     cols = -(-seq_len // 16) * 16
-    return rows * cols * m.kv_bytes_per_token(b_c) + rows * seq_len * 12
+    return rows * m.kv_bytes(cols, b_c, windowed) + rows * seq_len * 12
 
 
 def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budget: int,
@@ -347,7 +352,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating
     # unless resident; none when the engine runs the actor's own (quantized) modules
     gen_copy = 0 if s.rollout_from_actor else P * b_c
-    kv = kv_cache_bytes(m, s.rollout_batch, L, b_c)
+    kv = kv_cache_bytes(m, s.rollout_batch, L, b_c, windowed=s.kv_window)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
     prefill = packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0) * (
         4 * m.hidden_size + 3 * m.intermediate_size) * b_c

@@ -1,8 +1,10 @@
-"""Model shapes for planning: from a local HF config or folder, or a built-in catalogue usable offline.
+"""Model shapes for planning: from an HF config (a local folder, a config.json, or a Hugging Face id), or
+a built-in catalogue usable offline.
 
-The planner needs sizes, not weights: parameter counts per component, KV-cache bytes per token,
-and the LoRA parameter count for a set of target modules. Decoder-only llama-style models
-(llama, qwen2, mistral, smollm) are what edgerl plans for.
+The planner needs sizes, not weights: parameter counts per component, KV-cache bytes per token (per
+layer, where some attend through a sliding window), and the LoRA parameter count for a set of target
+modules. Any dense decoder-only model transformers loads as a causal LM is described from its config's
+fields; mixture-of-experts models are refused with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 from edgerl.core.errors import ModelSpecError
+from edgerl.core.hub import config_file, is_hub_id
 
 
 
@@ -35,6 +38,15 @@ class ModelSpec:
     rope_type: str = "default"      # the static rollout engine implements default, linear, llama3 and yarn
     sliding_window: Optional[int] = None   # set only where the model really uses windowed attention
     hidden_act: str = "silu"        # the MLP's activation (config.json's hidden_act)
+    sliding_layers: int = 0         # layers that attend through the window (the others attend to every token)
+    qk_norm: bool = False           # an RMS norm on each query and key head (Qwen3, Gemma 3)
+    sandwich_norms: bool = False    # Gemma: (1 + weight) RMS norms, also after attention and after the MLP
+    mlp: str = "gated"              # "gated": down(act(gate(x)) * up(x)); "plain": down(act(up(x))) (GPT-NeoX)
+    final_softcap: Optional[float] = None   # logits = cap * tanh(logits / cap) (Gemma's final_logit_softcapping)
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and not self.sliding_layers:
+            object.__setattr__(self, "sliding_layers", self.num_layers)   # a window on every layer (Mistral)
 
     @property
     def hd(self) -> int:
@@ -48,16 +60,29 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.hd
 
+    @property
+    def fast_engine(self) -> bool:
+        """Whether edgerl's static-cache decoder implements this architecture (edgerl/rollout/decoder.py)."""
+        return self.model_type in FAST_TYPES
+
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer of one decoder layer, by its HF module name."""
         h, i = self.hidden_size, self.intermediate_size
+        if self.model_type == "gpt_neox":
+            return {"query_key_value": (h, self.q_dim + 2 * self.kv_dim), "dense": (self.q_dim, h),
+                    "dense_h_to_4h": (h, i), "dense_4h_to_h": (i, h)}
+        if self.model_type == "phi3":
+            return {"qkv_proj": (h, self.q_dim + 2 * self.kv_dim), "o_proj": (self.q_dim, h),
+                    "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+        mlp = {"gate_proj": (h, i), "up_proj": (h, i)} if self.mlp == "gated" else {"up_proj": (h, i)}
         return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+                "o_proj": (self.q_dim, h), **mlp, "down_proj": (i, h)}
 
     def layer_params(self) -> int:
         linear = sum(a * b for a, b in self.module_shapes().values())
         bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        return linear + bias + 2 * self.hidden_size  # two RMSNorm weights
+        norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.hd if self.qk_norm else 0)
+        return linear + bias + norms
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -70,6 +95,16 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V for every layer, one token."""
         return 2 * self.num_layers * self.kv_dim * dtype_bytes
+
+    def kv_bytes(self, seq_len: int, dtype_bytes: int, windowed: bool) -> int:
+        """K and V of one sequence of `seq_len` tokens. windowed: a cache that keeps only the last
+        `sliding_window` tokens of the layers that attend through the window (HF's DynamicCache does;
+        edgerl's static cache keeps every token of every layer)."""
+        if not windowed or self.sliding_window is None:
+            return seq_len * self.kv_bytes_per_token(dtype_bytes)
+        full = self.num_layers - self.sliding_layers
+        tokens = full * seq_len + self.sliding_layers * min(seq_len, self.sliding_window)
+        return 2 * tokens * self.kv_dim * dtype_bytes
 
     def lora_params(self, rank: int, targets: tuple[str, ...] | list[str]) -> int:
         """Adapter parameters: r x (in + out) per targeted linear layer, over all layers."""
@@ -87,17 +122,33 @@ class ModelSpec:
                     intermediate_size=self.intermediate_size)
 
     def describe(self) -> str:
+        window = (f", {self.sliding_layers} of {self.num_layers} layers attend through a {self.sliding_window}-token "
+                  f"window" if self.sliding_window else "")
         return (f"{self.name}: {self.n_params() / 1e6:.0f}M parameters, {self.num_layers} layers, hidden "
                 f"{self.hidden_size}, {self.num_heads} heads / {self.num_kv_heads} KV heads, vocabulary "
-                f"{self.vocab_size}{', tied embeddings' if self.tie_embeddings else ''}")
+                f"{self.vocab_size}{', tied embeddings' if self.tie_embeddings else ''}{window}")
 
 
-# Shapes from each model's config.json on the Hugging Face Hub.
+# Shapes from each model's config.json on the Hugging Face Hub (huggingface.co/<id>/blob/main/config.json;
+# for Gemma 3 4B, a vision-language model, its text_config: the language model; the vision tower, about 0.4B
+# parameters, is not counted).
 CATALOGUE: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("qwen2.5-0.5b", "qwen2", 151936, 896, 24, 14, 2, 4864, True, qkv_bias=True, max_position=32768),
     ModelSpec("qwen2.5-1.5b", "qwen2", 151936, 1536, 28, 12, 2, 8960, True, qkv_bias=True, max_position=32768),
     ModelSpec("qwen2.5-3b", "qwen2", 151936, 2048, 36, 16, 2, 11008, True, qkv_bias=True, max_position=32768),
     ModelSpec("qwen2.5-7b", "qwen2", 152064, 3584, 28, 28, 4, 18944, False, qkv_bias=True, max_position=32768),
+    ModelSpec("qwen3-0.6b", "qwen3", 151936, 1024, 28, 16, 8, 3072, True, head_dim=128, max_position=40960, qk_norm=True),
+    ModelSpec("qwen3-1.7b", "qwen3", 151936, 2048, 28, 16, 8, 6144, True, head_dim=128, max_position=40960, qk_norm=True),
+    ModelSpec("qwen3-4b", "qwen3", 151936, 2560, 36, 32, 8, 9728, True, head_dim=128, max_position=40960, qk_norm=True),
+    ModelSpec("qwen3-8b", "qwen3", 151936, 4096, 36, 32, 8, 12288, False, head_dim=128, max_position=40960,
+              qk_norm=True),
+    # every 6th layer attends to all tokens, the others through the window (sliding_window_pattern 6)
+    ModelSpec("gemma-3-1b", "gemma3_text", 262144, 1152, 26, 4, 1, 6912, True, head_dim=256, max_position=32768,
+              sliding_window=512, sliding_layers=22, hidden_act="gelu_pytorch_tanh", qk_norm=True,
+              sandwich_norms=True),
+    ModelSpec("gemma-3-4b", "gemma3", 262208, 2560, 34, 8, 4, 10240, True, head_dim=256, max_position=131072,
+              rope_type="linear", sliding_window=1024, sliding_layers=29, hidden_act="gelu_pytorch_tanh",
+              qk_norm=True, sandwich_norms=True),
     ModelSpec("llama-3.2-1b", "llama", 128256, 2048, 16, 32, 8, 8192, True, head_dim=64, max_position=131072, rope_type="llama3"),
     ModelSpec("llama-3.2-3b", "llama", 128256, 3072, 28, 24, 8, 8192, True, head_dim=128, max_position=131072, rope_type="llama3"),
     ModelSpec("llama-3.1-8b", "llama", 128256, 4096, 32, 32, 8, 14336, False, head_dim=128, max_position=131072, rope_type="llama3"),
@@ -111,6 +162,11 @@ ALIASES = {
     "qwen/qwen2.5-1.5b": "qwen2.5-1.5b", "qwen/qwen2.5-1.5b-instruct": "qwen2.5-1.5b",
     "qwen/qwen2.5-3b": "qwen2.5-3b", "qwen/qwen2.5-3b-instruct": "qwen2.5-3b",
     "qwen/qwen2.5-7b": "qwen2.5-7b", "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen3-0.6b": "qwen3-0.6b", "qwen/qwen3-0.6b-base": "qwen3-0.6b",
+    "qwen/qwen3-1.7b": "qwen3-1.7b", "qwen/qwen3-1.7b-base": "qwen3-1.7b",
+    "qwen/qwen3-4b": "qwen3-4b", "qwen/qwen3-4b-base": "qwen3-4b",
+    "qwen/qwen3-8b": "qwen3-8b", "qwen/qwen3-8b-base": "qwen3-8b",
+    "google/gemma-3-1b-it": "gemma-3-1b", "google/gemma-3-1b-pt": "gemma-3-1b",
     "meta-llama/llama-3.2-1b": "llama-3.2-1b", "meta-llama/llama-3.2-1b-instruct": "llama-3.2-1b",
     "meta-llama/llama-3.2-3b": "llama-3.2-3b", "meta-llama/llama-3.2-3b-instruct": "llama-3.2-3b",
     "meta-llama/llama-3.1-8b": "llama-3.1-8b", "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
@@ -124,57 +180,146 @@ ALIASES = {
 
 # Catalogue names -> the Hugging Face ids they describe (base models; -Instruct variants share the shape).
 HF_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B", "qwen2.5-3b": "Qwen/Qwen2.5-3B",
-          "qwen2.5-7b": "Qwen/Qwen2.5-7B", "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+          "qwen2.5-7b": "Qwen/Qwen2.5-7B", "qwen3-0.6b": "Qwen/Qwen3-0.6B-Base", "qwen3-1.7b": "Qwen/Qwen3-1.7B-Base",
+          "qwen3-4b": "Qwen/Qwen3-4B-Base", "qwen3-8b": "Qwen/Qwen3-8B-Base", "gemma-3-1b": "google/gemma-3-1b-pt",
+          "gemma-3-4b": "google/gemma-3-4b-pt", "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
           "llama-3.2-3b": "meta-llama/Llama-3.2-3B", "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
           "smollm2-135m": "HuggingFaceTB/SmolLM2-135M", "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
           "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B", "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
-# Decoder-only architectures edgerl trains: FSDP2 wraps their `model.layers`, LoRA has default targets
-# for them, and the static-cache rollout engine implements their forward (edgerl/rollout/decoder.py).
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+# The architectures edgerl's static-cache rollout engine implements (edgerl/rollout/decoder.py); every other
+# decoder-only model transformers loads as a causal LM trains with transformers' generate for its rollouts.
+FAST_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
+# MLPs without a gate (down(act(up(x)))); any other architecture is counted with a gated one
+PLAIN_MLP = ("gpt_neox", "gpt2", "gptj", "gpt_neo", "opt", "falcon", "phi", "bloom", "mpt", "gpt_bigcode",
+             "starcoder2", "codegen")
+# How many consecutive layers hold one full-attention layer, where a config predates `layer_types`
+SLIDING_PATTERN = {"gemma3_text": 6, "gemma2": 2}
+# Config keys of the same quantity across architectures (GPT-2 and GPT-NeoX name them their own way)
+_KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+         "heads": ("num_attention_heads", "n_head", "num_heads"),
+         "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
+         "inter": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+         "act": ("hidden_act", "hidden_activation", "activation_function"),
+         "positions": ("max_position_embeddings", "n_positions", "max_seq_len")}
+# Keys whose value counts the experts of a mixture-of-experts layer
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _get(cfg: dict[str, Any], what: str, default: Any = None) -> Any:
+    for key in _KEYS[what]:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
 
 
 def _rope(text_cfg: dict[str, Any]) -> str:
     rp = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling") or {}
-    return str(rp.get("rope_type", rp.get("type", "default"))) if isinstance(rp, dict) else "default"
+    if not isinstance(rp, dict):
+        return "default"
+    if rp and all(isinstance(v, dict) for v in rp.values()):   # one set per layer type (Gemma 3)
+        kinds = [str(v.get("rope_type", v.get("type", "default"))) for v in rp.values()]
+        return next((k for k in kinds if k not in STATIC_ROPE), next((k for k in kinds if k != "default"), "default"))
+    return str(rp.get("rope_type", rp.get("type", "default")))
 
 
-def _window(text_cfg: dict[str, Any]) -> Optional[int]:
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")   # inverse frequencies fixed at init
+
+
+def _window(text_cfg: dict[str, Any], layers: int) -> tuple[Optional[int], int]:
+    """(window, layers attending through it), or (None, 0) where no layer does."""
     window = text_cfg.get("sliding_window")
+    if not window:
+        return None, 0
     types = text_cfg.get("layer_types") or []
-    used = ("sliding_attention" in types) if types else bool(text_cfg.get("use_sliding_window", True))
-    return int(window) if window and used else None
+    if types:
+        n = sum(t == "sliding_attention" for t in types)
+    elif (pattern := text_cfg.get("sliding_window_pattern") or SLIDING_PATTERN.get(text_cfg.get("model_type"))):
+        n = sum(1 for i in range(layers) if (i + 1) % int(pattern))
+    else:
+        n = layers if text_cfg.get("use_sliding_window", True) else 0
+    return (int(window), n) if n else (None, 0)
+
+
+def moe_reason(cfg: dict[str, Any]) -> Optional[str]:
+    """Why a config describes a mixture-of-experts model, or None."""
+    text_cfg = cfg.get("text_config", cfg)
+    model_type = str(text_cfg.get("model_type", ""))
+    for key in _MOE_KEYS:
+        n = text_cfg.get(key)
+        if isinstance(n, int) and n > 1:
+            return f"{key}={n}"
+    return f"model_type {model_type!r}" if "moe" in model_type else None
+
+
+def _normalized(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config as transformers reads it, where transformers knows its model_type: the fields a config.json
+    leaves at their defaults filled in (Gemma 3 4B's text_config names only five), older names turned into
+    newer ones (Gemma 3's sliding_window_pattern into layer_types, rope_theta and rope_local_base_freq into
+    rope_parameters). Anything transformers cannot read is planned from the file as it is."""
+    try:
+        from transformers import AutoConfig
+        obj = AutoConfig.for_model(str(cfg.get("model_type", "")), **{k: v for k, v in cfg.items() if k != "model_type"})
+        text = obj.get_text_config()
+        out = dict(text.to_dict())
+        if text is not obj:
+            out["tie_word_embeddings"] = getattr(obj, "tie_word_embeddings", out.get("tie_word_embeddings"))
+        return out
+    except Exception:   # an unknown model_type (remote code), a config transformers refuses, no transformers
+        return dict(cfg.get("text_config", cfg), tie_word_embeddings=cfg.get(
+            "tie_word_embeddings", cfg.get("text_config", cfg).get("tie_word_embeddings", False)))
 
 
 def from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
-    """A spec from the fields of an HF config.json (llama/qwen2/mistral naming)."""
-    text_cfg = cfg.get("text_config", cfg)
-    model_type = str(text_cfg.get("model_type", ""))
-    if model_type not in SUPPORTED_TYPES:
-        raise ModelSpecError(f"{source}: model_type {model_type or '(none)'!r} is not one edgerl trains; it trains "
-                             f"decoder-only {', '.join(SUPPORTED_TYPES)} models and their fine-tunes (SmolLM2, "
-                             "Qwen2.5, Llama 3, Mistral); GPT-2, GPT-NeoX and other architectures are not supported")
+    """A spec from the fields of an HF config.json, any decoder-only architecture (its text_config for a
+    vision-language model). Mixture-of-experts models are refused: each token runs a few of many expert
+    MLPs, which neither the memory model nor the rollout engines count or implement."""
+    model_type = str(cfg.get("text_config", cfg).get("model_type", ""))
+    if cfg.get("is_encoder_decoder") or cfg.get("text_config", cfg).get("is_encoder_decoder"):
+        raise ModelSpecError(f"{source}: model_type {model_type!r} is an encoder-decoder model; edgerl trains "
+                             "decoder-only causal language models")
+    text_cfg = None
+    for c in (cfg, None):
+        if c is None:
+            text_cfg = _normalized(cfg)
+            c = text_cfg
+        if (moe := moe_reason(c)) is not None:
+            raise ModelSpecError(f"{source}: a mixture-of-experts model ({moe}); edgerl trains dense decoder-only "
+                                 "models (its memory model and rollout engines count and run one MLP per layer), "
+                                 "e.g. Qwen3 (qwen3-8b) instead of Qwen3-30B-A3B")
+    # a vision-language model keeps its own type (gemma3, not its text model's gemma3_text): what loads is the
+    # whole model, which edgerl's static decoder does not implement
+    model_type = str(cfg.get("model_type") or text_cfg.get("model_type") or model_type)
     try:
-        heads = int(text_cfg["num_attention_heads"])
+        hidden, layers, heads = int(_get(text_cfg, "hidden")), int(_get(text_cfg, "layers")), int(_get(text_cfg, "heads"))
+        window, sliding = _window(text_cfg, layers)
+        kv = _get(text_cfg, "kv_heads") or (1 if text_cfg.get("multi_query") else heads)
+        gemma = model_type.startswith(("gemma2", "gemma3"))
         return ModelSpec(
-            name=name, model_type=model_type, rope_type=_rope(text_cfg), sliding_window=_window(text_cfg),
-            vocab_size=int(text_cfg["vocab_size"]), hidden_size=int(text_cfg["hidden_size"]),
-            num_layers=int(text_cfg["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads),
-            intermediate_size=int(text_cfg["intermediate_size"]),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))),
+            name=name, model_type=model_type, rope_type=_rope(text_cfg), sliding_window=window, sliding_layers=sliding,
+            vocab_size=int(text_cfg["vocab_size"]), hidden_size=hidden, num_layers=layers, num_heads=heads,
+            num_kv_heads=int(kv), intermediate_size=int(_get(text_cfg, "inter") or 4 * hidden),
+            tie_embeddings=bool(text_cfg.get("tie_word_embeddings", False)),
             head_dim=int(text_cfg.get("head_dim") or 0),
-            qkv_bias=bool(text_cfg.get("attention_bias", text_cfg.get("model_type") == "qwen2")),
-            max_position=int(text_cfg.get("max_position_embeddings", 4096)),
-            hidden_act=str(text_cfg.get("hidden_act", "silu")), source=source)
+            qkv_bias=bool(text_cfg.get("attention_bias", model_type == "qwen2")),
+            max_position=int(_get(text_cfg, "positions", 4096)),
+            hidden_act=str(_get(text_cfg, "act", "silu")), source=source,
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"), sandwich_norms=gemma,
+            mlp="plain" if model_type in PLAIN_MLP else "gated",
+            final_softcap=text_cfg.get("final_logit_softcapping"))
     except KeyError as e:
         raise ModelSpecError(f"{source}: config.json lacks {e.args[0]!r}; edgerl plans for decoder-only "
-                             "llama/qwen2-style models") from None
+                             "causal language models") from None
+    except (TypeError, ValueError):
+        keys = ", ".join(k[0] for k in (_KEYS["hidden"], _KEYS["layers"], _KEYS["heads"]))
+        raise ModelSpecError(f"{source}: config.json has no usable {keys} (or their GPT-2 names); edgerl plans for "
+                             "decoder-only causal language models") from None
 
 
 def resolve(name_or_path: str) -> ModelSpec:
-    """A catalogue name or alias, a local HF folder (its config.json), or a config.json file."""
+    """A catalogue name or alias, a local HF folder (its config.json), a config.json file, or a Hugging Face
+    id (its config.json alone, from huggingface_hub's cache or downloaded into it)."""
     key = name_or_path.strip().lower()
     if key in CATALOGUE:
         return CATALOGUE[key]
@@ -189,20 +334,15 @@ def resolve(name_or_path: str) -> ModelSpec:
         return from_hf_config(_read_json(cfg_file), path.name, str(cfg_file))
     if path.is_file() and path.suffix == ".json":
         return from_hf_config(_read_json(path), path.stem, str(path))
-    if "/" in name_or_path and not name_or_path.startswith((".", "/", "~")):
-        spec = _from_hf_cache(name_or_path)
-        if spec is not None:
-            return spec
-        raise ModelSpecError(f"model {name_or_path!r} is not in edgerl's catalogue and its config is not in "
-                             f"the local HF cache; download it first (huggingface-cli download "
-                             f"{name_or_path} config.json) or pass a local folder. Catalogue: "
-                             f"{', '.join(CATALOGUE)}")
+    if is_hub_id(name_or_path):   # its config.json from the HF cache, downloaded there first if missing
+        found = config_file(name_or_path)
+        return from_hf_config(_read_json(found), name_or_path, f"{name_or_path} ({found})")
     if name_or_path.startswith((".", "/", "~")):
         raise ModelSpecError(f"model folder {name_or_path} does not exist")
     close = difflib.get_close_matches(key, list(CATALOGUE) + list(ALIASES), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise ModelSpecError(f"unknown model {name_or_path!r}.{hint} Built-in shapes: {', '.join(CATALOGUE)}; "
-                         "or pass a local HF folder or an HF id whose config is cached")
+                         "or pass a local HF folder or a Hugging Face id (owner/name)")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -212,40 +352,32 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelSpecError(f"{path} is not valid JSON: {e}") from None
 
 
-def _from_hf_cache(repo_id: str) -> Optional[ModelSpec]:
-    """The config of an HF id from the local cache only (planning never downloads)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(repo_id, "config.json")
-    if isinstance(found, str):
-        return from_hf_config(_read_json(Path(found)), repo_id, found)
-    return None
-
-
 def classifier_params(name_or_path: str) -> int:
     """Parameters of a sequence-classification reward model from its local config: exact for the
     architectures edgerl trains, else embeddings + layers x (4 h^2 attention + 2 h x intermediate MLP).
     The plan needs its bytes, not its exact shape. Raises ModelSpecError when no config is found."""
     path = Path(name_or_path).expanduser()
-    cfg_file = path / "config.json" if path.is_dir() else None
-    if cfg_file is None or not cfg_file.exists():
-        from huggingface_hub import try_to_load_from_cache
-        found = try_to_load_from_cache(name_or_path, "config.json") if "/" in name_or_path else None
-        if not isinstance(found, str):
-            raise ModelSpecError(f"reward.model={name_or_path!r}: no config.json there or in the local HF cache; "
-                                 "point reward.model at a local HF folder")
-        cfg_file = Path(found)
+    if path.is_dir() and (path / "config.json").exists():
+        cfg_file = path / "config.json"
+    elif is_hub_id(name_or_path):
+        try:
+            cfg_file = config_file(name_or_path)
+        except ModelSpecError as e:
+            raise ModelSpecError(f"reward.model: {e}") from None
+    else:
+        raise ModelSpecError(f"reward.model={name_or_path!r}: no config.json there; point reward.model at a local HF "
+                             "folder or a Hugging Face id (owner/name)")
     full = _read_json(cfg_file)
     cfg = full.get("text_config", full)
-    if cfg.get("model_type") in SUPPORTED_TYPES:  # exact count (its LM head is a 1-row score head)
+    try:   # exact for a decoder (its LM head is a 1-row score head)
         spec = from_hf_config(full, cfg_file.parent.name, str(cfg_file))
         return spec.n_params() - (0 if spec.tie_embeddings else spec.embedding_params())
-    h = cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("n_embd")
-    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers")
+    except ModelSpecError:
+        pass
+    h = _get(cfg, "hidden")
+    layers = _get(cfg, "layers")
     if not h or not layers:
         raise ModelSpecError(f"{cfg_file}: no hidden size or layer count (hidden_size, num_hidden_layers) to size "
                              "the reward model")
-    inter = cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * h
+    inter = _get(cfg, "inter") or 4 * h
     return int(cfg.get("vocab_size", 0) * h + layers * (4 * h * h + 2 * h * inter))

@@ -140,7 +140,9 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             # the static engine prefills a prompt once for its samples (a quantized base always runs it)
             prefill_share=task.samples_per_prompt if engine == "static" or quant else 1,
             attention_chunk=chunk_rows, kv_copies=kv_copies, expandable_segments=expandable,
-            head_trains=not cand.lora, logprob_upcast=kernel_backend == "torch")
+            head_trains=not cand.lora, logprob_upcast=kernel_backend == "torch",
+            # transformers' generate keeps only the window of sliding-window layers (the static engine every column)
+            kv_window=engine == "hf-generate" and not quant)
 
     host = dev.host_memory if not dev.integrated else 0
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []

@@ -18,7 +18,7 @@ import importlib
 
 from .base import (ActorWeights, EngineContext, OwnWeights, RolloutBatch, RolloutEngine, SamplingParams, cut_at_eos,
                    load_weights)
-from .decoder import SUPPORTED, UnsupportedModel
+from .arch import SUPPORTED, UnsupportedModel
 from .engine_hf_generate import HFGenerateEngine
 from .engine_static import StaticCacheEngine
 from .engine_vllm import vllm_share

@@ -27,7 +27,7 @@ class Backend(TorchOps):
         from edgerl.kernels import decode_cuda
         from edgerl.models.quant_decode import enable, nf4_layers
         super().__init__(dec)
-        why = decode_cuda.unavailable_reason(dec.device, dec.head_dim, dec.dtype, dec.group)
+        why = dec.fused_norms_reason() or decode_cuda.unavailable_reason(dec.device, dec.head_dim, dec.dtype, dec.group)
         if why:
             raise DecodeKernelUnavailable(f"decode backend 'cuda-c' cannot run here: {why}")
         self.kernels = decode_cuda
@@ -38,14 +38,19 @@ class Backend(TorchOps):
                 f"; {k} left to bitsandbytes: {why}" for why, k in left.items())
 
     def mask(self, start: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        return start   # rope_attend reads only the columns start[b] .. col of each row
+        return start   # rope_attend reads only the columns start[b] .. col of each row (a window: its first column)
 
-    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
+    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col, qk=None, post=None):
         """The residual add and norm in one kernel, q, k and v straight from their projections into the
-        rotary + cache write + attention kernel, the second add and norm in one, SiLU * up in one."""
+        rotary + cache write + attention kernel, the second add and norm in one, SiLU * up in one. qk:
+        Qwen3's per-head q/k norms (torch's ops between the projections and the kernel) or None; post is
+        always None here (`StaticDecoder.fused_norms_reason`)."""
         k, B, dec = self.kernels, x.shape[0], self.dec
         x, h = k.add_rms_norm(x, d, ln1, eps1)
         q, kk, v = proj.qkv_parts(h)
+        if qk is not None:   # before the kernel rotates
+            q = dec.norm(q.unflatten(-1, (dec.n_heads, dec.head_dim)), qk[0], qk[2]).flatten(-2)
+            kk = dec.norm(kk.unflatten(-1, (dec.n_kv, dec.head_dim)), qk[1], qk[2]).flatten(-2)
         o = k.rope_attend(q, kk, v, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, dec.scaling)
         x, h = k.add_rms_norm(x, proj.o(o), ln2, eps2)
         gate, up = proj.gate_up(h)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .decoder import StaticDecoder, rms_norm, sdpa
+from .decoder import StaticDecoder, sdpa
 
 
 class Backend:
@@ -27,8 +27,8 @@ class Backend:
         self.note = f"torch ops ({'SDPA' if self.sdpa else 'baddbmm/softmax/bmm'} attention)"
 
     def mask(self, start: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        """One additive mask for all layers, so each layer's scores are a single baddbmm: (B, 1, 1, S),
-        or (B*KVH, 1, S) for baddbmm."""
+        """One additive mask for all layers of an attention span (columns start[b] .. col visible), so each
+        layer's scores are a single baddbmm: (B, 1, 1, S), or (B*KVH, 1, S) for baddbmm."""
         dec, B, S = self.dec, start.shape[0], self.dec.cache_len
         hidden = (dec.cols[None, :] < start[:, None]) | (dec.cols[None, :] > col)       # (B, S)
         zero = torch.zeros((), device=start.device, dtype=dec.dtype)
@@ -38,17 +38,22 @@ class Backend:
     def first(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return x, None
 
-    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, mask, col):
+    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, mask, col, qk=None, post=None):
         """x: (B, hidden) residual stream; d: the previous layer's MLP output, not yet added (None for the
-        first layer). kv: this layer's cache (2, B, KVH, S, D); cos, sin: (B, 1, D); col: (1,).
+        first layer). kv: this layer's cache (2, B, KVH, S, D); cos, sin: (B, 1, D); col: (1,). qk: the q/k
+        norms (Qwen3, Gemma 3) or None; post: Gemma's post-attention and post-MLP norms or None.
         Returns (x, d)."""
+        dec = self.dec
         if d is not None:
             x = x + d
         B = x.shape[0]
-        qkv = proj.qkv(rms_norm(x, ln1, eps1))                                      # (B, N)
-        o = self.attend(qkv, kv, cos, sin, mask, col).reshape(B, self.dec.q_width)
-        x = x + proj.o(o)
-        return x, proj.down(self.dec.mlp_hidden(x, proj, ln2, eps2))
+        qkv = proj.qkv(dec.norm(x, ln1, eps1))                                      # (B, N)
+        if qk is not None:
+            dec.qk_norm(qkv, qk)
+        o = proj.o(self.attend(qkv, kv, cos, sin, mask, col).reshape(B, dec.q_width))
+        x = x + (o if post is None else dec.norm(o, post[0], post[2]))
+        m = proj.down(dec.mlp_hidden(x, proj, ln2, eps2))
+        return x, (m if post is None else dec.norm(m, post[1], post[2]))
 
     def last(self, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         return x + d

@@ -29,7 +29,7 @@ class Backend(TorchOps):
         self.note = "torch's projections around the rotary decode-attention kernel (Triton)"
 
     def mask(self, start: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        return start   # the kernel reads only the columns start[b] .. col of each row
+        return start   # the kernel reads only the columns start[b] .. col of each row (a window: its first column)
 
     def attend(self, qkv, kv, cos, sin, start, col):
         """Rotary, the cache write and attention in one kernel. Returns (B, KVH, G, D)."""

@@ -23,9 +23,10 @@ class Backend(TritonAttention):
 
     def __init__(self, dec: StaticDecoder) -> None:
         from edgerl.kernels.decode_linear import decode_linear, unavailable_reason
-        why = (f"it reads the fused projections' weights ({dec.proj_note})" if any(p.kind != "fused" for p in dec.proj)
-               else "the MLP's activation is not SiLU (the gate/up kernel's epilogue computes SiLU(gate) * up)"
-               if not dec.silu else unavailable_reason(dec.device, dec.dtype))
+        why = dec.fused_norms_reason() or (
+            f"it reads the fused projections' weights ({dec.proj_note})" if any(p.kind != "fused" for p in dec.proj)
+            else "the MLP's activation is not SiLU (the gate/up kernel's epilogue computes SiLU(gate) * up)"
+            if not dec.silu else unavailable_reason(dec.device, dec.dtype))
         if why:
             raise DecodeKernelUnavailable(f"decode backend 'triton-layers' cannot run here: {why}")
         super().__init__(dec)
@@ -35,11 +36,15 @@ class Backend(TritonAttention):
     def first(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x, x.float().square().sum(-1)[None]   # the first norm's sums of squares
 
-    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col):
+    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col, qk=None, post=None):
         """d: x's rows' sums of squares as (P, B) fp32 partial sums, written by the product that added to
-        the residual stream last. Returns (x, d) for the next layer."""
+        the residual stream last. qk: Qwen3's per-head q/k norms (torch's ops between the q/k/v product and
+        the attention kernel) or None; post is always None here (`StaticDecoder.fused_norms_reason`).
+        Returns (x, d) for the next layer."""
         B, lin, dec = x.shape[0], self.linear, self.dec
         qkv = lin(x, proj.qkv_w, norm=ln1, eps=eps1, bias=proj.qkv_b, sumsq=d)
+        if qk is not None:
+            dec.qk_norm(qkv, qk)
         o = self.attend(qkv, kv, cos, sin, start, col)
         x, ss = lin(o.view(B, dec.q_width), proj.o_w, bias=proj.o_b, residual=x, return_sumsq=True)
         h = lin(x, proj.gu_w, norm=ln2, eps=eps2, bias=proj.gu_b, glu=True, sumsq=ss)

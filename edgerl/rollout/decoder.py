@@ -1,9 +1,10 @@
-"""A llama-family decoder written against a static KV cache, reading an HF model's own weights.
+"""A llama-family decoder written against a static KV cache, reading an HF model's own weights
+(llama, mistral, qwen2, qwen3 and gemma3_text: `arch.py` says how they differ).
 
 HF's forward builds masks and cache objects in Python and synchronises with the host on the way;
 this one does neither in the decode step, so `torch.cuda.CUDAGraph` can capture it (plain graphs,
 no torch.compile needed: Pascal, CC 6.x, has no Triton). The math follows `modeling_llama.py` /
-`modeling_qwen2.py` op for op (RMSNorm in fp32, rotary tables computed as HF computes them from the
+`modeling_qwen3.py` / `modeling_gemma3.py` op for op (RMSNorm in fp32, rotary tables computed as HF computes them from the
 model's own inverse frequencies, grouped-query attention, the module's own activation), so greedy
 output equals HF `generate`.
 A layer's projections go through a small object (`projections.py`): fused q/k/v and gate/up
@@ -29,10 +30,9 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from .arch import UnsupportedModel, check_supported, describe
 from .projections import make_projections
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at init
 _TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_GQA = _TORCH >= (2, 5)  # `enable_gqa=` of scaled_dot_product_attention
 
@@ -54,10 +54,6 @@ def _repeat(kv: torch.Tensor, q: torch.Tensor, gqa: bool) -> torch.Tensor:
     return kv.repeat_interleave(q.shape[1] // kv.shape[1], 1) if gqa and q.shape[1] != kv.shape[1] else kv
 
 
-class UnsupportedModel(ValueError):
-    """The static engine cannot run this model; the factory falls back to HF generate and says why."""
-
-
 class DecodeKernelUnavailable(ValueError):
     """The decode backend asked for cannot run here (the message says why)."""
 
@@ -66,104 +62,20 @@ def backend_class(name: str) -> type:
     """The `Backend` class of decode backend `name` (`decode_<name with - as _>.py` beside this file).
 
     A backend is built with the decoder (`Backend(dec)`, raising DecodeKernelUnavailable where it cannot
-    run) and runs one decode step's layers: `mask(start, col)` what the layers read to hide the columns a
-    row does not see (an additive mask, or the rows' start columns for a kernel that bounds its reads);
-    `first(x)` -> (x, d) from the embedded tokens x (B, hidden); `layer(x, d, proj, ln1, eps1, ln2, eps2,
-    kv, cos, sin, mask, col)` -> (x, d) for each layer (kv its cache (2, B, KVH, S, D), cos and sin (B, 1,
-    D)); `last(x, d)` the residual stream the final norm reads. d is what a layer hands the next one (the
-    MLP output not yet added, or the rows' sums of squares). `name` and `note` describe it."""
+    run) and runs one decode step's layers: `mask(first, col)` what the layers read to hide the columns a
+    row does not see, given each row's first visible column (B,) (an additive mask, or those columns for a
+    kernel that bounds its reads); `first(x)` -> (x, d) from the embedded tokens x (B, hidden); `layer(x, d,
+    proj, ln1, eps1, ln2, eps2, kv, cos, sin, mask, col, qk, post)` -> (x, d) for each layer (kv its cache
+    (2, B, KVH, S, D), cos and sin (B, 1, D); qk the layer's q/k norms and post its post-attention and
+    post-MLP norms, each None where the architecture has none: `arch.Layer`); `last(x, d)` the residual
+    stream the final norm reads. d is what a layer hands the next one (the MLP output not yet added, or
+    the rows' sums of squares). `name` and `note` describe it. A backend whose kernels cannot compute an
+    architecture's step raises DecodeKernelUnavailable naming it (the plan does not pick it there)."""
     try:
         module = importlib.import_module(f"{__package__}.decode_{name.replace('-', '_')}")
     except ModuleNotFoundError:
         raise ValueError(f"no decode backend {name!r} (edgerl/rollout/decode_{name.replace('-', '_')}.py)") from None
     return module.Backend
-
-
-def check_supported(model: torch.nn.Module, max_seq_len: int) -> None:
-    """Raise UnsupportedModel naming what is wrong and what is supported."""
-    arch = type(model).__name__
-    if arch not in SUPPORTED:
-        raise UnsupportedModel(f"{arch} is not a llama-family decoder the static engine implements "
-                               f"(supported: {', '.join(SUPPORTED)} and fine-tunes of them such as SmolLM2)")
-    cfg = model.config
-    need = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
-    for i, layer in enumerate(model.model.layers):
-        for path in need:
-            obj = layer
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-            if obj is None:
-                raise UnsupportedModel(f"{arch} layer {i} has no {path}; the static engine needs the "
-                                       f"llama module structure ({', '.join(SUPPORTED)})")
-    # Sliding-window attention only differs from full attention past the window.
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None) or []
-    sliding = ("sliding_attention" in types) if types else (
-        window is not None and getattr(cfg, "use_sliding_window", True))
-    if sliding and window is not None and max_seq_len > window:
-        raise UnsupportedModel(f"{arch} uses sliding-window attention (window {window}) and sequences "
-                               f"reach {max_seq_len} tokens; the static engine only implements full attention")
-    if getattr(cfg, "pretraining_tp", 1) not in (1, None):
-        raise UnsupportedModel(f"{arch} has pretraining_tp={cfg.pretraining_tp}; only 1 is implemented")
-
-
-def rope_parameters(config) -> tuple[str, dict]:
-    """(rope_type, parameters) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling` (4.x)."""
-    rp = getattr(config, "rope_parameters", None)
-    if rp:
-        if "rope_type" not in rp and all(isinstance(v, dict) for v in rp.values()):
-            raise NotImplementedError("per-layer-type rope parameters are not implemented by the static engine")
-        return rp.get("rope_type", rp.get("type", "default")), dict(rp)
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    rtype = scaling.get("rope_type", scaling.get("type", "default"))
-    return rtype, {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
-
-
-def inv_freq_for(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (fp32, head_dim/2) and the cos/sin scale, as the HF rotary module computes them."""
-    rtype, params = rope_parameters(config)
-    if rtype not in _STATIC_ROPE:
-        raise NotImplementedError(
-            f"rope_type {rtype!r} is not implemented by the static engine (its frequencies change with the "
-            f"sequence length); implemented: {', '.join(_STATIC_ROPE)}. Use the plain HF generate engine.")
-    if rtype == "default":
-        base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scale = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        inv, scale = ROPE_INIT_FUNCTIONS[rtype](config, torch.device("cpu"))
-        inv = inv.float()
-    if inv.numel() * 2 != head_dim:
-        raise NotImplementedError(f"partial rotary embeddings ({inv.numel() * 2} of {head_dim} dims) "
-                                  "are not implemented by the static engine")
-    return inv, float(scale)
-
-
-def model_inv_freq(model: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies (fp32 on the CPU) and cos/sin scale the model's own rotary module uses.
-
-    HF's rotary forward reads its `inv_freq` buffer (as `.float()`), not the config. Loaded with
-    `from_pretrained(dtype=...)` that buffer is fp32 and equals `inv_freq_for(config)`; but
-    `model.to(torch.bfloat16)` casts buffers too, and the model then rotates with bf16-rounded frequencies
-    (0.3% off; 1.4 logit std at the 64th position of a 360M model, a different first token on every row).
-    The engine must compute what the model computes, so it takes the buffer where there is one and the
-    config only to check the rope type (`inv_freq_for` refuses those whose frequencies change)."""
-    inv, scale = inv_freq_for(model.config, head_dim)
-    rot = getattr(model.model, "rotary_emb", None)
-    buf = getattr(rot, "inv_freq", None)
-    if isinstance(buf, torch.Tensor) and buf.shape == inv.shape and buf.device.type != "meta":
-        inv = buf.detach().float().cpu()
-        scale = float(getattr(rot, "attention_scaling", scale))
-    return inv, scale
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # HF: normalise in fp32, cast back, then scale. F.rms_norm computes in fp32 internally for 16-bit
-    # inputs and rounds once, the same values as HF's upcast/normalise/downcast, in one kernel (CUDA)
-    # instead of five plus two casts; the scale stays a separate multiply so it rounds where HF's does.
-    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -186,7 +98,7 @@ class StaticDecoder:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  projections: str = "auto", backend: str = "torch") -> None:
         model = _unwrap(model)
-        check_supported(model, max_seq_len)
+        check_supported(model)
         cls = backend_class(backend)
         cfg = model.config
         self.model = model
@@ -210,25 +122,30 @@ class StaticDecoder:
         self.act = layers[0].mlp.act_fn
         self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
         self.embed, self.final_norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
-        self.norms = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                       layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-                      for layer in layers]
+        self.arch = describe(model, self.head_dim)
+        self.norm = self.arch.norm   # the model's RMS norm (llama's, or Gemma's (1 + weight) form)
+        # per layer: (attention-input norm, eps, MLP-input norm, eps) and (q/k norms, post norms) or None each
+        self.norms = [(lay.ln1, lay.eps1, lay.ln2, lay.eps2) for lay in self.arch.layers]
+        self.extras = [(lay.qk, lay.post) for lay in self.arch.layers]
         self.proj, self.proj_note = make_projections(layers, projections)
         emb = self.embed.weight
         self.device, self.dtype = emb.device, emb.dtype
-        inv, scale = model_inv_freq(model, self.head_dim)
-        # Same elementwise fp32 ops as the HF rotary forward, for every position at once, then cast.
-        freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv[None, :]
-        emb_f = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb_f.cos() * scale).to(self.device, self.dtype)   # (max_seq_len, D)
-        sin = (emb_f.sin() * scale).to(self.device, self.dtype)
-        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2) exactly (negation is exact): the sign
-        # lives in the table, which saves a negation kernel per layer and step.
-        half = self.head_dim // 2
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.ropes = [self._rope_table(inv, scale) for inv, scale in self.arch.ropes]   # [(cos, sin)] per table
         self.cols = torch.arange(self.cache_len, device=self.device)       # (S,)
         self.cache: torch.Tensor | None = None
         self.backend = cls(self)
+
+    def _rope_table(self, inv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (max_seq_len, D) in the compute dtype: the same elementwise fp32 ops as the HF rotary
+        forward, for every position at once, then cast. rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2)
+        exactly (negation is exact): the sign lives in the sin table, which saves a negation kernel per
+        layer and step."""
+        freqs = torch.arange(self.max_seq_len, dtype=torch.float)[:, None] * inv[None, :]
+        emb_f = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb_f.cos() * scale).to(self.device, self.dtype)
+        sin = (emb_f.sin() * scale).to(self.device, self.dtype)
+        half = self.head_dim // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     # ---- memory and weights ---------------------------------------------------------------------
 
@@ -268,6 +185,14 @@ class StaticDecoder:
             p.refuse()
         return bool(stale)
 
+    def fused_norms_reason(self) -> str:
+        """Why layer kernels that fuse llama's RMS norms (triton-layers, cuda-c) cannot run this model's
+        layers, or "" (the plan reads the same fact from the config: `ModelSpec.sandwich_norms`)."""
+        if self.arch.sandwich:
+            return (f"its kernels fuse llama-style RMS norms, not {self.arch.name}'s (1 + weight) norms around "
+                    "attention and the MLP")
+        return ""
+
     # ---- pieces of a layer the backends share --------------------------------------------------------------------------------
 
     def rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -281,11 +206,20 @@ class StaticDecoder:
 
     def mlp_hidden(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
         """act(gate) * up of the normed rows: the down projection's input."""
-        gate, up = proj.gate_up(rms_norm(x, ln2, eps2))
+        gate, up = proj.gate_up(self.norm(x, ln2, eps2))
         return self.act(gate) * up
 
     def _mlp_in(self, x: torch.Tensor, proj, ln2, eps2) -> torch.Tensor:
         return proj.down(self.mlp_hidden(x, proj, ln2, eps2))
+
+    def qk_norm(self, qkv: torch.Tensor, qk) -> None:
+        """Qwen3 and Gemma 3: an RMS norm over each query and key head (q_norm, k_norm), in place in the q and
+        k columns of qkv (..., N), before the rotary embedding."""
+        qn, kn, eps = qk
+        q = qkv[..., :self.q_width].unflatten(-1, (self.n_heads, self.head_dim))
+        k = qkv[..., self.q_width:self.q_width + self.kv_width].unflatten(-1, (self.n_kv, self.head_dim))
+        q.copy_(self.norm(q, qn, eps))
+        k.copy_(self.norm(k, kn, eps))
 
     # ---- prefill and decode -----------------------------------------------------------------------
 
@@ -299,23 +233,31 @@ class StaticDecoder:
         H, KVH, D = self.n_heads, self.n_kv, self.head_dim
         cols = self.cols[:W]
         pos = (cols[None, :] - start[:, None]).clamp(min=0)                     # (B, W)
-        cos, sin = F.embedding(pos, self.cos)[:, :, None], F.embedding(pos, self.sin)[:, :, None]   # (B, W, 1, D)
+        tables = [(F.embedding(pos, c)[:, :, None], F.embedding(pos, s)[:, :, None]) for c, s in self.ropes]
         # Causal, and pad keys hidden; a pad query sees itself so its (unused) row stays finite.
-        allowed = (cols[None, :] <= cols[:, None])[None] & (
-            (cols[None, None, :] >= start[:, None, None]) | torch.eye(W, dtype=torch.bool, device=ids.device)[None])
-        allowed = allowed[:, None]                                               # (B, 1, W, W)
+        own = torch.eye(W, dtype=torch.bool, device=ids.device)[None]
+        allowed = (cols[None, :] <= cols[:, None])[None] & ((cols[None, None, :] >= start[:, None, None]) | own)
+        # a sliding-window layer's query at column q sees the keys of columns q - window + 1 .. q
+        masks = {None: allowed[:, None]}                                         # (B, 1, W, W)
+        for w in self.arch.windows:
+            masks[w] = (allowed & ((cols[:, None] - cols[None, :] < w)[None] | own))[:, None]
         x = self.embed(ids)
         for i, proj in enumerate(self.proj):
             ln1, eps1, ln2, eps2 = self.norms[i]
-            qkv = proj.qkv(rms_norm(x, ln1, eps1))                              # (B, W, N)
-            self.rotate(qkv, cos, sin)
+            (qk, post), lay = self.extras[i], self.arch.layers[i]
+            qkv = proj.qkv(self.norm(x, ln1, eps1))                              # (B, W, N)
+            if qk is not None:
+                self.qk_norm(qkv, qk)
+            self.rotate(qkv, *tables[lay.rope])
             q = qkv[..., :self.q_width].view(B, W, H, D).transpose(1, 2)         # (B, H, W, D)
             kvn = qkv[..., self.q_width:].view(B, W, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, W, D)
             self.cache[i, :, dst, :, :W] = kvn
             k, v = kvn[0], kvn[1]
-            o = sdpa(q, k, v, allowed, self.scaling, self.group > 1)
-            x = x + proj.o(o.transpose(1, 2).reshape(B, W, -1))
-            x = x + self._mlp_in(x, proj, ln2, eps2)
+            o = sdpa(q, k, v, masks[lay.window], self.scaling, self.group > 1)
+            a = proj.o(o.transpose(1, 2).reshape(B, W, -1))
+            x = x + (a if post is None else self.norm(a, post[0], post[2]))
+            m = self._mlp_in(x, proj, ln2, eps2)
+            x = x + (m if post is None else self.norm(m, post[1], post[2]))
         return self._logits(x[:, -1])
 
     def copy_rows(self, src: list[int], dst: list[int], width: int) -> None:
@@ -326,8 +268,13 @@ class StaticDecoder:
                 self.cache[:, :, b, :, :width] = self.cache[:, :, a, :, :width]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, self.final_norm.weight, self.final_norm.variance_epsilon)
-        return self.lm_head(x).float()   # tied models share the embedding Parameter itself
+        norm = self.final_norm
+        x = self.norm(x, norm.weight, getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        logits = self.lm_head(x)   # tied models share the embedding Parameter itself
+        cap = self.arch.final_softcap
+        if cap is not None:   # Gemma's final_logit_softcapping, in the compute dtype as HF computes it
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def decode(self, tok: torch.Tensor, col: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """One token per row. tok: (B,) inputs; col: (1,) cache column they go to (all rows share it);
@@ -335,9 +282,15 @@ class StaticDecoder:
         addresses: safe to capture in a CUDA graph and replay with tok/col/start updated in place."""
         B, be = tok.shape[0], self.backend
         pos = col - start                                                               # (B,)
-        cos, sin = F.embedding(pos, self.cos)[:, None], F.embedding(pos, self.sin)[:, None]   # (B, 1, D)
-        hide = be.mask(start, col)   # what the layers read to hide the columns a row does not see
+        tables = [(F.embedding(pos, c)[:, None], F.embedding(pos, s)[:, None]) for c, s in self.ropes]  # (B, 1, D)
+        # what the layers read to hide the columns a row does not see: one per attention span, from each row's
+        # first visible column (a sliding-window layer sees columns col - window + 1 .. col)
+        hide = {None: be.mask(start, col)}
+        for w in self.arch.windows:
+            hide[w] = be.mask(torch.maximum(start, col - (w - 1)), col)
         x, d = be.first(self.embed(tok))
         for i, proj in enumerate(self.proj):
-            x, d = be.layer(x, d, proj, *self.norms[i], self.cache[i, :, :B], cos, sin, hide, col)
+            lay = self.arch.layers[i]
+            x, d = be.layer(x, d, proj, *self.norms[i], self.cache[i, :, :B], *tables[lay.rope], hide[lay.window],
+                            col, *self.extras[i])
         return self._logits(be.last(x, d))

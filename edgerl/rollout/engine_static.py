@@ -27,6 +27,7 @@ import torch
 from edgerl.core.errors import TrainingError
 from .base import ActorWeights, EngineContext, OwnWeights, RolloutBatch, SamplingParams, cut_at_eos, inference_copy
 from .base import load_weights
+from .arch import UnsupportedModel
 from .decoder import DecodeKernelUnavailable, StaticDecoder
 from .sampling import sample
 
@@ -94,10 +95,13 @@ def _engine(plan, model: torch.nn.Module, max_seq_len: int, cuda: bool, **kw) ->
                                  note=plan.reasons.get("rollout_engine", ""), **kw)
     except DecodeKernelUnavailable as e:
         raise TrainingError(f"{e} (set plan.decode_backend=torch)") from None
+    except UnsupportedModel as e:   # the plan read the config; the loaded model says otherwise
+        raise TrainingError(f"the plan runs the rollout on edgerl's static-cache engine, and it cannot run this "
+                            f"model: {e} (set plan.rollout_engine=hf-generate)") from None
 
 
 class StaticCacheEngine:
-    """`RolloutEngine` over a llama-family HF model (see `decoder.SUPPORTED`), plain or peft-wrapped.
+    """`RolloutEngine` over an HF model the static decoder implements (`arch.SUPPORTED`), plain or peft-wrapped.
 
     model: the engine's inference copy (compute dtype, on its device; weights are read in place, so
     never replace its parameters, only copy into them: `sync_weights` does). max_batch: rows

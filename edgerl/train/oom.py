@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from edgerl.core.files import write_atomically
 from edgerl.plan.memory import fmt_bytes
-from edgerl.train.checkpoint import atomic_write_text
 
 OOM_FILE = "oom.json"
 
@@ -60,5 +60,5 @@ def oom_message(record: dict[str, Any], run_dir: Path) -> str:
 def write_oom(run_dir: Path, record: dict[str, Any], rank: int = 0) -> Path:
     """oom.json (oom.rankN.json for ranks other than 0), written atomically."""
     path = Path(run_dir) / (OOM_FILE if rank == 0 else f"oom.rank{rank}.json")
-    atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
+    write_atomically(path, json.dumps(record, indent=2, default=str) + "\n")
     return path

@@ -1,0 +1,95 @@
+"""Hugging Face Hub ids (`Qwen/Qwen3-1.7B`): their files from huggingface_hub's cache, downloaded into it
+when missing, with its token (HF_TOKEN or `hf auth login`) and its settings (HF_HOME, HF_HUB_CACHE,
+HF_HUB_OFFLINE, HF_ENDPOINT). Planning needs a model's config.json only; training needs its weights and
+tokenizer. Every failure is one line naming the id, the cache folder and HF_HUB_OFFLINE.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+from edgerl.core.errors import ModelError, ModelSpecError
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What training reads from a model repository: config, weights, tokenizer and chat template. Not the
+# other copies some repositories ship (original/ checkpoints, GGUF files, ONNX exports).
+TRAIN_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+SKIP_FILES = ["original/*", "*.gguf", "onnx/*", "*/onnx/*"]
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` reads as a Hub id (owner/name) rather than a local path."""
+    return bool(_REPO_ID.match(name)) and not name.startswith((".", "/", "~")) and not Path(name).expanduser().exists()
+
+
+def cache_folder() -> str:
+    from huggingface_hub import constants
+    return str(constants.HF_HUB_CACHE)
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _why(e: BaseException) -> str:
+    """A download failure as a clause, one line."""
+    from huggingface_hub import errors
+    if isinstance(e, errors.GatedRepoError):
+        return "the repository is gated: accept its terms on the Hub and log in (hf auth login, or HF_TOKEN)"
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return "the Hub has no such repository, or it is private (log in with hf auth login, or set HF_TOKEN)"
+    if isinstance(e, (errors.RevisionNotFoundError, errors.EntryNotFoundError)):
+        return f"the repository has no such file ({type(e).__name__})"
+    first = " ".join(str(e).split())[:200]
+    return f"it could not be downloaded ({type(e).__name__}: {first}); check the network, or set HF_HUB_OFFLINE=1 " \
+           "to use the cache alone"
+
+
+def _missing(repo_id: str, what: str, why: str) -> str:
+    return (f"model {repo_id!r}: {what} not in the Hugging Face cache ({cache_folder()}) and {why}; or pass a local "
+            "HF model folder")
+
+
+def _offline_why() -> str:
+    return "HF_HUB_OFFLINE=1 forbids downloading (run once with HF_HUB_OFFLINE unset, or hf download the model)"
+
+
+def config_file(repo_id: str) -> Path:
+    """The id's config.json: from the cache, else downloaded into it (never the weights). Raises
+    ModelSpecError in one line when neither works."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    found = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(found, str):
+        return Path(found)
+    if offline():
+        raise ModelSpecError(_missing(repo_id, "its config.json is", _offline_why()))
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except Exception as e:   # network, authentication, a missing repository: all one line
+        raise ModelSpecError(_missing(repo_id, "its config.json is", _why(e))) from None
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+
+
+@functools.lru_cache(maxsize=None)
+def snapshot(repo_id: str) -> Path:
+    """The folder of the id's config, weights and tokenizer in the cache, downloaded there first where
+    missing (offline: the cache alone). Raises ModelError in one line when the weights are not there."""
+    from huggingface_hub import snapshot_download
+    kwargs = dict(allow_patterns=TRAIN_FILES, ignore_patterns=SKIP_FILES)
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=offline(), **kwargs))
+        if not _has_weights(folder) and not offline():   # a repository with .bin weights only
+            folder = Path(snapshot_download(repo_id, allow_patterns=["pytorch_model*.bin"],
+                                            ignore_patterns=SKIP_FILES))
+    except Exception as e:
+        raise ModelError(_missing(repo_id, "its weights are", _offline_why() if offline() else _why(e))) from None
+    if not _has_weights(folder):
+        raise ModelError(_missing(repo_id, "its weights are", _offline_why() if offline() else
+                                  "the repository has no .safetensors or pytorch_model*.bin weights"))
+    return folder
