@@ -336,7 +336,8 @@ class Config:
         from edgerl.rewards.functions import BUILTIN_REWARDS   # the registry says which built-ins exist
         rw = self.reward
         if rw.function is not None:
-            if rw.functions != ["answer"]:
+            # the same function in both (a resumed run's saved config and the command line it started with) is one
+            if rw.functions not in (["answer"], [rw.function]):
                 raise ConfigError("reward.function and reward.functions are both set; list every function in "
                                   "reward.functions (reward.function is the same as reward.functions = [it])")
             rw.functions, rw.function = [rw.function], None

@@ -87,15 +87,16 @@ def check(point: Any, cfg: Config, plan: Any, n_prompts: int, world: int) -> Non
     folder = point.checkpoint
     meta = _meta(folder)
     new_run = "or train them in a new run from the model (--out NEW_FOLDER without --resume)"
-    for key, (old, new) in changes(meta.get("config"), cfg).items():
-        if key in REFUSED and (not key.startswith("lora.") or plan.lora is not None):
-            raise _refuse(point, f"{key} changed from {json.dumps(old)} to {json.dumps(new)}, but {REFUSED[key]}",
-                          f"resume with {key}={json.dumps(old)} (the run's value), {new_run}")
+    # the kind of weights first: a changed lora.rank means nothing to a checkpoint without an adapter
     lora = (folder / "adapter_model.safetensors").exists()
     if lora != (plan.lora is not None):
         had, has = ("a LoRA adapter", "trains every weight") if lora else ("full weights", "trains LoRA")
         raise _refuse(point, f"the checkpoint holds {had}, but this run {has}",
                       f"resume with the lora.enabled the run had ({str(lora).lower()}), {new_run}")
+    for key, (old, new) in changes(meta.get("config"), cfg).items():
+        if key in REFUSED and (not key.startswith("lora.") or plan.lora is not None):
+            raise _refuse(point, f"{key} changed from {json.dumps(old)} to {json.dumps(new)}, but {REFUSED[key]}",
+                          f"resume with {key}={json.dumps(old)} (the run's value), {new_run}")
     critic = (folder / "critic.safetensors").exists()
     if critic != bool(plan.task.critic):
         had = "a critic (algo.advantage=gae)" if critic else "no critic"
