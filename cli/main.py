@@ -120,7 +120,8 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="write to this file instead of stdout "
                                                  "(toml, json, verl); a folder gets run.toml, plan.json or verl.sh"),
               force: bool = typer.Option(False, "--force", help="replace an existing --out file")) -> None:
-    """The plan for a GPU (yours or one you may not have): each decision with its reason, and the memory."""
+    """The plan for a GPU (yours or one you may not have): each decision with its reason, and the memory.
+    Without --gpu, the config's run.profile names the GPU; without either, the plan is for this machine."""
     from edgerl.config.export import plan_toml, verl_overrides
     from edgerl.config.target import plan_for, resolve_target
     from .render import print_plan
@@ -145,7 +146,8 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         if value is not None:
             extra.append((f"{key}={value}", opt))
     cfg = load_config(config, extra)
-    target = resolve_target(gpu, gpu_spec)
+    # the GPU named here, else the config's run.profile (a recipe's card), else this machine's
+    target = resolve_target(gpu or (None if gpu_spec else cfg.run.profile), gpu_spec)
     p = plan_for(cfg, target, world_size=gpus * nodes)
     traffic = None
     if gpus * nodes > 1:
