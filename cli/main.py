@@ -154,7 +154,7 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         from edgerl.plan.traffic import plan_traffic
         traffic = plan_traffic(p, nodes, link_gbps or (1.0 if nodes > 1 else 126.0))
     if fmt == "text":
-        from edgerl.plan.length import longest_line
+        from edgerl.plan.plan import longest_line
         from edgerl.config.target import overrides_from_config
         print_plan(console, p)
         if traffic is not None:
@@ -166,7 +166,7 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         text = plan_toml(cfg, p, target.profile.name if target.simulated and target.profile else None)
     elif fmt == "json":
         from edgerl.config.target import overrides_from_config
-        from edgerl.plan.length import longest_response
+        from edgerl.plan.plan import longest_response
         longest, _ = longest_response(p.device, p.model, p.task, overrides_from_config(cfg, target.profile))
         doc = p.to_dict() | {"longest_response": longest}
         if traffic is not None:

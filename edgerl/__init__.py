@@ -7,7 +7,7 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
+from edgerl.core import VERSION as __version__
 
 
 def prepare(config: Any = None, **kwargs: Any) -> Any:

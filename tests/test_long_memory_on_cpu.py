@@ -329,7 +329,7 @@ def _p40():
 def test_the_longest_response_is_the_last_length_that_plans():
     """Binary search against a slow scan: every multiple of 64 up to the answer plans, the next does not."""
     from edgerl.core.errors import PlanError
-    from edgerl.plan.length import STEP, longest_response
+    from edgerl.plan.plan import STEP, longest_response
     from edgerl.plan.modelspec import CATALOGUE
     from edgerl.plan.plan import plan
     from edgerl.plan.task import Task

@@ -112,17 +112,17 @@ def test_no_layout_when_no_prompt_repeats():
 def test_a_packed_row_without_its_layout_is_an_error_not_a_wrong_answer():
     """A model whose layers do not hand the layout on to attention reaches the SDPA wrapper with the
     sentinel mask and no layout: that must raise, not attend over the packed row as one sequence."""
-    packing.install()
+    attention.install()
     q = torch.zeros(1, 2, 5, 4)
     with pytest.raises(RuntimeError, match="plan.share_prompts=false"):
         attention._sdpa(torch.nn.Module(), q, q, q, torch.ones(1, 1, 1, 1, dtype=torch.bool))
 
 
 def test_plain_calls_still_reach_transformers_sdpa():
-    packing.install()
+    attention.install()
     model = tiny_llama().to(torch.float64)
     ids, mask, *_ = _batch([0, 1], [7, 4])
     before = model(input_ids=ids, attention_mask=mask).logits
-    packing.install()   # idempotent
+    attention.install()   # idempotent
     again = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(before, again, rtol=0, atol=0)

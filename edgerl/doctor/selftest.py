@@ -66,9 +66,9 @@ def environment(plan: Plan, device: Any, emulation: str = "") -> dict[str, Any]:
     """The machine as a bug report needs it: GPU, driver, CUDA, torch and library versions, compute
     capability, ECC, memory; the profile emulated, if any. No paths, user or host names."""
     import torch
-    import edgerl
+    from edgerl.core import VERSION
     from edgerl.device.probe import probe
-    out: dict[str, Any] = {"edgerl": edgerl.__version__, "python": platform.python_version(),
+    out: dict[str, Any] = {"edgerl": VERSION, "python": platform.python_version(),
                            "os": f"{platform.system()} {platform.machine()}", "torch": torch.__version__,
                            "torch_cuda": torch.version.cuda}
     for lib in ("triton", "transformers", "peft", "bitsandbytes"):

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from edgerl.models.packing import packed_attention
+
 _ORIGINAL: dict = {}
 FALLBACK_CHUNK = 256   # query rows per chunk where the plan expected a fused kernel and none serves
 
@@ -128,7 +130,6 @@ def _sdpa(module, query, key, value, attention_mask, *args, edgerl_layout=None, 
           **kwargs):
     """transformers' attention-function signature: (B, L, H, D) output and no weights."""
     if edgerl_layout is not None:
-        from edgerl.models.packing import packed_attention
         dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
         return packed_attention(query, key, value, edgerl_layout, kwargs.get("scaling"), dropout), None
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-2:] == (1, 1) \

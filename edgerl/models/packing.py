@@ -112,9 +112,3 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Lay
     orr = _attend(qr, torch.cat([kp[g], kr], 2), torch.cat([vp[g], vr], 2), lay.allowed_resp, scale, dropout)
     out = torch.cat([op.transpose(0, 1).flatten(1, 2), orr.transpose(0, 1).flatten(1, 2)], 1)   # (H, T, D)
     return out.permute(1, 0, 2)[None].contiguous()
-
-
-def install() -> None:
-    """Register edgerl's attention wrapper (edgerl/models/attention.py), which attends packed rows."""
-    from edgerl.models.attention import install as install_attention
-    install_attention()

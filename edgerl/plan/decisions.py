@@ -20,7 +20,7 @@ from edgerl.plan.modelspec import ModelSpec
 from edgerl.plan.task import Task
 
 if TYPE_CHECKING:
-    from edgerl.plan.plan import Ctx
+    from edgerl.plan.ctx import Ctx
 
 
 def fact(fn: Callable[["Ctx"], Any]) -> Callable[["Ctx"], Any]:

@@ -18,7 +18,7 @@ from edgerl.plan.decisions import QUANT_BASES, DtypePolicy, compute, fact
 from edgerl.plan.modelspec import FAST_TYPES, STATIC_ROPE, ModelSpec
 
 if TYPE_CHECKING:
-    from edgerl.plan.plan import Ctx
+    from edgerl.plan.ctx import Ctx
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from edgerl.core.errors import PlanError
 from edgerl.device.device import GiB, Device
 from edgerl.plan import table
+from edgerl.plan.ctx import Ctx, NoFit
 from edgerl.plan.decisions import quant_support
 from edgerl.plan.memory import DEFAULT_CALIBRATION, Calibration, MemoryEstimate, fmt_bytes
 from edgerl.plan.modelspec import ModelSpec
@@ -68,40 +69,6 @@ def _device_dict(d: Device) -> dict[str, Any]:
     return out
 
 
-class Ctx:
-    """One plan being made: the inputs, the overrides, the decisions made so far (`c["name"]`, made on
-    first use by the table's step, so a step may read any decision it depends on) and the facts the
-    steps share (`steps.fact`)."""
-
-    def __init__(self, device: Device, model: ModelSpec, task: Task, overrides: dict[str, Any],
-                 calibration: Calibration, explain: bool) -> None:
-        self.device, self.model, self.task, self.o = device, model, task, overrides
-        self.calibration, self.explain = calibration, explain
-        self.rows = table.rows()
-        self.values: dict[str, Any] = {}
-        self.reasons: dict[str, str] = {}
-        self.facts: dict[str, Any] = {}
-        self._making: list[str] = []
-
-    def forced(self, name: str) -> Any:
-        """What the user forced for decision `name` (its [plan] key), or None."""
-        row = self.rows.get(name)
-        return self.o.get(row.config_key if row else name)
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self.values:
-            if name in self._making:
-                raise RuntimeError(f"the plan's steps depend on each other in a circle: {' -> '.join(self._making)} "
-                                   f"-> {name}")
-            self._making.append(name)
-            try:
-                value, reason = self.rows[name].step(self)
-            finally:
-                self._making.pop()
-            self.values[name], self.reasons[name] = value, reason
-        return self.values[name]
-
-
 def plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]] = None,
          calibration: Calibration = DEFAULT_CALIBRATION) -> Plan:
     """The plan for `task` on `device`. `overrides` holds [plan] keys (None = decide) plus
@@ -112,15 +79,20 @@ def plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[
 def _plan(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]],
           calibration: Calibration, explain: bool) -> Plan:
     o = {k: v for k, v in (overrides or {}).items() if v is not None}
-    c = Ctx(device, model, task, o, calibration, explain)
+    c = Ctx(device, model, task, o, calibration, explain, table.rows())
     known = {r.config_key for r in c.rows.values()}
     for key in sorted(set(o) - known):
         if key in table.RETIRED:
             raise PlanError(f"plan.{key} no longer exists; {table.RETIRED[key]}")
         raise PlanError(f"unknown plan override {key} (known: {', '.join(sorted(known))})")
     _check_world(task, o)
-    for name in c.rows:
-        c[name]
+    try:
+        for name in c.rows:
+            c[name]
+    except NoFit as e:
+        if not explain:
+            raise
+        raise PlanError(no_fit_message(c, e.limit, e.attempts)) from None
     values = {name: c.values[name] for name in c.rows}
     return Plan(device=device, model=model, task=task, memory=memory(c), values=values,
                 reasons={name: c.reasons[name] for name in c.rows})
@@ -160,7 +132,6 @@ def no_fit_message(c: Ctx, budget: int, attempts: list) -> str:
 
     fields = {"rollout.max_new_tokens": "response_len", "rollout.n_samples": "samples_per_prompt",
               "train.prompts_per_step": "prompts_per_step"}
-    from edgerl.plan.length import longest_response
     longest, _ = longest_response(device, model, task, o, cal)
     if 0 < longest < task.response_len:
         lines.append(f"  - the longest response that fits this task here: {longest} tokens "
@@ -205,3 +176,54 @@ def fits_on(device: Device, model: ModelSpec, task: Task, o: dict[str, Any], cal
         return True
     except PlanError:
         return False
+
+
+# The longest response a task can generate and train on here: memory grows with the response length in
+# every phase (KV cache, activations, log-prob pass), so whether a plan exists is monotone in it, and a
+# binary search over multiples of STEP finds the longest length that fits. `recommend` prints it; a plan
+# that does not fit names it.
+
+STEP = 64   # lengths are searched in multiples of this many tokens
+
+
+def longest_response(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]] = None,
+                     cal: Calibration = DEFAULT_CALIBRATION) -> tuple[int, int]:
+    """(the longest response length, a multiple of STEP, for which the plan finds a setting that fits this
+    task here, 0 when not even STEP tokens fit; the model's context limit on the response, which caps it)."""
+    o = {k: v for k, v in (overrides or {}).items() if v is not None}
+    context = max(STEP, model.max_position - task.prompt_len)
+    lo, hi = 0, context // STEP        # lo fits (0: nothing tried yet), hi + 1 is past the context
+
+    def fits(k: int) -> bool:
+        return fits_on(device, model, replace(task, response_len=k * STEP), o, cal)
+
+    if not fits(1):
+        return 0, context
+    lo = 1
+    if fits(hi):
+        return hi * STEP, context
+    while hi - lo > 1:                 # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * STEP, context
+
+
+def longest_line(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]] = None,
+                 cal: Calibration = DEFAULT_CALIBRATION) -> str:
+    """One line for `recommend`: the longest response that fits, with what caps it."""
+    n, context = longest_response(device, model, task, overrides, cal)
+    if n == 0:
+        return f"longest response that fits: none (not even {STEP} tokens after a {task.prompt_len}-token prompt)"
+    if n >= context - context % STEP:
+        return (f"longest response that fits: {n} tokens (the model's context of {model.max_position} tokens, less the "
+                f"{task.prompt_len}-token prompt, ends it before memory does)")
+    p = plan(device, model, replace(task, response_len=n), overrides, cal)
+    how = ("full fine-tuning" if not p.lora else f"LoRA on a {p.base_dtype} base") + (
+        f", micro-batch {p.micro_batch}, rollout batch {p.rollout_batch}"
+        + (", checkpointing" if p.grad_checkpointing else "")
+        + (" with the layer inputs in host memory" if p.activation_offload else ""))
+    return (f"longest response that fits: {n} tokens (after a {task.prompt_len}-token prompt, "
+            f"{task.effective_batch().split(';')[0]}; at that length the plan trains with {how})")

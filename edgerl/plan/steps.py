@@ -25,11 +25,12 @@ from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, activa
 from edgerl.plan.engines import engine_choice, rollout_share_reason
 from edgerl.plan.dtypes import nbytes
 from edgerl.plan.memory import OPTIMIZERS, MemoryEstimate, Setting, estimate, fmt_bytes
+from edgerl.plan.ctx import NoFit
 from edgerl.plan.moves import STAGE_COST, STAGES, stages_for
 from edgerl.plan.search import Candidate, Found, micro_cost, search, trained_and_base
 
 if TYPE_CHECKING:
-    from edgerl.plan.plan import Ctx
+    from edgerl.plan.ctx import Ctx
 
 Step = Callable[["Ctx"], tuple[Any, str]]
 
@@ -157,10 +158,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
         attempts.append((cand, found, tried))
         if found:
             return cand, found, attempts
-    if not c.explain:
-        raise PlanError("does not fit")
-    from edgerl.plan.plan import no_fit_message
-    raise PlanError(no_fit_message(c, limit, attempts))
+    raise NoFit(limit, attempts)   # plan() says what would fit
 
 
 def setting(c: "Ctx") -> Setting:

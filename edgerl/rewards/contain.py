@@ -264,8 +264,7 @@ class UserFunction:
     def _start(self) -> None:
         to_r, to_w = os.pipe()
         from_r, from_w = os.pipe()
-        import edgerl
-        root = str(Path(edgerl.__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])   # the folder holding the edgerl package
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         try:
             # stdin is not the user's: a function that reads it gets EOF, not the trainer's input
