@@ -289,11 +289,11 @@ def _edgerl_imports(module: str) -> set[str]:
 def test_data_modules_import_in_one_direction():
     """data.files reads files and knows no task; data.builtin builds on it; data.prompts on both. No cycle,
     and no lazy import inside a function that hides one."""
-    assert _edgerl_imports("data.files") == {"core.errors"}
+    assert _edgerl_imports("data.files") == {"core.errors", "core.files"}
     assert _edgerl_imports("core.files") == {"core.errors"}
     assert _edgerl_imports("data.builtin") == {"data.files", "core.errors", "core.files"}
     assert _edgerl_imports("data.sampler") == {"core.errors"}
-    assert _edgerl_imports("rewards.rules") == {"core.errors"}
+    assert _edgerl_imports("rewards.rules") == {"core.errors", "rewards.contain"}
     assert "data.prompts" not in (_edgerl_imports("data.builtin") | _edgerl_imports("data.files")
                                   | _edgerl_imports("rewards.rules"))
 

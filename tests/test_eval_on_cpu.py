@@ -151,11 +151,11 @@ def test_edgerl_eval_a_run_and_a_model(evaluated_run, tiny_llama, tmp_path):
 @pytest.mark.parametrize("sets, message", [
     (['eval.data="nope/missing.jsonl"'], "eval.data: data file nope/missing.jsonl does not exist"),
     (["eval.every=2"], "eval.every is set but eval.data is not"),
-    (['eval.data="builtin:arithmetic"', "eval.samples=-1"], "eval.samples must be at least 0"),
-    (['eval.data="builtin:arithmetic"', "eval.max_prompts=0"], "eval.max_prompts must be at least 1"),
+    (['eval.data="builtin:arithmetic"', "eval.samples=-1"], "eval.samples must be 0 to 1024, got -1"),
+    (['eval.data="builtin:arithmetic"', "eval.max_prompts=0"], "eval.max_prompts must be 1 to 1000000, got 0"),
     (['eval.data="builtin:nope"'], "unknown built-in task"),
     (['eval.data="builtin:arithmetic"', 'eval.every="often"'], "expected int"),
-    (["run.log_samples=-1"], "run.log_samples must be at least 0"),
+    (["run.log_samples=-1"], "run.log_samples must be 0 to 1000000, got -1"),
 ])
 def test_hostile_eval_settings_are_one_line_exit_2_and_write_nothing(tiny_llama, tmp_path, sets, message):
     out = tmp_path / "run"

@@ -86,8 +86,10 @@ def test_skipping_uniform_groups_trains_the_same_weights(tiny_llama, tmp_path, m
     assert sum(r["batch/skipped_sequences"] for r in m1) > 0 and "batch/skipped_sequences" not in m0[0]
     assert [r["batch/uniform_groups"] for r in m1] == [r["batch/uniform_groups"] for r in m0]
     assert [r["reward/mean"] for r in m1] == [r["reward/mean"] for r in m0]
+    # the kept rows' micro-batches are trimmed and summed in another order: fp32 rounding, which Adam can magnify
+    # on an element whose gradient is near zero (one of 3M moved 1.5e-6 of a 1e-3 step)
     for k in w0:
-        torch.testing.assert_close(w1[k], w0[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(w1[k], w0[k], rtol=1e-5, atol=1e-5, msg=k)
     assert any(not torch.equal(w0[k], v) for k, v in _weights(
         prepare_trainer(tiny_llama, tmp_path / "fresh", [*sets, "train.steps=0"])).items())   # training moved them
 
@@ -131,9 +133,9 @@ def test_soft_penalty_is_logged_and_added(tiny_llama, tmp_path):
 @pytest.mark.parametrize("sets, message", [
     (["algo.dynamic_sampling=true", "algo.advantage=gae"], "algo.dynamic_sampling keeps groups"),
     (['algo.overlong="clip"'], "'clip' is not one of 'none', 'mask', 'soft_penalty'"),
-    (["algo.overlong_buffer=0"], "algo.overlong_buffer must be at least 1"),
+    (["algo.overlong_buffer=0"], "algo.overlong_buffer must be 1 to 1048576, got 0"),
     (["algo.overlong_buffer=2000"], "algo.overlong_buffer=2000 is longer than rollout.max_new_tokens=1024"),
-    (["algo.max_extra_draws=-1"], "algo.max_extra_draws must be at least 0"),
+    (["algo.max_extra_draws=-1"], "algo.max_extra_draws must be 0 to 1000, got -1"),
     (["algo.skip_uniform_groups=1"], "expected bool"),
 ])
 def test_bad_group_settings(sets, message):

@@ -58,7 +58,7 @@ PATH_OPTIONS = [
     (["train", "--resume"], "--resume", ""),
     (["train", "--model"], "model.path", ""),
     (["train", "--data"], "data.path", ""),
-    (["train", "--reward"], "reward.function", ":fn"),
+    (["train", "--reward"], "reward.functions", ":fn"),
     (["train", "--set", "model.tokenizer="], "model.tokenizer", ""),
     (["train", "--set", "run.out_dir="], "run.out_dir", ""),
     (["plot"], "RUN_DIR", ""),

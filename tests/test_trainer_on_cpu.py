@@ -92,13 +92,15 @@ def test_resume_continues_exactly(tiny_llama, tmp_path):
 
 def test_nan_loss_skips_updates_then_aborts(tiny_llama, tmp_path, monkeypatch):
     import edgerl.train.trainer as tr
-    real = tr.algos.policy_loss
+    real = tr.algos.compute_policy_loss
 
     def nan_loss(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         return loss * float("nan"), stats
-    monkeypatch.setattr(tr.algos, "policy_loss", nan_loss)
-    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=5", "train.max_bad_steps=2")
+    monkeypatch.setattr(tr.algos, "compute_policy_loss", nan_loss)
+    # every row computed: a random model's rewards are all equal, and skipped rows would compute no loss
+    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=5", "train.max_bad_steps=2",
+                     "algo.skip_uniform_groups=false")
     before = {k: v.detach().clone() for k, v in t.actor.state_dict().items()}
     with pytest.raises(TrainingError, match="NaN or infinite in 2 steps in a row"):
         t.run()

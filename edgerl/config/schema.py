@@ -280,6 +280,9 @@ class Config:
             value = getattr(getattr(self, section), name)
             if value is not None:   # reward.function is 'path/to/file.py:fn'
                 check_path(value.rsplit(":", 1)[0] if key == "reward.function" and ":" in value else value, key)
+        for spec in self.reward.functions or []:   # a user function's file: 'path/to/file.py:fn'
+            if isinstance(spec, str) and ":" in spec:
+                check_path(spec.rsplit(":", 1)[0], "reward.functions")
         if a.advantage not in ESTIMATORS:
             names = list(ESTIMATORS)
             close = difflib.get_close_matches(a.advantage, names, n=1)
@@ -452,7 +455,7 @@ def _check_ranges(cfg: "Config") -> None:
             if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
                 raise ConfigError(f"{section.name}.{f.name} must hold finite numbers, got {value}")
             texts = value if isinstance(value, list) else [value]
-            if f"{section.name}.{f.name}" not in PATH_KEYS and any(isinstance(v, str) and any("\ud800" <= c <= "\udfff" for c in v) for v in texts):
+            if f"{section.name}.{f.name}" not in PATH_KEYS + ("reward.functions",) and any(isinstance(v, str) and any("\ud800" <= c <= "\udfff" for c in v) for v in texts):
                 raise ConfigError(f"{section.name}.{f.name} holds bytes that are not UTF-8 text ({shown(str(value))}); "
                                   "give it as UTF-8")
     ranges = dict(RANGES)
