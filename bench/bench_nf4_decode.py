@@ -13,7 +13,7 @@ P40 plan runs). It reports, per layer of one decode step of `--rows` rows:
   (`edgerl.models.quant_decode`), its agreement with bitsandbytes, and both timed inside CUDA graphs over
   `--row-sweep` rows on four projections;
 - with `--cuda-layer` (default on, fp32): the fused-kernel step again with decode attention 'cuda' (the
-  fp32 layer kernels of `kernels/decode_cuda.py`) against 'bmm', its greedy tokens against bmm's.
+  fp32 layer kernels of `gpu_kernels/decode_cuda.py`) against 'bmm', its greedy tokens against bmm's.
 
     python bench/bench_nf4_decode.py [--shape qwen7b] [--layers 4] [--rows 16] [--compute fp32] [--out F]
 
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
         fused["row_sweep"] = row_sweep(model, args, compute)
         result["fused_kernel"] = fused
         del fengine
-        if args.compute == "fp32" and args.cuda_layer == "on":   # the fp32 layer kernels of kernels/decode_cuda.py
+        if args.compute == "fp32" and args.cuda_layer == "on":   # the fp32 layer kernels of gpu_kernels/decode_cuda.py
             layer = engine_step(model, args, ids, params, "cuda-c")
             lengine, ltokens = layer.pop("engine"), layer.pop("tokens")
             layer["greedy_tokens_equal_share_vs_bmm"] = equal_share(ftokens, ltokens)

@@ -11,7 +11,7 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
                               (baddbmm/softmax/bmm in fp32, SDPA in 16 bits)
     graph_triton_attention    decode backend triton-attention: edgerl's rotary decode-attention kernel (only
                               the columns each row sees) between torch's projections (16 bits, CC >= 8.0)
-    graph_triton_layers       decode backend triton-layers: that kernel between kernels/decode_linear.py's
+    graph_triton_layers       decode backend triton-layers: that kernel between gpu_kernels/decode_linear.py's
                               projections (the norms, SiLU * up and residual adds inside them), the plan's
                               choice in 16 bits
     graph_cuda_c              decode backend cuda-c: the CUDA C layer kernels (fp32, the plan's choice there)
@@ -323,7 +323,7 @@ def check(args, rec, model, ids, toks, outputs, key, dt) -> None:
 
 def table(results, note: str) -> str:
     lines = [note, "", "| model | dtype | variant | ms/step | decode tok/s | of bound | of datasheet bound "
-             "| kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync "
+             "| gpu_kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync "
              "| checks |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:

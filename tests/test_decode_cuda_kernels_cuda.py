@@ -1,4 +1,4 @@
-"""The fp32 decode-layer kernels (kernels/decode_cuda.py, NVRTC) against float64 references, and the static
+"""The fp32 decode-layer kernels (gpu_kernels/decode_cuda.py, NVRTC) against float64 references, and the static
 engine through them against HF and against its own baddbmm path, on a CUDA GPU."""
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def logprobs(w: Widths, device: torch.device) -> list[Part]:
 # ---- the fp32 decode-layer kernels (CUDA C) -----------------------------------------------------------
 
 def decode_cuda(w: Widths, device: torch.device) -> list[Part]:
-    """`kernels/decode_cuda.py`'s three kernels against their float64 references (tolerances of
+    """`gpu_kernels/decode_cuda.py`'s three kernels against their float64 references (tolerances of
     tests/test_decode_cuda_kernels_cuda.py); the cache column rope_attend writes must equal the
     reference's bit for bit (the engine's eager rotation rounds the same way)."""
     from edgerl.kernels import decode_cuda as k

@@ -106,7 +106,7 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
 
 
 def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> Optional[Check]:
-    """Whether NVRTC compiles the fp32 decode-layer kernels (kernels/decode_cuda.py) this plan's rollout uses."""
+    """Whether NVRTC compiles the fp32 decode-layer kernels (gpu_kernels/decode_cuda.py) this plan's rollout uses."""
     if plan is None or plan.decode_backend != "cuda-c" or not dev.is_cuda or simulated:
         return None
     from edgerl.kernels.decode_cuda import SOURCE, kernel_names

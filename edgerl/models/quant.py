@@ -62,8 +62,8 @@ INT8_THRESHOLD = 6.0  # LLM.int8's outlier threshold on activations (the paper's
 
 class _DropKernelsNotice(logging.Filter):
     # bitsandbytes' CPU backend tries an optional AVX512-bf16 kernel from the `kernels` package at
-    # import and logs a warning when it is absent (or when the repository's own `kernels/` folder
-    # shadows it). That kernel only serves the bf16 inference path disabled below, so it is noise.
+    # import and logs a warning when it is absent. That kernel only serves the bf16 inference path
+    # disabled below, so it is noise.
     def filter(self, record: logging.LogRecord) -> bool:
         return "kernels-community" not in record.getMessage()
 
