@@ -23,12 +23,12 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from edgerl.core.errors import RewardError
 from edgerl.rewards.builtins import BUILTIN_REWARDS, RewardRow
 from edgerl.rewards.contain import MAX_ABS_REWARD
+from edgerl.rewards.rules import load_reward_function
 
 VERL_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict with a 'score' key"
 TRL_SIGNATURE = "fn(prompts, completions, **kwargs) -> list[float]"
@@ -79,15 +79,8 @@ def call_reward(fn: Callable[..., Any], name: str, where: Callable[[], str], **k
 
 def _contained(spec: str, option: str, timeout_s: Optional[float], answer_arg: Optional[str]) -> Any:
     """`path/to/file.py:function` imported in a process of its own, its signature read there."""
-    from edgerl.rewards.contain import UserFunction
-    path_s, sep, name = spec.rpartition(":")
-    if not sep or not path_s or not name or "/" in name or "\\" in name:
-        raise RewardError(f"{option} {spec!r}: expected path/to/file.py:function_name")
-    path = Path(path_s).expanduser()
-    if not path.is_file():
-        raise RewardError(f"{option} {spec!r}: no such file {path.resolve()}")
     try:
-        return UserFunction(spec, path.resolve(), name, timeout_s, "detect", (f"{option} {spec!r}", answer_arg))
+        return load_reward_function(spec, timeout_s, "detect", (f"{option} {spec!r}", answer_arg), option)
     except RewardError as e:   # its messages name --reward; here the key is reward.functions[i]
         raise RewardError(str(e).replace(f"--reward {spec!r}", f"{option} {spec!r}")) from None
 

@@ -274,18 +274,18 @@ def check_sources(data_sources: Iterable[str]) -> None:
             raise _unknown_source(source)
 
 
-def load_reward_function(spec: str, timeout_s: Optional[float] = None, call_with: Optional[dict[str, Any]] = None,
-                         signature: str = SIGNATURE) -> UserFunction:
+def load_reward_function(spec: str, timeout_s: Optional[float] = None, call_with: Any = None,
+                         signature: Any = SIGNATURE, option: str = "--reward") -> UserFunction:
     """Load `path/to/file.py:fn` (the `--reward` option) into a process of its own, where every call
     runs contained (edgerl.rewards.contain: an exit, a hang past `timeout_s` seconds, a crash is one
     RewardError); check that fn accepts the keyword arguments `call_with` (None: verl's, with
     placeholder values), else a RewardError quoting `signature`."""
     path_s, sep, name = spec.rpartition(":")
     if not sep or not path_s or not name or "/" in name or "\\" in name:
-        raise RewardError(f"--reward {spec!r}: expected path/to/file.py:function_name")
+        raise RewardError(f"{option} {spec!r}: expected path/to/file.py:function_name")
     path = Path(path_s).expanduser()
     if not path.is_file():
-        raise RewardError(f"--reward {spec!r}: no such file {path.resolve()}")
+        raise RewardError(f"{option} {spec!r}: no such file {path.resolve()}")
     return UserFunction(spec, path.resolve(), name, timeout_s, call_with, signature)
 
 
