@@ -9,8 +9,11 @@ plan), and the plan's estimate beside the measured peak of every phase.
 
 --parallel runs the rows at once, each in its own process under its own cap (the H200 holds six capped runs):
 memory figures are each process's own, but the GPU's time is shared, so s/step is not one run's speed.
-Measured device peak = the allocator's peak reserved bytes over the step's phases + the CUDA context (the
-plan's constant, measured on this H200; NVML's figure for the process is recorded where it can see it).
+Measured = the allocator's peak allocated bytes over the step's phases (each phase's peak is read and
+reset at its end, and written to a file as it goes, so a row stopped by its time limit keeps the phases it
+finished) + the CUDA context (what NVML saw outside the allocator for this process, else the plan's
+constant). Reserved = the allocator's peak reserved bytes, its cache included: with expandable segments the
+cache is handed back when an allocation needs it under the cap, so it is reported, not compared.
 Error = estimate / measured - 1: never below 0 (the plan must be an upper bound), at most +15%.
 """
 
@@ -51,15 +54,17 @@ def command(name: str, steps: int) -> str:
 
 def summary(name: str, res: dict, steps: int) -> dict:
     from edgerl.plan.memory import DEFAULT_CALIBRATION
-    ctx = DEFAULT_CALIBRATION.cuda_context / bl.GiB
+    ctx = res.get("outside_allocator_gib") or DEFAULT_CALIBRATION.cuda_context / bl.GiB
     reserved = res.get("peak_reserved_gib")
-    measured = reserved + ctx if reserved is not None else None
+    allocated = res.get("peak_allocated_gib")
+    measured = allocated + ctx if allocated is not None else None
     est = res.get("estimate_gib")
     plan = res.get("plan") or {}
     return {"row": name, "status": res.get("status"), "steps": f"{res.get('steps_done', 0)}/{steps}",
             "median_step_s": res.get("median_step_s"), "step_s": res.get("step_s"),
             "tokens_per_s": res.get("tokens_per_s"), "peak_reserved_gib": reserved,
-            "peak_allocated_gib": res.get("peak_allocated_gib"), "measured_gib": measured,
+            "peak_allocated_gib": allocated, "measured_gib": measured, "context_gib": ctx,
+            "reserved_gib": reserved + ctx if reserved is not None else None,
             "process_used_gib": res.get("process_used_end_gib"), "estimate_gib": est,
             "estimate_peak_phase": res.get("estimate_peak_phase"),
             "estimate_phases_gib": res.get("estimate_phases_gib"), "phase_alloc_gib": res.get("phase_alloc_gib"),
@@ -188,10 +193,11 @@ def main() -> None:
         for name in rows:
             run(name)
     table = [[r["row"], str(r["status"])[:30], r["steps"], bl.fmt(r["median_step_s"]), bl.fmt(r["tokens_per_s"], "{:.0f}"),
-              bl.fmt(r["measured_gib"]), bl.fmt(r["estimate_gib"]), str(r["estimate_peak_phase"]),
-              bl.fmt(r["error"], "{:+.1%}")] for r in (results.runs[k] for k in rows if k in results.runs)]
-    text = bl.table(["row", "status", "steps", "s/step", "tok/s", "measured GiB", "estimate GiB", "est. peak",
-                     "error"], table)
+              bl.fmt(r["measured_gib"]), bl.fmt(r["reserved_gib"]), bl.fmt(r["estimate_gib"]),
+              str(r["estimate_peak_phase"]), bl.fmt(r["error"], "{:+.1%}")]
+             for r in (results.runs[k] for k in rows if k in results.runs)]
+    text = bl.table(["row", "status", "steps", "s/step", "tok/s", "measured GiB", "reserved GiB", "estimate GiB",
+                     "est. peak", "error"], table)
     results.data["table"] = text
     results.save()
     print(text)

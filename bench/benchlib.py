@@ -180,6 +180,50 @@ def build_model(shape: str, tokenizer: str, out: Path, dtype: str = "bf16", seed
     return out
 
 
+def build_model_from_config(hf_config: Any, tokenizer: str, out: Path, dtype: str = "bf16", seed: int = 0) -> Path:
+    """A random-weight folder of any transformers causal LM from its config (real widths and vocabulary):
+    the names and shapes of the model transformers builds on the meta device, normal(0, 0.02) matrices,
+    unit norm weights, zero biases, drawn on the GPU when there is one, written in `dtype` tensor by tensor.
+    The tokenizer may hold fewer tokens than the vocabulary (ids past it decode to nothing)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    st_dtype, torch_name = DTYPES[dtype]
+    tdtype = getattr(torch, torch_name)
+    elt = torch.tensor([], dtype=tdtype).element_size()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    hf_config.bos_token_id, hf_config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    hf_config.pad_token_id = tok.pad_token_id
+    hf_config.dtype = tdtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    hf_config.architectures = [type(model).__name__]
+    items = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    if hf_config.tie_word_embeddings:
+        items = [(k, shp) for k, shp in items if k != "lm_head.weight"]
+    hf_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elt]
+
+    def make(name: str, shp: tuple[int, ...]) -> Any:
+        if len(shp) == 1:
+            t = (torch.zeros if name.endswith("bias") else torch.ones)(shp, dtype=tdtype)
+        else:
+            t = torch.empty(shp, device=device, dtype=torch.float32).normal_(0.0, STD, generator=gen).to(tdtype).cpu()
+        return t.contiguous().view(view).numpy()
+    _write_safetensors(tmp / "model.safetensors", items, st_dtype, elt, make)
+    total = sum(elt * int(torch.Size(shp).numel()) for _, shp in items)
+    (tmp / "bench-model.json").write_text(json.dumps({"format": FORMAT, "shape": hf_config.model_type,
+                                                      "dtype": dtype, "seed": seed, "bytes": total}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 def check_model_folder(folder: Path, shape: str, vocab: int) -> None:
     """The written names and shapes are exactly those transformers builds for this config (the model is
     built on the meta device: no memory, no time)."""
@@ -505,6 +549,9 @@ class _PhasePeaks:
         row[f"{name}_alloc"] = max(row.get(f"{name}_alloc", 0.0), alloc)
         row[f"{name}_reserved"] = max(row.get(f"{name}_reserved", 0.0), res)
         torch.cuda.reset_peak_memory_stats(self.device)
+        if getattr(self, "phase_file", None):   # kept when the run is stopped (timeout) before its result is
+            from edgerl.core.files import write_atomically
+            write_atomically(self.phase_file, json.dumps(self.phase_peaks))
 
     def rollout(self, *args, **kwargs):
         self._mark("other")
@@ -554,7 +601,8 @@ def edgerl_child(spec_path: str) -> None:
         from edgerl.train import session
         from edgerl.train.trainer import Trainer
         resume = Path(spec["resume"]) if spec.get("resume") else None
-        cfg, point = session.load(None, spec["sets"], resume, Path(spec["run_dir"]))
+        config = Path(spec["config"]) if spec.get("config") else None   # a TOML (bench_recipes), --set on top
+        cfg, point = session.load(config, spec["sets"], resume, Path(spec["run_dir"]))
         logs: list[str] = []
         s = session.prepare(cfg, point, log=logs.append)
         res["emulation"] = s.emulation
@@ -567,6 +615,7 @@ def edgerl_child(spec_path: str) -> None:
         cls = type("PhasePeaksTrainer", (_PhasePeaks, Trainer), {}) if spec.get("phase_peaks") else Trainer
         t = cls(s)
         t.phase_peaks = []
+        t.phase_file = Path(f"{out}.phases.json")
         res["engine"] = t.engine.describe()
         res["setup_s"] = time.time() - start
         rows: list[dict[str, Any]] = []
@@ -615,6 +664,7 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
     spec_path = work / f"{name}.spec.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     Path(spec["out"]).unlink(missing_ok=True)
+    Path(f"{spec['out']}.phases.json").unlink(missing_ok=True)
     spec_path.write_text(json.dumps(spec))
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -627,6 +677,9 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
     folder = read_run_folder(Path(spec["run_dir"]))
     if not res:
         res = {"status": failure_status(tail, status if status != "ok" else "crashed"), "error": tail[-1500:]}
+        phases = Path(f"{spec['out']}.phases.json")
+        if spec.get("phase_peaks") and phases.exists():   # the phases the run finished before it was stopped
+            res["phase_peaks"] = json.loads(phases.read_text())
     if not res.get("rows"):
         res["rows"] = folder["rows"]     # steps done before a timeout or crash
     if res["status"] != "ok" and res["rows"]:
