@@ -11,8 +11,8 @@ plan), and the plan's estimate beside the measured peak of every phase.
 memory figures are each process's own, but the GPU's time is shared, so s/step is not one run's speed.
 Measured = the allocator's peak allocated bytes over the step's phases (each phase's peak is read and
 reset at its end, and written to a file as it goes, so a row stopped by its time limit keeps the phases it
-finished) + the CUDA context (what NVML saw outside the allocator for this process, else the plan's
-constant). Reserved = the allocator's peak reserved bytes, its cache included: with expandable segments the
+finished) + the process's memory outside the allocator (NVML's figure for the process less its reserved
+bytes, else the plan's constant). Reserved = the allocator's peak reserved bytes, its cache included: with expandable segments the
 cache is handed back when an allocation needs it under the cap, so it is reported, not compared.
 Error = estimate / measured - 1: never below 0 (the plan must be an upper bound), at most +15%.
 """
@@ -54,7 +54,7 @@ def command(name: str, steps: int) -> str:
 
 def summary(name: str, res: dict, steps: int) -> dict:
     from edgerl.plan.memory import DEFAULT_CALIBRATION
-    ctx = res.get("outside_allocator_gib") or DEFAULT_CALIBRATION.cuda_context / bl.GiB
+    ctx = bl.own_context_gib(res)[0] or DEFAULT_CALIBRATION.cuda_context / bl.GiB
     reserved = res.get("peak_reserved_gib")
     allocated = res.get("peak_allocated_gib")
     measured = allocated + ctx if allocated is not None else None

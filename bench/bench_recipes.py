@@ -3,13 +3,15 @@ algorithm, LoRA and base storage, batch shape, lengths, profile) with a random-w
 model's widths and vocabulary (from edgerl's catalogue), GSM8K's training prompts, and these changes:
 3 steps; EOS ignored (every response runs to rollout.max_new_tokens: the length the plan is sized for); a
 reward that varies between samples (random weights never answer a GSM8K problem, and groups that all score
-0 cost no update); no evaluation, checkpoints or export (the training step is what is timed). The
+0 cost no update); algo.overlong "none" (with EOS ignored every response is cut, and "mask" would leave the
+update no token); no evaluation, checkpoints or export (the training step is what is timed). The
 allocator is capped at the card's memory (the profile's), as `edgerl train --profile` does off the card.
 
     python bench/bench_recipes.py [--only NAME ...] [--parallel] [--steps 3] [--out FILE]
     python bench/bench_recipes.py --smoke      # the tiny widths of the recipes' families on the CPU, 1 step
 
-Measured = the allocator's peak allocated bytes over the step's phases + the CUDA context; reserved = its
+Measured = the allocator's peak allocated bytes over the step's phases + the process's memory outside the
+allocator (NVML's figure for the process less its reserved bytes, else the plan's constant); reserved = its
 peak reserved bytes (its cache included) + the context; estimate = the plan's figure. A recipe for several
 GPUs runs under torchrun where this machine has that many, and is reported as not run otherwise.
 """
@@ -71,7 +73,8 @@ def gsm8k_parquet(work: Path, n: int = 512) -> Path:
 
 def command(name: str, steps: int) -> str:
     return (f"edgerl train --config examples/recipes/{name} --set model.path=<random weights, real widths> "
-            f"--set train.steps={steps} --set rollout.stop_at_eos=false (bench/bench_recipes.py --only {name})")
+            f"--set train.steps={steps} --set rollout.stop_at_eos=false --set algo.overlong=none "
+            f"(bench/bench_recipes.py --only {name})")
 
 
 def main() -> None:
@@ -133,7 +136,7 @@ def main() -> None:
         import shutil
         shutil.rmtree(run_dir, ignore_errors=True)
         sets = [f'data.path="{data}"', f'reward.function="{Path(bl.__file__).resolve()}:reward"',
-                f"train.steps={steps}", "rollout.stop_at_eos=false", "eval.data=none", "eval.every=0", "eval.max_prompts=none", "run.save_every=0",
+                f"train.steps={steps}", "rollout.stop_at_eos=false", 'algo.overlong="none"', "eval.data=none", "eval.every=0", "eval.max_prompts=none", "run.save_every=0",
                 "run.export_final=false", "run.tensorboard=false"]
         if args.smoke:
             sets += ['run.profile="cpu"', "rollout.max_new_tokens=8"]
@@ -143,13 +146,15 @@ def main() -> None:
         if args.smoke and nproc > 1:
             es["cpu_ranks_on_device_0"] = True
         res = bl.run_edgerl(name, es, work, max(10, min(args.timeout, clock.left() - 5)), nproc=nproc)
-        ctx = res.get("outside_allocator_gib") or 0.0
+        ctx, ctx_source = bl.own_context_gib(res)
+        ctx = ctx or 0.0
         alloc, reserved, est = res.get("peak_allocated_gib"), res.get("peak_reserved_gib"), res.get("estimate_gib")
         measured = alloc + ctx if alloc is not None else None
         row = {"recipe": name, "status": res.get("status"), "steps": f"{res.get('steps_done', 0)}/{steps}",
                "model": f"{spec.name} ({spec.model_type}, random weights)", "gpus": nproc,
                "median_step_s": res.get("median_step_s"), "step_s": res.get("step_s"),
-               "tokens_per_s": res.get("tokens_per_s"), "measured_gib": measured,
+               "tokens_per_s": res.get("tokens_per_s"), "measured_gib": measured, "context_gib": ctx,
+               "context_source": ctx_source,
                "reserved_gib": reserved + ctx if reserved is not None else None, "estimate_gib": est,
                "estimate_peak_phase": res.get("estimate_peak_phase"), "budget_gib": res.get("budget_gib"),
                "error": (est / measured - 1) if est and measured else None, "plan": res.get("plan"),

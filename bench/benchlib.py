@@ -749,6 +749,19 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], p
     return out
 
 
+def own_context_gib(res: dict[str, Any]) -> tuple[Optional[float], str]:
+    """This process's memory outside torch's allocator (its CUDA context and libraries): NVML's figure for the
+    process less what its allocator had reserved, read together at the end of the run; else the plan's
+    constant for it (a run stopped before its end). Not the device's used memory less the allocator's, which
+    counts every other process on a shared GPU."""
+    used, reserved = res.get("process_used_end_gib"), res.get("process_reserved_end_gib")
+    if used is not None and reserved is not None:
+        return used - reserved, "NVML, this process"
+    if res.get("estimate_context_gib") is not None:
+        return res["estimate_context_gib"], "the plan's constant"
+    return None, "unknown"
+
+
 def device_name() -> str:
     try:
         import pynvml

@@ -51,6 +51,7 @@
 #                  random weights at its model's real widths (a recipe for two GPUs only where two are visible)
 #   archs 200      bench_architectures: Qwen3 and Gemma 3 on the static engine against HF in fp32, bf16 and fp16
 #   recipes-archs 560  both at once (archs in the background: its check is of tokens, not of time)
+#   recipes-long 560   recipes (RECIPES: which) and long (LONG_ROWS: which) at once, each run under its own cap
 #   long-check 150 bench_long --offload-cost and --check (the code paths of those rows, in a minute)
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
@@ -116,7 +117,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_torch,graph_triton_attention,graph_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
         long) echo "python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} ${LONG_ROWS:+--only $LONG_ROWS} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_long$x.json" ;;
-        recipes) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json" ;;
+        recipes) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} ${RECIPES:+--only $RECIPES} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json" ;;
+        recipes-long) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} ${RECIPES:+--only $RECIPES} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w-recipes --out $OUT/bench_recipes$x.json > $LOGS/recipes$x.log 2>&1 &
+              python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} ${LONG_ROWS:+--only $LONG_ROWS} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_long$x.json; wait" ;;
         archs) echo "python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json" ;;
         recipes-archs) echo "timeout -k 5 200 python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json > $LOGS/archs$x.log 2>&1 &
               python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json; wait" ;;
@@ -133,7 +136,7 @@ limit_of() {
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
-        fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; long-check) echo 150 ;; *) echo 560 ;;
+        fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-check) echo 150 ;; *) echo 560 ;;
     esac
 }
 

@@ -168,3 +168,25 @@ def test_kernels_are_compiled_once_per_source_name_and_device(monkeypatch):
     assert nvrtc.kernel("other source", "nf4_sum<float>", dev0) is not a
     assert loads == [("nf4_sum<float>", 0), ("nf4_sum<float>", 1), ("nf4_sum<float>", 0)]
     assert occupancy == [256, 256]
+
+
+def test_the_kernel_check_compares_in_ieee_fp32_even_where_the_process_allows_tf32(monkeypatch):
+    """With TF32 allowed (a script's choice on Ampere and newer), the reference's fp32 matmuls alone miss
+    the check's 1e-4 bound: the check runs them in IEEE fp32 and gives the process its setting back."""
+    import edgerl.kernels.nf4 as k
+    from edgerl.models import quant_decode
+    pytest.importorskip("bitsandbytes")
+    seen = []
+
+    def recording(x, packed, state, lora=None):
+        seen.append(torch.backends.cuda.matmul.fp32_precision)
+        return x.new_zeros(x.shape[0], 40)
+    monkeypatch.setattr(k, "nf4_matmul", recording)
+    monkeypatch.setattr(k, "reference", recording)
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        quant_decode.check_kernel(torch.device("cpu"))
+        assert seen == ["ieee"] * 4 and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before

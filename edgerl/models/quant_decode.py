@@ -107,7 +107,15 @@ def nf4_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def check_kernel(device: torch.device) -> None:
-    """Compile and run the kernel once on `device` against its reference; TrainingError if it cannot."""
+    """Compile and run the kernel once on `device` against its reference; TrainingError if it cannot. The
+    reference's matmuls run in IEEE fp32 even where the process allows TF32 (whose 10-bit mantissa alone
+    exceeds the bound on Ampere and newer)."""
+    from edgerl.device.measure import strict_fp32
+    with strict_fp32(torch):
+        _compare_with_reference(device)
+
+
+def _compare_with_reference(device: torch.device) -> None:
     from edgerl.kernels.nf4 import KernelUnavailable, nf4_matmul, reference
     import bitsandbytes as bnb
     try:
@@ -118,7 +126,8 @@ def check_kernel(device: torch.device) -> None:
         a, b = torch.randn(4, 256, generator=g).to(device), torch.randn(40, 4, generator=g).to(device)
         got, want = nf4_matmul(x, packed, state), reference(x, packed, state)
         got_l, want_l = nf4_matmul(x, packed, state, lora=(a, b, 0.5)), reference(x, packed, state, lora=(a, b, 0.5))
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     except torch.cuda.OutOfMemoryError:
         raise
     except (KernelUnavailable, RuntimeError, OSError) as e:   # no NVRTC, an arch it cannot build, a failed launch
