@@ -92,7 +92,7 @@ def main() -> None:
     args = ap.parse_args()
     unknown = sorted(set(args.only or []) - set(names))
     if unknown:
-        raise SystemExit(f"bench_recipes: unknown recipe(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+        ap.error(f"unknown recipe(s) {', '.join(unknown)} in --only; choose from {', '.join(names)}")
     out, work = bl.out_and_work(args, "bench_recipes", 30)
     steps = 1 if args.smoke else args.steps
     clock = bl.Clock(args.budget_s)

@@ -164,3 +164,45 @@ def test_bench_adamw_bf16_smoke_times_every_variant(tmp_path):
     d = json.loads(out.read_text())
     assert [r["status"] for r in d["results"]] == ["ok"] * 4 and d["params"] > 0
     assert "| torch AdamW fp32, foreach |" in res.stdout
+
+
+@needs_tokenizer
+def test_a_random_model_of_any_family_is_built_from_its_config_with_every_weight(tmp_path):
+    """bench_recipes' models: the names and shapes transformers builds for the config (here Qwen3, with its
+    q/k norms and untied head), matrices drawn at the initializer's std, norms one."""
+    import torch
+    import transformers as tf
+    cfg = tf.Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    out = bl.build_model_from_config(cfg, str(TOKENIZER), tmp_path / "q3")
+    model, info = tf.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.dtype == torch.bfloat16
+    attn = model.model.layers[1].self_attn
+    assert torch.equal(attn.q_norm.weight, torch.ones(16, dtype=torch.bfloat16))
+    assert abs(model.lm_head.weight.float().std().item() - bl.STD) < 0.002
+
+
+def test_the_context_is_the_processs_own_figure_not_the_shared_devices():
+    """On a GPU that other runs share, the device's used memory less this allocator counts their memory too:
+    the context comes from NVML's figure for this process, else from the plan's constant."""
+    assert bl.own_context_gib({"process_used_end_gib": 21.78, "process_reserved_end_gib": 20.98,
+                               "memory_end": {"outside_allocator_gib": 41.2}, "estimate_context_gib": 0.86}) \
+        == (pytest.approx(0.80), "NVML, this process")
+    assert bl.own_context_gib({"estimate_context_gib": 0.86}) == (0.86, "the plan's constant")
+    assert bl.own_context_gib({})[0] is None
+
+
+def test_bench_recipes_refuses_an_unknown_recipe_in_one_line():
+    out = subprocess.run([sys.executable, str(BENCH / "bench_recipes.py"), "--only", "nope.toml"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert out.returncode == 2 and "unknown recipe(s) nope.toml" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_bench_recipes_smoke_trains_a_recipe_with_its_own_plan(tmp_path):
+    d = _smoke("bench_recipes.py", tmp_path, "--only", "grpo-qwen3-4b-lora-t4.toml")
+    r = d["runs"]["grpo-qwen3-4b-lora-t4.toml"]
+    assert r["status"] == "ok" and r["steps"] == "1/1" and r["plan"]["lora"]["rank"] == 16
+    assert r["raw"]["sequences_per_step"] == 32      # the recipe's 4 prompts x 8 samples
