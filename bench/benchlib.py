@@ -740,6 +740,8 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], p
         out["plan"] = {k: plan_json["plan"].get(k) for k in PLAN_KEYS}
         out["effective_batch"] = plan_json.get("effective_batch")
     ctx = (res.get("memory_end") or res.get("context_after_step1") or {}).get("outside_allocator_gib")
+    if res.get("process_used_end_gib") is not None and res.get("process_reserved_end_gib") is not None:
+        ctx = own_context_gib(res)[0]   # this process's own figure: the device's counts other runs sharing it
     out["outside_allocator_gib"] = ctx
     if out.get("peak_reserved_gib") and out.get("estimate_gib"):
         from edgerl.plan.memory import DEFAULT_CALIBRATION
