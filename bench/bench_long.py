@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -53,23 +52,15 @@ def command(name: str, steps: int) -> str:
 
 
 def summary(name: str, res: dict, steps: int) -> dict:
-    from edgerl.plan.memory import DEFAULT_CALIBRATION
-    ctx = bl.own_context_gib(res)[0] or DEFAULT_CALIBRATION.cuda_context / bl.GiB
-    reserved = res.get("peak_reserved_gib")
-    allocated = res.get("peak_allocated_gib")
-    measured = allocated + ctx if allocated is not None else None
-    est = res.get("estimate_gib")
     plan = res.get("plan") or {}
     return {"row": name, "status": res.get("status"), "steps": f"{res.get('steps_done', 0)}/{steps}",
             "median_step_s": res.get("median_step_s"), "step_s": res.get("step_s"),
-            "tokens_per_s": res.get("tokens_per_s"), "peak_reserved_gib": reserved,
-            "peak_allocated_gib": allocated, "measured_gib": measured, "context_gib": ctx,
-            "reserved_gib": reserved + ctx if reserved is not None else None,
-            "process_used_gib": res.get("process_used_end_gib"), "estimate_gib": est,
+            "tokens_per_s": res.get("tokens_per_s"), "peak_reserved_gib": res.get("peak_reserved_gib"),
+            "peak_allocated_gib": res.get("peak_allocated_gib"), **bl.memory_columns(res),
+            "process_used_gib": res.get("process_used_end_gib"),
             "estimate_peak_phase": res.get("estimate_peak_phase"),
             "estimate_phases_gib": res.get("estimate_phases_gib"), "phase_alloc_gib": res.get("phase_alloc_gib"),
             "phase_reserved_gib": res.get("phase_reserved_gib"),
-            "error": (est / measured - 1) if est and measured else None,
             "plan": {k: plan.get(k) for k in ("micro_batch", "score_micro_batch", "rollout_batch",
                                                 "grad_checkpointing", "optimizer", "base_dtype")},
             "command": command(name, steps) if name in ROWS or name in CHECK else name, "message": res.get("error", "")[:600]}
@@ -180,18 +171,7 @@ def main() -> None:
             f"({row['estimate_peak_phase']}), error {bl.fmt(row['error'], '{:+.1%}')}"
             + (f"; {row['message'][:300]}" if row["status"] != "ok" else ""))
 
-    if args.parallel:
-        import signal
-        signal.signal(signal.SIGTERM, bl.stop_children)
-        threads = [threading.Thread(target=run, args=(name,)) for name in rows]
-        for t in threads:
-            t.start()
-            time.sleep(2)   # staggered: the processes' model loads do not all hit the disk at once
-        for t in threads:
-            t.join()
-    else:
-        for name in rows:
-            run(name)
+    bl.run_each(list(rows), run, args.parallel)
     table = [[r["row"], str(r["status"])[:30], r["steps"], bl.fmt(r["median_step_s"]), bl.fmt(r["tokens_per_s"], "{:.0f}"),
               bl.fmt(r["measured_gib"]), bl.fmt(r["reserved_gib"]), bl.fmt(r["estimate_gib"]),
               str(r["estimate_peak_phase"]), bl.fmt(r["error"], "{:+.1%}")]

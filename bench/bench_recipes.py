@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -146,38 +145,23 @@ def main() -> None:
         if args.smoke and nproc > 1:
             es["cpu_ranks_on_device_0"] = True
         res = bl.run_edgerl(name, es, work, max(10, min(args.timeout, clock.left() - 5)), nproc=nproc)
-        ctx, ctx_source = bl.own_context_gib(res)
-        ctx = ctx or 0.0
-        alloc, reserved, est = res.get("peak_allocated_gib"), res.get("peak_reserved_gib"), res.get("estimate_gib")
-        measured = alloc + ctx if alloc is not None else None
+        mem = bl.memory_columns(res)
         row = {"recipe": name, "status": res.get("status"), "steps": f"{res.get('steps_done', 0)}/{steps}",
                "model": f"{spec.name} ({spec.model_type}, random weights)", "gpus": nproc,
                "median_step_s": res.get("median_step_s"), "step_s": res.get("step_s"),
-               "tokens_per_s": res.get("tokens_per_s"), "measured_gib": measured, "context_gib": ctx,
-               "context_source": ctx_source,
-               "reserved_gib": reserved + ctx if reserved is not None else None, "estimate_gib": est,
+               "tokens_per_s": res.get("tokens_per_s"), **mem,
                "estimate_peak_phase": res.get("estimate_peak_phase"), "budget_gib": res.get("budget_gib"),
-               "error": (est / measured - 1) if est and measured else None, "plan": res.get("plan"),
+               "plan": res.get("plan"),
                "phase_alloc_gib": res.get("phase_alloc_gib"), "estimate_phases_gib": res.get("estimate_phases_gib"),
                "command": command(name, steps), "message": str(res.get("error", ""))[:600],
                "raw": {k: v for k, v in res.items() if k != "trace"}}
         results.put(name, row)
         log(f"{name}: {row['status']} {row['steps']} steps; median {bl.fmt(row['median_step_s'])} s/step; measured "
-            f"{bl.fmt(measured)} GiB, estimate {bl.fmt(est)} GiB, error {bl.fmt(row['error'], '{:+.1%}')}"
+            f"{bl.fmt(row['measured_gib'])} GiB, estimate {bl.fmt(row['estimate_gib'])} GiB, error "
+            f"{bl.fmt(row['error'], '{:+.1%}')}"
             + (f"; {row['message'][:300]}" if row["status"] != "ok" else ""))
 
-    if args.parallel:
-        import signal
-        signal.signal(signal.SIGTERM, bl.stop_children)
-        threads = [threading.Thread(target=run, args=(name,)) for name in chosen]
-        for t in threads:
-            t.start()
-            time.sleep(2)
-        for t in threads:
-            t.join()
-    else:
-        for name in chosen:
-            run(name)
+    bl.run_each(chosen, run, args.parallel)
     rows = [results.runs[k] for k in chosen if k in results.runs]
     text = bl.table(["recipe", "status", "steps", "s/step", "tok/s", "measured GiB", "reserved GiB", "estimate GiB",
                      "error"],

@@ -116,6 +116,34 @@ def _write_safetensors(path: Path, items: list[tuple[str, tuple[int, ...]]], st_
             fh.write(data)
 
 
+def _new_folder(out: Path, dtype: str) -> tuple[Any, int, Path]:
+    """The torch dtype and element size of `dtype`, and an empty temporary folder beside `out` (renamed to
+    `out` once complete)."""
+    import torch
+    tdtype = getattr(torch, DTYPES[dtype][1])
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tdtype, torch.tensor([], dtype=tdtype).element_size(), tmp
+
+
+def _random_tensors(tdtype: Any, elt: int, seed: int) -> Callable[[str, tuple[int, ...]], Any]:
+    """`make(name, shape)` for _write_safetensors: normal(0, STD) matrices drawn on the GPU when there is one
+    (seeded: the same bytes every time), ones for norm weights, zeros for biases."""
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elt]
+
+    def make(name: str, shp: tuple[int, ...]) -> Any:
+        if len(shp) == 1:
+            t = (torch.zeros if name.endswith("bias") else torch.ones)(shp, dtype=tdtype)
+        else:
+            t = torch.empty(shp, device=device, dtype=torch.float32).normal_(0.0, STD, generator=gen).to(tdtype).cpu()
+        return t.contiguous().view(view).numpy()
+    return make
+
+
 def build_model(shape: str, tokenizer: str, out: Path, dtype: str = "bf16", seed: int = 0,
                 shard_bytes: int = 4 * GiB) -> Path:
     """A random-weight llama folder: normal(0, 0.02) weights, unit norms, drawn on the GPU when there
@@ -125,12 +153,8 @@ def build_model(shape: str, tokenizer: str, out: Path, dtype: str = "bf16", seed
     tok = AutoTokenizer.from_pretrained(tokenizer)
     vocab = len(tok)
     h, layers, heads, kv, mlp, tie = SHAPES[shape]
-    st_dtype, torch_name = DTYPES[dtype]
-    tdtype = getattr(torch, torch_name)
-    elt = torch.tensor([], dtype=tdtype).element_size()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    st_dtype = DTYPES[dtype][0]
+    tdtype, elt, tmp = _new_folder(out, dtype)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, intermediate_size=mlp, tie_word_embeddings=tie,
                       max_position_embeddings=32768, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -139,18 +163,7 @@ def build_model(shape: str, tokenizer: str, out: Path, dtype: str = "bf16", seed
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def make(name: str, shp: tuple[int, ...]) -> Any:
-        if len(shp) == 1:
-            t = torch.ones(shp, dtype=tdtype)
-        else:
-            t = torch.empty(shp, device=device, dtype=torch.float32).normal_(0.0, STD, generator=gen)
-            t = t.to(tdtype).cpu()
-        view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elt]
-        return t.contiguous().view(view).numpy()
-
+    make = _random_tensors(tdtype, elt, seed)
     items = tensor_shapes(shape, vocab)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
@@ -188,12 +201,8 @@ def build_model_from_config(hf_config: Any, tokenizer: str, out: Path, dtype: st
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    st_dtype, torch_name = DTYPES[dtype]
-    tdtype = getattr(torch, torch_name)
-    elt = torch.tensor([], dtype=tdtype).element_size()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    st_dtype = DTYPES[dtype][0]
+    tdtype, elt, tmp = _new_folder(out, dtype)
     hf_config.bos_token_id, hf_config.eos_token_id = tok.bos_token_id, tok.eos_token_id
     hf_config.pad_token_id = tok.pad_token_id
     hf_config.dtype = tdtype
@@ -205,17 +214,7 @@ def build_model_from_config(hf_config: Any, tokenizer: str, out: Path, dtype: st
         items = [(k, shp) for k, shp in items if k != "lm_head.weight"]
     hf_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(seed)
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[elt]
-
-    def make(name: str, shp: tuple[int, ...]) -> Any:
-        if len(shp) == 1:
-            t = (torch.zeros if name.endswith("bias") else torch.ones)(shp, dtype=tdtype)
-        else:
-            t = torch.empty(shp, device=device, dtype=torch.float32).normal_(0.0, STD, generator=gen).to(tdtype).cpu()
-        return t.contiguous().view(view).numpy()
-    _write_safetensors(tmp / "model.safetensors", items, st_dtype, elt, make)
+    _write_safetensors(tmp / "model.safetensors", items, st_dtype, elt, _random_tensors(tdtype, elt, seed))
     total = sum(elt * int(torch.Size(shp).numel()) for _, shp in items)
     (tmp / "bench-model.json").write_text(json.dumps({"format": FORMAT, "shape": hf_config.model_type,
                                                       "dtype": dtype, "seed": seed, "bytes": total}))
@@ -749,6 +748,35 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], p
         out["measured_gib"] = out["peak_reserved_gib"] + extra
         out["estimate_error"] = out["estimate_gib"] / out["measured_gib"] - 1
     return out
+
+
+def run_each(names: list[str], run: Callable[[str], None], parallel: bool) -> None:
+    """run(name) for each name: one after another, or all at once in threads (each run is its own process
+    under its own cap), started 2 s apart so that their model loads do not all hit the disk together;
+    SIGTERM stops the children."""
+    if not parallel:
+        for name in names:
+            run(name)
+        return
+    signal.signal(signal.SIGTERM, stop_children)
+    threads = [threading.Thread(target=run, args=(name,)) for name in names]
+    for t in threads:
+        t.start()
+        time.sleep(2)
+    for t in threads:
+        t.join()
+
+
+def memory_columns(res: dict[str, Any]) -> dict[str, Any]:
+    """A summarised run's memory against its estimate: measured = the allocator's peak allocated bytes over
+    the phases + the process's memory outside the allocator (own_context_gib); reserved = its peak reserved
+    bytes (its cache included) + the same; error = estimate / measured - 1."""
+    ctx, source = own_context_gib(res)
+    alloc, reserved, est = res.get("peak_allocated_gib"), res.get("peak_reserved_gib"), res.get("estimate_gib")
+    measured = alloc + ctx if alloc is not None and ctx is not None else None
+    return {"measured_gib": measured, "reserved_gib": reserved + ctx if reserved is not None and ctx is not None
+            else None, "context_gib": ctx, "context_source": source, "estimate_gib": est,
+            "error": (est / measured - 1) if est and measured else None}
 
 
 def own_context_gib(res: dict[str, Any]) -> tuple[Optional[float], str]:

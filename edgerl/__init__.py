@@ -9,6 +9,8 @@ from typing import Any
 
 from edgerl.core import VERSION as __version__
 
+__all__ = ["__version__", "prepare"]
+
 
 def prepare(config: Any = None, **kwargs: Any) -> Any:
     """A prepared run (edgerl.train.api.prepare): `run.train()` trains it. Imported on first use, so that
