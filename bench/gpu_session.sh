@@ -13,7 +13,8 @@
 #
 # Needs: the wheels this machine lacks in .whl/ (trl 1.16.0, datasets, dill, multiprocess, xxhash,
 # bitsandbytes 0.50.2; liger-kernel for the kernels stages), and the SmolLM2 tokenizer in
-# $EDGERL_SHARED/data/smollm2-tokenizer (default .cache/shared).
+# $EDGERL_SHARED/data/smollm2-tokenizer (default .cache/shared; the recipes stages also read GSM8K from
+# $EDGERL_SHARED/data/gsm8k/train.jsonl).
 #
 # Stages (limit in seconds):
 #   quick 200       environment check (env_check.py), bench_vs_trl --smoke on this GPU (tiny shapes: TRL bf16,
