@@ -135,8 +135,9 @@ def main() -> None:
         import shutil
         shutil.rmtree(run_dir, ignore_errors=True)
         sets = [f'data.path="{data}"', f'reward.function="{Path(bl.__file__).resolve()}:reward"',
-                f"train.steps={steps}", "rollout.stop_at_eos=false", 'algo.overlong="none"', "eval.data=none", "eval.every=0", "eval.max_prompts=none", "run.save_every=0",
-                "run.export_final=false", "run.tensorboard=false"]
+                f"train.steps={steps}", "rollout.stop_at_eos=false", 'algo.overlong="none"', "eval.data=none",
+                "eval.every=0", "eval.max_prompts=none", "run.save_every=0", "run.export_final=false",
+                "run.tensorboard=false"]
         if args.smoke:
             sets += ['run.profile="cpu"', "rollout.max_new_tokens=8"]
         model = models[f"{spec.name}{'-smoke' if args.smoke else ''}"]

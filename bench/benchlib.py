@@ -676,9 +676,9 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
     folder = read_run_folder(Path(spec["run_dir"]))
     if not res:
         res = {"status": failure_status(tail, status if status != "ok" else "crashed"), "error": tail[-1500:]}
-        phases = Path(f"{spec['out']}.phases.json")
-        if spec.get("phase_peaks") and phases.exists():   # the phases the run finished before it was stopped
-            res["phase_peaks"] = json.loads(phases.read_text())
+    phases = Path(f"{spec['out']}.phases.json")
+    if spec.get("phase_peaks") and not res.get("phase_peaks") and phases.exists():
+        res["phase_peaks"] = json.loads(phases.read_text())   # the phases a run stopped or failed had finished
     if not res.get("rows"):
         res["rows"] = folder["rows"]     # steps done before a timeout or crash
     if res["status"] != "ok" and res["rows"]:
