@@ -6,6 +6,7 @@ plan), and the plan's estimate beside the measured peak of every phase.
     python bench/bench_long.py [--only ROW ...] [--steps 3] [--parallel] [--budget-s 480] [--out FILE]
     python bench/bench_long.py --offload-cost      # the activation offload's cost: 8 layers at the 1.5B widths
     python bench/bench_long.py --smoke             # tiny shape, 2 steps of 64 tokens, on the CPU: the plumbing
+    python bench/bench_long.py --only 1.5b-p40-8k --steps 1 --resumable   # again: step 2, and so on
 
 --parallel runs the rows at once, each in its own process under its own cap (the H200 holds six capped runs):
 memory figures are each process's own, but the GPU's time is shared, so s/step is not one run's speed.
@@ -121,6 +122,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=470, help="seconds per run")
     ap.add_argument("--parallel", action="store_true", help="all rows at once, each under its own cap")
+    ap.add_argument("--resumable", action="store_true",
+                    help="a checkpoint after every step; a row whose run folder in --work holds one continues it "
+                         "for --steps more steps (a row slower than one call: run it over several calls on the same "
+                         "machine, the per-call figures in each call's --out)")
     ap.add_argument("--offload-cost", action="store_true", help="time the activation offload, then stop")
     ap.add_argument("--check", action="store_true", help=f"the rows {', '.join(CHECK)} instead (2 steps)")
     ap.add_argument("--tf32", action="store_true",
@@ -133,7 +138,7 @@ def main() -> None:
         print(offload_cost(out.with_name(out.stem + "_offload.json")))
         return
     rows = SMOKE if args.smoke else CHECK if args.check else {k: ROWS[k] for k in (args.only or list(ROWS))}
-    steps = 2 if args.smoke or args.check else args.steps
+    steps = 2 if (args.smoke or args.check) and not args.resumable else args.steps
     clock = bl.Clock(args.budget_s)
     results = bl.Results(out, {"script": "bench_long", "argv": sys.argv[1:], "device": bl.device_name(),
                                "versions": bl.versions(), "steps": steps, "parallel": args.parallel,
@@ -159,10 +164,18 @@ def main() -> None:
             results.put(name, summary(name, {"status": "error: model not built"}, steps))
             return
         run_dir = work / "runs" / name
-        import shutil
-        shutil.rmtree(run_dir, ignore_errors=True)
-        sets = bl.task_sets(work, steps, n) + [f'run.profile="{profile}"', *extra]
-        spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32)
+        done = max((r.get("step", 0) for r in bl.read_run_folder(run_dir)["rows"]), default=0) \
+            if args.resumable and (run_dir / "checkpoints").is_dir() else 0
+        if not done:
+            import shutil
+            shutil.rmtree(run_dir, ignore_errors=True)
+        sets = bl.task_sets(work, done + steps, n) + [f'run.profile="{profile}"', *extra]
+        if args.resumable:
+            sets += ["run.save_every=1", "run.keep_last=1"]
+        spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32,
+                              **({"resume": str(run_dir)} if done else {}))
+        if done:
+            log(f"{name}: continues its run after step {done}, to step {done + steps}")
         res = bl.run_edgerl(name, spec, work, max(10, min(args.timeout, clock.left() - 5)))
         row = summary(name, res, steps)
         results.put(name, row | {"raw": {k: v for k, v in res.items() if k not in ("trace",)}})

@@ -206,3 +206,16 @@ def test_bench_recipes_smoke_trains_a_recipe_with_its_own_plan(tmp_path):
     r = d["runs"]["grpo-qwen3-4b-lora-t4.toml"]
     assert r["status"] == "ok" and r["steps"] == "1/1" and r["plan"]["lora"]["rank"] == 16
     assert r["raw"]["sequences_per_step"] == 32      # the recipe's 4 prompts x 8 samples
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_bench_long_resumable_rows_continue_their_run_in_the_next_call(tmp_path):
+    """A row slower than one benchmark call runs over several: --resumable checkpoints every step, and the
+    next call continues the row's run folder for --steps more steps instead of starting it again."""
+    first = _smoke("bench_long.py", tmp_path, "--resumable", "--steps", "1")["runs"]["smoke"]
+    (tmp_path / "out.json").unlink()
+    second = _smoke("bench_long.py", tmp_path, "--resumable", "--steps", "1")["runs"]["smoke"]
+    assert first["status"] == second["status"] == "ok" and first["steps"] == second["steps"] == "1/1"
+    assert [m["step"] for m in first["raw"]["metrics"]] == [1] and [m["step"] for m in second["raw"]["metrics"]] == [2]
+    assert first["estimate_gib"] == pytest.approx(second["estimate_gib"])   # the same plan in both calls
