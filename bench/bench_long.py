@@ -179,22 +179,10 @@ def main() -> None:
         res = bl.run_edgerl(name, spec, work, max(10, min(args.timeout, clock.left() - 5)))
         row = summary(name, res, steps)
         results.put(name, row | {"raw": {k: v for k, v in res.items() if k not in ("trace",)}})
-        log(f"{name}: {row['status']} {row['steps']} steps; median {bl.fmt(row['median_step_s'])} s/step; measured "
-            f"{bl.fmt(row['measured_gib'])} GiB, estimate {bl.fmt(row['estimate_gib'])} GiB "
-            f"({row['estimate_peak_phase']}), error {bl.fmt(row['error'], '{:+.1%}')}"
-            + (f"; {row['message'][:300]}" if row["status"] != "ok" else ""))
+        log(bl.memory_line(name, row))
 
     bl.run_each(list(rows), run, args.parallel)
-    table = [[r["row"], str(r["status"])[:30], r["steps"], bl.fmt(r["median_step_s"]), bl.fmt(r["tokens_per_s"], "{:.0f}"),
-              bl.fmt(r["measured_gib"]), bl.fmt(r["reserved_gib"]), bl.fmt(r["estimate_gib"]),
-              str(r["estimate_peak_phase"]), bl.fmt(r["error"], "{:+.1%}")]
-             for r in (results.runs[k] for k in rows if k in results.runs)]
-    text = bl.table(["row", "status", "steps", "s/step", "tok/s", "measured GiB", "reserved GiB", "estimate GiB",
-                     "est. peak", "error"], table)
-    results.data["table"] = text
-    results.save()
-    print(text)
-    print(f"wrote {out} ({clock.elapsed():.0f} s)")
+    bl.finish_memory_runs(results, list(rows), "row", out, clock)
 
 
 if __name__ == "__main__":

@@ -106,12 +106,12 @@ def main() -> None:
     chosen = args.only or names
     import torch
     gpus = torch.cuda.device_count()
+    specs = {name: resolve(load_config(recipes.FOLDER / name, []).model.path) for name in chosen}
     models: dict[str, Path] = {}
     for name in chosen:   # one after another: each is bound by the disk
         if recipes.GPUS.get(name, 1) > max(gpus, 1) and not args.smoke:
             continue   # not run here (run() reports it)
-        cfg = load_config(recipes.FOLDER / name, [])
-        spec = resolve(cfg.model.path)
+        spec = specs[name]
         key = f"{spec.name}{'-smoke' if args.smoke else ''}"
         if key in models:
             continue
@@ -123,8 +123,7 @@ def main() -> None:
         models[key] = folder
 
     def run(name: str) -> None:
-        cfg = load_config(recipes.FOLDER / name, [])
-        spec = resolve(cfg.model.path)
+        spec = specs[name]
         nproc = recipes.GPUS.get(name, 1)
         if nproc > max(gpus, 1) and not args.smoke:
             results.put(name, {"recipe": name, "status": f"not run: needs {nproc} GPUs, this machine has {gpus}",
@@ -157,23 +156,10 @@ def main() -> None:
                "command": command(name, steps), "message": str(res.get("error", ""))[:600],
                "raw": {k: v for k, v in res.items() if k != "trace"}}
         results.put(name, row)
-        log(f"{name}: {row['status']} {row['steps']} steps; median {bl.fmt(row['median_step_s'])} s/step; measured "
-            f"{bl.fmt(row['measured_gib'])} GiB, estimate {bl.fmt(row['estimate_gib'])} GiB, error "
-            f"{bl.fmt(row['error'], '{:+.1%}')}"
-            + (f"; {row['message'][:300]}" if row["status"] != "ok" else ""))
+        log(bl.memory_line(name, row))
 
     bl.run_each(chosen, run, args.parallel)
-    rows = [results.runs[k] for k in chosen if k in results.runs]
-    text = bl.table(["recipe", "status", "steps", "s/step", "tok/s", "measured GiB", "reserved GiB", "estimate GiB",
-                     "error"],
-                    [[r["recipe"], str(r["status"])[:40], r.get("steps", "-"), bl.fmt(r.get("median_step_s")),
-                      bl.fmt(r.get("tokens_per_s"), "{:.0f}"), bl.fmt(r.get("measured_gib")),
-                      bl.fmt(r.get("reserved_gib")), bl.fmt(r.get("estimate_gib")), bl.fmt(r.get("error"), "{:+.1%}")]
-                     for r in rows])
-    results.data["table"] = text
-    results.save()
-    print(text)
-    print(f"wrote {out} ({clock.elapsed():.0f} s)")
+    bl.finish_memory_runs(results, chosen, "recipe", out, clock)
 
 
 if __name__ == "__main__":

@@ -779,6 +779,34 @@ def memory_columns(res: dict[str, Any]) -> dict[str, Any]:
             "error": (est / measured - 1) if est and measured else None}
 
 
+def memory_table(records: list[dict[str, Any]], name_key: str) -> str:
+    """The markdown table of runs summarised with memory_columns: time, memory against the estimate."""
+    return table(["run", "status", "steps", "s/step", "tok/s", "measured GiB", "reserved GiB", "estimate GiB",
+                  "est. peak", "error"],
+                 [[r[name_key], str(r["status"])[:40], r.get("steps", "-"), fmt(r.get("median_step_s")),
+                   fmt(r.get("tokens_per_s"), "{:.0f}"), fmt(r.get("measured_gib")), fmt(r.get("reserved_gib")),
+                   fmt(r.get("estimate_gib")), str(r.get("estimate_peak_phase") or "-"), fmt(r.get("error"), "{:+.1%}")]
+                  for r in records])
+
+
+def memory_line(name: str, row: dict[str, Any]) -> str:
+    """One run of memory_table as a log line, with its error message when it failed."""
+    return (f"{name}: {row['status']} {row.get('steps', '-')} steps; median {fmt(row.get('median_step_s'))} s/step; "
+            f"measured {fmt(row.get('measured_gib'))} GiB, estimate {fmt(row.get('estimate_gib'))} GiB "
+            f"({row.get('estimate_peak_phase') or '-'}), error {fmt(row.get('error'), '{:+.1%}')}"
+            + (f"; {str(row.get('message', ''))[:300]}" if row["status"] != "ok" else ""))
+
+
+def finish_memory_runs(results: "Results", names: list[str], name_key: str, out: Path,
+                       clock: "Clock") -> None:
+    """The memory_table of the runs done, saved into the results file and printed."""
+    text = memory_table([results.runs[k] for k in names if k in results.runs], name_key)
+    results.data["table"] = text
+    results.save()
+    print(text)
+    print(f"wrote {out} ({clock.elapsed():.0f} s)")
+
+
 def own_context_gib(res: dict[str, Any]) -> tuple[Optional[float], str]:
     """This process's memory outside torch's allocator (its CUDA context and libraries): NVML's figure for the
     process less what its allocator had reserved, read together at the end of the run; else the plan's
