@@ -13,8 +13,9 @@ memory figures are each process's own, but the GPU's time is shared, so s/step i
 Measured = the allocator's peak allocated bytes over the step's phases (each phase's peak is read and
 reset at its end, and written to a file as it goes, so a row stopped by its time limit keeps the phases it
 finished) + the process's memory outside the allocator (NVML's figure for the process less its reserved
-bytes, else the plan's constant). Reserved = the allocator's peak reserved bytes, its cache included: with expandable segments the
-cache is handed back when an allocation needs it under the cap, so it is reported, not compared.
+bytes, else the plan's constant). Reserved = the allocator's peak reserved bytes, its cache included: with
+expandable segments the cache is handed back when an allocation needs it under the cap, so it is reported,
+not compared.
 Error = estimate / measured - 1: never below 0 (the plan must be an upper bound), at most +15%.
 """
 
