@@ -6,7 +6,7 @@ plan), and the plan's estimate beside the measured peak of every phase.
     python bench/bench_long.py [--only ROW ...] [--steps 3] [--parallel] [--budget-s 480] [--out FILE]
     python bench/bench_long.py --offload-cost      # the activation offload's cost: 8 layers at the 1.5B widths
     python bench/bench_long.py --smoke             # tiny shape, 2 steps of 64 tokens, on the CPU: the plumbing
-    python bench/bench_long.py --only 1.5b-p40-8k --steps 1 --resumable   # again: step 2, and so on
+    python bench/bench_long.py --only 1.5b-p40-8k --steps 3 --resumable   # again: on from its last checkpoint
 
 --parallel runs the rows at once, each in its own process under its own cap (the H200 holds six capped runs):
 memory figures are each process's own, but the GPU's time is shared, so s/step is not one run's speed.
@@ -125,8 +125,9 @@ def main() -> None:
     ap.add_argument("--parallel", action="store_true", help="all rows at once, each under its own cap")
     ap.add_argument("--resumable", action="store_true",
                     help="a checkpoint after every step; a row whose run folder in --work holds one continues it "
-                         "for --steps more steps (a row slower than one call: run it over several calls on the same "
-                         "machine, the per-call figures in each call's --out)")
+                         "up to --steps steps in all, and a row there already is not run again (a row slower than "
+                         "one call: the same command over several calls on the same machine, the per-call figures "
+                         "in each call's --out)")
     ap.add_argument("--offload-cost", action="store_true", help="time the activation offload, then stop")
     ap.add_argument("--check", action="store_true", help=f"the rows {', '.join(CHECK)} instead (2 steps)")
     ap.add_argument("--tf32", action="store_true",
@@ -170,15 +171,21 @@ def main() -> None:
         if not done:
             import shutil
             shutil.rmtree(run_dir, ignore_errors=True)
-        sets = bl.task_sets(work, done + steps, n) + [f'run.profile="{profile}"', *extra]
+        total = steps if args.resumable else done + steps
+        if done >= total:
+            results.put(name, {"row": name, "status": f"done: its run folder holds {done} of {total} steps",
+                               "steps": f"{done}/{total}", "command": command(name, total)})
+            log(f"{name}: {done} of {total} steps done in an earlier call")
+            return
+        sets = bl.task_sets(work, total, n) + [f'run.profile="{profile}"', *extra]
         if args.resumable:
             sets += ["run.save_every=1", "run.keep_last=1"]
         spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32,
                               **({"resume": str(run_dir)} if done else {}))
         if done:
-            log(f"{name}: continues its run after step {done}, to step {done + steps}")
+            log(f"{name}: continues its run after step {done}, to step {total}")
         res = bl.run_edgerl(name, spec, work, max(10, min(args.timeout, clock.left() - 5)))
-        row = summary(name, res, steps)
+        row = summary(name, res, total - done) | ({"resumed_after_step": done} if done else {})
         results.put(name, row | {"raw": {k: v for k, v in res.items() if k not in ("trace",)}})
         log(bl.memory_line(name, row))
 

@@ -1,6 +1,7 @@
 """edgerl vs TRL 1.16's GRPOTrainer on the same GRPO step, each edgerl run beside TRL in one invocation.
 
-    python bench/bench_vs_trl.py [--only GROUP ...] [--steps N] [--timeout S] [--budget-s S] [--out FILE]
+    python bench/bench_vs_trl.py [--only GROUP[:edgerl|:trl] ...] [--new-tokens N] [--steps N] [--timeout S]
+                                 [--budget-s S] [--out FILE]
     python bench/bench_vs_trl.py --smoke          # tiny shapes, 8 tokens, both sides, on the CPU (~1 min)
 
 The task: random-weight llama shapes with the SmolLM2 tokenizer's vocabulary (49,152), 2 prompts x 8
@@ -20,6 +21,7 @@ Groups (TRL first, so that its measured memory can set edgerl's budgets; then ed
   362m-p40     P40 emulation: edgerl --profile p40 (fp32 plan, 24 GiB P40 less its context: the
                allocator is capped); TRL fp32 under the same cap (edgerl.train.session.cap_memory)
   1.7b-p40     the same at the 1.7B shape
+  1.5b-p40     the same at Qwen2.5-1.5B widths, edgerl's full fine-tuning plan (bench_long's rows)
   qwen7b-p40   QLoRA at Qwen2.5-7B widths (hidden 3584, 28 layers, 28/4 heads, MLP 18944): edgerl
                --profile p40 --set lora.enabled=true --set plan.base_dtype=nf4; TRL GRPO + peft LoRA
                r16 on all linear layers + bitsandbytes NF4 double quant, gradient checkpointing,
@@ -82,6 +84,7 @@ GROUPS: dict[str, Group] = {
     "362m-p40": Group("362m", "p40", trl=Trl("fp32", cap="p40")),
     "1.7b-bf16": Group("1.7b", None, trl=Trl("bf16"), frontier=("trl",)),
     "1.7b-p40": Group("1.7b", "p40", trl=Trl("fp32", cap="p40"), steps=3),
+    "1.5b-p40": Group("1.5b", "p40", ("lora.enabled=false",), Trl("fp32", cap="p40"), steps=3),
     "qwen7b-p40": Group("qwen7b", "p40", tuple(QLORA), Trl("fp32", cap="p40", qlora=True), steps=3,
                         frontier=("trl",)),
     "llama8b-t4": Group("llama8b", "t4", tuple(QLORA), Trl("bf16", cap="t4", qlora=True),
@@ -260,6 +263,8 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
     plan_runs.append((f"{gname}/edgerl", None))
     plan_runs += [(f"{gname}/edgerl@{item}", item) for item in frontier if not edgerl_only or not item.startswith("trl")]
     plan_runs += [(f"{gname}/{t.tag}", t) for t in g.extra_trl if not edgerl_only]
+    if gname in args.trl_only:
+        plan_runs = [(n, w) for n, w in plan_runs if g.trl and w is g.trl]
     todo = [(n, w) for n, w in plan_runs if n not in args.skip
             and not (args.skip_done and results.runs.get(n, {}).get("status") == "ok")]
     if not todo:
@@ -408,8 +413,10 @@ def main() -> None:
     out, work = bl.out_and_work(args, "bench_vs_trl", 45)
     work.mkdir(parents=True, exist_ok=True)
     only = args.only or (SMOKE_DEFAULT if args.smoke else list(GROUPS))
-    # GROUP:edgerl runs edgerl's side only (a shape whose TRL run is not needed in this call)
+    # GROUP:edgerl runs edgerl's side only (a shape whose TRL run is not needed in this call); GROUP:trl TRL's
+    # main run only (how long a response TRL trains at, edgerl's side in another call or process)
     args.edgerl_only = {g.split(":")[0] for g in only if g.endswith(":edgerl")}
+    args.trl_only = {g.split(":")[0] for g in only if g.endswith(":trl")}
     only = [g.split(":")[0] for g in only]
     unknown = [g for g in only if g not in GROUPS]
     if unknown:

@@ -11,6 +11,7 @@
   file of the same name (so a benchmark can be run in pieces with --only).
 
     python bench/benchlib.py build SHAPE TOKENIZER OUT [DTYPE]     # one model folder
+    python bench/benchlib.py ensure WORK TOKENIZER SHAPE            # WORK/models/SHAPE-bf16 unless it is there
     python bench/benchlib.py edgerl SPEC.json                        # one edgerl run (a child)
 """
 
@@ -847,6 +848,9 @@ def main() -> None:
         shape, tokenizer, out = sys.argv[2:5]
         dtype = sys.argv[5] if len(sys.argv) > 5 else "bf16"
         build_model(shape, tokenizer, Path(out), dtype)
+    elif cmd == "ensure":
+        work, tokenizer, shape = sys.argv[2:5]
+        ensure_model(Path(work), shape, tokenizer, timeout=900)
     elif cmd == "edgerl":
         edgerl_child(sys.argv[2])
     else:

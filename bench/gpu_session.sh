@@ -55,6 +55,10 @@
 #   archs 200      bench_architectures: Qwen3 and Gemma 3 on the static engine against HF in fp32, bf16 and fp16
 #   recipes-archs 560  both at once (archs in the background: its check is of tokens, not of time)
 #   recipes-long 560   recipes (RECIPES: which) and long (LONG_ROWS: which) at once, each run under its own cap
+#   long-trl 560   the long rows (LONG_ROWS, LONG_STEPS, LONG_ARGS) beside bench_vs_trl jobs, each its own process
+#                  and work folder sharing one set of model folders (built first: LONG_SHAPES): VS_JOBS holds
+#                  each job's bench_vs_trl options, jobs separated by ';' (e.g. "--new-tokens 512 --only qwen7b-p40;
+#                  --new-tokens 1024 --only qwen7b-p40:trl"): TRL at the long lengths
 #   long-check 150 bench_long --offload-cost and --check (the code paths of those rows, in a minute)
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
@@ -123,6 +127,11 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         recipes) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} ${RECIPES:+--only $RECIPES} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json" ;;
         recipes-long) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} ${RECIPES:+--only $RECIPES} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w-recipes --out $OUT/bench_recipes$x.json > $LOGS/recipes$x.log 2>&1 &
               python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} ${LONG_ROWS:+--only $LONG_ROWS} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_long$x.json; wait" ;;
+        long-trl) echo "for s in ${LONG_SHAPES:-1.5b qwen7b llama8b}; do python3 bench/benchlib.py ensure $w $TOK \$s > $LOGS/build-\$s$x.log 2>&1 & done; wait;
+              left=\$(( $t - 25 - SECONDS )); echo models ready, \$left s left;
+              i=0; IFS=';' read -ra jobs <<< \"\${VS_JOBS:-}\"; for j in \"\${jobs[@]}\"; do i=\$((i + 1)); mkdir -p $w-vs\$i; ln -sfn $w/models $w-vs\$i/models;
+                  timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left \$j --out $OUT/bench_vs_trl_long\$i$x.json > $LOGS/vs\$i$x.log 2>&1 & done;
+              ${LONG_ROWS:+python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} --only $LONG_ROWS ${LONG_ARGS:-} --timeout \$(( left - 30 )) --budget-s \$left --tokenizer $TOK --work $w --out $OUT/bench_long$x.json;} wait" ;;
         archs) echo "python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json" ;;
         recipes-archs) echo "timeout -k 5 200 python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json > $LOGS/archs$x.log 2>&1 &
               python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json; wait" ;;
@@ -139,7 +148,7 @@ limit_of() {
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
-        fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-check) echo 150 ;; *) echo 560 ;;
+        fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; *) echo 560 ;;
     esac
 }
 

@@ -211,11 +211,15 @@ def test_bench_recipes_smoke_trains_a_recipe_with_its_own_plan(tmp_path):
 @pytest.mark.slow
 @needs_tokenizer
 def test_bench_long_resumable_rows_continue_their_run_in_the_next_call(tmp_path):
-    """A row slower than one benchmark call runs over several: --resumable checkpoints every step, and the
-    next call continues the row's run folder for --steps more steps instead of starting it again."""
+    """A row slower than one benchmark call runs over several: --resumable checkpoints every step, the next
+    call continues the row's run folder up to --steps steps in all, and a row there already is not run again."""
     first = _smoke("bench_long.py", tmp_path, "--resumable", "--steps", "1")["runs"]["smoke"]
     (tmp_path / "out.json").unlink()
-    second = _smoke("bench_long.py", tmp_path, "--resumable", "--steps", "1")["runs"]["smoke"]
+    second = _smoke("bench_long.py", tmp_path, "--resumable", "--steps", "2")["runs"]["smoke"]
+    (tmp_path / "out.json").unlink()
+    third = _smoke("bench_long.py", tmp_path, "--resumable", "--steps", "2")["runs"]["smoke"]
     assert first["status"] == second["status"] == "ok" and first["steps"] == second["steps"] == "1/1"
     assert [m["step"] for m in first["raw"]["metrics"]] == [1] and [m["step"] for m in second["raw"]["metrics"]] == [2]
+    assert second["resumed_after_step"] == 1 and "resumed_after_step" not in first
     assert first["estimate_gib"] == pytest.approx(second["estimate_gib"])   # the same plan in both calls
+    assert third["status"] == "done: its run folder holds 2 of 2 steps" and third["steps"] == "2/2"   # the same plan in both calls
