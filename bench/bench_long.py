@@ -62,6 +62,7 @@ def summary(name: str, res: dict, steps: int) -> dict:
             "process_used_gib": res.get("process_used_end_gib"),
             "estimate_peak_phase": res.get("estimate_peak_phase"),
             "estimate_phases_gib": res.get("estimate_phases_gib"), "phase_alloc_gib": res.get("phase_alloc_gib"),
+            "phase_start_gib": res.get("phase_start_gib"),
             "phase_reserved_gib": res.get("phase_reserved_gib"),
             "plan": {k: plan.get(k) for k in ("micro_batch", "score_micro_batch", "rollout_batch",
                                                 "grad_checkpointing", "optimizer", "base_dtype")},

@@ -532,7 +532,8 @@ def edgerl_spec(model: Path, sets: list[str], run_dir: Path, out: Path, **extra:
 
 class _PhasePeaks:
     """Mixed into Trainer for bench_memory: the peak allocated and reserved bytes of each phase
-    (rollout, score, update, and everything between them), read and reset at each boundary."""
+    (rollout, score, update, and everything between them), read and reset at each boundary, and the
+    bytes allocated when each phase began (resident across it: the peak less these is its transient)."""
     phase_peaks: list[dict[str, float]]
 
     def _mark(self, name: str) -> None:
@@ -548,6 +549,9 @@ class _PhasePeaks:
         res = torch.cuda.max_memory_reserved(self.device) / GiB
         row[f"{name}_alloc"] = max(row.get(f"{name}_alloc", 0.0), alloc)
         row[f"{name}_reserved"] = max(row.get(f"{name}_reserved", 0.0), res)
+        if name != "other":   # what was allocated when the phase began: its resident bytes (the rest is transient)
+            row[f"{name}_start"] = max(row.get(f"{name}_start", 0.0), getattr(self, "_phase_start", 0.0))
+        self._phase_start = torch.cuda.memory_allocated(self.device) / GiB
         torch.cuda.reset_peak_memory_stats(self.device)
         if getattr(self, "phase_file", None):   # kept when the run is stopped (timeout) before its result is
             from edgerl.core.files import write_atomically
@@ -726,6 +730,7 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], p
         out["phase_alloc_gib"] = {k[:-6]: max(r.get(k, 0.0) for r in peaks) for k in keys if k.endswith("_alloc")}
         out["phase_reserved_gib"] = {k[:-9]: max(r.get(k, 0.0) for r in peaks) for k in keys
                                      if k.endswith("_reserved")}
+        out["phase_start_gib"] = {k[:-6]: max(r.get(k, 0.0) for r in peaks) for k in keys if k.endswith("_start")}
         out["peak_allocated_gib"] = max(out["phase_alloc_gib"].values())
         out["peak_reserved_gib"] = max(out["phase_reserved_gib"].values())
     if plan_json:
