@@ -169,7 +169,11 @@ def trl_child(spec_path: str) -> None:
         for row, length in zip(steps, lengths):
             row["length_mean"] = length
         if cuda:
-            res["memory_end"] = mem.outside_allocator(torch.device("cuda", torch.cuda.current_device()))
+            dev = torch.device("cuda", torch.cuda.current_device())
+            res["memory_end"] = mem.outside_allocator(dev)
+            used = bl.process_used()   # this process alone (other runs may share the GPU)
+            res["process_used_end_gib"] = used / bl.GiB if used is not None else None
+            res["process_reserved_end_gib"] = torch.cuda.memory_reserved(dev) / bl.GiB
         res["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - reported by the parent; OOM is an expected outcome
         import traceback
@@ -185,7 +189,21 @@ def trl_reward(completions, **_):
     return [bl.reward(solution_str=t) for t in texts]
 
 
-def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: Path, timeout: float) -> dict:
+def context_of(res: dict, shared_gpu: bool) -> tuple[Optional[float], str]:
+    """A run's memory outside torch's allocator: NVML's figure for its own process where NVML shows it; else,
+    on a GPU other runs shared (--shared-gpu), the plan's constant (the device's used memory counts the
+    others); else the device's used memory less the allocator's reserved bytes (the run had the GPU alone)."""
+    own, how = bl.own_context_gib(res)
+    if how == "NVML, this process":
+        return own, how
+    if shared_gpu:
+        from edgerl.plan.memory import DEFAULT_CALIBRATION
+        return DEFAULT_CALIBRATION.cuda_context / bl.GiB, "the plan's constant (a shared GPU)"
+    return (res.get("memory_end") or {}).get("outside_allocator_gib"), "the device's used memory"
+
+
+def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: Path, timeout: float,
+            shared_gpu: bool = False) -> dict:
     out = work / f"{name.replace('/', '_')}.json"
     spec = {"model": str(model), "precision": t.precision, "cap": t.cap, "qlora": t.qlora, "steps": steps,
             "new_tokens": new_tokens, "attention": "sdpa", "out": str(out)}
@@ -216,7 +234,7 @@ def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: P
             res["tokens_per_s"] = 16 * res["response_length_mean"] / res["median_step_s"]
         res["peak_allocated_gib"] = max((r.get("peak_allocated_gib") or 0.0 for r in rows), default=None) or None
         res["peak_reserved_gib"] = max((r.get("peak_reserved_gib") or 0.0 for r in rows), default=None) or None
-    ctx = (res.get("memory_end") or {}).get("outside_allocator_gib")
+    ctx, res["context_source"] = context_of(res, shared_gpu)
     res["outside_allocator_gib"] = ctx
     if res.get("peak_reserved_gib"):
         from edgerl.plan.memory import DEFAULT_CALIBRATION
@@ -240,6 +258,22 @@ def budget_for(item: str, trl: Optional[dict]) -> tuple[Optional[float], Optiona
     return float(budget), optimizer or None, ""
 
 
+def runs_of(gname: str, g: Group, frontier: tuple[str, ...], edgerl_only: bool = False,
+            trl_only: bool = False) -> list[tuple[str, Any]]:
+    """The group's runs in order, each (name, what): TRL's main run (a Trl), edgerl with its own plan (None),
+    edgerl at each frontier budget (the item), TRL's other runs. edgerl_only (GROUP:edgerl): no TRL run, nor a
+    budget taken from TRL's memory; trl_only (GROUP:trl): TRL's main run alone."""
+    if trl_only:
+        return [(f"{gname}/{g.trl.tag}", g.trl)] if g.trl else []
+    runs: list[tuple[str, Any]] = []
+    if g.trl and not edgerl_only:
+        runs.append((f"{gname}/{g.trl.tag}", g.trl))
+    runs.append((f"{gname}/edgerl", None))
+    runs += [(f"{gname}/edgerl@{item}", item) for item in frontier if not edgerl_only or not item.startswith("trl")]
+    runs += [(f"{gname}/{t.tag}", t) for t in g.extra_trl if not edgerl_only]
+    return runs
+
+
 def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock: bl.Clock, log) -> None:
     shape = g.smoke_shape if args.smoke else g.shape
     steps = 2 if args.smoke else (args.steps or g.steps)
@@ -256,15 +290,7 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
             frontier = SMOKE_FRONTIER
     if g.shape in QLORA_SHAPES and args.frontier_qlora is not None:
         frontier = tuple(b for b in args.frontier_qlora.split(",") if b)
-    plan_runs: list[tuple[str, Any]] = []
-    edgerl_only = gname in args.edgerl_only
-    if g.trl and not edgerl_only:
-        plan_runs.append((f"{gname}/{g.trl.tag}", g.trl))
-    plan_runs.append((f"{gname}/edgerl", None))
-    plan_runs += [(f"{gname}/edgerl@{item}", item) for item in frontier if not edgerl_only or not item.startswith("trl")]
-    plan_runs += [(f"{gname}/{t.tag}", t) for t in g.extra_trl if not edgerl_only]
-    if gname in args.trl_only:
-        plan_runs = [(n, w) for n, w in plan_runs if g.trl and w is g.trl]
+    plan_runs = runs_of(gname, g, frontier, gname in args.edgerl_only, gname in args.trl_only)
     todo = [(n, w) for n, w in plan_runs if n not in args.skip
             and not (args.skip_done and results.runs.get(n, {}).get("status") == "ok")]
     if not todo:
@@ -295,7 +321,7 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
         base = {"group": gname, "shape": shape, "model": info, "steps": run_steps, "new_tokens": new_tokens,
                 "speed_on": args.device + (f": a {profile}'s memory, not its speed" if cuda and g.profile else "")}
         if isinstance(what, Trl):
-            res = run_trl(name, model, what, steps, new_tokens, work, timeout)
+            res = run_trl(name, model, what, steps, new_tokens, work, timeout, args.shared_gpu)
             res["side"] = "trl"
             if what is g.trl:
                 trl_main = res
@@ -317,6 +343,11 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
             spec = bl.edgerl_spec(model, sets + extra, run_dir, work / f"{name.replace('/', '_')}.json")
             res = bl.run_edgerl(name.replace("/", "_"), spec, work, timeout)
             res.update(side="edgerl", sets=extra, memory_gib=budget)
+            if args.shared_gpu and res.get("peak_reserved_gib"):
+                ctx, src = context_of(res, True)
+                res.update(outside_allocator_gib=ctx, context_source=src, measured_gib=res["peak_reserved_gib"] + ctx)
+                if res.get("estimate_gib"):
+                    res["estimate_error"] = res["estimate_gib"] / res["measured_gib"] - 1
             if budget is not None and res.get("measured_gib"):
                 res["within_budget"] = res["measured_gib"] <= budget
         res = {**base, **res}
@@ -404,6 +435,9 @@ def main() -> None:
     ap.add_argument("--frontier-17b", default=None, help="1.7b-bf16 edgerl budgets (default trl)")
     ap.add_argument("--frontier-qlora", default=None, help="edgerl budgets of the QLoRA groups (default trl where "
                     "TRL runs: edgerl with plan.memory_gib set to TRL's device memory; '' for none)")
+    ap.add_argument("--shared-gpu", action="store_true",
+                    help="other runs share the GPU: a run's context is its own process's (NVML), else the plan's "
+                         "constant, never the device's used memory")
     ap.add_argument("--skip", nargs="*", default=[], help="runs not to start, by name (llama8b-t4/trl-fp16)")
     ap.add_argument("--edgerl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more --set for every edgerl run (e.g. run.profile_step=3: that step's profile "

@@ -130,7 +130,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         long-trl) echo "for s in ${LONG_SHAPES:-1.5b qwen7b llama8b}; do python3 bench/benchlib.py ensure $w $TOK \$s > $LOGS/build-\$s$x.log 2>&1 & done; wait;
               left=\$(( $t - 25 - SECONDS )); echo models ready, \$left s left;
               i=0; IFS=';' read -ra jobs <<< \"\${VS_JOBS:-}\"; for j in \"\${jobs[@]}\"; do i=\$((i + 1)); mkdir -p $w-vs\$i; ln -sfn $w/models $w-vs\$i/models;
-                  timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left \$j --out $OUT/bench_vs_trl_long\$i$x.json > $LOGS/vs\$i$x.log 2>&1 & done;
+                  timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left --shared-gpu \$j --out $OUT/bench_vs_trl_long\$i$x.json > $LOGS/vs\$i$x.log 2>&1 & done;
               ${LONG_ROWS:+python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} --only $LONG_ROWS ${LONG_ARGS:-} --timeout \$(( left - 30 )) --budget-s \$left --tokenizer $TOK --work $w --out $OUT/bench_long$x.json;} wait" ;;
         archs) echo "python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json" ;;
         recipes-archs) echo "timeout -k 5 200 python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json > $LOGS/archs$x.log 2>&1 &

@@ -223,3 +223,30 @@ def test_bench_long_resumable_rows_continue_their_run_in_the_next_call(tmp_path)
     assert second["resumed_after_step"] == 1 and "resumed_after_step" not in first
     assert first["estimate_gib"] == pytest.approx(second["estimate_gib"])   # the same plan in both calls
     assert third["status"] == "done: its run folder holds 2 of 2 steps" and third["steps"] == "2/2"   # the same plan in both calls
+
+
+def test_bench_vs_trl_runs_of_a_group_for_each_side_selection():
+    """GROUP runs TRL, edgerl's plan, edgerl at each budget and TRL's other runs; GROUP:edgerl leaves out every
+    TRL run and the budgets taken from TRL's memory; GROUP:trl keeps TRL's main run alone."""
+    import bench_vs_trl as vs
+    g = vs.GROUPS["llama8b-t4"]
+    names = lambda runs: [n for n, _ in runs]   # noqa: E731
+    assert names(vs.runs_of("llama8b-t4", g, ("trl", "8"))) == [
+        "llama8b-t4/trl", "llama8b-t4/edgerl", "llama8b-t4/edgerl@trl", "llama8b-t4/edgerl@8", "llama8b-t4/trl-fp16"]
+    assert names(vs.runs_of("llama8b-t4", g, ("trl", "8"), edgerl_only=True)) == [
+        "llama8b-t4/edgerl", "llama8b-t4/edgerl@8"]
+    assert vs.runs_of("llama8b-t4", g, ("trl", "8"), trl_only=True) == [("llama8b-t4/trl", g.trl)]
+    assert vs.runs_of("qwen14b-p40", vs.GROUPS["qwen14b-p40"], (), trl_only=True) == []   # no TRL side
+
+
+def test_bench_vs_trl_context_on_a_shared_gpu_is_never_the_devices():
+    """On a GPU other runs share, the device's used memory counts them: a run's context is its own process's
+    NVML figure, else the plan's constant; alone on the GPU the device's figure stands."""
+    import bench_vs_trl as vs
+    from edgerl.plan.memory import DEFAULT_CALIBRATION
+    crowded = {"memory_end": {"outside_allocator_gib": 54.9}}
+    assert vs.context_of(crowded, shared_gpu=False) == (54.9, "the device's used memory")
+    ctx, how = vs.context_of(crowded, shared_gpu=True)
+    assert ctx == pytest.approx(DEFAULT_CALIBRATION.cuda_context / bl.GiB) and "constant" in how
+    own = {**crowded, "process_used_end_gib": 19.0, "process_reserved_end_gib": 18.2}
+    assert vs.context_of(own, shared_gpu=True) == (pytest.approx(0.8), "NVML, this process")
