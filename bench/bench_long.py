@@ -70,6 +70,8 @@ def summary(name: str, res: dict, steps: int) -> dict:
             **({"note": ONE_STEP} if res.get("steps_done") == 1 else {})}
 
 
+RESUME_GRACE_S = 90.0   # SIGTERM to SIGKILL for a resumable row (10 s once stopped the 8K row mid-checkpoint)
+
 # the optimizers allocate their state at their first step, after step 1's forward and backward: a run's first
 # step peaks without it (measured: each 1.5B row's step-2 peak was its step-1 peak plus the 8-bit state)
 ONE_STEP = ("one step measured: the optimizer's state is allocated at the end of its first update, so later "
@@ -193,7 +195,10 @@ def main() -> None:
                               **({"resume": str(run_dir)} if done else {}))
         if done:
             log(f"{name}: continues its run after step {done}, to step {total}")
-        res = bl.run_edgerl(name, spec, work, max(10, min(args.timeout, clock.left() - 5)))
+        # a resumable row is stopped early enough that the checkpoint it is writing (9 GB at the 1.5B widths in
+        # fp32 with its optimizer) can finish before the SIGKILL: the next call continues from it
+        grace = RESUME_GRACE_S if args.resumable else 10.0
+        res = bl.run_edgerl(name, spec, work, max(10, min(args.timeout, clock.left() - 5) - grace + 10), grace=grace)
         row = summary(name, res, total - done) | ({"resumed_after_step": done} if done else {})
         results.put(name, row | {"raw": {k: v for k, v in res.items() if k not in ("trace",)}})
         log(bl.memory_line(name, row))

@@ -303,10 +303,10 @@ def stop_children(signum: int = signal.SIGTERM, _frame: Any = None) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dict[str, str]] = None
-               ) -> tuple[str, Optional[int], str]:
+def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dict[str, str]] = None,
+               grace: float = 10.0) -> tuple[str, Optional[int], str]:
     """Run `cmd` in its own process group, output to `log_path`; on timeout the whole group is
-    stopped (SIGTERM, then SIGKILL). A SIGTERM to this process (a stage's time limit) stops the group
+    stopped (SIGTERM, then SIGKILL after `grace` seconds: time for a checkpoint being written). A SIGTERM to this process (a stage's time limit) stops the group
     too before this process ends, so no run outlives the benchmark that started it. Returns (status,
     exit code or None, the last 3000 characters of the log)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -327,7 +327,7 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dic
             rc: Optional[int] = proc.wait(timeout=max(1.0, timeout))
             status = "ok" if rc == 0 else f"exit {rc}"
         except subprocess.TimeoutExpired:
-            _stop_group(proc)
+            _stop_group(proc, grace)
             rc, status = None, f"timeout after {timeout:.0f} s"
         finally:
             if main:
@@ -663,8 +663,9 @@ def read_run_folder(run_dir: Path) -> dict[str, Any]:
 
 
 def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, nproc: int = 1,
-               env: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    """An edgerl run in a subprocess (torchrun with `nproc` > 1); its summary."""
+               env: Optional[dict[str, str]] = None, grace: float = 10.0) -> dict[str, Any]:
+    """An edgerl run in a subprocess (torchrun with `nproc` > 1); its summary. `grace`: seconds between the
+    SIGTERM at the time limit and the SIGKILL."""
     spec_path = work / f"{name}.spec.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     Path(spec["out"]).unlink(missing_ok=True)
@@ -675,7 +676,7 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
                __file__, "edgerl", str(spec_path)]
     else:
         cmd = [sys.executable, __file__, "edgerl", str(spec_path)]
-    status, rc, tail = run_logged(cmd, work / f"{name}.log", timeout, env)
+    status, rc, tail = run_logged(cmd, work / f"{name}.log", timeout, env, grace)
     outp = Path(spec["out"])
     res: dict[str, Any] = json.loads(outp.read_text()) if outp.exists() else {}
     folder = read_run_folder(Path(spec["run_dir"]))

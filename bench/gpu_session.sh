@@ -48,8 +48,9 @@
 #                   adds the attention kernel at other configurations)
 #   long 560       bench_long --parallel --tf32: the long-response rows (1.5B full at 512-8K under a P40's memory, 7B NF4
 #                   at 2K/4K under a P40's, 8B NF4 at 2K under a T4's), all at once, each under its own cap
-#                   (LONG_ROWS: which; LONG_ARGS=--resumable with LONG_STEPS=1: a checkpoint per step, and the same
-#                   command again on the machine still held continues each row: the 8K row is slower than one call)
+#                   (LONG_ROWS: which; LONG_ARGS=--resumable: a checkpoint per step, 90 s between the time limit's
+#                   SIGTERM and the SIGKILL for the one being written, and the same command again on the machine
+#                   still held continues each row up to LONG_STEPS in all: the 8K row is slower than one call)
 #   recipes 560    bench_recipes --parallel --tf32: each recipe in examples/recipes, 3 steps under its card's memory,
 #                  random weights at its model's real widths (a recipe for two GPUs only where two are visible)
 #   archs 200      bench_architectures: Qwen3 and Gemma 3 on the static engine against HF in fp32, bf16 and fp16
