@@ -635,7 +635,10 @@ def edgerl_child(spec_path: str) -> None:
             used = process_used()
             res["process_used_end_gib"] = used / GiB if used is not None else None
             res["process_reserved_end_gib"] = torch.cuda.memory_reserved(t.device) / GiB
-        res.update(status="ok", rows=rows, phase_peaks=t.phase_peaks, logs=logs[-40:])
+        # a SIGTERM (the bench's time limit) ends the run after the step in flight, with a checkpoint and no
+        # error: a stopped run, not a finished one
+        stopped = f"stopped by {t.stop_signal} after {len(rows)} step(s)" if t.stop_signal else None
+        res.update(status=stopped or "ok", rows=rows, phase_peaks=t.phase_peaks, logs=logs[-40:])
     except BaseException as e:  # noqa: BLE001 - the parent reports it; OOM is an expected outcome
         import traceback
         text = f"{type(e).__name__}: {e}"
@@ -660,6 +663,17 @@ def read_run_folder(run_dir: Path) -> dict[str, Any]:
                 pass
     out["rows"] = rows
     return out
+
+
+def run_status(logged: str, child: str, steps: int) -> str:
+    """A run's status from the parent's (`logged`: run_logged's) and the child's own, given the steps its run
+    folder holds. A run the time limit's SIGTERM stopped ends cleanly after the step in flight: it is
+    reported as stopped at the limit, never as "ok"."""
+    if logged.startswith("timeout") and child.startswith(("stopped by", "ok")):
+        return f"{logged}: stopped after {steps} step(s)"
+    if child != "ok" and steps and "step(s)" not in child:
+        return f"{child} after {steps} step(s)"
+    return child
 
 
 def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, nproc: int = 1,
@@ -687,8 +701,7 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
         res["phase_peaks"] = json.loads(phases.read_text())   # the phases a run stopped or failed had finished
     if not res.get("rows"):
         res["rows"] = folder["rows"]     # steps done before a timeout or crash
-    if res["status"] != "ok" and res["rows"]:
-        res["status"] += f" after {len(res['rows'])} step(s)"
+    res["status"] = run_status(status, res["status"], len(res["rows"]))
     res["ranks"] = [json.loads(Path(f"{spec['out']}.rank{r}.json").read_text())
                     for r in range(1, nproc) if Path(f"{spec['out']}.rank{r}.json").exists()]
     res["log"] = str(work / f"{name}.log")

@@ -222,7 +222,7 @@ def test_bench_long_resumable_rows_continue_their_run_in_the_next_call(tmp_path)
     assert [m["step"] for m in first["raw"]["metrics"]] == [1] and [m["step"] for m in second["raw"]["metrics"]] == [2]
     assert second["resumed_after_step"] == 1 and "resumed_after_step" not in first
     assert first["estimate_gib"] == pytest.approx(second["estimate_gib"])   # the same plan in both calls
-    assert third["status"] == "done: its run folder holds 2 of 2 steps" and third["steps"] == "2/2"   # the same plan in both calls
+    assert third["status"] == "done: its run folder holds 2 of 2 steps" and third["steps"] == "2/2"
 
 
 def test_bench_vs_trl_runs_of_a_group_for_each_side_selection():
@@ -250,3 +250,14 @@ def test_bench_vs_trl_context_on_a_shared_gpu_is_never_the_devices():
     assert ctx == pytest.approx(DEFAULT_CALIBRATION.cuda_context / bl.GiB) and "constant" in how
     own = {**crowded, "process_used_end_gib": 19.0, "process_reserved_end_gib": 18.2}
     assert vs.context_of(own, shared_gpu=True) == (pytest.approx(0.8), "NVML, this process")
+
+
+def test_a_run_the_time_limit_stopped_is_never_reported_ok():
+    """The limit's SIGTERM makes edgerl finish the step in flight, save and exit cleanly: the run is reported
+    as stopped at the limit with the steps it holds, not as a finished run."""
+    assert bl.run_status("timeout after 540 s", "stopped by SIGTERM after 2 step(s)", 2) == \
+        "timeout after 540 s: stopped after 2 step(s)"
+    assert bl.run_status("timeout after 540 s", "ok", 2) == "timeout after 540 s: stopped after 2 step(s)"
+    assert bl.run_status("ok", "ok", 3) == "ok"
+    assert bl.run_status("exit 1", "out of memory", 1) == "out of memory after 1 step(s)"
+    assert bl.run_status("exit 1", "out of memory", 0) == "out of memory"
