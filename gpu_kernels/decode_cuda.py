@@ -12,7 +12,10 @@ norm's second use):
 - `rope_attend`: the rotary embedding of the G query heads of one KV head and of its new key, the key
   and value written into cache column `col`, and attention over the columns [start[b], col] that row
   sees (not the whole masked cache), one block per row and KV head; softmax in blocks of 256 columns
-  with a running maximum, so any cache length fits in 16 KB of shared memory;
+  with a running maximum, so any cache length fits in 16 KB of shared memory. A cache longer than
+  `SPLIT_COLUMNS` is split into slices of that many columns, a block each, and `attend_combine` merges
+  the slices' outputs by their maxima and sums (split-K, as flash-decoding does): at 16 rows and 2 KV heads
+  the unsplit kernel has 32 blocks, each walking up to thousands of columns while most SMs wait;
 - `silu_mul`: SiLU(gate) * up.
 
 fp32 only. The elementwise products and sums round where the eager ops do (no contraction into FMAs,
@@ -30,7 +33,7 @@ import torch
 
 from .nvrtc import KernelUnavailable, kernel
 from .tiles import DECODE_CUDA_HEAD_DIMS as HEAD_DIMS, DECODE_CUDA_MAX_GROUP as MAX_GROUP
-from .tiles import decode_cuda_shape_reason as shape_reason
+from .tiles import DECODE_CUDA_SPLIT_COLUMNS as SPLIT_COLUMNS, decode_cuda_shape_reason as shape_reason
 
 THREADS = 256   # the kernels' blocks; rope_attend's softmax takes 256 cache columns at a time (one per thread)
 
@@ -100,26 +103,33 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T
   y[i] = __fmul_rn(a / (1.0f + expf(-a)), u[m * us + c]);
 }
 
-// One block of 256 threads per (row b, KV head h): rotate the G query heads h G .. h G + G - 1 into shared
-// memory, write the rotated key and the value into cache column col, then attend over the columns
-// [start[b], col] in tiles of 256 (a thread per column for the scores; THREADS / D threads per head
-// dimension for P V, each over every (THREADS / D)-th column), with a running maximum across tiles.
+// One block of 256 threads per (row b, KV head h) and, split (SPLIT), per slice z of CH columns: rotate the G
+// query heads h G .. h G + G - 1 into shared memory, write the rotated key and the value into cache column col
+// (the block whose columns hold col: the only one that reads it), then attend over its columns (all of
+// [start[b], col] unsplit; [start[b] + z CH, ...] split) in tiles of 256 (a thread per column for the scores;
+// THREADS / D threads per head dimension for P V, each over every (THREADS / D)-th column), with a running
+// maximum across tiles. Unsplit, o (B, KVH G D) gets the normalised output; split, o is (B KVH, NS, G, D): the
+// slice's unnormalised P V, with its maximum and sum in pm and pl (B KVH, NS, G), and attend_combine merges the
+// slices. A slice past col (its first column after it) returns at once.
 // q, k, v: rows of the step's projections (row strides sq, sk, sv); cos, sin: (B, D); kc, vc: this layer's
-// cache (B, KVH, S, D), read and written (not __restrict__: the new column is read back after a barrier);
-// o: (B, KVH G D).
-template <int G, int D>
-__global__ void __launch_bounds__(256) rope_attend(
+// cache (B, KVH, S, D), read and written (not __restrict__: the new column is read back after a barrier).
+template <int G, int D, bool SPLIT>
+__device__ __forceinline__ void attend(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
     int sq, int sk, int sv, const float* __restrict__ cs, const float* __restrict__ sn,
     float* kc, float* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
-    float* __restrict__ o, int KVH, int S, double scale_d) {
+    float* __restrict__ o, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
+    float* __restrict__ pl) {
   constexpr int T = 256, TS = 256, P = T / D, HALF = D / 2;
   __shared__ __align__(16) float qs[G * D];
   __shared__ __align__(16) float sc[G * TS];   // scores, then exp(score - max); at the end the parts' sums
   __shared__ float mrow[G], lrow[G], arow[G];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x / KVH, h = blockIdx.x - b * KVH;
-  const int col = (int)colp[0], lo = (int)start[b];
+  const int col = (int)colp[0];
+  const int lo = (int)start[b] + (SPLIT ? (int)blockIdx.y * CH : 0);
+  if (lo > col) return;   // a slice past the last column: the whole block, before any barrier
+  const int hi = SPLIT ? min(col, lo + CH - 1) : col;
   const float scale = (float)scale_d;
   const float* c = cs + (long long)b * D;
   const float* s = sn + (long long)b * D;
@@ -130,7 +140,7 @@ __global__ void __launch_bounds__(256) rope_attend(
     const int g = i / D;
     qs[i] = rot(q + (long long)b * sq + (long long)(h * G + g) * D, c, s, i - g * D, HALF);
   }
-  if (tid < D) {
+  if (hi == col && tid < D) {
     kr[(long long)col * D + tid] = rot(k + (long long)b * sk + (long long)h * D, c, s, tid, HALF);
     vr[(long long)col * D + tid] = v[(long long)b * sv + (long long)h * D + tid];
   }
@@ -140,9 +150,9 @@ __global__ void __launch_bounds__(256) rope_attend(
   float acc[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) acc[g] = 0.f;
-  for (int t0 = lo; t0 <= col; t0 += TS) {
+  for (int t0 = lo; t0 <= hi; t0 += TS) {
     const int p = t0 + tid;
-    if (p <= col) {
+    if (p <= hi) {
       float dot[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) dot[g] = 0.f;
@@ -170,7 +180,7 @@ __global__ void __launch_bounds__(256) rope_attend(
 #pragma unroll
       for (int i = lane; i < TS; i += 32) mx = fmaxf(mx, sc[g * TS + i]);
       mx = warp_max(mx);
-      const float mnew = fmaxf(mrow[g], mx);   // finite: every tile holds column t0 <= col
+      const float mnew = fmaxf(mrow[g], mx);   // finite: every tile holds column t0 <= hi
       float sum = 0.f;
 #pragma unroll
       for (int i = lane; i < TS; i += 32) {
@@ -187,7 +197,7 @@ __global__ void __launch_bounds__(256) rope_attend(
       }
     }
     __syncthreads();
-    const int n = min(TS, col - t0 + 1);
+    const int n = min(TS, hi - t0 + 1);
 #pragma unroll
     for (int g = 0; g < G; ++g) acc[g] *= arow[g];
 #pragma unroll 4
@@ -209,9 +219,61 @@ __global__ void __launch_bounds__(256) rope_attend(
     for (int g = 0; g < G; ++g)
       for (int r = 1; r < P; ++r) acc[g] += sc[((r - 1) * G + g) * D + d];
   }
-  float* out = o + ((long long)b * KVH + h) * G * D;
+  if (SPLIT) {
+    const long long slot = (long long)blockIdx.x * gridDim.y + blockIdx.y;
+    float* out = o + slot * G * D;
 #pragma unroll
-  for (int g = 0; g < G; ++g) out[g * D + d] = acc[g] / lrow[g];
+    for (int g = 0; g < G; ++g) out[g * D + d] = acc[g];
+    if (tid < G) { pm[slot * G + tid] = mrow[tid]; pl[slot * G + tid] = lrow[tid]; }
+  } else {
+    float* out = o + ((long long)b * KVH + h) * G * D;
+#pragma unroll
+    for (int g = 0; g < G; ++g) out[g * D + d] = acc[g] / lrow[g];
+  }
+}
+
+template <int G, int D>
+__global__ void __launch_bounds__(256) rope_attend(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    int sq, int sk, int sv, const float* __restrict__ cs, const float* __restrict__ sn,
+    float* kc, float* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    float* __restrict__ o, int KVH, int S, double scale_d) {
+  attend<G, D, false>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, o, KVH, S, scale_d, 0, nullptr, nullptr);
+}
+
+template <int G, int D>
+__global__ void __launch_bounds__(256) rope_attend_split(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+    int sq, int sk, int sv, const float* __restrict__ cs, const float* __restrict__ sn,
+    float* kc, float* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    float* __restrict__ part, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
+    float* __restrict__ pl) {
+  attend<G, D, true>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, part, KVH, S, scale_d, CH, pm, pl);
+}
+
+// One block per (row b, KV head h): the slices' outputs of rope_attend_split merged, each rescaled by
+// exp(its maximum - the largest) and the sum divided by the rescaled sums; only the slices that held columns
+// (start[b] + z CH <= col) are read.
+template <int G, int D>
+__global__ void __launch_bounds__(256) attend_combine(
+    const float* __restrict__ part, const float* __restrict__ pm, const float* __restrict__ pl,
+    const long long* __restrict__ start, const long long* __restrict__ colp, float* __restrict__ o,
+    int KVH, int NS, int CH) {
+  const int bh = blockIdx.x, b = bh / KVH;
+  const int nz = min(NS, ((int)colp[0] - (int)start[b]) / CH + 1);
+  const long long base = (long long)bh * NS;
+  for (int i = threadIdx.x; i < G * D; i += 256) {
+    const int g = i / D;
+    float m = NEG_INF;
+    for (int z = 0; z < nz; ++z) m = fmaxf(m, pm[(base + z) * G + g]);
+    float l = 0.f, a = 0.f;
+    for (int z = 0; z < nz; ++z) {
+      const float w = expf(pm[(base + z) * G + g] - m);
+      l = fmaf(pl[(base + z) * G + g], w, l);
+      a = fmaf(part[(base + z) * G * D + i], w, a);
+    }
+    o[(long long)bh * G * D + i] = a / l;
+  }
 }
 """
 
@@ -219,13 +281,14 @@ def _kernel(name: str, device: torch.device):
     return kernel(SOURCE, name, device)
 
 
-def attend_name(group: int, head_dim: int) -> str:
-    return f"rope_attend<{group}, {head_dim}>"
+def attend_name(group: int, head_dim: int, split: bool = False) -> str:
+    return f"rope_attend{'_split' if split else ''}<{group}, {head_dim}>"
 
 
 def kernel_names(group: int, head_dim: int) -> list[str]:
     """Every instantiation a decode step with this head layout launches."""
-    return ["add_rms_norm<float>", "silu_mul<float>", attend_name(group, head_dim)]
+    return ["add_rms_norm<float>", "silu_mul<float>", attend_name(group, head_dim),
+            attend_name(group, head_dim, split=True), f"attend_combine<{group}, {head_dim}>"]
 
 
 def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, group: int) -> Optional[str]:
@@ -286,11 +349,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, col: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, split_columns: Optional[int] = None) -> torch.Tensor:
     """One decode step's attention for B rows: q (B, >= H D), k and v (B, >= KVH D) (views of the
     projections' output are fine), cos and sin (B, D) (sin with rotate_half's sign), the layer's cache
     k_cache and v_cache (B, KVH, S, D) (column col[0] is written), start (B,) each row's first column.
-    Returns (B, H D) fp32: the G = H / KVH query heads of KV head h are heads h G .. h G + G - 1."""
+    Returns (B, H D) fp32: the G = H / KVH query heads of KV head h are heads h G .. h G + G - 1.
+    A cache longer than `split_columns` (default SPLIT_COLUMNS) is attended in slices of that many columns, one
+    block each, and the slices merged by a second kernel (split-K, as flash-decoding does): one block per row
+    and KV head leaves most SMs idle at long lengths."""
     B, KVH, S, D = k_cache.shape
     if v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous() \
             or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
@@ -312,12 +378,29 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     if start.dtype != torch.int64 or tuple(start.shape) != (B,) or col.dtype != torch.int64 or col.numel() != 1:
         raise ValueError(f"rope_attend: start must be int64 ({B},) and col int64 (1,), got {start.dtype} "
                          f"{tuple(start.shape)} and {col.dtype} {tuple(col.shape)}")
+    if split_columns is None:
+        split_columns = SPLIT_COLUMNS
+    if split_columns < 1:
+        raise ValueError(f"rope_attend: split_columns must be positive, got {split_columns}")
     o = torch.empty((B, H * D), dtype=torch.float32, device=q.device)
-    if B:
+    if not B:
+        return o
+    start = start.contiguous()
+    ns = -(-S // split_columns)   # slices of the whole cache: the grid is fixed when a CUDA graph captures it
+    if ns <= 1:
         _kernel(attend_name(group, D), q.device)(
             grid=(B * KVH, 1, 1), block=(THREADS, 1, 1),
-            args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start.contiguous(), col, o, KVH, S,
-                  float(scale)])
+            args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, o, KVH, S, float(scale)])
+        return o
+    part = torch.empty((B * KVH * ns * group * D,), dtype=torch.float32, device=q.device)
+    pm = torch.empty((B * KVH * ns * group,), dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    _kernel(attend_name(group, D, split=True), q.device)(
+        grid=(B * KVH, ns, 1), block=(THREADS, 1, 1),
+        args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, part, KVH, S, float(scale),
+              int(split_columns), pm, pl])
+    _kernel(f"attend_combine<{group}, {D}>", q.device)(
+        grid=(B * KVH, 1, 1), block=(THREADS, 1, 1), args=[part, pm, pl, start, col, o, KVH, ns, int(split_columns)])
     return o
 
 

@@ -207,6 +207,10 @@ def group_pad(group: int) -> int:
 # P V product (256 / D of them per dimension), and the softmax gives each query head of a KV head a warp.
 DECODE_CUDA_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_CUDA_MAX_GROUP = 8
+# rope_attend attends a cache longer than this many columns in slices of it, a block each (split-K), merged by a
+# second kernel: one block per row and KV head (32 at 16 rows of Qwen2.5-1.5B's 2 KV heads) leaves most SMs
+# idle while it walks thousands of columns. Chosen by bench/bench_decode_cuda_attention.py (docs/benchmarks.md).
+DECODE_CUDA_SPLIT_COLUMNS = 512
 
 
 # The fused NF4 decode kernel (gpu_kernels/nf4.py) takes a decode step's rows up to this many: per projection

@@ -136,7 +136,7 @@ def test_nf4_decode_profile_says_it_needs_a_gpu():
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script", ["bench_decode_layer.py", "bench_decode_gemm.py"])
+@pytest.mark.parametrize("script", ["bench_decode_layer.py", "bench_decode_gemm.py", "bench_decode_cuda_attention.py"])
 def test_decode_benches_say_they_need_a_gpu(script):
     """The decode layer's and the decode products' benches time CUDA kernels: without a GPU each says so and
     exits 2."""

@@ -59,9 +59,22 @@ CASES = [   # rows, KV heads, query heads per KV head, head size, cache length, 
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+SPLIT_CASES = [   # as CASES, and the slice of columns each block of the split kernel attends over
+    (16, 2, 6, 128, 2112, 2100, 512),   # Qwen2.5-1.5B's heads at 16 rows, five slices
+    (3, 4, 7, 128, 1040, 1030, 300),    # Qwen2.5-7B's heads, slices that are not whole tiles
+    (2, 1, 8, 64, 1040, 511, 256),      # the new column the last of a slice, later slices empty
+    (2, 3, 3, 64, 528, 512, 512),       # the new column alone in the second slice
+    (4, 2, 2, 32, 64, 40, 16),
+    (2, 2, 1, 256, 600, 599, 100),
+]
+
+
+@pytest.mark.parametrize("case", CASES + SPLIT_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_rope_attend_equals_the_reference_and_writes_the_engines_cache_column(case):
-    B, KVH, G, D, S, col = case
+    """Whole (one block per row and KV head) and split into slices of columns merged by a second kernel: the
+    rows' windows start anywhere up to the new column, so slices begin at different columns per row."""
+    B, KVH, G, D, S, col = case[:6]
+    split = case[6] if len(case) > 6 else S
     k = kernels()
     g = torch.Generator(device="cuda").manual_seed(S + col)
     H = KVH * G
@@ -78,9 +91,12 @@ def test_rope_attend_equals_the_reference_and_writes_the_engines_cache_column(ca
     colt = torch.tensor([col], device="cuda")
     rk, rv = kc.clone(), vc.clone()
     want, _ = k.reference_rope_attend(q, kk, v, cos, sin, rk, rv, start, colt, D ** -0.5)
-    o = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, D ** -0.5)
+    o = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, D ** -0.5, split_columns=split)
     assert torch.equal(kc, rk) and torch.equal(vc, rv)   # the new column bit for bit, every other one untouched
     torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+    if split < S:   # and the whole kernel on the same inputs agrees with the split one to rounding
+        whole = k.rope_attend(q, kk, v, cos, sin, kc.clone(), vc.clone(), start, colt, D ** -0.5, split_columns=S)
+        torch.testing.assert_close(o, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_rope_attend_refuses_inputs_it_would_misread():
@@ -135,6 +151,19 @@ def test_engine_sampled_logprobs_through_the_kernels_match_the_full_forward_past
     want = torch.tensor([x for row in ref for x in row])
     diff = (got - want).abs()
     assert diff.max() <= 1e-4 and diff.mean() <= 1e-5, (diff.max(), diff.mean())
+
+
+def test_engine_through_the_split_attention_equals_hf_and_the_bmm_path(monkeypatch):
+    """Slices of 32 columns: from the 33rd column on, every decode step's attention is split and merged, inside
+    the CUDA graph (whose grid is fixed at capture)."""
+    from edgerl.kernels import decode_cuda
+    monkeypatch.setattr(decode_cuda, "SPLIT_COLUMNS", 32)
+    model = wide_llama()
+    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, backend="cuda-c")
+    bmm = StaticCacheEngine(model, 8, 300, cuda_graphs=True, backend="torch")
+    got = engine.generate(PROMPTS, 2, greedy(60))
+    assert got.response_ids == HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(60)).response_ids
+    assert got.response_ids == bmm.generate(PROMPTS, 2, greedy(60)).response_ids
 
 
 def test_engine_refuses_the_cuda_c_backend_outside_fp32():

@@ -227,7 +227,8 @@ def test_decode_layer_kernels_compile_or_doctor_names_the_setting(monkeypatch, n
     r = fake_probe("P40")
     c = checks_for(r)["decode-layer kernels"]
     assert c.status == "ok" and "sm_61" in c.detail
-    assert (["add_rms_norm<float>", "silu_mul<float>", "rope_attend<3, 64>"], (6, 1)) in nvrtc_compiles
+    assert (["add_rms_norm<float>", "silu_mul<float>", "rope_attend<3, 64>", "rope_attend_split<3, 64>",
+             "attend_combine<3, 64>"], (6, 1)) in nvrtc_compiles
     assert "decode-layer kernels" not in checks_for(r, simulated=True)
     assert "decode-layer kernels" not in checks_for(fake_probe("3090"))   # bf16: the Triton kernel instead
 
