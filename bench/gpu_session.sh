@@ -34,6 +34,8 @@
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   tests-nf4 120   tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py (the NVRTC kernels)
+#   attn-long 150   the fp32 decode kernels' CUDA tests, then bench_decode_cuda_attention: the attention kernel whole and
+#                   split into slices of columns, at 256-8192 columns, beside torch's ops (ATTN_ARGS: more options)
 #   nf4-decode 200  bench_nf4_decode: the QLoRA fp32 decode step at the Qwen2.5-7B widths, NF4_LAYERS (28) layers
 #   rollout-bf16 240  bench_rollout's bf16 configs only, the decode backends (ROLLOUT_VARIANTS; default: HF generate,
 #                   torch's ops in the graph, the Triton attention kernel, and the Triton layers, which the plan
@@ -109,6 +111,8 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
         tests-nf4) echo "python3 -m pytest -q -p no:cacheprovider tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py 2>&1 | tee $OUT/tests_nf4$x.log | tail -30" ;;
+        attn-long) echo "python3 -m pytest -q -p no:cacheprovider tests/test_decode_cuda_kernels_cuda.py 2>&1 | tee $OUT/tests_attn$x.log | tail -20;
+              python3 bench/bench_decode_cuda_attention.py ${ATTN_ARGS:-} --out $OUT/bench_decode_cuda_attention$x.json" ;;
         tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py tests/test_packing_cuda.py 2>&1 | tee $OUT/tests_train$x.log | tail -30" ;;
         tests-optim) echo "python3 -m pytest -q -p no:cacheprovider tests/test_adamw_bf16_cuda.py tests/test_train_cuda.py ${TESTS_K:+-k \"$TESTS_K\"} 2>&1 | tee $OUT/tests_optim$x.log | tail -30" ;;
         tests) echo "python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/test_train_cuda.py tests/test_packing_cuda.py tests/test_lora_cuda.py tests/test_rollout_cuda.py tests/test_quant_cuda.py tests/test_adamw_bf16_cuda.py tests/test_models_cuda.py tests/test_decode_cuda_kernels_cuda.py tests/test_nf4_kernel_cuda.py 2>&1 | tee $OUT/tests$x.log | tail -40" ;;
@@ -148,7 +152,7 @@ limit_of() {
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
-        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; recheck) echo 420 ;;
+        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
         fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; *) echo 560 ;;
     esac
 }
