@@ -39,6 +39,7 @@ ROWS: dict[str, tuple[str, str, int, list[str]]] = {
     "qwen7b-nf4-p40-2k": ("qwen7b", "p40", 2048, NF4),
     "qwen7b-nf4-p40-4k": ("qwen7b", "p40", 4096, NF4),
     "llama8b-nf4-t4-2k": ("llama8b", "t4", 2048, NF4),
+    "llama8b-nf4-t4-4k": ("llama8b", "t4", 4096, NF4),
 }
 SMOKE = {"smoke": ("tiny-q", "cpu", 64, ["lora.enabled=false"])}
 # --check: the code paths of the rows on the GPU in a minute (the 1.5B full plan at 256 tokens, an NF4 base)

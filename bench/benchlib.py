@@ -665,11 +665,15 @@ def read_run_folder(run_dir: Path) -> dict[str, Any]:
     return out
 
 
-def run_status(logged: str, child: str, steps: int) -> str:
-    """A run's status from the parent's (`logged`: run_logged's) and the child's own, given the steps its run
-    folder holds. A run the time limit's SIGTERM stopped ends cleanly after the step in flight: it is
-    reported as stopped at the limit, never as "ok"."""
+def run_status(logged: str, child: str, steps: int, asked: Optional[int] = None,
+               last: Optional[int] = None) -> str:
+    """A run's status from the parent's (`logged`: run_logged's) and the child's own, given the steps this run
+    did, the number of its last step (a resumed run starts after 1) and train.steps. A run the time limit's
+    SIGTERM stopped ends cleanly after the step in flight: it is reported as stopped at the limit, never as
+    "ok", unless that step was its last."""
     if logged.startswith("timeout") and child.startswith(("stopped by", "ok")):
+        if asked is not None and (steps if last is None else last) >= asked:
+            return "ok"   # the signal came during the last step, which finished
         return f"{logged}: stopped after {steps} step(s)"
     if child != "ok" and steps and "step(s)" not in child:
         return f"{child} after {steps} step(s)"
@@ -701,7 +705,9 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
         res["phase_peaks"] = json.loads(phases.read_text())   # the phases a run stopped or failed had finished
     if not res.get("rows"):
         res["rows"] = folder["rows"]     # steps done before a timeout or crash
-    res["status"] = run_status(status, res["status"], len(res["rows"]))
+    asked = [int(x.split("=", 1)[1]) for x in spec["sets"] if x.startswith("train.steps=")]
+    res["status"] = run_status(status, res["status"], len(res["rows"]), asked[-1] if asked else None,
+                               max((r.get("step", 0) for r in res["rows"]), default=0))
     res["ranks"] = [json.loads(Path(f"{spec['out']}.rank{r}.json").read_text())
                     for r in range(1, nproc) if Path(f"{spec['out']}.rank{r}.json").exists()]
     res["log"] = str(work / f"{name}.log")

@@ -258,6 +258,12 @@ def test_a_run_the_time_limit_stopped_is_never_reported_ok():
     assert bl.run_status("timeout after 540 s", "stopped by SIGTERM after 2 step(s)", 2) == \
         "timeout after 540 s: stopped after 2 step(s)"
     assert bl.run_status("timeout after 540 s", "ok", 2) == "timeout after 540 s: stopped after 2 step(s)"
+    assert bl.run_status("timeout after 540 s", "stopped by SIGTERM after 2 step(s)", 2, asked=3) == \
+        "timeout after 540 s: stopped after 2 step(s)"
+    assert bl.run_status("timeout after 316 s", "stopped by SIGTERM after 3 step(s)", 3, asked=3) == "ok"   # the last
+    assert bl.run_status("timeout after 316 s", "stopped by SIGTERM after 2 step(s)", 2, asked=3, last=3) == "ok"
+    assert bl.run_status("timeout after 316 s", "stopped by SIGTERM after 1 step(s)", 1, asked=3, last=2) == \
+        "timeout after 316 s: stopped after 1 step(s)"   # a resumed run: steps 2 and 3 of 3, stopped after 2
     assert bl.run_status("ok", "ok", 3) == "ok"
     assert bl.run_status("exit 1", "out of memory", 1) == "out of memory after 1 step(s)"
     assert bl.run_status("exit 1", "out of memory", 0) == "out of memory"
