@@ -209,7 +209,9 @@ DECODE_CUDA_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_CUDA_MAX_GROUP = 8
 # rope_attend attends a cache longer than this many columns in slices of it, a block each (split-K), merged by a
 # second kernel: one block per row and KV head (32 at 16 rows of Qwen2.5-1.5B's 2 KV heads) leaves most SMs
-# idle while it walks thousands of columns. Chosen by bench/bench_decode_cuda_attention.py (docs/benchmarks.md).
+# idle while it walks thousands of columns. 512 is the setting the long-response rows were measured with; in
+# bench/bench_decode_cuda_attention.py on an H200, slices of 256 took 0-8% less kernel time summed over 256 to
+# 8192 columns, and 1024 or 2048 more (docs/benchmarks.md).
 DECODE_CUDA_SPLIT_COLUMNS = 512
 
 
