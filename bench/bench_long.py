@@ -1,7 +1,8 @@
 """Long responses on small cards' memory: each row is a real edgerl run (GRPO with the reference KL, 2 prompts
 x 8 samples, EOS ignored, random weights at a real model's widths with the SmolLM2 vocabulary) under a card's
 memory as the allocator's cap (--profile p40: 22919 MiB, the fp32 plan; --profile t4: 15109 MiB, the fp16
-plan), and the plan's estimate beside the measured peak of every phase.
+plan; v100-32gb and rtx4090: full fine-tuning in fp16 and in bf16), and the plan's estimate beside the
+measured peak of every phase.
 
     python bench/bench_long.py [--only ROW ...] [--steps 3] [--parallel] [--budget-s 480] [--out FILE]
     python bench/bench_long.py --offload-cost      # the activation offload's cost: 8 layers at the 1.5B widths
@@ -40,6 +41,14 @@ ROWS: dict[str, tuple[str, str, int, list[str]]] = {
     "qwen7b-nf4-p40-4k": ("qwen7b", "p40", 4096, NF4),
     "llama8b-nf4-t4-2k": ("llama8b", "t4", 2048, NF4),
     "llama8b-nf4-t4-4k": ("llama8b", "t4", 4096, NF4),
+    # the 16-bit paths at the same lengths: LoRA on the 16-bit base in fp16 (T4), full fine-tuning in fp16
+    # mixed precision (V100 32 GB) and in bf16 (RTX 4090)
+    "1.5b-lora-t4-2k": ("1.5b", "t4", 2048, []),
+    "1.5b-lora-t4-8k": ("1.5b", "t4", 8192, []),
+    "1.5b-v100-fp16-2k": ("1.5b", "v100-32gb", 2048, ["lora.enabled=false"]),
+    "1.5b-v100-fp16-8k": ("1.5b", "v100-32gb", 8192, ["lora.enabled=false"]),
+    "1.5b-4090-bf16-2k": ("1.5b", "rtx4090", 2048, ["lora.enabled=false"]),
+    "1.5b-4090-bf16-8k": ("1.5b", "rtx4090", 8192, ["lora.enabled=false"]),
 }
 SMOKE = {"smoke": ("tiny-q", "cpu", 64, ["lora.enabled=false"])}
 # --check: the code paths of the rows on the GPU in a minute (the 1.5B full plan at 256 tokens, an NF4 base)
