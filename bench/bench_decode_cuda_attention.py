@@ -22,19 +22,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_gemm import require_cuda, timed  # noqa: E402  (timed: us per call of fn / n, in a CUDA graph)
 from bench_rollout import measure_bandwidth  # noqa: E402
+from benchlib import SHAPES  # noqa: E402  (the bench shapes' widths, checked against edgerl's catalogue)
 from edgerl.core.files import write_atomically  # noqa: E402
 
-# name: (hidden, KV heads, query heads per KV head, head size, MLP width)
-LAYOUTS = {"1.5b": (1536, 2, 6, 128, 8960), "qwen7b": (3584, 4, 7, 128, 18944), "llama8b": (4096, 8, 4, 128, 14336)}
+
+def layout(name):
+    """(hidden, KV heads, query heads per KV head, head size, MLP width) of a bench shape."""
+    hidden, _, heads, kv, mlp, _ = SHAPES[name]
+    return hidden, kv, heads // kv, hidden // heads, mlp
 
 
-def torch_attention(q, kc, vc, col, scale, G):
-    """The torch backend's fp32 ops: every cache column scored, the unseen ones masked (start 0 here)."""
+def torch_mask(B, KVH, S, col, device):
+    """The torch backend's additive mask, (B KVH, 1, S): built once per step for every layer (start 0 here)."""
+    hidden = torch.arange(S, device=device) > col
+    return torch.where(hidden, -torch.inf, 0.0)[None, None, :].expand(B * KVH, 1, S).contiguous()
+
+
+def torch_attention(q, kc, vc, mask, scale, G):
+    """The torch backend's fp32 attention (edgerl/rollout/decode_torch.py): every cache column scored with the
+    mask added by baddbmm, softmax, bmm."""
     B, KVH, S, D = kc.shape
-    qh = q.view(B * KVH, G, D)
-    s = torch.baddbmm(torch.zeros(B * KVH, G, S, device=q.device), qh, kc.view(B * KVH, S, D).transpose(1, 2),
-                      alpha=scale)
-    s.masked_fill_(torch.arange(S, device=q.device) > col, float("-inf"))
+    s = torch.baddbmm(mask, q.view(B * KVH, G, D), kc.view(B * KVH, S, D).transpose(1, 2), alpha=scale)
     return torch.bmm(torch.softmax(s, -1), vc.view(B * KVH, S, D)).view(B, -1)
 
 
@@ -48,9 +56,13 @@ def main():
     ap.add_argument("--copies", type=int, default=6, help="cache copies cycled through (L2 holds none)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    unknown = [n for n in a.layouts.split(",") if n not in LAYOUTS]
+    unknown = [n for n in a.layouts.split(",") if n not in SHAPES]
     if unknown:
-        ap.error(f"--layouts: {', '.join(unknown)} not among {', '.join(LAYOUTS)}")
+        ap.error(f"--layouts: {', '.join(unknown)} not among the bench shapes ({', '.join(SHAPES)})")
+    from edgerl.kernels.tiles import decode_cuda_shape_reason
+    for n in a.layouts.split(","):
+        if why := decode_cuda_shape_reason(layout(n)[3], layout(n)[2]):
+            ap.error(f"--layouts: {n}: the kernel does not take its heads ({why})")
     try:
         cols = [int(c) for c in a.cols.split(",")]
         splits = [int(c) for c in a.splits.split(",")]
@@ -68,7 +80,7 @@ def main():
           f"{torch.cuda.get_device_properties(dev).multi_processor_count} SMs; {a.rows} rows, cache {a.cache}")
     results = []
     for name in a.layouts.split(","):
-        Hd, KVH, G, D, I = LAYOUTS[name]
+        Hd, KVH, G, D, I = layout(name)
         B, S, H = a.rows, a.cache, KVH * G
         g = torch.Generator(device=dev).manual_seed(0)
         caches = [(torch.randn(B, KVH, S, D, device=dev, generator=g), torch.randn(B, KVH, S, D, device=dev, generator=g))
@@ -98,7 +110,8 @@ def main():
                                                   split_columns=split) for c in caches], len(caches))
                 row[label] = {"us": us, "max_err": err}
             qr = q.contiguous()   # the torch ops on an unrotated q: the same reads and arithmetic
-            row["torch"] = {"us": timed(lambda: [torch_attention(qr, c[0], c[1], col, scale, G) for c in caches],
+            mask = torch_mask(B, KVH, S, col, dev)
+            row["torch"] = {"us": timed(lambda: [torch_attention(qr, c[0], c[1], mask, scale, G) for c in caches],
                                         len(caches))}
             results.append(row)
             best = min((lab for lab, _ in variants), key=lambda lab: row[lab]["us"])
