@@ -68,6 +68,8 @@ def main():
         splits = [int(c) for c in a.splits.split(",")]
     except ValueError:
         ap.error("--cols and --splits take comma-separated integers")
+    if a.rows < 1 or a.copies < 1 or a.cache < 1:
+        ap.error("--rows, --copies and --cache need at least 1")
     if any(not 0 <= c < a.cache for c in cols) or any(s < 1 for s in splits):
         ap.error(f"--cols must lie in [0, {a.cache}) and --splits be positive")
     if a.out and not Path(a.out).resolve().parent.is_dir():
