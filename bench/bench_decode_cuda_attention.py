@@ -1,7 +1,8 @@
-"""The fp32 decode step's attention at long lengths: gpu_kernels/decode_cuda.py's rope_attend, one block per row
-and KV head against split into slices of columns (split-K, merged by a second kernel), beside plain torch's
-baddbmm, softmax and bmm over the masked cache (the `torch` decode backend's ops), and beside the layer's
-four fp32 matmuls at the same rows, so that the attention's share of a decode step shows.
+"""The decode step's attention at long lengths, in fp32 or fp16 (--dtype): gpu_kernels/decode_cuda.py's
+rope_attend, one block per row and KV head against split into slices of columns (split-K, merged by a second
+kernel), beside the `torch` decode backend's ops over the masked cache (fp32: baddbmm, softmax and bmm; fp16:
+SDPA, as a Volta or Turing plan decodes), and beside the layer's four matmuls at the same rows, so that the
+attention's share of a decode step shows.
 
 For each head layout (Qwen2.5-1.5B: 2 KV heads of 6 queries; Qwen2.5-7B: 4 of 7; Llama-3.1-8B: 8 of 4; head
 size 128), 16 rows, a cache of --cache columns (what a rollout of that many tokens allocates), the new column
@@ -9,7 +10,7 @@ written at each of --cols: microseconds per call (a CUDA graph over --copies cop
 none of them), the share of the bound (the K and V columns each row sees, read once, over the copy bandwidth
 measured in this run), and the largest difference from the float64 reference.
 
-    python bench/bench_decode_cuda_attention.py [--cols 512,2048,4096,8192] [--splits 256,512,1024]
+    python bench/bench_decode_cuda_attention.py [--cols 512,2048,4096,8192] [--splits 256,512,1024] [--dtype fp16]
 """
 import argparse
 import json
@@ -32,16 +33,22 @@ def layout(name):
     return hidden, kv, heads // kv, hidden // heads, mlp
 
 
-def torch_mask(B, KVH, S, col, device):
-    """The torch backend's additive mask, (B KVH, 1, S): built once per step for every layer (start 0 here)."""
+def torch_mask(B, KVH, S, col, device, dtype=torch.float32):
+    """The torch backend's additive mask, built once per step for every layer (start 0 here): (B KVH, 1, S) for
+    fp32's baddbmm, (B, 1, 1, S) for the 16-bit SDPA (edgerl/rollout/decode_torch.py)."""
     hidden = torch.arange(S, device=device) > col
-    return torch.where(hidden, -torch.inf, 0.0)[None, None, :].expand(B * KVH, 1, S).contiguous()
+    bias = torch.where(hidden, -torch.inf, torch.zeros((), device=device, dtype=dtype))[None, None, None, :]
+    return bias.expand(B, 1, 1, S).contiguous() if dtype != torch.float32 else \
+        bias.expand(B * KVH, 1, S).contiguous()
 
 
 def torch_attention(q, kc, vc, mask, scale, G):
-    """The torch backend's fp32 attention (edgerl/rollout/decode_torch.py): every cache column scored with the
-    mask added by baddbmm, softmax, bmm."""
+    """The torch backend's attention (edgerl/rollout/decode_torch.py): every cache column scored, masked. fp32:
+    the mask added by baddbmm, softmax, bmm; 16 bits: SDPA, each KV head attending for its G query heads."""
     B, KVH, S, D = kc.shape
+    if kc.dtype != torch.float32:
+        from edgerl.rollout.decoder import sdpa
+        return sdpa(q.view(B, KVH, G, D), kc, vc, mask, scale, False).reshape(B, -1)
     s = torch.baddbmm(mask, q.view(B * KVH, G, D), kc.view(B * KVH, S, D).transpose(1, 2), alpha=scale)
     return torch.bmm(torch.softmax(s, -1), vc.view(B * KVH, S, D)).view(B, -1)
 
@@ -54,6 +61,7 @@ def main():
     ap.add_argument("--cols", default="256,1024,2048,4096,6144,8192", help="new columns to time at")
     ap.add_argument("--splits", default="256,512,1024,2048", help="columns per slice of the split kernel")
     ap.add_argument("--copies", type=int, default=6, help="cache copies cycled through (L2 holds none)")
+    ap.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="the cache's and the inputs' dtype")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     unknown = [n for n in a.layouts.split(",") if n not in SHAPES]
@@ -77,33 +85,36 @@ def main():
     require_cuda("bench_decode_cuda_attention.py times CUDA kernels")
     from edgerl.kernels import decode_cuda as k
     dev = torch.device("cuda")
+    dt = {"fp32": torch.float32, "fp16": torch.float16}[a.dtype]
+    elt = torch.tensor([], dtype=dt).element_size()
     bw = measure_bandwidth(dev)
     print(f"{torch.cuda.get_device_name(dev)}: copy bandwidth {bw / 1e12:.2f} TB/s, "
-          f"{torch.cuda.get_device_properties(dev).multi_processor_count} SMs; {a.rows} rows, cache {a.cache}")
+          f"{torch.cuda.get_device_properties(dev).multi_processor_count} SMs; {a.rows} rows, cache {a.cache}, "
+          f"{a.dtype}")
     results = []
     for name in a.layouts.split(","):
         Hd, KVH, G, D, I = layout(name)
         B, S, H = a.rows, a.cache, KVH * G
         g = torch.Generator(device=dev).manual_seed(0)
-        caches = [(torch.randn(B, KVH, S, D, device=dev, generator=g), torch.randn(B, KVH, S, D, device=dev, generator=g))
-                  for _ in range(a.copies)]
-        qkv = torch.randn(B, (H + 2 * KVH) * D, device=dev, generator=g)
+        caches = [(torch.randn(B, KVH, S, D, device=dev, generator=g).to(dt),
+                   torch.randn(B, KVH, S, D, device=dev, generator=g).to(dt)) for _ in range(a.copies)]
+        qkv = torch.randn(B, (H + 2 * KVH) * D, device=dev, generator=g).to(dt)
         q, kk, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         ang = torch.rand(B, D // 2, device=dev, generator=g) * 6
-        cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((-ang.sin(), ang.sin()), -1)
+        cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dt), torch.cat((-ang.sin(), ang.sin()), -1).to(dt)
         start = torch.zeros(B, dtype=torch.long, device=dev)
         scale = D ** -0.5
-        mats = [(torch.randn(B, i, device=dev, generator=g), torch.randn(o, i, device=dev, generator=g))
+        mats = [(torch.randn(B, i, device=dev, generator=g).to(dt), torch.randn(o, i, device=dev, generator=g).to(dt))
                 for o, i in (((H + 2 * KVH) * D, Hd), (Hd, H * D), (2 * I, Hd), (Hd, I))]   # qkv, o, gate_up, down
         mm_us = timed(lambda: [torch.nn.functional.linear(xi, wi) for xi, wi in mats], 1)
-        print(f"\n{name}: {KVH} KV heads x {G} queries, head {D}; the layer's four fp32 matmuls at {B} rows: "
+        print(f"\n{name}: {KVH} KV heads x {G} queries, head {D}; the layer's four {a.dtype} matmuls at {B} rows: "
               f"{mm_us:.1f} us")
         for col in cols:
             colt = torch.tensor([col], device=dev)
-            bound = 2 * B * KVH * (col + 1) * D * 4 / bw * 1e6
+            bound = 2 * B * KVH * (col + 1) * D * elt / bw * 1e6
             kc, vc = caches[0]
             want, _ = k.reference_rope_attend(q, kk, v, cos, sin, kc.clone(), vc.clone(), start, colt, scale)
-            row = {"layout": name, "col": col, "bound_us": bound, "matmuls_us": mm_us}
+            row = {"layout": name, "dtype": a.dtype, "col": col, "bound_us": bound, "matmuls_us": mm_us}
             variants = [("whole", S)] + [(f"split {s}", s) for s in splits if s < S]
             for label, split in variants:
                 err = (k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, scale, split_columns=split).double()
@@ -112,7 +123,7 @@ def main():
                                                   split_columns=split) for c in caches], len(caches))
                 row[label] = {"us": us, "max_err": err}
             qr = q.contiguous()   # the torch ops on an unrotated q: the same reads and arithmetic
-            mask = torch_mask(B, KVH, S, col, dev)
+            mask = torch_mask(B, KVH, S, col, dev, dt)
             row["torch"] = {"us": timed(lambda: [torch_attention(qr, c[0], c[1], mask, scale, G) for c in caches],
                                         len(caches))}
             results.append(row)

@@ -34,8 +34,9 @@
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   tests-nf4 120   tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py (the NVRTC kernels)
-#   attn-long 150   the fp32 decode kernels' CUDA tests, then bench_decode_cuda_attention: the attention kernel whole and
-#                   split into slices of columns, at 256-8192 columns, beside torch's ops (ATTN_ARGS: more options)
+#   attn-long 150   the decode kernels' CUDA tests (fp32 and fp16), then bench_decode_cuda_attention: the attention
+#                   kernel whole and split into slices of columns, at 256-8192 columns, beside torch's ops
+#                   (ATTN_ARGS: more options, e.g. --dtype fp16)
 #   nf4-decode 200  bench_nf4_decode: the QLoRA fp32 decode step at the Qwen2.5-7B widths, NF4_LAYERS (28) layers
 #   rollout-bf16 240  bench_rollout's bf16 configs only, the decode backends (ROLLOUT_VARIANTS; default: HF generate,
 #                   torch's ops in the graph, the Triton attention kernel, and the Triton layers, which the plan

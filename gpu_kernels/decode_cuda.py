@@ -18,11 +18,16 @@ norm's second use):
   the unsplit kernel has 32 blocks, each walking up to thousands of columns while most SMs wait;
 - `silu_mul`: SiLU(gate) * up.
 
-fp32 only. The elementwise products and sums round where the eager ops do (no contraction into FMAs,
-so the cache column is bit for bit what `_rotate` and `index_copy_` write); the dot products, the
-norm's mean and the softmax's sums run in another order than cuBLAS and torch's reductions, so those
-agree to rounding. `reference_*` are the same formulas in plain torch in float64, slowly; the CUDA
-tests compare the kernels with them.
+Storage in fp32, or in fp16 (Volta and Turing plans compute in fp16, and Triton cannot run there): every
+kernel reads its inputs, the cache included, in the storage type and computes in fp32. The elementwise
+products and sums round where the eager ops do (no contraction into FMAs; in fp16, each rounded to fp16
+where torch's fp16 op rounds its result: the rotary products and their sum, the residual add, the normalised
+value before its scale, the SiLU before the product), so the cache column is bit for bit what `_rotate` and
+`index_copy_` write; the dot products, the norm's mean and the softmax's sums run in another order than
+cuBLAS and torch's reductions, so those agree to rounding. `reference_*` are the same formulas in plain torch
+in float64, slowly; the CUDA tests compare the kernels with them. The fp16 instantiations compile for sm_61,
+sm_70, sm_75 and sm_90 (NVRTC 12.9, no register spills) and compute the same fp32 operations as the fp32 ones
+(their PTX float instructions are the fp32 path's plus the conversions); they have not been run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -42,11 +47,34 @@ SOURCE = r"""
 // as a C double.
 #define NEG_INF __int_as_float(0xff800000)
 
+// Storage: float, or h16 (fp16 bits; no cuda_fp16.h, which NVRTC may not find). Every value is computed in
+// fp32; ld widens, st rounds to nearest even, rn<T> rounds to T's precision and widens again (identity in fp32):
+// where the eager fp16 ops round a product or a sum to fp16 (torch computes each op in fp32 and rounds its
+// result), the kernels round there too.
+typedef unsigned short u16;
+struct h16 { u16 v; };
+__device__ __forceinline__ float h2f(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ float ld(const float* p) { return *p; }
+__device__ __forceinline__ float ld(const h16* p) { return h2f(p->v); }
+__device__ __forceinline__ void st(float* p, float f) { *p = f; }
+__device__ __forceinline__ void st(h16* p, float f) {
+  u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); p->v = h; }
+template <typename T> __device__ __forceinline__ float rn(float f);
+template <> __device__ __forceinline__ float rn<float>(float f) { return f; }
+template <> __device__ __forceinline__ float rn<h16>(float f) { h16 h; st(&h, f); return ld(&h); }
+// Four consecutive values from a 4-aligned index (16 bytes in fp32, 8 in fp16).
+__device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ float4 ld4(const h16* p) {
+  const uint2 u = *(const uint2*)p;
+  return make_float4(h2f((u16)(u.x & 0xffffu)), h2f((u16)(u.x >> 16)), h2f((u16)(u.y & 0xffffu)), h2f((u16)(u.y >> 16)));
+}
+
 // HF's rotary: y[d] = x[d] cos[d] + x[d +- D/2] sin'[d] (sin' carries rotate_half's sign), each product
-// and the sum rounded, as the eager mul_ / add_ do.
-__device__ __forceinline__ float rot(const float* x, const float* c, const float* s, int d, int half) {
+// and the sum rounded in T, as the eager mul_ / add_ do.
+template <typename T>
+__device__ __forceinline__ float rot(const T* x, const T* c, const T* s, int d, int half) {
   const int j = d < half ? d + half : d - half;
-  return __fadd_rn(__fmul_rn(x[d], c[d]), __fmul_rn(x[j], s[d]));
+  return rn<T>(__fadd_rn(rn<T>(__fmul_rn(ld(x + d), ld(c + d))), rn<T>(__fmul_rn(ld(x + j), ld(s + d)))));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -63,7 +91,8 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // One block of 1024 threads per row (a few values each: a decode step has few rows, and 256 threads per row
 // took 4.8 us at width 4096 on an H200, waiting on their loads): xo = x + d (when has_d),
-// y = w * ((x + d) * rsqrt(mean((x + d)^2) + eps)).
+// y = w * ((x + d) * rsqrt(mean((x + d)^2) + eps)), in fp16 with x + d and the normalised value rounded to fp16
+// where HF's eager ops round them.
 template <typename T>
 __global__ void __launch_bounds__(1024) add_rms_norm(const T* __restrict__ x, const T* __restrict__ d,
                                                     const T* __restrict__ w, T* __restrict__ xo,
@@ -74,8 +103,8 @@ __global__ void __launch_bounds__(1024) add_rms_norm(const T* __restrict__ x, co
   float ss = 0.f;
 #pragma unroll 4
   for (int i = tid; i < H; i += 1024) {   // unrolled: the loads of one thread in flight together
-    float v = x[base + i];
-    if (has_d) { v = __fadd_rn(v, d[base + i]); xo[base + i] = v; }
+    float v = ld(x + base + i);
+    if (has_d) { v = rn<T>(__fadd_rn(v, ld(d + base + i))); st(xo + base + i, v); }
     ss = fmaf(v, v, ss);
   }
   ss = warp_sum(ss);
@@ -87,8 +116,8 @@ __global__ void __launch_bounds__(1024) add_rms_norm(const T* __restrict__ x, co
   const float r = rsqrtf(t / (float)H + (float)eps);
 #pragma unroll 4
   for (int i = tid; i < H; i += 1024) {   // x + d once more (the same rounding), not read back from xo
-    const float v = has_d ? __fadd_rn(x[base + i], d[base + i]) : (float)x[base + i];
-    y[base + i] = __fmul_rn(w[i], __fmul_rn(v, r));
+    const float v = has_d ? rn<T>(__fadd_rn(ld(x + base + i), ld(d + base + i))) : ld(x + base + i);
+    st(y + base + i, __fmul_rn(ld(w + i), rn<T>(__fmul_rn(v, r))));   // HF: w * rms_norm(x) cast to T
   }
 }
 
@@ -99,8 +128,8 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
   if (i >= (long long)M * W) return;
   const long long m = i / W, c = i - m * W;   // row strides as 64-bit products below
-  const float a = g[m * gs + c];
-  y[i] = __fmul_rn(a / (1.0f + expf(-a)), u[m * us + c]);
+  const float a = ld(g + m * gs + c);
+  st(y + i, __fmul_rn(rn<T>(a / (1.0f + expf(-a))), ld(u + m * us + c)));   // SiLU rounded to T, then the product
 }
 
 // One block of 256 threads per (row b, KV head h) and, split (SPLIT), per slice z of CH columns: rotate the G
@@ -113,14 +142,14 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T
 // slices. A slice past col (its first column after it) returns at once.
 // q, k, v: rows of the step's projections (row strides sq, sk, sv); cos, sin: (B, D); kc, vc: this layer's
 // cache (B, KVH, S, D), read and written (not __restrict__: the new column is read back after a barrier).
-template <int G, int D, bool SPLIT>
+template <typename T, int G, int D, bool SPLIT>
 __device__ __forceinline__ void attend(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    int sq, int sk, int sv, const float* __restrict__ cs, const float* __restrict__ sn,
-    float* kc, float* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
-    float* __restrict__ o, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    int sq, int sk, int sv, const T* __restrict__ cs, const T* __restrict__ sn,
+    T* kc, T* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    T* __restrict__ o, float* __restrict__ po, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
     float* __restrict__ pl) {
-  constexpr int T = 256, TS = 256, P = T / D, HALF = D / 2;
+  constexpr int NT = 256, TS = 256, P = NT / D, HALF = D / 2;
   __shared__ __align__(16) float qs[G * D];
   __shared__ __align__(16) float sc[G * TS];   // scores, then exp(score - max); at the end the parts' sums
   __shared__ float mrow[G], lrow[G], arow[G];
@@ -131,17 +160,17 @@ __device__ __forceinline__ void attend(
   if (lo > col) return;   // a slice past the last column: the whole block, before any barrier
   const int hi = SPLIT ? min(col, lo + CH - 1) : col;
   const float scale = (float)scale_d;
-  const float* c = cs + (long long)b * D;
-  const float* s = sn + (long long)b * D;
+  const T* c = cs + (long long)b * D;
+  const T* s = sn + (long long)b * D;
   const long long cache = ((long long)b * KVH + h) * S * D;
-  float* kr = kc + cache;
-  float* vr = vc + cache;
-  for (int i = tid; i < G * D; i += T) {
+  T* kr = kc + cache;
+  T* vr = vc + cache;
+  for (int i = tid; i < G * D; i += NT) {
     const int g = i / D;
     qs[i] = rot(q + (long long)b * sq + (long long)(h * G + g) * D, c, s, i - g * D, HALF);
   }
   if (hi == col && tid < D) {
-    kr[(long long)col * D + tid] = rot(k + (long long)b * sk + (long long)h * D, c, s, tid, HALF);
+    st(kr + (long long)col * D + tid, rot(k + (long long)b * sk + (long long)h * D, c, s, tid, HALF));
     vr[(long long)col * D + tid] = v[(long long)b * sv + (long long)h * D + tid];
   }
   if (tid < G) { mrow[tid] = NEG_INF; lrow[tid] = 0.f; }
@@ -156,10 +185,10 @@ __device__ __forceinline__ void attend(
       float dot[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) dot[g] = 0.f;
-      const float4* kp = (const float4*)(kr + (long long)p * D);
+      const T* kp = kr + (long long)p * D;
 #pragma unroll 8
       for (int j = 0; j < D / 4; ++j) {
-        const float4 kv = kp[j];
+        const float4 kv = ld4(kp + 4 * j);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           const float4 qv = *(const float4*)&qs[g * D + 4 * j];
@@ -202,7 +231,7 @@ __device__ __forceinline__ void attend(
     for (int g = 0; g < G; ++g) acc[g] *= arow[g];
 #pragma unroll 4
     for (int i = part; i < n; i += P) {
-      const float vv = vr[(long long)(t0 + i) * D + d];
+      const float vv = ld(vr + (long long)(t0 + i) * D + d);
 #pragma unroll
       for (int g = 0; g < G; ++g) acc[g] = fmaf(sc[g * TS + i], vv, acc[g]);
     }
@@ -221,43 +250,45 @@ __device__ __forceinline__ void attend(
   }
   if (SPLIT) {
     const long long slot = (long long)blockIdx.x * gridDim.y + blockIdx.y;
-    float* out = o + slot * G * D;
+    float* out = po + slot * G * D;
 #pragma unroll
     for (int g = 0; g < G; ++g) out[g * D + d] = acc[g];
     if (tid < G) { pm[slot * G + tid] = mrow[tid]; pl[slot * G + tid] = lrow[tid]; }
   } else {
-    float* out = o + ((long long)b * KVH + h) * G * D;
+    T* out = o + ((long long)b * KVH + h) * G * D;
 #pragma unroll
-    for (int g = 0; g < G; ++g) out[g * D + d] = acc[g] / lrow[g];
+    for (int g = 0; g < G; ++g) st(out + g * D + d, acc[g] / lrow[g]);
   }
 }
 
-template <int G, int D>
+template <typename T, int G, int D>
 __global__ void __launch_bounds__(256) rope_attend(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    int sq, int sk, int sv, const float* __restrict__ cs, const float* __restrict__ sn,
-    float* kc, float* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
-    float* __restrict__ o, int KVH, int S, double scale_d) {
-  attend<G, D, false>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, o, KVH, S, scale_d, 0, nullptr, nullptr);
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    int sq, int sk, int sv, const T* __restrict__ cs, const T* __restrict__ sn,
+    T* kc, T* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    T* __restrict__ o, int KVH, int S, double scale_d) {
+  attend<T, G, D, false>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, o, nullptr, KVH, S, scale_d, 0, nullptr,
+                         nullptr);
 }
 
-template <int G, int D>
+template <typename T, int G, int D>
 __global__ void __launch_bounds__(256) rope_attend_split(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-    int sq, int sk, int sv, const float* __restrict__ cs, const float* __restrict__ sn,
-    float* kc, float* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    int sq, int sk, int sv, const T* __restrict__ cs, const T* __restrict__ sn,
+    T* kc, T* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
     float* __restrict__ part, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
     float* __restrict__ pl) {
-  attend<G, D, true>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, part, KVH, S, scale_d, CH, pm, pl);
+  attend<T, G, D, true>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, nullptr, part, KVH, S, scale_d, CH, pm,
+                        pl);
 }
 
 // One block per (row b, KV head h): the slices' outputs of rope_attend_split merged, each rescaled by
 // exp(its maximum - the largest) and the sum divided by the rescaled sums; only the slices that held columns
 // (start[b] + z CH <= col) are read.
-template <int G, int D>
+template <typename T, int G, int D>
 __global__ void __launch_bounds__(256) attend_combine(
     const float* __restrict__ part, const float* __restrict__ pm, const float* __restrict__ pl,
-    const long long* __restrict__ start, const long long* __restrict__ colp, float* __restrict__ o,
+    const long long* __restrict__ start, const long long* __restrict__ colp, T* __restrict__ o,
     int KVH, int NS, int CH) {
   const int bh = blockIdx.x, b = bh / KVH;
   const int nz = min(NS, ((int)colp[0] - (int)start[b]) / CH + 1);
@@ -272,7 +303,7 @@ __global__ void __launch_bounds__(256) attend_combine(
       l = fmaf(pl[(base + z) * G + g], w, l);
       a = fmaf(part[(base + z) * G * D + i], w, a);
     }
-    o[(long long)bh * G * D + i] = a / l;
+    st(o + (long long)bh * G * D + i, a / l);
   }
 }
 """
@@ -281,69 +312,84 @@ def _kernel(name: str, device: torch.device):
     return kernel(SOURCE, name, device)
 
 
-def attend_name(group: int, head_dim: int, split: bool = False) -> str:
-    return f"rope_attend{'_split' if split else ''}<{group}, {head_dim}>"
+# the storage types the kernels take (the source's names); every one computes in fp32
+TYPES = {torch.float32: "float", torch.float16: "h16"}
 
 
-def kernel_names(group: int, head_dim: int) -> list[str]:
-    """Every instantiation a decode step with this head layout launches."""
-    return ["add_rms_norm<float>", "silu_mul<float>", attend_name(group, head_dim),
-            attend_name(group, head_dim, split=True), f"attend_combine<{group}, {head_dim}>"]
+def _type(dtype: torch.dtype) -> str:
+    if dtype not in TYPES:
+        raise ValueError(f"decode kernels: {dtype} is not fp32 or fp16")
+    return TYPES[dtype]
+
+
+def attend_name(group: int, head_dim: int, split: bool = False, dtype: torch.dtype = torch.float32) -> str:
+    return f"rope_attend{'_split' if split else ''}<{_type(dtype)}, {group}, {head_dim}>"
+
+
+def kernel_names(group: int, head_dim: int, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Every instantiation a decode step with this head layout launches in `dtype` (fp32 or fp16)."""
+    t = _type(dtype)
+    return [f"add_rms_norm<{t}>", f"silu_mul<{t}>", attend_name(group, head_dim, dtype=dtype),
+            attend_name(group, head_dim, split=True, dtype=dtype), f"attend_combine<{t}, {group}, {head_dim}>"]
 
 
 def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, group: int) -> Optional[str]:
     """Why the kernels cannot run here (None: they compile and load for this device)."""
     if device.type != "cuda":
         return f"tensors are on {device}, not a CUDA device"
-    if dtype != torch.float32:
-        return f"{dtype}: the kernels compute in fp32 only"
+    if dtype not in TYPES:
+        return f"{dtype}: the kernels store fp32 or fp16 only"
     why = shape_reason(head_dim, group)
     if why:
         return why
     try:
-        for n in kernel_names(group, head_dim):
+        for n in kernel_names(group, head_dim, dtype):
             _kernel(n, device)
     except (KernelUnavailable, RuntimeError, OSError) as e:   # no NVRTC, an arch it cannot build, a failed load
         return f"{type(e).__name__}: {str(e).strip()[:400]}"
     return None
 
 
-def _rows(t: torch.Tensor, width: int, what: str) -> int:
-    """The row stride of a (B, >= width) fp32 CUDA tensor whose rows are contiguous."""
-    if t.dim() != 2 or t.shape[1] < width or t.stride(1) != 1 or t.stride(0) >= 2**31 or t.dtype != torch.float32 \
+def _rows(t: torch.Tensor, width: int, what: str, dtype: torch.dtype = torch.float32) -> int:
+    """The row stride of a (B, >= width) CUDA tensor in `dtype` whose rows are contiguous."""
+    if t.dim() != 2 or t.shape[1] < width or t.stride(1) != 1 or t.stride(0) >= 2**31 or t.dtype != dtype \
             or not t.is_cuda:
-        raise ValueError(f"decode kernels: {what} must be a CUDA fp32 (rows, >= {width}) tensor with contiguous rows, "
-                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+        raise ValueError(f"decode kernels: {what} must be a CUDA {dtype} (rows, >= {width}) tensor with contiguous "
+                         f"rows, got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
     return t.stride(0)
 
 
 def add_rms_norm(x: torch.Tensor, d: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + d, weight * rms_norm(x + d)) for x, d (B, H) fp32 (d None: (x, weight * rms_norm(x)))."""
+    """(x + d, weight * rms_norm(x + d)) for x, d (B, H) and weight (H,), all fp32 or all fp16 (d None:
+    (x, weight * rms_norm(x)))."""
     B, H = x.shape
     x = x.contiguous()
     d = d.contiguous() if d is not None else None
-    if (d is not None and d.shape != x.shape) or weight.shape != (H,) or x.dtype != torch.float32:
-        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype}, d {None if d is None else tuple(d.shape)}, "
-                         f"weight {tuple(weight.shape)}")
+    if (d is not None and (d.shape != x.shape or d.dtype != x.dtype)) or weight.shape != (H,) \
+            or weight.dtype != x.dtype or x.dtype not in TYPES:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype}, d "
+                         f"{None if d is None else (tuple(d.shape), d.dtype)}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}: one dtype, fp32 or fp16")
     xo = torch.empty_like(x) if d is not None else x
     y = torch.empty_like(x)
-    _kernel("add_rms_norm<float>", x.device)(grid=(B, 1, 1), block=(1024, 1, 1),
-                                             args=[x, d if d is not None else x, weight.contiguous(), xo, y, H,
-                                                   float(eps), int(d is not None)])
+    _kernel(f"add_rms_norm<{_type(x.dtype)}>", x.device)(
+        grid=(B, 1, 1), block=(1024, 1, 1),
+        args=[x, d if d is not None else x, weight.contiguous(), xo, y, H, float(eps), int(d is not None)])
     return xo, y
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for (B, W) fp32 rows (views into a wider tensor are fine)."""
+    """SiLU(gate) * up for (B, W) fp32 or fp16 rows (views into a wider tensor are fine)."""
     M, W = gate.shape
     if up.shape != gate.shape:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    gs, us = _rows(gate, W, "gate"), _rows(up, W, "up")
+    t = _type(gate.dtype)
+    gs, us = _rows(gate, W, "gate", gate.dtype), _rows(up, W, "up", gate.dtype)
     y = torch.empty((M, W), dtype=gate.dtype, device=gate.device)
     if M * W:
-        _kernel("silu_mul<float>", gate.device)(grid=(-(-M * W // THREADS), 1, 1), block=(THREADS, 1, 1),
-                                                args=[gate, up, y, M, W, gs, us])
+        _kernel(f"silu_mul<{t}>", gate.device)(grid=(-(-M * W // THREADS), 1, 1), block=(THREADS, 1, 1),
+                                               args=[gate, up, y, M, W, gs, us])
     return y
 
 
@@ -353,28 +399,30 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     """One decode step's attention for B rows: q (B, >= H D), k and v (B, >= KVH D) (views of the
     projections' output are fine), cos and sin (B, D) (sin with rotate_half's sign), the layer's cache
     k_cache and v_cache (B, KVH, S, D) (column col[0] is written), start (B,) each row's first column.
-    Returns (B, H D) fp32: the G = H / KVH query heads of KV head h are heads h G .. h G + G - 1.
+    Returns (B, H D) in the caches' dtype (fp32 or fp16, every input in it; the arithmetic in fp32): the G = H / KVH
+    query heads of KV head h are heads h G .. h G + G - 1.
     A cache longer than `split_columns` (default SPLIT_COLUMNS) is attended in slices of that many columns, one
     block each, and the slices merged by a second kernel (split-K, as flash-decoding does): one block per row
     and KV head leaves most SMs idle at long lengths."""
     B, KVH, S, D = k_cache.shape
+    dt = k_cache.dtype
     if v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous() \
-            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-        raise ValueError(f"rope_attend: the caches must be contiguous fp32 (B, KVH, S, D), got {tuple(k_cache.shape)} "
-                         f"{k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
+            or dt not in TYPES or v_cache.dtype != dt:
+        raise ValueError(f"rope_attend: the caches must be contiguous fp32 or fp16 (B, KVH, S, D) of one dtype, got "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
     H = q.shape[1] // D if q.dim() == 2 else 0
     group = H // KVH
     why = shape_reason(D, group)
     if why or H != group * KVH or q.shape[0] != B:
         raise ValueError(f"rope_attend: q {tuple(q.shape)} against a cache of {KVH} KV heads of size {D} for {B} rows"
                          + (f": {why}" if why else ""))
-    sq, sk, sv = _rows(q, H * D, "q"), _rows(k, KVH * D, "k"), _rows(v, KVH * D, "v")
+    sq, sk, sv = _rows(q, H * D, "q", dt), _rows(k, KVH * D, "k", dt), _rows(v, KVH * D, "v", dt)
     for t, what in ((k, "k"), (v, "v")):
         if t.shape[0] != B:
             raise ValueError(f"rope_attend: {what} has {t.shape[0]} rows, the cache {B}")
     for t, what in ((cos, "cos"), (sin, "sin")):
-        if tuple(t.shape) != (B, D) or not t.is_contiguous() or t.dtype != torch.float32:
-            raise ValueError(f"rope_attend: {what} must be contiguous fp32 ({B}, {D}), got {t.dtype} {tuple(t.shape)}")
+        if tuple(t.shape) != (B, D) or not t.is_contiguous() or t.dtype != dt:
+            raise ValueError(f"rope_attend: {what} must be contiguous {dt} ({B}, {D}), got {t.dtype} {tuple(t.shape)}")
     if start.dtype != torch.int64 or tuple(start.shape) != (B,) or col.dtype != torch.int64 or col.numel() != 1:
         raise ValueError(f"rope_attend: start must be int64 ({B},) and col int64 (1,), got {start.dtype} "
                          f"{tuple(start.shape)} and {col.dtype} {tuple(col.shape)}")
@@ -382,24 +430,24 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         split_columns = SPLIT_COLUMNS
     if split_columns < 1:
         raise ValueError(f"rope_attend: split_columns must be positive, got {split_columns}")
-    o = torch.empty((B, H * D), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, H * D), dtype=dt, device=q.device)
     if not B:
         return o
     start = start.contiguous()
     ns = -(-S // split_columns)   # slices of the whole cache: the grid is fixed when a CUDA graph captures it
     if ns <= 1:
-        _kernel(attend_name(group, D), q.device)(
+        _kernel(attend_name(group, D, dtype=dt), q.device)(
             grid=(B * KVH, 1, 1), block=(THREADS, 1, 1),
             args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, o, KVH, S, float(scale)])
         return o
     part = torch.empty((B * KVH * ns * group * D,), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KVH * ns * group,), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    _kernel(attend_name(group, D, split=True), q.device)(
+    _kernel(attend_name(group, D, split=True, dtype=dt), q.device)(
         grid=(B * KVH, ns, 1), block=(THREADS, 1, 1),
         args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, part, KVH, S, float(scale),
               int(split_columns), pm, pl])
-    _kernel(f"attend_combine<{group}, {D}>", q.device)(
+    _kernel(f"attend_combine<{_type(dt)}, {group}, {D}>", q.device)(
         grid=(B * KVH, 1, 1), block=(THREADS, 1, 1), args=[part, pm, pl, start, col, o, KVH, ns, int(split_columns)])
     return o
 

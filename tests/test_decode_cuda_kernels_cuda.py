@@ -1,5 +1,5 @@
-"""The fp32 decode-layer kernels (gpu_kernels/decode_cuda.py, NVRTC) against float64 references, and the static
-engine through them against HF and against its own baddbmm path, on a CUDA GPU."""
+"""The decode-layer kernels (gpu_kernels/decode_cuda.py, NVRTC) in fp32 and fp16 against float64 references, and
+the static engine through them against HF and against its own torch path, on a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -12,41 +12,62 @@ from rollout_helpers import PROMPTS, recompute_logprobs, tiny_llama, with_lora
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 
 
-def kernels():
+def kernels(dtype=torch.float32):
     from edgerl.kernels import decode_cuda
-    why = decode_cuda.unavailable_reason(torch.device("cuda"), 64, torch.float32, 1)
+    why = decode_cuda.unavailable_reason(torch.device("cuda"), 64, dtype, 1)
     if why:
         pytest.fail(f"the decode kernels do not build on this GPU: {why}")
     return decode_cuda
 
 
+DTYPES = [torch.float32, torch.float16]
+# (rtol, atol) against float64: fp32 to rounding; fp16 rounds each output, and an intermediate or two where the
+# eager fp16 ops round, to fp16 (2^-11 relative each)
+NORM_TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3)}
+ATTN_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
+# against torch's own ops in the same dtype: one fp16 ulp where a sum runs in another order
+EAGER_TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (1e-3, 1e-3)}
+
+
+def randn(*shape, g, dtype, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,width", [(1, 64), (16, 960), (3, 4096), (5, 3584), (2, 4097)])
 @pytest.mark.parametrize("with_d", [True, False])
-def test_add_rms_norm_equals_the_reference(rows, width, with_d):
-    k = kernels()
+def test_add_rms_norm_equals_the_reference(rows, width, with_d, dtype):
+    k = kernels(dtype)
     g = torch.Generator(device="cuda").manual_seed(rows * width)
-    x = torch.randn(rows, width, device="cuda", generator=g) * 3
-    d = torch.randn(rows, width, device="cuda", generator=g) if with_d else None
-    w = torch.randn(width, device="cuda", generator=g)
+    x = randn(rows, width, g=g, dtype=dtype, scale=3)
+    d = randn(rows, width, g=g, dtype=dtype) if with_d else None
+    w = randn(width, g=g, dtype=dtype)
     xo, y = k.add_rms_norm(x, d, w, 1e-5)
+    assert xo.dtype == y.dtype == dtype
     rxo, ry = k.reference_add_rms_norm(x, d, w, 1e-5)
     assert torch.equal(xo, x + d if with_d else x)   # the residual add rounds as torch's does
-    torch.testing.assert_close(y.double(), ry, rtol=2e-6, atol=2e-6)
+    rtol, atol = NORM_TOL[dtype]
+    torch.testing.assert_close(y.double(), ry, rtol=rtol, atol=atol)
     # and as the engine's eager path computes it
     want = w * torch.nn.functional.rms_norm(xo, (width,), eps=1e-5)
-    torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6)
+    rtol, atol = EAGER_TOL[dtype]
+    torch.testing.assert_close(y, want, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,width,wide", [(16, 14336, True), (3, 100, False), (1, 1, False)])
-def test_silu_mul_equals_the_reference_and_torch(rows, width, wide):
-    k = kernels()
+def test_silu_mul_equals_the_reference_and_torch(rows, width, wide, dtype):
+    k = kernels(dtype)
     g = torch.Generator(device="cuda").manual_seed(width)
-    both = torch.randn(rows, 2 * width, device="cuda", generator=g) * 4
+    both = randn(rows, 2 * width, g=g, dtype=dtype, scale=4)
     gate, up = (both[:, :width], both[:, width:]) if wide else (both[:, :width].contiguous(),
                                                                both[:, width:].contiguous())
     y = k.silu_mul(gate, up)
-    torch.testing.assert_close(y.double(), k.reference_silu_mul(gate, up), rtol=2e-6, atol=1e-6)
-    torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-7)
+    assert y.dtype == dtype
+    rtol, atol = NORM_TOL[dtype]
+    torch.testing.assert_close(y.double(), k.reference_silu_mul(gate, up), rtol=rtol, atol=atol / 2)
+    torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=1e-6 if dtype == torch.float32 else 1e-3,
+                               atol=1e-7 if dtype == torch.float32 else 1e-3)
 
 
 CASES = [   # rows, KV heads, query heads per KV head, head size, cache length, column written
@@ -69,22 +90,24 @@ SPLIT_CASES = [   # as CASES, and the slice of columns each block of the split k
 ]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES + SPLIT_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_rope_attend_equals_the_reference_and_writes_the_engines_cache_column(case):
+def test_rope_attend_equals_the_reference_and_writes_the_engines_cache_column(case, dtype):
     """Whole (one block per row and KV head) and split into slices of columns merged by a second kernel: the
-    rows' windows start anywhere up to the new column, so slices begin at different columns per row."""
+    rows' windows start anywhere up to the new column, so slices begin at different columns per row. In fp16
+    the reference rotates in fp16 with torch's ops (as the engine does), so the cache column is bit for bit."""
     B, KVH, G, D, S, col = case[:6]
     split = case[6] if len(case) > 6 else S
-    k = kernels()
+    k = kernels(dtype)
     g = torch.Generator(device="cuda").manual_seed(S + col)
     H = KVH * G
-    qkv = torch.randn(B, (H + 2 * KVH) * D, device="cuda", generator=g)   # the parts as views of one output
+    qkv = randn(B, (H + 2 * KVH) * D, g=g, dtype=dtype)   # the parts as views of one output
     q, kk, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
     ang = torch.rand(B, D // 2, device="cuda", generator=g) * 6
-    cos = torch.cat((ang.cos(), ang.cos()), -1)
-    sin = torch.cat((-ang.sin(), ang.sin()), -1)
-    kc = torch.randn(B, KVH, S, D, device="cuda", generator=g)
-    vc = torch.randn(B, KVH, S, D, device="cuda", generator=g)
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    kc = randn(B, KVH, S, D, g=g, dtype=dtype)
+    vc = randn(B, KVH, S, D, g=g, dtype=dtype)
     start = torch.randint(0, col + 1, (B,), device="cuda", generator=g)
     start[0] = 0
     start[-1] = col   # a row that sees only the new column
@@ -92,11 +115,13 @@ def test_rope_attend_equals_the_reference_and_writes_the_engines_cache_column(ca
     rk, rv = kc.clone(), vc.clone()
     want, _ = k.reference_rope_attend(q, kk, v, cos, sin, rk, rv, start, colt, D ** -0.5)
     o = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, D ** -0.5, split_columns=split)
+    assert o.dtype == dtype
     assert torch.equal(kc, rk) and torch.equal(vc, rv)   # the new column bit for bit, every other one untouched
-    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+    rtol, atol = ATTN_TOL[dtype]
+    torch.testing.assert_close(o.double(), want, rtol=rtol, atol=atol)
     if split < S:   # and the whole kernel on the same inputs agrees with the split one to rounding
         whole = k.rope_attend(q, kk, v, cos, sin, kc.clone(), vc.clone(), start, colt, D ** -0.5, split_columns=S)
-        torch.testing.assert_close(o, whole, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o, whole, rtol=rtol, atol=atol)
 
 
 def test_rope_attend_refuses_inputs_it_would_misread():
@@ -166,6 +191,33 @@ def test_engine_through_the_split_attention_equals_hf_and_the_bmm_path(monkeypat
     assert got.response_ids == bmm.generate(PROMPTS, 2, greedy(60)).response_ids
 
 
-def test_engine_refuses_the_cuda_c_backend_outside_fp32():
-    with pytest.raises(ValueError, match="decode backend 'cuda-c' cannot run here: .*fp32 only"):
+def test_engine_refuses_the_cuda_c_backend_in_bf16():
+    with pytest.raises(ValueError, match="decode backend 'cuda-c' cannot run here: .*fp32 or fp16 only"):
         StaticCacheEngine(wide_llama().to(torch.bfloat16), 2, 64, cuda_graphs=True, backend="cuda-c")
+
+
+@pytest.mark.parametrize("split", [None, 32], ids=["whole", "split32"])
+def test_engine_in_fp16_through_the_kernels_matches_the_full_forward_as_the_torch_path_does(monkeypatch, split):
+    """fp16, what a Volta or Turing plan computes in: the sampled tokens' log-probs against the full forward's
+    (HF's fp16 SDPA path) stay within what fp16 rounding moves the torch backend's own (120 new tokens: the
+    later steps attend over more than one tile, and split into slices of 32 columns, several)."""
+    from edgerl.kernels import decode_cuda
+    if split:
+        monkeypatch.setattr(decode_cuda, "SPLIT_COLUMNS", split)
+    model = wide_llama(max_position_embeddings=512, dtype=torch.float16)
+    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, backend="cuda-c")
+    torch_ops = StaticCacheEngine(model, 8, 300, cuda_graphs=True, backend="torch")
+    assert "decode backend cuda-c: CUDA C layer kernels" in engine.describe()
+    params = SamplingParams(max_new_tokens=120, temperature=0.8, top_p=0.95)
+    diffs = []
+    for e in (engine, torch_ops):
+        out = e.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
+        assert max(len(r) for r in out.response_ids) == 120
+        ref = recompute_logprobs(model, out.prompt_ids, out.response_ids, 0.8)
+        got = torch.tensor([x for row in out.logprobs for x in row])
+        want = torch.tensor([x for row in ref for x in row])
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        diffs.append((got - want).abs())
+    ours, theirs = diffs
+    assert ours.max() <= max(0.05, 2 * theirs.max()) and ours.mean() <= max(0.005, 2 * theirs.mean()), \
+        (ours.max(), ours.mean(), theirs.max(), theirs.mean())

@@ -1,4 +1,4 @@
-"""The fp32 decode-layer kernels' references (gpu_kernels/decode_cuda.py) against the rollout tests' own float64
+"""The decode-layer kernels' references (gpu_kernels/decode_cuda.py) against the rollout tests' own float64
 attention and rotary helpers, and the decoder's 'cuda' layer wired to those references against its bmm
 layer, on the CPU (the kernels themselves need CUDA: tests/test_decode_cuda_kernels_cuda.py)."""
 
@@ -43,19 +43,22 @@ def test_norm_and_silu_references():
     torch.testing.assert_close(decode_cuda.reference_silu_mul(x, d).float(), torch.nn.functional.silu(x) * d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("projections", ["fused", "modules"])
-def test_the_cuda_layer_wired_to_the_references_decodes_as_the_bmm_layer(monkeypatch, projections):
+def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monkeypatch, projections, dtype):
     """Decode backend cuda-c's layer (rollout/decode_cuda_c.py: which tensors go to which kernel, in what
-    order) with each kernel replaced by its reference in fp32: the same greedy tokens as the torch backend."""
+    order) with each kernel replaced by its reference, rounded to the model's dtype (fp32, or fp16 as a Volta
+    or Turing plan computes): the same greedy tokens as the torch backend."""
     monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(decode_cuda, "add_rms_norm",
-                        lambda x, d, w, eps: tuple(t.float() for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
-    monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).float())
+                        lambda x, d, w, eps: tuple(t.to(x.dtype) for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
+    monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
     monkeypatch.setattr(decode_cuda, "rope_attend",
-                        lambda *a: decode_cuda.reference_rope_attend(*a)[0].float())
-    model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+                        lambda *a: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
+    model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       dtype=dtype)
     params = SamplingParams(max_new_tokens=24, greedy=True)
     cuda = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, backend="cuda-c")
-    assert cuda.dec.backend.name == "cuda-c"
-    bmm = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, backend="torch")
-    assert cuda.generate(PROMPTS, 2, params).response_ids == bmm.generate(PROMPTS, 2, params).response_ids
+    assert cuda.dec.backend.name == "cuda-c" and cuda.dec.dtype == dtype
+    torch_ops = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, backend="torch")
+    assert cuda.generate(PROMPTS, 2, params).response_ids == torch_ops.generate(PROMPTS, 2, params).response_ids

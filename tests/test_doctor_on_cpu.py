@@ -227,10 +227,18 @@ def test_decode_layer_kernels_compile_or_doctor_names_the_setting(monkeypatch, n
     r = fake_probe("P40")
     c = checks_for(r)["decode-layer kernels"]
     assert c.status == "ok" and "sm_61" in c.detail
-    assert (["add_rms_norm<float>", "silu_mul<float>", "rope_attend<3, 64>", "rope_attend_split<3, 64>",
-             "attend_combine<3, 64>"], (6, 1)) in nvrtc_compiles
+    assert (["add_rms_norm<float>", "silu_mul<float>", "rope_attend<float, 3, 64>", "rope_attend_split<float, 3, 64>",
+             "attend_combine<float, 3, 64>"], (6, 1)) in nvrtc_compiles
     assert "decode-layer kernels" not in checks_for(r, simulated=True)
     assert "decode-layer kernels" not in checks_for(fake_probe("3090"))   # bf16: the Triton kernel instead
+    assert "decode-layer kernels" not in checks_for(fake_probe("T4"))     # fp16: torch's ops unless asked for
+    t4 = fake_probe("T4")
+    asked = plan(t4.primary, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128),
+                 {"decode_backend": "cuda-c"})
+    c = {c.name: c for c in run_checks(t4.primary, t4, asked, FakeEnv())}["decode-layer kernels"]
+    assert c.status == "ok" and "the fp16 decode step" in c.detail
+    assert (["add_rms_norm<h16>", "silu_mul<h16>", "rope_attend<h16, 3, 64>", "rope_attend_split<h16, 3, 64>",
+             "attend_combine<h16, 3, 64>"], (7, 5)) in nvrtc_compiles
 
     def broken(src, names, cc):
         raise nvrtc.KernelUnavailable("no NVRTC library found")

@@ -94,7 +94,7 @@ def test_enable_sends_few_rows_without_autograd_to_the_kernel_and_the_rest_to_bi
     assert type(model[0]) is plain
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n,k,m,rank", [(64, 256, 1, 8), (3584, 3584, 16, 16), (513, 1024, 3, 65), (40, 512, 17, 200),
                                         (512, 3584, 16, 1)])
 def test_kernel_adds_a_lora_adapter(dtype, n, k, m, rank):

@@ -53,6 +53,8 @@ DECODE_BACKEND = [
     ("H100", {"triton": None}, {}, "torch", "triton is not installed"),
     ("T4", {}, {}, "torch", "Triton supports CC 8.0 and up"),
     ("V100", {}, {}, "torch", "SDPA over the masked cache"),
+    ("T4", {}, {}, "torch", "their fp16 path has not been run on a GPU yet"),
+    ("3090", {}, {"dtype": "bf16"}, "triton-layers", "five kernels per layer"),
     ("P40", {}, {}, "cuda-c", "CUDA C layer kernels"),
     ("H100", {}, {"dtype": "fp32"}, "cuda-c", "fp32 on sm_90"),
     ("A100", {"vllm": "0.10.1"}, {}, None, "the vllm engine runs its own decode step"),
@@ -74,6 +76,10 @@ def test_one_decode_backend_per_card_class(key, libs, forced, backend, words):
     for other in ("triton-layers", "triton-attention", "cuda-c"):
         if other == backend or (backend == "triton-layers" and other == "triton-attention"):
             continue   # where the layers run, the attention kernel alone runs too
+        if other == "cuda-c" and p.dtype.compute == "fp16":   # the kernels' fp16 path: only when asked for
+            asked = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced | {"decode_backend": "cuda-c"})
+            assert asked.decode_backend == "cuda-c" and "plan.decode_backend=cuda-c" in p.reasons["decode_backend"]
+            continue
         with pytest.raises(PlanError, match=f"plan.decode_backend={other} is not possible: .*; use {backend}"):
             plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced | {"decode_backend": other})
     if backend == "triton-layers":

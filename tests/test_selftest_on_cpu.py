@@ -79,7 +79,7 @@ def test_cpu_checks_pass_and_gpu_only_kernels_are_skipped_with_the_reason():
     p = plan_of("cpu")
     verdicts = {v.name: v for v in kernel_checks.check_kernels(p, CPU, quick=True)}
     assert verdicts["chunked log-probs and entropy (torch)"].status == "pass"
-    nvrtc = verdicts["fp32 decode-layer kernels (CUDA C, NVRTC)"]
+    nvrtc = verdicts["decode-layer kernels (CUDA C, NVRTC)"]
     assert nvrtc.status == "skip" and nvrtc.detail == "this plan does not launch it"
     # a GPU plan on the CPU: its NVRTC kernels cannot be checked here, and say why
     v = kernel_checks.check_one("decode-cuda", plan_of("p40"), CPU)
@@ -107,7 +107,7 @@ def test_a_kernel_that_raises_fails_naming_the_setting(monkeypatch):
         raise RuntimeError("NVRTC could not compile for sm_61: out of registers\nmore lines")
     monkeypatch.setitem(kernel_refs.CHECKS, "decode-cuda", broken)
     monkeypatch.setattr(kernel_checks, "skip_reason", lambda use, device: None)   # as on a GPU
-    with pytest.raises(TrainingError, match=r"fp32 decode-layer kernels \(CUDA C, NVRTC\) is wrong on this device: "
+    with pytest.raises(TrainingError, match=r"decode-layer kernels \(CUDA C, NVRTC\) is wrong on this device: "
                                             r"it cannot run here .*RuntimeError: NVRTC could not compile for sm_61: "
                                             r"out of registers; set plan.decode_backend=torch to run without it"):
         kernel_checks.check_at_start(plan_of("p40"), CPU)

@@ -35,7 +35,7 @@ KERNELS = {
                                 "every forward's log-probs, scoring and the update", cuda=False),
     "logprobs-triton": KernelUse("logprobs", "fused log-prob and entropy kernel (Triton)", "plan.kernel_backend=torch",
                                  "every forward's log-probs, scoring and the update", cuda=False, triton=True),
-    "decode-cuda": KernelUse("decode-cuda", "fp32 decode-layer kernels (CUDA C, NVRTC)", "plan.decode_backend=torch",
+    "decode-cuda": KernelUse("decode-cuda", "decode-layer kernels (CUDA C, NVRTC)", "plan.decode_backend=torch",
                              "the rollout's decode step", cuda=True),
     "decode-attention": KernelUse("decode-attention", "decode-attention kernel (Triton)", "plan.decode_backend=torch",
                                   "the rollout's decode step", cuda=False, triton=True),

@@ -116,34 +116,46 @@ def logprobs(w: Widths, device: torch.device) -> list[Part]:
                                                          got, ref)]
 
 
-# ---- the fp32 decode-layer kernels (CUDA C) -----------------------------------------------------------
+# ---- the decode-layer kernels (CUDA C) -----------------------------------------------------------------
+
+# relative to the largest reference value: fp32 as tests/test_decode_cuda_kernels_cuda.py holds it; fp16 rounds
+# each output (and, as the eager ops do, an intermediate or two) to fp16, 2^-11 relative each
+DECODE_CUDA_TOL = {torch.float32: (2e-6, 1e-5), torch.float16: (2e-3, 2e-3)}   # (norm and SiLU, attention)
+
 
 def decode_cuda(w: Widths, device: torch.device) -> list[Part]:
-    """`gpu_kernels/decode_cuda.py`'s three kernels against their float64 references (tolerances of
-    tests/test_decode_cuda_kernels_cuda.py); the cache column rope_attend writes must equal the
-    reference's bit for bit (the engine's eager rotation rounds the same way)."""
+    """`gpu_kernels/decode_cuda.py`'s three kernels in the plan's dtype (fp32 or fp16) against their float64
+    references (tolerances of tests/test_decode_cuda_kernels_cuda.py), the attention also split into slices
+    of 32 columns and merged (what a cache past `SPLIT_COLUMNS` runs); the cache column rope_attend writes must
+    equal the reference's bit for bit (the engine's eager rotation rounds the same way)."""
     from edgerl.kernels import decode_cuda as k
+    dt = w.dtype
+    if dt not in DECODE_CUDA_TOL:
+        raise ValueError(f"the decode-layer kernels store fp32 or fp16, not {dt}")
+    elt, att = DECODE_CUDA_TOL[dt]
     g = _gen(device, 2)
     B, H, D, KVH, G = w.rows, w.hidden, w.head_dim, w.kv_heads, w.group
-    x, d = _randn((B, H), g, device, scale=3.0), _randn((B, H), g, device)
-    ln = _randn((H,), g, device)
+    x, d = _randn((B, H), g, device, dt, scale=3.0), _randn((B, H), g, device, dt)
+    ln = _randn((H,), g, device, dt)
     xo, y = k.add_rms_norm(x, d, ln, 1e-5)
     rxo, ry = k.reference_add_rms_norm(x, d, ln, 1e-5)
-    parts = [Part("add_rms_norm residual", _maxerr(xo, x + d), 0.0), _close("add_rms_norm", y, ry, 2e-6, 2e-6)]
-    both = _randn((B, 2 * w.intermediate), g, device, scale=4.0)
+    parts = [Part("add_rms_norm residual", _maxerr(xo, x + d), 0.0), _close("add_rms_norm", y, ry, elt, elt)]
+    both = _randn((B, 2 * w.intermediate), g, device, dt, scale=4.0)
     gate, up = both[:, :w.intermediate], both[:, w.intermediate:]   # views into one output, as the engine passes
-    parts.append(_close("silu_mul", k.silu_mul(gate, up), k.reference_silu_mul(gate, up), 2e-6, 1e-6))
+    parts.append(_close("silu_mul", k.silu_mul(gate, up), k.reference_silu_mul(gate, up), elt, 1e-6))
     S, col = w.cache, w.cache - 3
-    qkv = _randn((B, (KVH * G + 2 * KVH) * D), g, device)
+    qkv = _randn((B, (KVH * G + 2 * KVH) * D), g, device, dt)
     q, kk, v = qkv.split([KVH * G * D, KVH * D, KVH * D], dim=-1)
-    cos, sin = _rotary(B, D, g, device, torch.float32)
-    kc, vc = _randn((B, KVH, S, D), g, device), _randn((B, KVH, S, D), g, device)
+    cos, sin = _rotary(B, D, g, device, dt)
+    kc, vc = _randn((B, KVH, S, D), g, device, dt), _randn((B, KVH, S, D), g, device, dt)
     start, colt = _starts(B, col, g, device)
     rk, rv = kc.clone(), vc.clone()
     want, _ = k.reference_rope_attend(q, kk, v, cos, sin, rk, rv, start, colt, D ** -0.5)
     o = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, D ** -0.5)
     parts += [Part("rope_attend cache", max(_maxerr(kc, rk), _maxerr(vc, rv)), 0.0),
-              _close("rope_attend", o, want, 1e-5, 1e-5)]
+              _close("rope_attend", o, want, att, 1e-5)]
+    split = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, D ** -0.5, split_columns=32)
+    parts.append(_close("rope_attend split in 32-column slices", split, want, att, 1e-5))
     return parts
 
 

@@ -106,19 +106,22 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
 
 
 def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> Optional[Check]:
-    """Whether NVRTC compiles the fp32 decode-layer kernels (gpu_kernels/decode_cuda.py) this plan's rollout uses."""
+    """Whether NVRTC compiles the decode-layer kernels (gpu_kernels/decode_cuda.py) this plan's rollout uses, in
+    its compute dtype."""
     if plan is None or plan.decode_backend != "cuda-c" or not dev.is_cuda or simulated:
         return None
     from edgerl.kernels.decode_cuda import SOURCE, kernel_names
     from edgerl.kernels.nvrtc import KernelUnavailable, compile_cubin
+    from edgerl.plan.dtypes import torch_dtype
     try:
-        compile_cubin(SOURCE, kernel_names(plan.model.num_heads // plan.model.num_kv_heads, plan.model.hd), dev.cc)
+        compile_cubin(SOURCE, kernel_names(plan.model.num_heads // plan.model.num_kv_heads, plan.model.hd,
+                                           torch_dtype(plan.dtype.compute)), dev.cc)
     except (KernelUnavailable, OSError, AttributeError) as e:
         return _c("decode-layer kernels", "fail", f"NVRTC cannot compile them for {dev.sm}: {e}; the rollout would "
                   "stop at its start", "torch's CUDA wheels bring NVRTC (nvidia-cuda-nvrtc); reinstall torch from its "
                   "CUDA index, or set plan.decode_backend=torch")
-    return _c("decode-layer kernels", "ok", f"NVRTC compiles them for {dev.sm}: the fp32 decode step attends over "
-              "the columns each row sees and fuses its elementwise work (this plan uses them)")
+    return _c("decode-layer kernels", "ok", f"NVRTC compiles them for {dev.sm}: the {plan.dtype.compute} decode step "
+              "attends over the columns each row sees and fuses its elementwise work (this plan uses them)")
 
 
 def check_host_ram(dev: Device, plan: Optional[Plan]) -> Check:

@@ -193,17 +193,29 @@ def _fused_norms(c: "Ctx") -> str:
     return ""
 
 
-def _cuda_c(c: "Ctx") -> str:
+def _cuda_c_refused(c: "Ctx") -> str:
+    """Why the CUDA C decode kernels cannot run this plan's decode step, even when asked for ('' when they can)."""
     from edgerl.kernels.tiles import decode_cuda_shape_reason  # pure
     if why := _static_only(c):
         return why
     if not c.device.is_cuda:
         return "no CUDA device"
-    if _compute(c) != "fp32":
-        return f"{_compute(c)} compute: the kernels compute in fp32"
+    if _compute(c) not in ("fp32", "fp16"):
+        return f"{_compute(c)} compute: the kernels store fp32 or fp16"
     if why := _fused_norms(c):
         return why
     return decode_cuda_shape_reason(c.model.hd, c.model.num_heads // c.model.num_kv_heads) or ""
+
+
+def _cuda_c(c: "Ctx") -> str:
+    """Why the plan does not pick the CUDA C kernels by itself ('' when it does): in fp16 they run only when
+    asked for, until their fp16 path has been measured on a GPU."""
+    if why := _cuda_c_refused(c):
+        return why
+    if _compute(c) == "fp16":
+        return ("fp16 compute: the kernels take fp16 when asked for (plan.decode_backend=cuda-c), but their fp16 path "
+                "has not been run on a GPU yet")
+    return ""
 
 
 def _cuda_c_reason(c: "Ctx") -> str:
@@ -211,7 +223,7 @@ def _cuda_c_reason(c: "Ctx") -> str:
     nf4 = (f"; over the NF4 base, decode steps of up to {NF4_DECODE_ROWS} rows multiply through edgerl's fused "
            "NF4 kernel, which reads the 4-bit codes once (bitsandbytes writes and reads a dequantized copy of each "
            "weight)" if c["base_dtype"] == "nf4" else "")
-    return (f"fp32 on {c.device.sm}: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU): one rotates q and k, "
+    return (f"{_compute(c)} on {c.device.sm}: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU): one rotates q and k, "
             f"writes the cache column and attends over the columns each row sees (past {split} columns in slices of "
             f"{split}, a block each, merged by a second kernel), three more add the residual with "
             "each RMS norm and compute SiLU * up (about 18 kernels fewer per layer than torch's ops)" + nf4
@@ -223,8 +235,9 @@ def _torch_reason(c: "Ctx") -> str:
         return "CPU: torch's ops (edgerl's decode kernels need a CUDA GPU)"
     half = _compute(c) in ("fp16", "bf16")
     why = _triton_attention(c) if half else _cuda_c(c)
+    also = f"; the CUDA C kernels: {_cuda_c(c)}" if _compute(c) == "fp16" else ""
     return (f"torch's ops in the CUDA graph ({'SDPA' if half else 'baddbmm, softmax and bmm'} over the masked "
-            f"cache): edgerl's {'Triton' if half else 'CUDA C'} decode kernels cannot run: {why}")
+            f"cache): edgerl's {'Triton' if half else 'CUDA C'} decode kernels cannot run: {why}{also}")
 
 
 DECODE_BACKENDS: dict[str, Path] = {
@@ -237,7 +250,7 @@ DECODE_BACKENDS: dict[str, Path] = {
         f"{_compute(c)} on {c.device.sm} with triton: edgerl's rotary decode-attention kernel (it rotates q and k, "
         "writes the cache column and reads only the columns each row sees, where SDPA reads every column, masked) "
         f"between torch's projections; the Triton layers cannot run: {_triton_layers(c)}")),
-    "cuda-c": Path("cuda-c", _cuda_c, _cuda_c_reason),
+    "cuda-c": Path("cuda-c", _cuda_c, _cuda_c_reason, _cuda_c_refused),
     "torch": Path("torch", _static_only, _torch_reason),
 }
 

@@ -1,4 +1,4 @@
-"""Decode backend `cuda-c`: fp32 decode layers through edgerl's CUDA C kernels (NVRTC), on any CUDA GPU.
+"""Decode backend `cuda-c`: fp32 or fp16 decode layers through edgerl's CUDA C kernels (NVRTC), on any CUDA GPU.
 
 Pascal has no Triton and no torch.compile, and in fp32 a decode layer of torch's ops is about 18 small
 kernels besides its matmuls. `gpu_kernels/decode_cuda.py` does that work in three per layer: the residual
@@ -8,6 +8,9 @@ rows also go through edgerl's fused NF4 kernel (`models/quant_decode.py`: it rea
 where bitsandbytes writes and reads a dequantized fp32 copy of each weight). On an H200 at the
 Llama-3.1-8B widths over an NF4 base with LoRA, 16 rows: 12.92 ms per decode step against 13.88 with
 torch's ops, and the NF4 kernel 13.35 ms against bitsandbytes' 34.4 (docs/benchmarks.md).
+
+The plan picks it for fp32 plans. The kernels also store fp16 (Volta and Turing plans, where Triton cannot run);
+that path runs only with plan.decode_backend=cuda-c until it has been measured on a GPU.
 """
 
 from __future__ import annotations
