@@ -66,7 +66,8 @@ template <> __device__ __forceinline__ float rn<h16>(float f) { h16 h; st(&h, f)
 __device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
 __device__ __forceinline__ float4 ld4(const h16* p) {
   const uint2 u = *(const uint2*)p;
-  return make_float4(h2f((u16)(u.x & 0xffffu)), h2f((u16)(u.x >> 16)), h2f((u16)(u.y & 0xffffu)), h2f((u16)(u.y >> 16)));
+  return make_float4(h2f((u16)(u.x & 0xffffu)), h2f((u16)(u.x >> 16)),
+                     h2f((u16)(u.y & 0xffffu)), h2f((u16)(u.y >> 16)));
 }
 
 // HF's rotary: y[d] = x[d] cos[d] + x[d +- D/2] sin'[d] (sin' carries rotate_half's sign), each product
@@ -314,6 +315,7 @@ def _kernel(name: str, device: torch.device):
 
 # the storage types the kernels take (the source's names); every one computes in fp32
 TYPES = {torch.float32: "float", torch.float16: "h16"}
+NAMES = {torch.float32: "fp32", torch.float16: "fp16"}
 
 
 def _type(dtype: torch.dtype) -> str:
@@ -354,8 +356,8 @@ def _rows(t: torch.Tensor, width: int, what: str, dtype: torch.dtype = torch.flo
     """The row stride of a (B, >= width) CUDA tensor in `dtype` whose rows are contiguous."""
     if t.dim() != 2 or t.shape[1] < width or t.stride(1) != 1 or t.stride(0) >= 2**31 or t.dtype != dtype \
             or not t.is_cuda:
-        raise ValueError(f"decode kernels: {what} must be a CUDA {dtype} (rows, >= {width}) tensor with contiguous "
-                         f"rows, got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+        raise ValueError(f"decode kernels: {what} must be a CUDA {NAMES.get(dtype, dtype)} (rows, >= {width}) tensor "
+                         f"with contiguous rows, got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
     return t.stride(0)
 
 
@@ -422,7 +424,8 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
             raise ValueError(f"rope_attend: {what} has {t.shape[0]} rows, the cache {B}")
     for t, what in ((cos, "cos"), (sin, "sin")):
         if tuple(t.shape) != (B, D) or not t.is_contiguous() or t.dtype != dt:
-            raise ValueError(f"rope_attend: {what} must be contiguous {dt} ({B}, {D}), got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(f"rope_attend: {what} must be contiguous {NAMES[dt]} ({B}, {D}), got {t.dtype} "
+                             f"{tuple(t.shape)}")
     if start.dtype != torch.int64 or tuple(start.shape) != (B,) or col.dtype != torch.int64 or col.numel() != 1:
         raise ValueError(f"rope_attend: start must be int64 ({B},) and col int64 (1,), got {start.dtype} "
                          f"{tuple(start.shape)} and {col.dtype} {tuple(col.shape)}")

@@ -51,7 +51,8 @@ def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monke
     or Turing plan computes): the same greedy tokens as the torch backend."""
     monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(decode_cuda, "add_rms_norm",
-                        lambda x, d, w, eps: tuple(t.to(x.dtype) for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
+                        lambda x, d, w, eps: tuple(t.to(x.dtype)
+                                                   for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
     monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
     monkeypatch.setattr(decode_cuda, "rope_attend",
                         lambda *a: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))

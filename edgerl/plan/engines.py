@@ -223,9 +223,9 @@ def _cuda_c_reason(c: "Ctx") -> str:
     nf4 = (f"; over the NF4 base, decode steps of up to {NF4_DECODE_ROWS} rows multiply through edgerl's fused "
            "NF4 kernel, which reads the 4-bit codes once (bitsandbytes writes and reads a dequantized copy of each "
            "weight)" if c["base_dtype"] == "nf4" else "")
-    return (f"{_compute(c)} on {c.device.sm}: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU): one rotates q and k, "
-            f"writes the cache column and attends over the columns each row sees (past {split} columns in slices of "
-            f"{split}, a block each, merged by a second kernel), three more add the residual with "
+    return (f"{_compute(c)} on {c.device.sm}: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU): one rotates q "
+            f"and k, writes the cache column and attends over the columns each row sees (past {split} columns in slices "
+            f"of {split}, a block each, merged by a second kernel), three more add the residual with "
             "each RMS norm and compute SiLU * up (about 18 kernels fewer per layer than torch's ops)" + nf4
             + "; compiled when the rollout starts")
 
