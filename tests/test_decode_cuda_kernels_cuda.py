@@ -25,8 +25,9 @@ DTYPES = [torch.float32, torch.float16]
 # eager fp16 ops round, to fp16 (2^-11 relative each)
 NORM_TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3)}
 ATTN_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
-# against torch's own ops in the same dtype: one fp16 ulp where a sum runs in another order
-EAGER_TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (1e-3, 1e-3)}
+# against torch's own ops in the same dtype: in fp16 up to two ulps (2^-10 relative each), where a sum in
+# another order moves an intermediate across a rounding boundary
+EAGER_TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (2e-3, 2e-3)}
 
 
 def randn(*shape, g, dtype, scale=1.0):
@@ -66,8 +67,8 @@ def test_silu_mul_equals_the_reference_and_torch(rows, width, wide, dtype):
     assert y.dtype == dtype
     rtol, atol = NORM_TOL[dtype]
     torch.testing.assert_close(y.double(), k.reference_silu_mul(gate, up), rtol=rtol, atol=atol / 2)
-    torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=1e-6 if dtype == torch.float32 else 1e-3,
-                               atol=1e-7 if dtype == torch.float32 else 1e-3)
+    rtol, atol = (1e-6, 1e-7) if dtype == torch.float32 else EAGER_TOL[dtype]
+    torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=rtol, atol=atol)
 
 
 CASES = [   # rows, KV heads, query heads per KV head, head size, cache length, column written
