@@ -1,0 +1,115 @@
+"""edgerl's CUDA C kernels (gpu_kernels/decode_cuda.py, gpu_kernels/nf4.py) compiled with NVRTC for each GPU
+architecture the plan may run them on, without a GPU: a source that does not compile for a card fails here, not
+at the start of a user's run. NVRTC is a library: a CUDA build of torch brings it; on a CPU build, the
+nvidia-cuda-nvrtc-cu12 wheel (scripts/setup.sh installs it when torch has no CUDA)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import edgerl.kernels.nvrtc as nvrtc
+from edgerl.kernels import decode_cuda, nf4
+
+ARCHS = [(6, 1), (7, 0), (7, 5), (8, 6), (9, 0)]   # Pascal (P40), Volta (V100), Turing (T4), Ampere, Hopper
+# (query heads per KV head, head size) of the catalogue's models: Qwen2.5-0.5B/1.5B/7B, Llama-3.1-8B, SmolLM2-135M,
+# Gemma-sized heads, and the tests' tiny shapes
+LAYOUTS = [(7, 64), (6, 128), (7, 128), (4, 128), (3, 64), (8, 256), (1, 32), (2, 32)]
+
+
+def _library():
+    """NVRTC: torch's own (a CUDA build), else the nvidia-cuda-nvrtc-cu12 wheel's; None where neither is."""
+    try:
+        return nvrtc._nvrtc()
+    except nvrtc.KernelUnavailable:
+        pass
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for lib in sorted(Path(root).glob("cuda_nvrtc/lib/libnvrtc.so.*")):
+            if "builtins" not in lib.name:
+                try:
+                    return ctypes.CDLL(str(lib))
+                except OSError:
+                    continue
+    return None
+
+
+LIB = _library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no NVRTC library: torch is not a CUDA build and the "
+                                "nvidia-cuda-nvrtc-cu12 wheel is not installed (scripts/setup.sh installs it)")
+
+
+@pytest.fixture(autouse=True)
+def with_nvrtc(monkeypatch):
+    monkeypatch.setattr(nvrtc, "_nvrtc", lambda: LIB)
+
+
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_the_decode_layer_kernels_compile_for_every_architecture(cc, dtype):
+    names = sorted({n for group, head_dim in LAYOUTS for n in decode_cuda.kernel_names(group, head_dim, dtype)})
+    cubin, lowered = nvrtc.compile_cubin(decode_cuda.SOURCE, names, cc)   # one program: every instantiation
+    assert cubin and set(lowered) == set(names) and all(lowered.values())
+
+
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+def test_the_nf4_kernels_compile_for_every_architecture(cc):
+    names = [n for dt in (torch.float32, torch.float16, torch.bfloat16) for n in nf4.decode_kernels(dt)]
+    names += [nf4.mm_name(torch.float16, rows, r) for rows in (1, 2, 4, 8, 16) for r in (1, 2)]
+    cubin, lowered = nvrtc.compile_cubin(nf4.SOURCE, names, cc)
+    assert cubin and set(lowered) == set(names)
+
+
+def _ptx(source: str, names: list[str], arch: str) -> tuple[str, dict[str, str]]:
+    prog = ctypes.c_void_p()
+    assert LIB.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"edgerl.cu", 0, None, None) == 0
+    try:
+        for n in names:
+            assert LIB.nvrtcAddNameExpression(prog, n.encode()) == 0
+        opts = (ctypes.c_char_p * 2)(f"--gpu-architecture={arch}".encode(), b"-std=c++14")
+        assert LIB.nvrtcCompileProgram(prog, 2, opts) == 0
+        size = ctypes.c_size_t()
+        LIB.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        LIB.nvrtcGetPTX(prog, buf)
+        lowered = {}
+        for n in names:
+            out = ctypes.c_char_p()
+            LIB.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(out))
+            lowered[n] = out.value.decode()
+        return buf.value.decode(), lowered
+    finally:
+        LIB.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+FLOAT_OP = re.compile(r"(fma|mul|add|sub|div|rcp|ex2|max|min|rsqrt|neg|setp)\.\S*f32\b")
+
+
+def _body(ptx: str, symbol: str) -> list[str]:
+    body = ptx[ptx.index(f".entry {symbol}"):]
+    return [line.strip() for line in body[:body.index("\n}\n")].splitlines()]
+
+
+def _float_ops(ptx: str, symbol: str) -> list[str]:
+    """The opcodes of a kernel's fp32 arithmetic, in order (registers, loads and conversions left out)."""
+    return [line.split()[0] for line in _body(ptx, symbol) if FLOAT_OP.match(line)]
+
+
+@pytest.mark.parametrize("arch", ["compute_61", "compute_75"])
+def test_the_fp16_decode_kernels_compute_what_the_fp32_ones_compute(arch):
+    """The fp16 instantiations read and write fp16 and round where torch's fp16 ops round, but their fp32
+    arithmetic is the fp32 kernels' (which the CUDA tests check against float64): the same float instructions in
+    the same order, the conversions aside."""
+    names32 = decode_cuda.kernel_names(6, 128, torch.float32) + decode_cuda.kernel_names(3, 64, torch.float32)
+    names16 = decode_cuda.kernel_names(6, 128, torch.float16) + decode_cuda.kernel_names(3, 64, torch.float16)
+    p32, l32 = _ptx(decode_cuda.SOURCE, names32, arch)
+    p16, l16 = _ptx(decode_cuda.SOURCE, names16, arch)
+    for a, b in zip(names32, names16):
+        ops32, ops16 = _float_ops(p32, l32[a]), _float_ops(p16, l16[b])
+        assert ops32 and ops16 == ops32, (b, len(ops32), len(ops16))
+        assert any(line.startswith("cvt.rn.f16.f32") for line in _body(p16, l16[b])), b   # it stores fp16
