@@ -17,9 +17,9 @@ import edgerl.kernels.nvrtc as nvrtc
 from edgerl.kernels import decode_cuda, nf4
 
 ARCHS = [(6, 1), (7, 0), (7, 5), (8, 6), (9, 0)]   # Pascal (P40), Volta (V100), Turing (T4), Ampere, Hopper
-# (query heads per KV head, head size) of the catalogue's models: Qwen2.5-0.5B/1.5B/7B, Llama-3.1-8B, SmolLM2-135M,
-# Gemma-sized heads, and the tests' tiny shapes
-LAYOUTS = [(7, 64), (6, 128), (7, 128), (4, 128), (3, 64), (8, 256), (1, 32), (2, 32)]
+# (query heads per KV head, head size): Qwen2.5-0.5B, Qwen2.5-1.5B, Llama-3.1-8B, SmolLM2-135M, the largest group
+# and head the kernels take, and the smallest
+LAYOUTS = [(7, 64), (6, 128), (4, 128), (3, 64), (8, 256), (1, 32)]
 
 
 def _library():
@@ -60,7 +60,10 @@ def test_the_decode_layer_kernels_compile_for_every_architecture(cc, dtype):
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
 def test_the_nf4_kernels_compile_for_every_architecture(cc):
     names = [n for dt in (torch.float32, torch.float16, torch.bfloat16) for n in nf4.decode_kernels(dt)]
-    names += [nf4.mm_name(torch.float16, rows, r) for rows in (1, 2, 4, 8, 16) for r in (1, 2)]
+    if cc == ARCHS[0]:   # every tile of rows and of W's rows per lane a call may take, on the oldest card
+        names += [nf4.mm_name(dt, rows, r) for dt in (torch.float32, torch.float16) for rows in (1, 2, 4, 8, 16)
+                  for r in (1, 2)]
+        names = sorted(set(names))
     cubin, lowered = nvrtc.compile_cubin(nf4.SOURCE, names, cc)
     assert cubin and set(lowered) == set(names)
 
