@@ -18,7 +18,7 @@ norm's second use):
   the unsplit kernel has 32 blocks, each walking up to thousands of columns while most SMs wait;
 - `silu_mul`: SiLU(gate) * up.
 
-Storage in fp32, or in fp16 (Volta and Turing plans compute in fp16, and Triton cannot run there): every
+Storage in fp32, or in fp16 (Volta and Turing plans compute in fp16, and edgerl's Triton kernels run from CC 8.0): every
 kernel reads its inputs, the cache included, in the storage type and computes in fp32. The elementwise
 products and sums round where the eager ops do (no contraction into FMAs; in fp16, each rounded to fp16
 where torch's fp16 op rounds its result: the rotary products and their sum, the residual add, the normalised

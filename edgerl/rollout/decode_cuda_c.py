@@ -9,7 +9,7 @@ where bitsandbytes writes and reads a dequantized fp32 copy of each weight). On 
 Llama-3.1-8B widths over an NF4 base with LoRA, 16 rows: 12.92 ms per decode step against 13.88 with
 torch's ops, and the NF4 kernel 13.35 ms against bitsandbytes' 34.4 (docs/benchmarks.md).
 
-The plan picks it for fp32 plans. The kernels also store fp16 (Volta and Turing plans, where Triton cannot run);
+The plan picks it for fp32 plans. The kernels also store fp16 (Volta and Turing plans, below the Triton kernels' CC 8.0);
 that path runs only with plan.decode_backend=cuda-c until it has been measured on a GPU.
 """
 
