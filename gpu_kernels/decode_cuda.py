@@ -25,9 +25,10 @@ where torch's fp16 op rounds its result: the rotary products and their sum, the 
 value before its scale, the SiLU before the product), so the cache column is bit for bit what `_rotate` and
 `index_copy_` write; the dot products, the norm's mean and the softmax's sums run in another order than
 cuBLAS and torch's reductions, so those agree to rounding. `reference_*` are the same formulas in plain torch
-in float64, slowly; the CUDA tests compare the kernels with them. The fp16 instantiations compile for sm_61,
-sm_70, sm_75 and sm_90 (NVRTC 12.9, no register spills) and compute the same fp32 operations as the fp32 ones
-(their PTX float instructions are the fp32 path's plus the conversions); they have not been run on a GPU yet.
+in float64, slowly; the CUDA tests compare the kernels with them. The fp16 instantiations compile for sm_61
+to sm_90 (NVRTC 12.9, no register spills) and compute the same fp32 operations as the fp32 ones (their PTX
+float instructions are the fp32 path's, in order, plus the conversions: tests/test_nvrtc_compile_on_cpu.py
+checks both without a GPU); they have not been run on a GPU yet.
 """
 
 from __future__ import annotations
