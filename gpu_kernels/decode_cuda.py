@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T
 // (the block whose columns hold col: the only one that reads it), then attend over its columns (all of
 // [start[b], col] unsplit; [start[b] + z CH, ...] split) in tiles of 256 (a thread per column for the scores;
 // THREADS / D threads per head dimension for P V, each over every (THREADS / D)-th column), with a running
-// maximum across tiles. Unsplit, o (B, KVH G D) gets the normalised output; split, o is (B KVH, NS, G, D): the
-// slice's unnormalised P V, with its maximum and sum in pm and pl (B KVH, NS, G), and attend_combine merges the
+// maximum across tiles. Unsplit, o (B, KVH G D) gets the normalised output; split, po (fp32) is (B KVH, NS, G, D):
+// the slice's unnormalised P V, with its maximum and sum in pm and pl (B KVH, NS, G), and attend_combine merges the
 // slices. A slice past col (its first column after it) returns at once.
 // q, k, v: rows of the step's projections (row strides sq, sk, sv); cos, sin: (B, D); kc, vc: this layer's
 // cache (B, KVH, S, D), read and written (not __restrict__: the new column is read back after a barrier).
@@ -329,11 +329,15 @@ def attend_name(group: int, head_dim: int, split: bool = False, dtype: torch.dty
     return f"rope_attend{'_split' if split else ''}<{_type(dtype)}, {group}, {head_dim}>"
 
 
+def combine_name(group: int, head_dim: int, dtype: torch.dtype = torch.float32) -> str:
+    return f"attend_combine<{_type(dtype)}, {group}, {head_dim}>"
+
+
 def kernel_names(group: int, head_dim: int, dtype: torch.dtype = torch.float32) -> list[str]:
     """Every instantiation a decode step with this head layout launches in `dtype` (fp32 or fp16)."""
     t = _type(dtype)
     return [f"add_rms_norm<{t}>", f"silu_mul<{t}>", attend_name(group, head_dim, dtype=dtype),
-            attend_name(group, head_dim, split=True, dtype=dtype), f"attend_combine<{t}, {group}, {head_dim}>"]
+            attend_name(group, head_dim, split=True, dtype=dtype), combine_name(group, head_dim, dtype)]
 
 
 def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, group: int) -> Optional[str]:
@@ -451,7 +455,7 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         grid=(B * KVH, ns, 1), block=(THREADS, 1, 1),
         args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, part, KVH, S, float(scale),
               int(split_columns), pm, pl])
-    _kernel(f"attend_combine<{_type(dt)}, {group}, {D}>", q.device)(
+    _kernel(combine_name(group, D, dt), q.device)(
         grid=(B * KVH, 1, 1), block=(THREADS, 1, 1), args=[part, pm, pl, start, col, o, KVH, ns, int(split_columns)])
     return o
 

@@ -84,6 +84,16 @@ def recompute_logprobs(model, prompts, responses, temperature: float) -> list[li
     return out
 
 
+def logprob_gap(model, out, temperature: float) -> torch.Tensor:
+    """|a generate call's sampled log-probs - recompute_logprobs'|, one value per response token (out: what the
+    engine's generate returned)."""
+    ref = recompute_logprobs(model, out.prompt_ids, out.response_ids, temperature)
+    got = torch.tensor([x for row in out.logprobs for x in row])
+    want = torch.tensor([x for row in ref for x in row])
+    assert got.shape == want.shape and torch.isfinite(got).all(), (got.shape, want.shape)
+    return (got - want).abs()
+
+
 @torch.no_grad()
 def next_token_logits(model, prompts, responses) -> list[torch.Tensor]:
     """For each row, the fp32 logits (len(response), V) that predicted each response token."""

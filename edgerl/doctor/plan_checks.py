@@ -94,18 +94,17 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
     from edgerl.kernels.nf4 import SOURCE, decode_kernels
     from edgerl.kernels.nvrtc import KernelUnavailable, compile_cubin
     from edgerl.plan.dtypes import torch_dtype
-    dtype = torch_dtype(plan.dtype.compute) if needed else None   # the plan's, else the fp32 plan's default
+    compute = plan.dtype.compute if needed else "fp32"   # the plan's, else what an fp32 QLoRA plan would use
     try:
-        compile_cubin(SOURCE, decode_kernels(dtype) if dtype is not None else decode_kernels(), dev.cc)
+        compile_cubin(SOURCE, decode_kernels(torch_dtype(compute)), dev.cc)
     except (KernelUnavailable, OSError, AttributeError) as e:
         then = ("training with this plan stops at its start" if needed else
                 "a QLoRA plan in fp32 needs plan.decode_backend=torch here (bitsandbytes' own matmul, slower)")
         return _c("fused NF4 kernel", "fail" if needed else "warn", f"NVRTC cannot compile it for {dev.sm}: {e}; {then}",
                   "torch's CUDA wheels bring NVRTC (nvidia-cuda-nvrtc); reinstall torch from its CUDA index, or "
                   "set plan.decode_backend=torch")
-    return _c("fused NF4 kernel", "ok", f"NVRTC compiles it for {dev.sm}: QLoRA decode steps in "
-              f"{plan.dtype.compute if needed else 'fp32'} read the 4-bit weights once"
-              + (" (this plan uses it)" if needed else ""))
+    return _c("fused NF4 kernel", "ok", f"NVRTC compiles it for {dev.sm}: QLoRA decode steps in {compute} read the "
+              "4-bit weights once" + (" (this plan uses it)" if needed else ""))
 
 
 def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> Optional[Check]:
