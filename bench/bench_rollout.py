@@ -8,7 +8,9 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
     static_eager              static KV cache, fused projections, no graph (decode backend torch)
     graph_unfused             + CUDA graph, projections called as modules (three q/k/v matmuls, two gate/up)
     graph_torch               + CUDA graph, fused q/k/v and gate/up matmuls: decode backend torch
-                              (baddbmm/softmax/bmm in fp32, SDPA in 16 bits)
+                              (baddbmm/softmax/bmm in fp32, SDPA in 16 bits) over the columns written so
+                              far, a span at a time (a graph per span)
+    graph_torch_whole         graph_torch over the whole cache at every step (one graph)
     graph_triton_attention    decode backend triton-attention: edgerl's rotary decode-attention kernel (only
                               the columns each row sees) between torch's projections (16 bits, CC >= 8.0)
     graph_triton_layers       decode backend triton-layers: that kernel between gpu_kernels/decode_linear.py's
@@ -76,6 +78,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 VARIANTS = {   # engine keyword arguments; hf_generate has none
     "hf_generate": None,
     "graph_torch": dict(cuda_graphs=True, projections="fused"),
+    "graph_torch_whole": dict(cuda_graphs=True, projections="fused", spans=False),
     "graph_unfused": dict(cuda_graphs=True, projections="modules"),
     "static_eager": dict(cuda_graphs=False, projections="fused"),
     "graph_triton_attention": dict(cuda_graphs=True, projections="fused", backend="triton-attention"),
@@ -167,19 +170,22 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict:
 
 @torch.no_grad()   # as generate runs it: no autograd records (LoRA adapters would otherwise be tracked)
 def step_kernels(engine, width: int, rows: int = 0) -> list:
-    """The CUDA kernel events (profiler) of one eager decode step of `rows` rows (0: the engine's
-    max_batch) writing cache column `width`."""
+    """The kernel events (profiler) of one eager decode step of `rows` rows (0: the engine's max_batch)
+    writing cache column `width`: CUDA kernels on a GPU, aten ops on the CPU (the smoke test's)."""
     from torch.profiler import ProfilerActivity, profile
     from edgerl.rollout.engine_static import _Mode
-    s = engine._state
-    mode = _Mode(rows=rows or engine.max_batch, greedy=True, top_k=0, top_p=False, eos=(), pad=0)
+    s, n = engine._state, rows or engine.max_batch
+    cuda = engine.device.type == "cuda"
+    mode = _Mode(rows=n, full=n, greedy=True, top_k=0, top_p=False, eos=(), pad=0, span=engine._span(width))
     s.col.fill_(width)      # a column inside the cache: the step writes it
     s.step.fill_(1)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         engine._step(mode)
-        torch.cuda.synchronize()
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        sync()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return [e for e in prof.events() if e.device_type == kind]
 
 
 def count_kernels(engine, width: int) -> tuple[int, float, list, list]:
@@ -220,6 +226,9 @@ def run_static(args, model, ids, kw, rec, cuda) -> list[list[int]]:
             rec["deterministic"] = rec.get("deterministic", True) and out.response_ids == first.response_ids
         rec["ms_per_step"] = round(statistics.median(steps), 4)
         rec["ms_per_step_p90"] = round(sorted(steps)[int(0.9 * (len(steps) - 1))], 4)
+        # a span's steps read more columns than the one before: the mean is the decode's time per token
+        rec["ms_per_step_mean"] = round(statistics.fmean(steps), 4)
+        rec["spans"], rec["captures_first_call"] = first.info["spans"] + 1, first.info["captures"]
         rec["wall_s"] = round(statistics.median(walls), 4)
         rec["prefill_s"] = round(statistics.median(i["prefill_s"] for i in infos), 4)
         rec["recaptures_in_timed_calls"] = sum(i["captures"] for i in infos)

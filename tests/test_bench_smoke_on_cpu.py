@@ -267,3 +267,17 @@ def test_a_run_the_time_limit_stopped_is_never_reported_ok():
     assert bl.run_status("ok", "ok", 3) == "ok"
     assert bl.run_status("exit 1", "out of memory", 1) == "out of memory after 1 step(s)"
     assert bl.run_status("exit 1", "out of memory", 0) == "out of memory"
+
+
+def test_the_decode_step_profile_runs_one_step_of_the_engine():
+    """bench_rollout.step_kernels (bench_nf4_decode's profile too) builds the engine's step mode and runs
+    one eager step under the profiler: on the CPU its aten ops, on a GPU its kernels."""
+    import bench_rollout
+    from edgerl.rollout import SamplingParams, StaticCacheEngine
+    sys.path.insert(0, str(REPO / "tests"))
+    from rollout_helpers import PROMPTS, tiny_llama
+    engine = StaticCacheEngine(tiny_llama(), 4, 64, cuda_graphs=False)
+    engine.generate([PROMPTS[0]], 4, SamplingParams(max_new_tokens=4, greedy=True), None)
+    events = bench_rollout.step_kernels(engine, len(PROMPTS[0]))
+    names = {e.name for e in events}
+    assert "aten::bmm" in names and "aten::baddbmm" in names, sorted(names)[:40]

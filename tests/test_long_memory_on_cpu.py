@@ -214,6 +214,84 @@ def test_the_kv_cache_holds_the_rows_a_call_decodes():
     assert eng.dec.cache.shape[2] == 5
 
 
+
+# --- attention over the columns written so far (torch's ops) -----------------------------------------
+
+def test_a_span_is_above_every_column_a_step_writes_and_within_the_cache():
+    """span_for: a multiple of 16 above the written column, never past the cache; under CUDA graphs at
+    least SPAN_MIN columns a span and about SPANS of them over a long cache (each is a captured graph)."""
+    from edgerl.rollout.engine_static import SPAN_MIN, SPANS, span_for, span_step
+    for cache_len in (16, 96, 304, 4352, 8448, 33024):
+        for graphs in (False, True):
+            step = span_step(cache_len, graphs)
+            assert step % 16 == 0 and step >= (SPAN_MIN if graphs else 16)
+            spans = {span_for(col, cache_len, step) for col in range(cache_len)}
+            assert all(s % 16 == 0 and s <= cache_len for s in spans)
+            assert all(col < span_for(col, cache_len, step) for col in range(cache_len))
+            if graphs:
+                assert len(spans) <= SPANS + 1, (cache_len, sorted(spans))
+    assert span_for(0, 4352, 544) == 544 and span_for(543, 4352, 544) == 544 and span_for(544, 4352, 544) == 1088
+    assert span_for(4351, 4352, 544) == 4352
+
+
+@pytest.mark.parametrize("arch,step", [("llama", 16), ("llama", 48), ("qwen2", 32), ("gemma3", 16)])
+def test_attention_over_spans_gives_the_whole_caches_rollout(arch, step):
+    """torch's ops attend over the cache columns written so far, widened a span at a time, instead of the
+    whole cache: the rollout (sampled, rows finishing at EOS and leaving the batch, Gemma's sliding window
+    hiding early columns) is the one the whole cache gives, token for token, log-probs to fp32 rounding."""
+    from edgerl.rollout import SamplingParams, StaticCacheEngine
+    from rollout_helpers import tiny_gemma3
+    model = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gemma3": tiny_gemma3}[arch](seed=5)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    params = SamplingParams(max_new_tokens=56, temperature=1.3, top_k=50, top_p=0.95,
+                            eos_token_ids=_eos_tokens(model, prompts), pad_token_id=0)
+    runs, read = [], []
+    for span in (0, step):
+        eng = StaticCacheEngine(model, 16, 80, cuda_graphs=False)
+        assert eng.span_step == 16   # eager: 16 columns a span
+        eng.span_step = span         # 0: the whole cache at every step
+        seen, attend = set(), eng.dec.backend.attend
+        eng.dec.backend.attend = lambda qkv, kv, *a, _f=attend, _s=seen: _s.add(kv.shape[3]) or _f(qkv, kv, *a)
+        runs.append(eng.generate(prompts, 4, params, torch.Generator().manual_seed(11)))
+        read.append(sorted(seen))
+    ref, got = runs
+    W = max(len(p) for p in prompts)
+    cols = range(W, W + 55)          # the columns decode steps 1..55 write
+    assert read[0] == [80] and read[1] == sorted({min(80, (c // step + 1) * step) for c in cols})
+    assert ref.info["spans"] == 0 and got.info["spans"] == len(read[1]) - 1 >= 1
+    assert got.info["compactions"] >= 1 and min(len(r) for r in ref.response_ids) < 56
+    assert got.response_ids == ref.response_ids and got.truncated == ref.truncated
+    for a, b in zip(got.logprobs, ref.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_decode_step_over_a_span_equals_the_step_over_the_whole_cache(dtype):
+    """One decode step of the torch backend (baddbmm in fp32, SDPA in 16 bits) over the first 32 cache
+    columns against the same step over all 96, after a prefill of ragged prompts: the same logits, and
+    the same cache column written."""
+    from edgerl.rollout.decoder import StaticDecoder
+    model = tiny_llama(seed=3).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 9, 2, 7]
+    W = max(lens)
+    ids = torch.zeros(len(lens), W, dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, W - n:] = torch.randint(3, 500, (n,), generator=g)
+    start = torch.tensor([W - n for n in lens])
+    tok = torch.randint(3, 500, (len(lens),), generator=g)
+    out = []
+    for span in (None, 32):
+        dec = StaticDecoder(model, 4, 96)
+        dec.allocate()
+        dec.prefill(ids, start)
+        for t in range(12):   # columns W .. W + 11 < 32
+            logits = dec.decode(tok, torch.tensor([W + t]), start, span)
+        out.append((logits, dec.cache.clone()))
+    (ref, ref_cache), (got, got_cache) = out
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-2)
+    torch.testing.assert_close(got_cache, ref_cache, rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-2)
+
 # --- micro-batches by tokens ------------------------------------------------------------------------
 
 def _exp(lens: list[int], P: int = 4, R: int = 10):

@@ -11,7 +11,8 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from edgerl.rollout import HFGenerateEngine, SamplingParams, StaticCacheEngine
 from rollout_helpers import (PROMPTS, check_decode_attention_rope, decode_attention_cases, decode_attention_reference,
-                             next_token_logits, perturbed, recompute_logprobs, tiny_llama, tiny_qwen2, with_lora)
+                             logprob_gap, next_token_logits, perturbed, recompute_logprobs, tiny_llama, tiny_qwen2,
+                             with_lora)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 
@@ -200,6 +201,31 @@ def test_lora_modules_in_a_graph_equal_peft_generate():
     ref = HFGenerateEngine(model, 8).generate(PROMPTS, 2, greedy(24)).response_ids
     assert graph.generate(PROMPTS, 2, greedy(24)).response_ids == ref
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_spans_in_graphs_give_the_whole_caches_rollout(dtype):
+    """torch's ops attend over the columns written so far, a graph per span (spans of 32 columns here: a new
+    graph captured mid-rollout, beside the graphs for fewer rows once rows finish), against the whole cache in
+    one graph. fp32 (baddbmm): the same sampled tokens and log-probs; fp16 (SDPA): every sampled log-prob as
+    close to a full forward's as the whole cache's are."""
+    model = tiny_llama(seed=5, dtype=dtype, device="cuda")
+    params = SamplingParams(max_new_tokens=120, temperature=1.3, top_p=0.95, eos_token_ids=(7, 11, 13))
+    outs = []
+    for spans in (False, True):
+        eng = StaticCacheEngine(model, 8, 160, cuda_graphs=True, spans=spans)
+        if spans:
+            eng.span_step = 32
+        outs.append(eng.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0)))
+    whole, got = outs
+    assert whole.info["spans"] == 0 and got.info["spans"] >= 3 and got.info["captures"] >= 4
+    if dtype == torch.float32:
+        assert got.response_ids == whole.response_ids
+        for a, b in zip(got.logprobs, whole.logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-5)
+    ours, theirs = logprob_gap(model, got, 1.3), logprob_gap(model, whole, 1.3)
+    assert ours.max() <= max(2e-4, 2 * theirs.max()) and ours.mean() <= max(2e-5, 2 * theirs.mean()), \
+        (ours.max(), ours.mean(), theirs.max(), theirs.mean())
 
 def test_step_times_with_cuda_events():
     eng = StaticCacheEngine(tiny_llama(device="cuda"), 8, 64, cuda_graphs=True, time_steps=True)

@@ -25,6 +25,7 @@ from .decoder import DecodeKernelUnavailable, StaticDecoder
 
 class Backend(TorchOps):
     name = "cuda-c"
+    reads_span = False   # the whole cache: the kernel reads each row's visible columns only
 
     def __init__(self, dec: StaticDecoder) -> None:
         from edgerl.kernels import decode_cuda
@@ -40,7 +41,7 @@ class Backend(TorchOps):
             self.note += f"; {n} NF4 layers through the fused kernel" + "".join(
                 f"; {k} left to bitsandbytes: {why}" for why, k in left.items())
 
-    def mask(self, start: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    def mask(self, start: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
         return start   # rope_attend reads only the columns start[b] .. col of each row (a window: its first column)
 
     def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col, qk=None, post=None):

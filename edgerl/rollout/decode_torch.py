@@ -2,11 +2,11 @@
 
 What the plan picks where no edgerl kernel runs: the CPU, fp16 on Volta and Turing (no Triton below CC
 8.0; cuBLAS reaches their tensor cores), and any model or GPU the kernels do not take. On a GPU the
-static engine replays the step from a CUDA graph. Attention over the masked static cache is
-baddbmm/softmax/bmm in fp32 and SDPA in 16 bits: a 16-bit baddbmm rounds the scores to 16 bits
-before the softmax, where HF's SDPA forward (what training runs) keeps them in fp32; on an H200 in
-bf16, bmm agreed with HF's argmax on 54-60% of tokens, SDPA on 76-83%, HF generate itself on 83-87%
-(docs/benchmarks.md).
+static engine replays the step from a CUDA graph. Attention reads the first S columns of the cache it is
+handed (the engine's span: the columns written so far, rounded up) and is baddbmm/softmax/bmm in fp32 and
+SDPA in 16 bits: a 16-bit baddbmm rounds the scores to 16 bits before the softmax, where HF's SDPA forward
+(what training runs) keeps them in fp32; on an H200 in bf16, bmm agreed with HF's argmax on 54-60% of
+tokens, SDPA on 76-83%, HF generate itself on 83-87% (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,17 +20,22 @@ from .decoder import StaticDecoder, sdpa
 
 class Backend:
     name = "torch"
+    # Attention reads the first S cache columns it is handed (the engine's span: every column written so
+    # far, rounded up); the kernels read each row's visible columns only and take the whole cache.
+    reads_span = True
 
     def __init__(self, dec: StaticDecoder) -> None:
         self.dec = dec
         self.sdpa = dec.dtype != torch.float32   # else baddbmm, softmax and bmm
         self.note = f"torch ops ({'SDPA' if self.sdpa else 'baddbmm/softmax/bmm'} attention)"
 
-    def mask(self, start: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        """One additive mask for all layers of an attention span (columns start[b] .. col visible), so each
-        layer's scores are a single baddbmm: (B, 1, 1, S), or (B*KVH, 1, S) for baddbmm."""
-        dec, B, S = self.dec, start.shape[0], self.dec.cache_len
-        hidden = (dec.cols[None, :] < start[:, None]) | (dec.cols[None, :] > col)       # (B, S)
+    def mask(self, start: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
+        """One additive mask for all layers of an attention span (columns start[b] .. col visible of the
+        cache's first S columns), so each layer's scores are a single baddbmm: (B, 1, 1, S), or
+        (B*KVH, 1, S) for baddbmm."""
+        dec, B = self.dec, start.shape[0]
+        cols = dec.cols[:S]
+        hidden = (cols[None, :] < start[:, None]) | (cols[None, :] > col)               # (B, S)
         zero = torch.zeros((), device=start.device, dtype=dec.dtype)
         bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                   # (B, 1, 1, S)
         return bias if self.sdpa else bias.expand(B, dec.n_kv, 1, S).reshape(B * dec.n_kv, 1, S)
@@ -60,7 +65,8 @@ class Backend:
 
     def attend(self, qkv, kv, cos, sin, mask, col):
         """The new token's rotary embedding, its k and v written into cache column col, and attention over
-        the cache. Returns the output heads, (B, KVH, G, D) or (B*KVH, G, D)."""
+        the cache's columns kv holds (the first S: the engine passes the span it attends over). Returns the
+        output heads, (B, KVH, G, D) or (B*KVH, G, D)."""
         dec, B = self.dec, qkv.shape[0]
         dec.rotate(qkv, cos, sin)
         # k and v sit side by side after q: one copy puts both in the cache column.
@@ -69,7 +75,7 @@ class Backend:
             q = qkv[:, :dec.q_width].view(B, dec.n_kv, dec.group, dec.head_dim)
             return sdpa(q, kv[0], kv[1], mask, dec.scaling, False)
         # GQA without repeat_kv: query heads grouped under their KV head (head h uses KV head h // G)
-        BK, S, D = B * dec.n_kv, dec.cache_len, dec.head_dim
+        BK, S, D = B * dec.n_kv, kv.shape[3], dec.head_dim
         q = qkv[:, :dec.q_width].reshape(BK, dec.group, D)                              # (B*KVH, G, D)
         s = torch.baddbmm(mask, q, kv[0].reshape(BK, S, D).transpose(1, 2), alpha=dec.scaling)
         # HF: softmax in fp32, then cast. A 16-bit softmax computes in fp32 and rounds once: the same

@@ -18,6 +18,7 @@ from .decoder import DecodeKernelUnavailable, StaticDecoder
 
 class Backend(TorchOps):
     name = "triton-attention"
+    reads_span = False   # the whole cache: the kernel reads each row's visible columns only
 
     def __init__(self, dec: StaticDecoder) -> None:
         from edgerl.kernels.decode_attention import attention_rope_op, unavailable_reason
@@ -28,7 +29,7 @@ class Backend(TorchOps):
         self.rope_attend = attention_rope_op()
         self.note = "torch's projections around the rotary decode-attention kernel (Triton)"
 
-    def mask(self, start: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    def mask(self, start: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
         return start   # the kernel reads only the columns start[b] .. col of each row (a window: its first column)
 
     def attend(self, qkv, kv, cos, sin, start, col):

@@ -276,21 +276,24 @@ class StaticDecoder:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def decode(self, tok: torch.Tensor, col: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def decode(self, tok: torch.Tensor, col: torch.Tensor, start: torch.Tensor, span: int | None = None) -> torch.Tensor:
         """One token per row. tok: (B,) inputs; col: (1,) cache column they go to (all rows share it);
-        start: (B,). Returns fp32 logits (B, vocab). No host synchronisation, fixed shapes and
-        addresses: safe to capture in a CUDA graph and replay with tok/col/start updated in place."""
+        start: (B,); span: the cache columns a backend that reads a span (`reads_span`) attends over, a
+        multiple of 16 above col (default: the whole cache). Returns fp32 logits (B, vocab). No host
+        synchronisation, fixed shapes and addresses: safe to capture in a CUDA graph and replay with
+        tok/col/start updated in place, while col stays below the span."""
         B, be = tok.shape[0], self.backend
+        S = min(span or self.cache_len, self.cache_len) if be.reads_span else self.cache_len
         pos = col - start                                                               # (B,)
         tables = [(F.embedding(pos, c)[:, None], F.embedding(pos, s)[:, None]) for c, s in self.ropes]  # (B, 1, D)
         # what the layers read to hide the columns a row does not see: one per attention span, from each row's
         # first visible column (a sliding-window layer sees columns col - window + 1 .. col)
-        hide = {None: be.mask(start, col)}
+        hide = {None: be.mask(start, col, S)}
         for w in self.arch.windows:
-            hide[w] = be.mask(torch.maximum(start, col - (w - 1)), col)
+            hide[w] = be.mask(torch.maximum(start, col - (w - 1)), col, S)
         x, d = be.first(self.embed(tok))
         for i, proj in enumerate(self.proj):
             lay = self.arch.layers[i]
-            x, d = be.layer(x, d, proj, *self.norms[i], self.cache[i, :, :B], *tables[lay.rope], hide[lay.window],
-                            col, *self.extras[i])
+            x, d = be.layer(x, d, proj, *self.norms[i], self.cache[i, :, :B, :, :S], *tables[lay.rope],
+                            hide[lay.window], col, *self.extras[i])
         return self._logits(be.last(x, d))

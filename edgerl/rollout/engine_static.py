@@ -3,8 +3,8 @@ replayed from a CUDA graph.
 
 HF `generate` spends most of a small model's step in per-token Python and kernel launches. Here one
 decode step (model, sampling, EOS bookkeeping) works only on fixed tensors updated in place, so it is
-captured once per batch size and replayed per token: one launch instead of ~20 per layer. Plain
-`torch.cuda.CUDAGraph`, no torch.compile needed, so it runs on Pascal (CC 6.x) too. The step's layers
+captured once per batch size (and per span of the cache, for torch's ops) and replayed per token: one
+launch instead of ~20 per layer. Plain `torch.cuda.CUDAGraph`, no torch.compile needed, so it runs on Pascal (CC 6.x) too. The step's layers
 run through the plan's decode backend (`plan.decode_backend`, decoder.py). Without CUDA (or with
 `cuda_graphs=False`) the same step runs eagerly.
 
@@ -36,6 +36,12 @@ CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each lo
 # live rows move to the front (KV cache rows, state) and decode on as a smaller batch, with a graph captured
 # for that size. Halving keeps the captures to log2(rows) per rollout.
 DROP_AT = 0.5
+# A backend that attends over a span of the cache (`reads_span`: torch's ops) reads the columns written so far,
+# rounded up, instead of the whole cache: at step t of a response of R tokens it reads about W + t columns, not
+# W + R. Each span is a mode (a graph captured the first time), so under CUDA graphs a span grows by at least
+# SPAN_MIN columns and a rollout uses at most about SPANS of them; eager steps widen it 16 columns at a time.
+SPAN_MIN = 512
+SPANS = 8
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class _Mode:
     top_p: bool
     eos: tuple[int, ...]
     pad: int
+    span: int          # cache columns the step's attention reads (`span_for`)
 
 
 class _State:
@@ -111,6 +118,8 @@ class StaticCacheEngine:
     each). backend: the decode step's layers, `plan.decode_backend` ('torch', 'triton-attention',
     'triton-layers', 'cuda-c'; decoder.py).
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
+    spans: where the backend reads a span of the cache (torch's ops), attend over the columns written so far,
+    a span at a time (SPAN_MIN, SPANS); False: over the whole cache at every step.
 
     Lifetime: the KV cache and static buffers are allocated by the first `generate`, a graph is
     captured the first time a mode (rows, greedy, top-k, ...) is generated, and all of it is kept
@@ -124,7 +133,7 @@ class StaticCacheEngine:
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  cuda_graphs: bool, projections: str = "auto", backend: str = "torch", time_steps: bool = False,
-                 note: str = "") -> None:
+                 spans: bool = True, note: str = "") -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
                              f"got max_batch={max_batch}, max_seq_len={max_seq_len}")
@@ -140,6 +149,8 @@ class StaticCacheEngine:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.cuda_graphs, self.time_steps = cuda_graphs, time_steps
         self.drop_finished = True   # rows that finished leave the decode batch (DROP_AT)
+        # columns a span grows by (SPAN_MIN, SPANS); 0: the whole cache at every step
+        self.span_step = span_step(self.dec.cache_len, cuda_graphs) if spans and self.dec.backend.reads_span else 0
         self.note = note
         self._gen = torch.Generator(device=self.device)
         self._state: Optional[_State] = None
@@ -154,6 +165,8 @@ class StaticCacheEngine:
     def describe(self) -> str:
         mode = "static KV cache + CUDA graph decode" if self.cuda_graphs else "static KV cache, eager decode"
         size = f"{self.max_batch} sequences x {self.max_seq_len} tokens, cache {self.dec.cache_bytes() / 2**20:.0f} MiB"
+        if self.span_step:
+            size += f", attention over the columns written so far in spans of {self.span_step}"
         return (f"static engine: {mode}, decode backend {self.dec.backend.name}: {self.dec.backend.note} ({size}; "
                 f"{self.dec.proj_note})" + (f" ({self.note})" if self.note else ""))
 
@@ -233,7 +246,7 @@ class StaticCacheEngine:
 
     def _step(self, mode: _Mode) -> None:
         s, B = self._state, mode.rows
-        self._emit(self.dec.decode(s.tok[:B], s.col, s.start[:B]), mode)
+        self._emit(self.dec.decode(s.tok[:B], s.col, s.start[:B], mode.span), mode)
         s.col.add_(1)
 
     def _graph(self, mode: _Mode) -> torch.cuda.CUDAGraph:
@@ -304,7 +317,7 @@ class StaticCacheEngine:
 
         info = {"engine": "static", "cuda_graphs": self.cuda_graphs, "backend": self.dec.backend.name,
                 "capture_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "chunks": 0, "seed": seed,
-                "graphs_dropped": moved, "captures": 0, "row_steps": 0, "compactions": 0}
+                "graphs_dropped": moved, "captures": 0, "row_steps": 0, "compactions": 0, "spans": 0}
         if self.time_steps:
             info["step_ms"] = []
         responses, logprobs, truncated = [], [], []
@@ -312,7 +325,8 @@ class StaticCacheEngine:
             chunk = rows[first:first + need]
             mode = _Mode(rows=len(chunk), full=len(chunk), greedy=params.greedy,
                          top_k=0 if params.greedy else params.top_k,
-                         top_p=not params.greedy and params.top_p < 1.0, eos=eos, pad=params.pad_token_id)
+                         top_p=not params.greedy and params.top_p < 1.0, eos=eos, pad=params.pad_token_id,
+                         span=self.dec.cache_len)
             toks, lps = self._generate_chunk(chunk, mode, params.max_new_tokens, info)
             for tok_row, lp_row in zip(toks, lps):
                 resp, cut = cut_at_eos(tok_row, eos, params.max_new_tokens)
@@ -338,10 +352,11 @@ class StaticCacheEngine:
 
     def _run_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
         s, B, cuda = self._state, mode.rows, self.device.type == "cuda"
+        width = max(len(p) for p in chunk)
+        mode = replace(mode, span=self._span(width))   # decode step 1 writes column width
         graph = self._captured(mode, info) if self.cuda_graphs else None
 
         t0 = time.perf_counter()
-        width = max(len(p) for p in chunk)
         ids = torch.full((B, width), mode.pad, dtype=torch.long)
         for i, p in enumerate(chunk):   # left padding: every prompt ends at column width - 1
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
@@ -365,6 +380,10 @@ class StaticCacheEngine:
         if clock:
             clock.mark()
         for t in range(1, max_new):
+            if width + t - 1 >= mode.span:   # this step writes column width + t - 1: a wider span
+                mode = replace(mode, span=self._span(width + t - 1))
+                graph = self._captured(mode, info) if self.cuda_graphs else None
+                info["spans"] += 1
             if graph is not None:
                 graph.replay()
             else:
@@ -405,6 +424,10 @@ class StaticCacheEngine:
         info["decode_steps"] += steps - 1
         return [saved[k][0] for k in range(B)], [saved[k][1] for k in range(B)]
 
+    def _span(self, col: int) -> int:
+        """The span of a step writing cache column `col` (the whole cache where the backend reads no span)."""
+        return span_for(col, self.dec.cache_len, self.span_step) if self.span_step else self.dec.cache_len
+
     def _captured(self, mode: _Mode, info: dict) -> torch.cuda.CUDAGraph:
         t0 = time.perf_counter()
         fresh = mode not in self._graphs
@@ -433,6 +456,20 @@ class StaticCacheEngine:
         self.dec.copy_rows(live, list(range(n)), min(self.dec.cache_len, width + steps))
         info["compactions"] += 1
         return replace(mode, rows=n), [order[r] for r in live]
+
+
+def span_step(cache_len: int, graphs: bool) -> int:
+    """Columns a span grows by: 16 for eager steps (no capture to pay for); under CUDA graphs at least SPAN_MIN
+    and enough that about SPANS spans cover the cache, a multiple of 16 (the cache's alignment)."""
+    if not graphs:
+        return 16
+    return max(SPAN_MIN, -(-cache_len // (SPANS * 16)) * 16)
+
+
+def span_for(col: int, cache_len: int, step: int) -> int:
+    """The cache columns a step writing column `col` attends over: the first multiple of `step` above col,
+    at most the whole cache (a multiple of 16)."""
+    return min(cache_len, (col // step + 1) * step)
 
 
 class StepClock:
