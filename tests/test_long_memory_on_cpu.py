@@ -218,18 +218,21 @@ def test_the_kv_cache_holds_the_rows_a_call_decodes():
 # --- attention over the columns written so far (torch's ops) -----------------------------------------
 
 def test_a_span_is_above_every_column_a_step_writes_and_within_the_cache():
-    """span_for: a multiple of 16 above the written column, never past the cache; under CUDA graphs at
-    least SPAN_MIN columns a span and about SPANS of them over a long cache (each is a captured graph)."""
+    """span_for: a multiple of 16 above the written column, never past the cache; under CUDA graphs spans of
+    at least SPAN_MIN columns, at most SPANS of them (each is a captured graph), one below 2 x SPAN_MIN."""
     from edgerl.rollout.engine_static import SPAN_MIN, SPANS, span_for, span_step
-    for cache_len in (16, 96, 304, 4352, 8448, 33024):
+    for cache_len in (16, 96, 304, 576, 1008, 1024, 1088, 2112, 4352, 8448, 16448, 33024):
         for graphs in (False, True):
             step = span_step(cache_len, graphs)
-            assert step % 16 == 0 and step >= (SPAN_MIN if graphs else 16)
-            spans = {span_for(col, cache_len, step) for col in range(cache_len)}
-            assert all(s % 16 == 0 and s <= cache_len for s in spans)
+            assert step % 16 == 0 and step >= (min(SPAN_MIN, cache_len) if graphs else 16)
+            spans = sorted({span_for(col, cache_len, step) for col in range(cache_len)})
+            assert all(s % 16 == 0 and s <= cache_len for s in spans) and spans[-1] == cache_len
             assert all(col < span_for(col, cache_len, step) for col in range(cache_len))
             if graphs:
-                assert len(spans) <= SPANS + 1, (cache_len, sorted(spans))
+                assert len(spans) <= SPANS and min(b - a for a, b in zip([0] + spans, spans)) >= min(SPAN_MIN, cache_len) \
+                    or len(spans) == 1, (cache_len, spans)
+                assert (len(spans) == 1) == (cache_len < 2 * SPAN_MIN), (cache_len, spans)
+    assert span_step(4352, True) == 544 and span_step(2112, True) == 528 and span_step(1008, True) == 1008
     assert span_for(0, 4352, 544) == 544 and span_for(543, 4352, 544) == 544 and span_for(544, 4352, 544) == 1088
     assert span_for(4351, 4352, 544) == 4352
 

@@ -38,8 +38,8 @@ CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each lo
 DROP_AT = 0.5
 # A backend that attends over a span of the cache (`reads_span`: torch's ops) reads the columns written so far,
 # rounded up, instead of the whole cache: at step t of a response of R tokens it reads about W + t columns, not
-# W + R. Each span is a mode (a graph captured the first time), so under CUDA graphs a span grows by at least
-# SPAN_MIN columns and a rollout uses at most about SPANS of them; eager steps widen it 16 columns at a time.
+# W + R. Each span is a mode (a graph captured the first time), so under CUDA graphs the cache is cut into at
+# most SPANS equal spans of at least SPAN_MIN columns; eager steps widen it 16 columns at a time.
 SPAN_MIN = 512
 SPANS = 8
 
@@ -459,11 +459,13 @@ class StaticCacheEngine:
 
 
 def span_step(cache_len: int, graphs: bool) -> int:
-    """Columns a span grows by: 16 for eager steps (no capture to pay for); under CUDA graphs at least SPAN_MIN
-    and enough that about SPANS spans cover the cache, a multiple of 16 (the cache's alignment)."""
+    """Columns a span grows by: 16 for eager steps (no capture to pay for); under CUDA graphs the cache cut into
+    equal spans of at least SPAN_MIN columns, at most SPANS of them (a cache under 2 x SPAN_MIN columns is one
+    span), each a multiple of 16 (the cache's alignment)."""
     if not graphs:
         return 16
-    return max(SPAN_MIN, -(-cache_len // (SPANS * 16)) * 16)
+    n = min(SPANS, max(1, cache_len // SPAN_MIN))
+    return -(-cache_len // (n * 16)) * 16
 
 
 def span_for(col: int, cache_len: int, step: int) -> int:
