@@ -43,21 +43,35 @@ ROWS: dict[str, tuple[str, str, int, list[str]]] = {
     "llama8b-nf4-t4-4k": ("llama8b", "t4", 4096, NF4),
     # the 16-bit paths at the same lengths: LoRA on the 16-bit base in fp16 (T4), full fine-tuning in fp16
     # mixed precision (V100 32 GB) and in bf16 (RTX 4090)
-    "1.5b-lora-t4-2k": ("1.5b", "t4", 2048, []),
-    "1.5b-lora-t4-8k": ("1.5b", "t4", 8192, []),
+    "1.5b-lora-t4-2k": ("1.5b", "t4", 2048, ["lora.enabled=true"]),
+    "1.5b-lora-t4-8k": ("1.5b", "t4", 8192, ["lora.enabled=true"]),
     "1.5b-v100-fp16-2k": ("1.5b", "v100-32gb", 2048, ["lora.enabled=false"]),
     "1.5b-v100-fp16-8k": ("1.5b", "v100-32gb", 8192, ["lora.enabled=false"]),
     "1.5b-4090-bf16-2k": ("1.5b", "rtx4090", 2048, ["lora.enabled=false"]),
     "1.5b-4090-bf16-8k": ("1.5b", "rtx4090", 8192, ["lora.enabled=false"]),
     # the fp16 rows again through edgerl's CUDA C decode kernels in fp16 (plan.decode_backend=cuda-c: asked for, as
     # the plan keeps torch's ops for fp16 until this path is measured), against the same rows through torch's ops
-    "1.5b-lora-t4-8k-cuda-c": ("1.5b", "t4", 8192, ['plan.decode_backend="cuda-c"']),
+    "1.5b-lora-t4-8k-cuda-c": ("1.5b", "t4", 8192, ["lora.enabled=true", 'plan.decode_backend="cuda-c"']),
     "llama8b-nf4-t4-4k-cuda-c": ("llama8b", "t4", 4096, NF4 + ['plan.decode_backend="cuda-c"']),
 }
 SMOKE = {"smoke": ("tiny-q", "cpu", 64, ["lora.enabled=false"])}
 # --check: the code paths of the rows on the GPU in a minute (the 1.5B full plan at 256 tokens, an NF4 base)
 CHECK = {"check-1.5b-p40": ("1.5b", "p40", 256, ["lora.enabled=false"]),
          "check-nf4-t4": ("tiny-q", "t4", 128, NF4)}
+
+
+def row_sets(name: str, work: Path, steps: int, resumable: bool = False) -> list[str]:
+    """The row's `edgerl train` settings (--set strings; the model folder's path comes on top)."""
+    shape, profile, n, extra = {**ROWS, **CHECK, **SMOKE}[name]
+    sets = bl.task_sets(work, steps, n) + [f'run.profile="{profile}"', *extra]
+    return sets + (["run.save_every=1", "run.keep_last=1"] if resumable else [])
+
+
+def card_bytes(profile: str) -> int:
+    """The memory a row's run may take: its card's, the allocator's cap (the CPU profile: none)."""
+    from edgerl.device.profiles import get_profile
+    p = get_profile(profile)
+    return p.memory_bytes if p.kind == "cuda" else 0
 
 
 def command(name: str, steps: int) -> str:
@@ -185,7 +199,7 @@ def main() -> None:
         build(shape)
 
     def run(name: str) -> None:
-        shape, profile, n, extra = rows[name]
+        shape = rows[name][0]
         if shape not in models:
             results.put(name, summary(name, {"status": "error: model not built"}, steps))
             return
@@ -202,10 +216,7 @@ def main() -> None:
                                "command": command(name, total) if name in ROWS else name})
             log(f"{name}: {done} of {total} steps done in an earlier call")
             return
-        sets = bl.task_sets(work, total, n) + [f'run.profile="{profile}"', *extra]
-        if args.resumable:
-            sets += ["run.save_every=1", "run.keep_last=1"]
-        spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32,
+        spec = bl.edgerl_spec(models[shape], row_sets(name, work, total, args.resumable), run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32,
                               **({"resume": str(run_dir)} if done else {}))
         if done:
             log(f"{name}: continues its run after step {done}, to step {total}")
@@ -217,7 +228,10 @@ def main() -> None:
         results.put(name, row | {"raw": {k: v for k, v in res.items() if k not in ("trace",)}})
         log(bl.memory_line(name, row))
 
-    bl.run_each(list(rows), run, args.parallel)
+    # parallel rows start while their cards' memory fits the device's together (nine rows' caps add up to more
+    # than an H200's 139 GiB); the others wait for a run to end
+    caps, device = {k: card_bytes(rows[k][1]) for k in rows}, bl.device_bytes()
+    bl.run_each(list(rows), run, args.parallel, caps, device)
     bl.finish_memory_runs(results, list(rows), "row", out, clock)
 
 

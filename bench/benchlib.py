@@ -776,19 +776,36 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], p
     return out
 
 
-def run_each(names: list[str], run: Callable[[str], None], parallel: bool) -> None:
-    """run(name) for each name: one after another, or all at once in threads (each run is its own process
-    under its own cap), started 2 s apart so that their model loads do not all hit the disk together;
-    SIGTERM stops the children."""
+def run_each(names: list[str], run: Callable[[str], None], parallel: bool,
+             sizes: Optional[dict[str, int]] = None, capacity: Optional[int] = None, stagger: float = 2.0) -> None:
+    """run(name) for each name: one after another, or at once in threads (each run is its own process under
+    its own cap), started `stagger` seconds apart so that their model loads do not all hit the disk together; SIGTERM stops
+    the children. With `sizes` (bytes a run may take: its cap) and `capacity` (the device's), a run starts only
+    once the runs going and it fit in the capacity together, in order (one larger than it runs alone)."""
     if not parallel:
         for name in names:
             run(name)
         return
     signal.signal(signal.SIGTERM, stop_children)
-    threads = [threading.Thread(target=run, args=(name,)) for name in names]
-    for t in threads:
+    cond, used = threading.Condition(), [0]
+    need = {n: (sizes or {}).get(n, 0) if capacity else 0 for n in names}
+
+    def go(name: str) -> None:
+        try:
+            run(name)
+        finally:
+            with cond:
+                used[0] -= need[name]
+                cond.notify_all()
+    threads = []
+    for name in names:
+        with cond:
+            cond.wait_for(lambda: used[0] == 0 or used[0] + need[name] <= (capacity or 0))
+            used[0] += need[name]
+        t = threading.Thread(target=go, args=(name,))
         t.start()
-        time.sleep(2)
+        threads.append(t)
+        time.sleep(stagger)
     for t in threads:
         t.join()
 
@@ -854,6 +871,16 @@ def device_name() -> str:
         return (name.decode() if isinstance(name, bytes) else name).removeprefix("NVIDIA ")
     except Exception:
         return "CPU"
+
+
+def device_bytes() -> Optional[int]:
+    """GPU 0's memory less 2% (NVML, without starting CUDA in this process), or None without a GPU."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return int(0.98 * pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    except Exception:
+        return None
 
 
 def versions() -> dict[str, str]:

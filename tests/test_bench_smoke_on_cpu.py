@@ -281,3 +281,59 @@ def test_the_decode_step_profile_runs_one_step_of_the_engine():
     events = bench_rollout.step_kernels(engine, len(PROMPTS[0]))
     names = {e.name for e in events}
     assert "aten::bmm" in names and "aten::baddbmm" in names, sorted(names)[:40]
+
+
+def test_every_long_row_plans_what_its_name_says(tmp_path):
+    """Each bench_long row's own settings, planned for its card (its profile, the GPU machine's 128 GiB of host
+    RAM) at the bench model's widths and vocabulary: it fits, LoRA rows train LoRA (on an NF4 base where
+    named), full rows do not, and a -cuda-c row decodes through cuda-c. A row that times something other than
+    its name (LoRA left off, so full fine-tuning streamed over PCIe) is caught here, not on the GPU."""
+    import bench_long
+    from transformers import LlamaConfig
+    from edgerl.config.load import load_config
+    from edgerl.config.target import overrides_from_config, task_from_config
+    from edgerl.device.device import Software
+    from edgerl.device.profiles import device_from_profile, get_profile
+    from edgerl.plan.modelspec import resolve
+    from edgerl.plan.plan import plan
+    software = Software(python="3.12", torch="2.11.0", torch_cuda="13.0", arch_list=("sm_75", "sm_80", "sm_90"),
+                        libs=(("bitsandbytes", "0.50.2"), ("triton", "3.6.0")), machine="x86_64")
+    for name, (shape, profile, n, extra) in bench_long.ROWS.items():
+        h, layers, heads, kv, mlp, tie = bl.SHAPES[shape]
+        folder = tmp_path / shape
+        LlamaConfig(vocab_size=49152, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                    num_key_value_heads=kv, intermediate_size=mlp, tie_word_embeddings=tie,
+                    max_position_embeddings=32768).save_pretrained(folder)
+        cfg = load_config(None, bench_long.row_sets(name, tmp_path, 3, True) + [f'model.path="{folder}"'])
+        prof = get_profile(profile)
+        p = plan(device_from_profile(prof, software, 128 * 2**30), resolve(str(folder)), task_from_config(cfg),
+                 overrides_from_config(cfg, prof))
+        v = p.values
+        assert p.memory.fits and cfg.rollout.max_new_tokens == n, name
+        lora = "lora" in name or "nf4" in name
+        assert bool(v["lora"]) == lora and not (lora and v["param_offload"]), (name, v["lora"], v["param_offload"])
+        assert (v["base_dtype"] == "nf4") == ("nf4" in name), (name, v["base_dtype"])
+        assert (v["decode_backend"] == "cuda-c") == (name.endswith("cuda-c") or profile == "p40"), (name, v["decode_backend"])
+
+
+def test_parallel_runs_start_while_their_caps_fit_the_device():
+    """run_each in parallel with sizes: the runs going never hold more than the capacity together, every run
+    runs, in order, and a run larger than the capacity runs alone."""
+    import threading
+    import time
+    going, most, order, lock = {}, [0], [], threading.Lock()
+    sizes = {"a": 15, "b": 15, "c": 32, "d": 24, "e": 15, "big": 50}
+
+    def run(name):
+        with lock:
+            going[name] = sizes[name]
+            most[0] = max(most[0], sum(going.values()))
+            order.append(name)
+        time.sleep(0.3)
+        with lock:
+            del going[name]
+    bl.run_each(list(sizes), run, True, sizes, 40, stagger=0.05)
+    assert order == list(sizes) and most[0] == 50   # "big" alone; before it, never above 40
+    most[0] = 0
+    bl.run_each(list(sizes)[:-1], run, True, sizes, 40, stagger=0.05)
+    assert most[0] <= 40
