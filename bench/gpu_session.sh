@@ -134,7 +134,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         fp16-decode) echo "timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cuda_kernels_cuda.py tests/test_nf4_kernel_cuda.py 'tests/test_rollout_cuda.py::test_spans_in_graphs_give_the_whole_caches_rollout' 2>&1 | tee $OUT/tests_fp16$x.log | tail -20;
               timeout -k 5 100 python3 bench/bench_decode_cuda_attention.py --dtype fp16 --cols 256,2048,4096,8192 --splits 256,512 --out $OUT/bench_decode_cuda_attention_fp16$x.json;
               timeout -k 5 150 python3 bench/bench_nf4_decode.py --shape llama8b --compute fp16 --rows 8 --layers 8 --row-sweep 8 --out $OUT/bench_nf4_decode_fp16$x.json;
-              python3 bench/bench_rollout.py --reps 2 --configs 1.7b:fp16 --variants graph_torch,graph_torch_whole,graph_cuda_c --new-tokens 1024 --budget-s $(( b - 420 )) --out $OUT/bench_rollout_fp16$x.json" ;;
+              python3 bench/bench_rollout.py --reps 2 --configs 1.7b:fp16 --variants graph_torch,graph_torch_whole,graph_cuda_c --new-tokens 1024 --budget-s $(( b > 480 ? b - 420 : 60 )) --out $OUT/bench_rollout_fp16$x.json" ;;
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
         rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_torch,graph_triton_attention,graph_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
