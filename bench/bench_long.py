@@ -39,6 +39,7 @@ ROWS: dict[str, tuple[str, str, int, list[str]]] = {
     "1.5b-p40-8k": ("1.5b", "p40", 8192, ["lora.enabled=false"]),
     "qwen7b-nf4-p40-2k": ("qwen7b", "p40", 2048, NF4),
     "qwen7b-nf4-p40-4k": ("qwen7b", "p40", 4096, NF4),
+    "qwen7b-nf4-p40-8k": ("qwen7b", "p40", 8192, NF4),   # the stretch length: run it with --resumable
     "llama8b-nf4-t4-2k": ("llama8b", "t4", 2048, NF4),
     "llama8b-nf4-t4-4k": ("llama8b", "t4", 4096, NF4),
     # the 16-bit paths at the same lengths: LoRA on the 16-bit base in fp16 (T4), full fine-tuning in fp16
