@@ -237,7 +237,8 @@ def _torch_reason(c: "Ctx") -> str:
     why = _triton_attention(c) if half else _cuda_c(c)
     also = f"; the CUDA C kernels: {_cuda_c(c)}" if _compute(c) == "fp16" else ""
     return (f"torch's ops in CUDA graphs ({'SDPA' if half else 'baddbmm, softmax and bmm'} over the masked "
-            f"cache, the columns written so far a span at a time): edgerl's {'Triton' if half else 'CUDA C'} decode kernels cannot run: {why}{also}")
+            f"cache, the columns written so far a span at a time): edgerl's {'Triton' if half else 'CUDA C'} "
+            f"decode kernels cannot run: {why}{also}")
 
 
 DECODE_BACKENDS: dict[str, Path] = {

@@ -276,7 +276,8 @@ class StaticDecoder:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def decode(self, tok: torch.Tensor, col: torch.Tensor, start: torch.Tensor, span: int | None = None) -> torch.Tensor:
+    def decode(self, tok: torch.Tensor, col: torch.Tensor, start: torch.Tensor,
+               span: int | None = None) -> torch.Tensor:
         """One token per row. tok: (B,) inputs; col: (1,) cache column they go to (all rows share it);
         start: (B,); span: the cache columns a backend that reads a span (`reads_span`) attends over, a
         multiple of 16 above col (default: the whole cache). Returns fp32 logits (B, vocab). No host

@@ -4,9 +4,9 @@ replayed from a CUDA graph.
 HF `generate` spends most of a small model's step in per-token Python and kernel launches. Here one
 decode step (model, sampling, EOS bookkeeping) works only on fixed tensors updated in place, so it is
 captured once per batch size (and per span of the cache, for torch's ops) and replayed per token: one
-launch instead of ~20 per layer. Plain `torch.cuda.CUDAGraph`, no torch.compile needed, so it runs on Pascal (CC 6.x) too. The step's layers
-run through the plan's decode backend (`plan.decode_backend`, decoder.py). Without CUDA (or with
-`cuda_graphs=False`) the same step runs eagerly.
+launch instead of ~20 per layer. Plain `torch.cuda.CUDAGraph`, no torch.compile needed, so it runs on
+Pascal (CC 6.x) too. The step's layers run through the plan's decode backend (`plan.decode_backend`,
+decoder.py). Without CUDA (or with `cuda_graphs=False`) the same step runs eagerly.
 
 Seeding: each `generate` draws one seed from the caller's generator (or the global torch RNG when
 none is given) and seeds the engine's own generator on the model's device with it; on CUDA that
