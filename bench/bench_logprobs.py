@@ -21,8 +21,10 @@ against a float64 reference, with torch.empty poisoned to NaN so that unwritten 
 Expected peak extra memory (N tokens, V vocabulary, H hidden, e bytes per input element):
 - naive: logits N*V*e, their fp32 copy, log-softmax and its exp kept for the backward, then as
   many again in the backward: about 16-20 N*V bytes (N=8192, V=151936: ~20-25 GB).
-- torch chunked: chunk*V*8 (chunk from a 256 MiB budget) + fp32 copies of W and h for 16-bit
-  inputs (V*H*4 + N*H*4) + fp32 gradient sums + gradients: ~1.5-2.5 GB at V=151936, H=2048.
+- torch chunked: chunk*V*8 (chunk from a 256 MiB budget; a 16-bit W is upcast a vocabulary tile at a time
+  within it) + an fp32 copy of h for 16-bit inputs (N*H*4) + fp32 gradient sums + gradients (until
+  2026-12-05 it also held a whole fp32 copy of a 16-bit W, V*H*4: the figures in docs/benchmarks.md
+  predate that).
 - triton: forward O(N); backward one grad-logits slab (256 MiB) + fp32 grad_h sum N*H*4 + one
   N*H*e partial + gradients N*H*e + V*H*e: ~0.4-1 GB, i.e. 1/20 or less of naive at V=151936.
 - liger (0.8.5, reduction="none"): recomputes in the backward like us, with chunks of

@@ -70,12 +70,17 @@ class _TokenLogprobEntropy(torch.autograd.Function):
                                                       r0, r1, c0, c1)
         else:
             cd = chunked.compute_dtype(h.dtype)
-            h_mm, w_mm = h.to(cd), w.to(cd)
+            h_mm, w_mm = h.to(cd), w
             lse_c, mz_c = lse.to(cd), None if mz is None else mz.to(cd)
             dl_c, de_c = (None if x is None else x.to(cd) for x in (dlogp, dent))
+            if w.dtype != cd:   # 16 bits: the weight upcast a vocabulary tile at a time, never whole
+                grad_h, grad_w = chunked.backward_tiles(h_mm, w, targets, lse_c, mz_c, dl_c, de_c, inv_temp, chunk,
+                                                        need_h, need_w)
+                return (None if grad_h is None else grad_h.to(h.dtype), None if grad_w is None else grad_w.to(w.dtype),
+                        None, None, None, None, None, None)
 
             def produce(r0, r1, c0, c1):
-                return chunked.grad_logits_torch(h_mm, w_mm, targets, lse_c, mz_c, dl_c, de_c, inv_temp,
+                return chunked.grad_logits_torch(h_mm, w_mm[c0:c1], targets, lse_c, mz_c, dl_c, de_c, inv_temp,
                                                  r0, r1, c0, c1)
         grad_h, grad_w = chunked.backward_slabs(h_mm, w_mm, produce, rows, cols, need_h, need_w, h.dtype, w.dtype)
         return grad_h, grad_w, None, None, None, None, None, None
@@ -123,8 +128,9 @@ def token_logprobs_and_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     vocabulary stay below about chunk x V elements (x 8 bytes on torch, x the input's element size on
     triton), default from choose_chunk with DEFAULT_BUDGET_BYTES. tiles: Triton tiles, default
     choose_tiles for the device. Peak extra memory (besides outputs and gradients): torch, the chunk's
-    temporaries plus an fp32 copy of W for 16-bit inputs; triton, O(N) forward and one slab plus an
-    fp32 (N, H) grad_h accumulator in the backward. The naive path needs about 16 x N x V bytes.
+    temporaries (a 16-bit W is upcast a vocabulary tile at a time, within them), and in the backward fp32
+    copies of h and of grad_h for 16-bit inputs; triton, O(N) forward and one slab plus an fp32 (N, H)
+    grad_h accumulator in the backward. The naive path needs about 16 x N x V bytes.
     """
     dev_type = hidden.device.type
     if torch.is_autocast_enabled(dev_type) and hidden.dtype != lm_head_weight.dtype:

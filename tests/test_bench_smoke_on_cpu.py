@@ -337,3 +337,20 @@ def test_parallel_runs_start_while_their_caps_fit_the_device():
     most[0] = 0
     bl.run_each(list(sizes)[:-1], run, True, sizes, 40, stagger=0.05)
     assert most[0] <= 40
+
+
+def test_logprob_memory_bench_measures_the_torch_path(tmp_path):
+    """bench_logprob_memory on the CPU: a frozen 16-bit head's pass holds no fp32 copy of the head; a trained
+    one adds its gradient. A --tree without the kernels is one line, exit 2."""
+    out = tmp_path / "lp.json"
+    run = subprocess.run([sys.executable, str(BENCH / "bench_logprob_memory.py"), "--tokens", "64", "--vocab",
+                          "4000", "--hidden", "64", "--chunk", "8", "--out", str(out)], capture_output=True,
+                         text=True, env=ENV, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    head_fp32 = 4000 * 64 * 4 / 2**20
+    assert rec["frozen"]["peak_extra_mib"] < head_fp32 / 2 < rec["trained"]["peak_extra_mib"], rec
+    assert rec["frozen"]["logp_sum"] == rec["trained"]["logp_sum"]
+    bad = subprocess.run([sys.executable, str(BENCH / "bench_logprob_memory.py"), "--tree", str(tmp_path)],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert bad.returncode == 2 and "no gpu_kernels/logprobs.py there" in bad.stderr and "Traceback" not in bad.stderr

@@ -118,6 +118,33 @@ def test_torch_chunked_16bit_matches_float64_of_rounded_inputs(dtype, tol):
     assert max(err) < tol, err
 
 
+@pytest.mark.parametrize("lead,hid,vocab", CASES)
+@pytest.mark.parametrize("chunk", [1, 5, None])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 5e-3)])
+def test_torch_16bit_weight_in_vocabulary_tiles_matches_float64(lead, hid, vocab, chunk, dtype, tol):
+    """A 16-bit weight is upcast a vocabulary tile at a time (forward: an online log-sum-exp over the tiles;
+    backward: slabs a tile of columns at a time), at every shape: several tiles, a vocabulary no multiple
+    of the tile, more tokens than vocabulary entries."""
+    from edgerl.kernels.chunked import vocab_tile
+    n = int(torch.Size(lead).numel())
+    assert vocab_tile(min(chunk or n, n), vocab, hid) < vocab or n > 4 * hid   # the cases span several tiles
+    h, w, t, wl, we = make_inputs(lead, hid, vocab, dtype, seed=7 * hid + (chunk or 0))
+    got = run(torch_fn(chunk), h, w, t, wl, we, 0.7)
+    assert got[2].dtype == dtype and got[3].dtype == dtype
+    err = errors(got, reference(h, w, t, wl, we, 0.7))
+    assert max(err) < tol, err
+
+
+def test_vocab_tile_keeps_the_tile_and_its_logits_within_the_chunks_logits():
+    from edgerl.kernels.chunked import vocab_tile
+    for chunk, vocab, hid in ((1, 300, 40), (261, 128256, 4096), (1024, 151936, 1536), (5, 20, 24), (4096, 49152, 960)):
+        tile = vocab_tile(chunk, vocab, hid)
+        assert 1 <= tile <= vocab and (tile < 256 or tile % 128 == 0 or tile == vocab)
+        assert tile * hid * 4 + chunk * tile * 8 <= chunk * vocab * 8
+        rows = chunk + hid // 2   # the backward's slabs
+        assert tile * hid * 4 + rows * tile * 8 <= chunk * vocab * 8 + 8 * tile
+
+
 def test_torch_path_takes_float64():
     h, w, t, wl, we = make_inputs((37,), 40, 300, torch.float64, seed=4)
     err = errors(run(torch_fn(8), h, w, t, wl, we, 1.3), reference(h, w, t, wl, we, 1.3))
@@ -139,6 +166,19 @@ def _large_logit_inputs(dtype, peaked):
 @pytest.mark.parametrize("peaked", [False, True])
 def test_torch_chunked_is_stable_for_huge_logits(peaked):
     _check_huge_logits(torch_fn(5), peaked)
+
+
+@pytest.mark.parametrize("peaked", [False, True])
+def test_torch_16bit_tiles_are_stable_for_huge_logits(peaked):
+    """Logits near 1e3 in fp16 inputs: the running maximum grows from tile to tile and the sums so far are
+    rescaled; nothing overflows and the entropies near 0 stay near 0."""
+    h, w, t, wl, we = _large_logit_inputs(torch.float16, peaked)
+    ref = reference(h, w, t, wl, we, 1.0)
+    got = run(torch_fn(5), h, w, t, wl, we, 1.0)
+    assert all(torch.isfinite(x).all() for x in got)
+    err = errors(got, ref)
+    assert max(err) < 5e-3, err
+    assert (got[1].double() - ref[1]).abs().max() < 1e-3
 
 
 def _check_huge_logits(fn, peaked):
@@ -357,6 +397,23 @@ def test_torch_path_peak_memory_is_bounded_by_the_chunk():
     gradients = (n + vocab) * hid * 4
     assert chunked.peak <= chunk * vocab * TORCH_BYTES_PER_LOGIT + gradients + 16 * n * 4, chunked.peak
     assert chunked.peak < naive.peak / 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_path_never_holds_an_fp32_copy_of_a_16bit_weight(dtype):
+    """16-bit inputs on the torch path with a frozen head (LoRA): no tensor as large as the weight in fp32
+    (the path upcasts a tile of the vocabulary at a time), and the peak is the chunk's temporaries, grad_h
+    and the backward's fp32 copies of h and of grad_h, and a few per-token vectors."""
+    n, hid, vocab, chunk = 96, 64, 2000, 16
+    h, w, t, _, _ = make_inputs((n,), hid, vocab, dtype, seed=15)
+    h = h.clone().requires_grad_()
+    with LiveBytes(known=(h, w, t)) as m:
+        lp, ent = token_logprobs_and_entropy(h, w, t, backend="torch", chunk=chunk)
+        (lp.sum() + ent.sum()).backward()
+        del lp, ent
+    assert h.grad is not None and w.grad is None
+    assert m.largest < vocab * hid * 4 / 2, m.largest
+    assert m.peak <= chunk * vocab * TORCH_BYTES_PER_LOGIT + n * hid * (2 + 4 + 4) + 16 * n * 4, m.peak
 
 
 def test_triton_path_peak_memory_is_bounded_by_the_slab(interpreted):

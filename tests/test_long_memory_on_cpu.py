@@ -518,8 +518,10 @@ def _peak(fn, used) -> int:
     return p.peak
 
 
-@pytest.mark.parametrize("phase,ckpt", [("update", True), ("update", False), ("score", False)])
-def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt):
+@pytest.mark.parametrize("phase,ckpt,dtype", [("update", True, torch.float32), ("update", False, torch.float32),
+                                              ("score", False, torch.float32), ("update", True, torch.bfloat16),
+                                              ("update", False, torch.bfloat16)])
+def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt, dtype):
     """A micro-step of the trainer's forward (and backward) on the CPU, measured from glibc's in-use bytes,
     against the memory model's transient terms for it (activations, backward workspace, attention, log-prob
     pass): never below, and at most 25% above at these small widths (the log-prob chunk is a larger share
@@ -537,7 +539,7 @@ def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt):
     cfg = LlamaConfig(vocab_size=V, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
                       tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(dtype)
     fuse_mlps(model.model.layers)
     if ckpt:
         enable_checkpointing(model)
@@ -561,7 +563,8 @@ def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt):
     gc.collect()
     measured = _peak(step, used)
     spec = ModelSpec("t", "llama", V, h, layers, heads, kv, inter, True)
-    s = Setting(compute_bytes=4, base_bytes=4, grad_checkpointing=ckpt, swap_models=False, optimizer_offload=False,
+    b = dtype.itemsize
+    s = Setting(compute_bytes=b, base_bytes=b, grad_checkpointing=ckpt, swap_models=False, optimizer_offload=False,
                 param_offload=False, micro_batch=B, score_micro_batch=B, rollout_batch=B, logprob_chunk=256,
                 logit_bytes=8, eager_attention=False, cuda=False, head_trains=True, logprob_upcast=True)
     comps = estimate(spec, s, P, R, 2**40).phases[phase]

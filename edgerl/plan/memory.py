@@ -36,9 +36,11 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
     log-prob pass         chunk x V x b_logit through the chunked kernel (the torch path holds 8
                           bytes per logit of a chunk, the Triton backward one slab in the compute
                           dtype); never tokens x V. Beside it the response's hidden states gathered
-                          (N x h x b_c) and, in the update, their fp32 gradient (N x h x 4); the torch
-                          path's fp32 copy of a 16-bit head (V x h x 4); and the head's own gradient
-                          (V x h x 4) where the head trains
+                          (N x h x b_c) and, in the update, their fp32 gradient (N x h x 4), and on
+                          the torch path with 16-bit inputs the backward's fp32 copy of them and the
+                          gradient's cast back (N x h x (4 + b_c)); the head's own gradient (V x h x 4)
+                          where the head trains. A 16-bit head is upcast a vocabulary tile at a time,
+                          within the chunk's logits (gpu_kernels/chunked.py), never whole
     KV cache              sequences x ceil(L / 16) x 16 x 2 x layers x kv x b_c, and the engine's
                           per-row token and log-prob buffers (12 bytes a column); where a layer attends
                           through a sliding window of W tokens and the engine's cache keeps only the
@@ -217,7 +219,7 @@ class Setting:
     kv_copies: bool = False         # SDPA's kernel needs K and V repeated to the query heads (not FlashAttention)
     expandable_segments: bool = False       # the allocator's expandable segments are on (PYTORCH_CUDA_ALLOC_CONF)
     head_trains: bool = False       # the LM head is trained (full fine-tuning): its gradient passes through the kernel
-    logprob_upcast: bool = False    # the torch log-prob path copies a 16-bit head to fp32 once per call
+    logprob_upcast: bool = False    # the torch log-prob path computes 16-bit inputs in fp32 (upcast copies)
     kv_window: bool = False         # the rollout's KV cache keeps only the window of sliding-window layers
                                     # (transformers' generate does; the static engine keeps every token)
 
@@ -340,8 +342,8 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         """The chunk's logits, the response's hidden states (and their fp32 gradient), the head's copies."""
         n = rows * response_len
         out = s.logprob_chunk * m.vocab_size * s.logit_bytes + n * m.hidden_size * (b_c + (4 if train else 0))
-        if s.logprob_upcast and b_c < 4:
-            out += m.vocab_size * m.hidden_size * 4
+        if train and s.logprob_upcast and b_c < 4:   # the backward's fp32 h, and grad_h cast back
+            out += n * m.hidden_size * (4 + b_c)
         if train and s.head_trains:
             out += m.vocab_size * m.hidden_size * 4
         return out
