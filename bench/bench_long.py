@@ -217,7 +217,8 @@ def main() -> None:
                                "command": command(name, total) if name in ROWS else name})
             log(f"{name}: {done} of {total} steps done in an earlier call")
             return
-        spec = bl.edgerl_spec(models[shape], row_sets(name, work, total, args.resumable), run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32,
+        sets = row_sets(name, work, total, args.resumable)
+        spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32,
                               **({"resume": str(run_dir)} if done else {}))
         if done:
             log(f"{name}: continues its run after step {done}, to step {total}")

@@ -779,9 +779,10 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], p
 def run_each(names: list[str], run: Callable[[str], None], parallel: bool,
              sizes: Optional[dict[str, int]] = None, capacity: Optional[int] = None, stagger: float = 2.0) -> None:
     """run(name) for each name: one after another, or at once in threads (each run is its own process under
-    its own cap), started `stagger` seconds apart so that their model loads do not all hit the disk together; SIGTERM stops
-    the children. With `sizes` (bytes a run may take: its cap) and `capacity` (the device's), a run starts only
-    once the runs going and it fit in the capacity together, in order (one larger than it runs alone)."""
+    its own cap), started `stagger` seconds apart so that their model loads do not all hit the disk together;
+    SIGTERM stops the children. With `sizes` (bytes a run may take: its cap) and `capacity` (the device's), a
+    run starts only once the runs going and it fit in the capacity together, in order (one larger than it runs
+    alone)."""
     if not parallel:
         for name in names:
             run(name)
