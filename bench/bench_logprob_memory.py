@@ -14,26 +14,15 @@ are dropped). Time: wall seconds of the second call (CPU) or CUDA-synchronised (
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
 
-
-def _in_use():
-    """glibc's bytes in use now, or None where mallinfo2 is missing."""
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-    except (OSError, AttributeError):
-        return None
-    return lambda: (lambda m: m.uordblks + m.hblkhd)(libc.mallinfo2())
+REPO = bl.REPO
 
 
 def measure(fn, device) -> tuple[int, float]:
@@ -47,24 +36,12 @@ def measure(fn, device) -> tuple[int, float]:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, time.perf_counter() - t0
-    from torch.utils._python_dispatch import TorchDispatchMode
-    used = _in_use()
+    used = bl.malloc_meter()
     if used is None:
         raise SystemExit("bench_logprob_memory: needs glibc's mallinfo2 on the CPU")
-
-    class Peak(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.base, self.peak = used(), 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.peak = max(self.peak, used() - self.base)
-            return out
     t0 = time.perf_counter()
-    with Peak() as p:
-        fn()
-    return p.peak, time.perf_counter() - t0
+    peak = bl.peak_in_use(fn, used)
+    return peak, time.perf_counter() - t0
 
 
 def main(argv=None) -> None:

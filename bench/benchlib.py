@@ -874,6 +874,45 @@ def device_name() -> str:
         return "CPU"
 
 
+def malloc_meter() -> Optional[Callable[[], int]]:
+    """A function giving glibc's bytes in use now (mallinfo2), or None where it is missing: torch's CPU
+    allocator takes every tensor from malloc, so the in-use bytes follow the live tensors."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return None
+
+    def used() -> int:
+        m = libc.mallinfo2()
+        return m.uordblks + m.hblkhd
+    return used
+
+
+def peak_in_use(fn: Callable[[], Any], used: Callable[[], int]) -> int:
+    """The most bytes in use (`used`, e.g. malloc_meter()) above the start while `fn` runs, read after every
+    aten op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Peak(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.base, self.peak = used(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, used() - self.base)
+            return out
+    with Peak() as p:
+        fn()
+    return p.peak
+
+
 def device_bytes() -> Optional[int]:
     """GPU 0's memory less 2% (NVML, without starting CUDA in this process), or None without a GPU."""
     try:

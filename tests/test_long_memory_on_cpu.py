@@ -3,6 +3,8 @@ against slow references (each row alone through HF's own forward; SDPA over the 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +14,9 @@ import torch.nn.functional as F
 from edgerl.models import attention
 from edgerl.models.load import PolicyHead, ValueModel, enable_checkpointing
 from rollout_helpers import PROMPTS, tiny_llama, tiny_qwen2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import benchlib as bl  # noqa: E402   (glibc's in-use bytes and their peak over aten ops)
 
 
 def _rows(lens: list[int], R: int = 9, seed: int = 0):
@@ -480,44 +485,6 @@ def test_out_of_memory_writes_oom_json_naming_the_phase_the_estimate_and_the_pea
 
 # --- the memory model's per-token terms against what the CPU allocates ------------------------------------
 
-def _malloc_meter():
-    """(bytes in use now) from glibc's mallinfo2, or None where it is missing: torch's CPU allocator takes
-    every tensor from malloc, so the in-use bytes follow the live tensors."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-    except (OSError, AttributeError):
-        return None
-
-    def used() -> int:
-        m = libc.mallinfo2()
-        return m.uordblks + m.hblkhd
-    return used
-
-
-def _peak(fn, used) -> int:
-    """The most bytes in use above the start while `fn` runs, read after every aten op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Peak(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.base, self.peak = used(), 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.peak = max(self.peak, used() - self.base)
-            return out
-    with Peak() as p:
-        fn()
-    return p.peak
-
-
 @pytest.mark.parametrize("phase,ckpt,dtype", [("update", True, torch.float32), ("update", False, torch.float32),
                                               ("score", False, torch.float32), ("update", True, torch.bfloat16),
                                               ("update", False, torch.bfloat16)])
@@ -531,7 +498,7 @@ def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt, dtype):
     from edgerl.models.swiglu import fuse_mlps
     from edgerl.plan.memory import Setting, estimate
     from edgerl.plan.modelspec import ModelSpec
-    used = _malloc_meter()
+    used = bl.malloc_meter()
     if used is None:
         pytest.skip("needs glibc's mallinfo2 to read the bytes in use")
     h, inter, layers, heads, kv, V, B, P, R = 128, 512, 4, 4, 2, 2048, 2, 32, 2048
@@ -561,7 +528,7 @@ def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt, dtype):
                 head(ids, mask, targets, P - 1, 1.0)
     step()
     gc.collect()
-    measured = _peak(step, used)
+    measured = bl.peak_in_use(step, used)
     spec = ModelSpec("t", "llama", V, h, layers, heads, kv, inter, True)
     b = dtype.itemsize
     s = Setting(compute_bytes=b, base_bytes=b, grad_checkpointing=ckpt, swap_models=False, optimizer_offload=False,

@@ -202,7 +202,6 @@ def test_lora_modules_in_a_graph_equal_peft_generate():
     assert graph.generate(PROMPTS, 2, greedy(24)).response_ids == ref
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_spans_in_graphs_give_the_whole_caches_rollout(dtype):
     """torch's ops attend over the columns written so far, a graph per span (spans of 32 columns here: a new
