@@ -56,6 +56,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if min(args.tokens, args.vocab, args.hidden, args.chunk) < 1:
         ap.error("--tokens, --vocab, --hidden and --chunk must be at least 1")
+    if args.out and not Path(args.out).parent.is_dir():
+        ap.error(f"--out {args.out}: no folder {Path(args.out).parent} to write it in")
     tree = Path(args.tree)
     if not (tree / "gpu_kernels" / "logprobs.py").is_file():
         ap.error(f"--tree {tree}: no gpu_kernels/logprobs.py there")
@@ -86,7 +88,8 @@ def main(argv=None) -> None:
                      "first_call_peak_extra_mib": round(runs[0][0] / 2**20, 1), **out}
     print(json.dumps(rec))
     if args.out:
-        Path(args.out).write_text(json.dumps(rec, indent=1))
+        from edgerl.core.files import write_atomically
+        write_atomically(args.out, json.dumps(rec, indent=1))
 
 
 if __name__ == "__main__":

@@ -342,7 +342,7 @@ def test_parallel_runs_start_while_their_caps_fit_the_device():
 
 def test_logprob_memory_bench_measures_the_torch_path(tmp_path):
     """bench_logprob_memory on the CPU: a frozen 16-bit head's pass holds no fp32 copy of the head; a trained
-    one adds its gradient. A --tree without the kernels is one line, exit 2."""
+    one adds its gradient. A --tree without the kernels, or an --out in no folder, is one line, exit 2."""
     out = tmp_path / "lp.json"
     run = subprocess.run([sys.executable, str(BENCH / "bench_logprob_memory.py"), "--tokens", "64", "--vocab",
                           "4000", "--hidden", "64", "--chunk", "8", "--out", str(out)], capture_output=True,
@@ -355,3 +355,6 @@ def test_logprob_memory_bench_measures_the_torch_path(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "bench_logprob_memory.py"), "--tree", str(tmp_path)],
                          capture_output=True, text=True, env=ENV, timeout=300)
     assert bad.returncode == 2 and "no gpu_kernels/logprobs.py there" in bad.stderr and "Traceback" not in bad.stderr
+    nowhere = subprocess.run([sys.executable, str(BENCH / "bench_logprob_memory.py"), "--out",
+                              str(tmp_path / "none" / "lp.json")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert nowhere.returncode == 2 and "no folder" in nowhere.stderr and "Traceback" not in nowhere.stderr
