@@ -10,7 +10,7 @@ does): the share that is HF's argmax given the same prefix and the largest gap t
 position's logit std. HF generate's own output gets the same check, for scale: in 16 bits HF's cached
 decoding itself is not its own forward's argmax at every token. Rows equal to HF generate are reported
 beside it. Variants: the decode backends (`plan.decode_backend`) per dtype: `torch` (baddbmm/softmax/bmm in
-fp32, SDPA in 16 bits), `cuda-c` (fp32 CUDA C layer kernels), `triton-attention` (the rotary decode-attention
+fp32, SDPA in 16 bits), `cuda-c` (the CUDA C layer kernels, in fp32 and fp16), `triton-attention` (the rotary decode-attention
 kernel between torch's layers), `triton-layers` (that kernel between the fused Triton projections, SiLU
 models with llama-style norms only); a backend a model cannot run is reported with its reason.
 
@@ -37,13 +37,14 @@ from edgerl.core.files import write_atomically  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (variant, decode backend, the torch backend's SDPA in fp32) per dtype: fp32 as the plan runs it on CUDA (cuda-c;
-# torch where it cannot), 16 bits as it runs it from CC 8.0 (triton-layers, else triton-attention)
+# torch where it cannot), 16 bits as it runs it from CC 8.0 (triton-layers, else triton-attention), fp16 as it
+# runs it below CC 8.0 (cuda-c)
 VARIANTS = {"fp32": [("torch", "torch", False), ("cuda-c", "cuda-c", False),
                      ("triton-attention", "triton-attention", False)],
             "bf16": [("torch", "torch", False), ("triton-attention", "triton-attention", False),
                      ("triton-layers", "triton-layers", False)],
-            "fp16": [("torch", "torch", False), ("triton-attention", "triton-attention", False),
-                     ("triton-layers", "triton-layers", False)]}
+            "fp16": [("torch", "torch", False), ("cuda-c", "cuda-c", False),
+                     ("triton-attention", "triton-attention", False), ("triton-layers", "triton-layers", False)]}
 SMOKE = {"fp32": [("torch-bmm", "torch", False), ("torch-sdpa", "torch", True)]}
 
 

@@ -50,10 +50,10 @@ ROWS: dict[str, tuple[str, str, int, list[str]]] = {
     "1.5b-v100-fp16-8k": ("1.5b", "v100-32gb", 8192, ["lora.enabled=false"]),
     "1.5b-4090-bf16-2k": ("1.5b", "rtx4090", 2048, ["lora.enabled=false"]),
     "1.5b-4090-bf16-8k": ("1.5b", "rtx4090", 8192, ["lora.enabled=false"]),
-    # the fp16 rows again through edgerl's CUDA C decode kernels in fp16 (plan.decode_backend=cuda-c: asked for, as
-    # the plan keeps torch's ops for fp16 until this path is measured), against the same rows through torch's ops
-    "1.5b-lora-t4-8k-cuda-c": ("1.5b", "t4", 8192, ["lora.enabled=true", 'plan.decode_backend="cuda-c"']),
-    "llama8b-nf4-t4-4k-cuda-c": ("llama8b", "t4", 4096, NF4 + ['plan.decode_backend="cuda-c"']),
+    # fp16 rows again through torch's ops (plan.decode_backend=torch, the fp16 plans' decode before 2026-12-05),
+    # against the same rows through the CUDA C kernels the plan now picks
+    "1.5b-lora-t4-8k-torch": ("1.5b", "t4", 8192, ["lora.enabled=true", 'plan.decode_backend="torch"']),
+    "llama8b-nf4-t4-4k-torch": ("llama8b", "t4", 4096, NF4 + ['plan.decode_backend="torch"']),
 }
 SMOKE = {"smoke": ("tiny-q", "cpu", 64, ["lora.enabled=false"])}
 # --check: the code paths of the rows on the GPU in a minute (the 1.5B full plan at 256 tokens, an NF4 base)

@@ -238,12 +238,12 @@ def test_decode_layer_kernels_compile_or_doctor_names_the_setting(monkeypatch, n
              "attend_combine<float, 3, 64>"], (6, 1)) in nvrtc_compiles
     assert "decode-layer kernels" not in checks_for(r, simulated=True)
     assert "decode-layer kernels" not in checks_for(fake_probe("3090"))   # bf16: the Triton kernel instead
-    assert "decode-layer kernels" not in checks_for(fake_probe("T4"))     # fp16: torch's ops unless asked for
     t4 = fake_probe("T4")
-    asked = plan(t4.primary, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128),
-                 {"decode_backend": "cuda-c"})
-    c = {c.name: c for c in run_checks(t4.primary, t4, asked, FakeEnv())}["decode-layer kernels"]
-    assert c.status == "ok" and "the fp16 decode step" in c.detail
+    c = checks_for(t4)["decode-layer kernels"]        # fp16 below CC 8.0: the same kernels, storing fp16
+    assert c.status == "ok" and "the fp16 decode step" in c.detail and "sm_75" in c.detail
+    torch_ops = plan(t4.primary, CATALOGUE["smollm2-135m"], Task(prompt_len=128, response_len=128),
+                     {"decode_backend": "torch"})
+    assert "decode-layer kernels" not in {c.name for c in run_checks(t4.primary, t4, torch_ops, FakeEnv())}
     assert (["add_rms_norm<h16>", "silu_mul<h16>", "rope_attend<h16, 3, 64>", "rope_attend_split<h16, 3, 64>",
              "attend_combine<h16, 3, 64>"], (7, 5)) in nvrtc_compiles
 

@@ -18,9 +18,9 @@ SMALL = Task(prompt_len=256, response_len=256, prompts_per_step=2, samples_per_p
 TABLE = [
     ("P40", {}, "fp32", "sdpa", "torch", "static", "cuda-c"),
     ("P100", {}, "fp32", "sdpa", "torch", "static", "cuda-c"),
-    ("V100", {}, "fp16-mixed", "sdpa", "torch", "static", "torch"),    # Triton's tl.dot has no tensor-core path < 8.0
-    ("T4", {}, "fp16-mixed", "sdpa", "torch", "static", "torch"),
-    ("GTX1660", {}, "fp16-mixed", "sdpa", "torch", "static", "torch"),
+    ("V100", {}, "fp16-mixed", "sdpa", "torch", "static", "cuda-c"),    # Triton's tl.dot has no tensor-core path < 8.0
+    ("T4", {}, "fp16-mixed", "sdpa", "torch", "static", "cuda-c"),
+    ("GTX1660", {}, "fp16-mixed", "sdpa", "torch", "static", "cuda-c"),
     ("3090", {}, "bf16-mixed", "sdpa", "triton", "static", "triton-layers"),
     ("3090", {"flash_attn": "2.7.4"}, "bf16-mixed", "flash_attention_2", "triton", "static", "triton-layers"),
     ("A100", {"vllm": "0.10.1"}, "bf16-mixed", "sdpa", "triton", "vllm", None),
@@ -51,9 +51,9 @@ DECODE_BACKEND = [
     ("H100", {}, {}, "triton-layers", "five kernels per layer"),
     ("3090", {}, {}, "triton-layers", "reads only the cache columns each row sees"),
     ("H100", {"triton": None}, {}, "torch", "triton is not installed"),
-    ("T4", {}, {}, "torch", "Triton supports CC 8.0 and up"),
-    ("V100", {}, {}, "torch", "SDPA over the masked cache"),
-    ("T4", {}, {}, "torch", "their fp16 path has not been run on a GPU yet"),
+    ("T4", {}, {}, "cuda-c", "fp16 on sm_75: edgerl's CUDA C layer kernels"),
+    ("T4", {}, {}, "cuda-c", "Triton supports CC 8.0 and up"),
+    ("V100", {}, {}, "cuda-c", "fp16 on sm_70"),
     ("3090", {}, {"dtype": "bf16"}, "triton-layers", "five kernels per layer"),
     ("P40", {}, {}, "cuda-c", "CUDA C layer kernels"),
     ("H100", {}, {"dtype": "fp32"}, "cuda-c", "fp32 on sm_90"),
@@ -76,10 +76,6 @@ def test_one_decode_backend_per_card_class(key, libs, forced, backend, words):
     for other in ("triton-layers", "triton-attention", "cuda-c"):
         if other == backend or (backend == "triton-layers" and other == "triton-attention"):
             continue   # where the layers run, the attention kernel alone runs too
-        if other == "cuda-c" and p.dtype.compute == "fp16":   # the kernels' fp16 path: only when asked for
-            asked = plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced | {"decode_backend": "cuda-c"})
-            assert asked.decode_backend == "cuda-c" and "plan.decode_backend=cuda-c" in p.reasons["decode_backend"]
-            continue
         with pytest.raises(PlanError, match=f"plan.decode_backend={other} is not possible: .*; use {backend}"):
             plan(dev, CATALOGUE["qwen2.5-0.5b"], SMALL, forced | {"decode_backend": other})
     if backend == "triton-layers":
@@ -146,9 +142,9 @@ def test_sdpa_training_attention_switches_cudnn_off_on_cuda_only():
 # device, base dtype -> decode backend, whether its reason names the fused NF4 kernel
 NF4_BASE = [
     ("P40", "nf4", "cuda-c", True),      # fp32: the CUDA C layers and the fused NF4 kernel
-    ("T4", "nf4", "torch", False),       # fp16: bitsandbytes' dequantize and a tensor-core GEMM
+    ("T4", "nf4", "cuda-c", True),       # fp16: the same kernels, storing fp16
     ("3090", "nf4", "triton-attention", False),   # the Triton layers read fused plain weights
-    ("T4", "int8", "torch", False),
+    ("T4", "int8", "cuda-c", False),     # bitsandbytes' int8 modules between the layer kernels
     ("P40", None, "cuda-c", False),      # an fp16 base under fp32 compute: no NF4 kernel
 ]
 

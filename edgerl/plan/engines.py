@@ -207,35 +207,25 @@ def _cuda_c_refused(c: "Ctx") -> str:
     return decode_cuda_shape_reason(c.model.hd, c.model.num_heads // c.model.num_kv_heads) or ""
 
 
-def _cuda_c(c: "Ctx") -> str:
-    """Why the plan does not pick the CUDA C kernels by itself ('' when it does): in fp16 they run only when
-    asked for, until their fp16 path has been measured on a GPU."""
-    if why := _cuda_c_refused(c):
-        return why
-    if _compute(c) == "fp16":
-        return ("fp16 compute: the kernels take fp16 when asked for (plan.decode_backend=cuda-c), but their fp16 path "
-                "has not been run on a GPU yet")
-    return ""
-
-
 def _cuda_c_reason(c: "Ctx") -> str:
     from edgerl.kernels.tiles import DECODE_CUDA_SPLIT_COLUMNS as split, NF4_DECODE_ROWS
     nf4 = (f"; over the NF4 base, decode steps of up to {NF4_DECODE_ROWS} rows multiply through edgerl's fused "
            "NF4 kernel, which reads the 4-bit codes once (bitsandbytes writes and reads a dequantized copy of each "
            "weight)" if c["base_dtype"] == "nf4" else "")
+    triton = f"; edgerl's Triton decode kernels cannot run: {_triton_attention(c)}" if _compute(c) == "fp16" else ""
     return (f"{_compute(c)} on {c.device.sm}: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU): one rotates q "
             f"and k, writes the cache column and attends over the columns each row sees (past {split} columns in slices "
             f"of {split}, a block each, merged by a second kernel), three more add the residual with "
             "each RMS norm and compute SiLU * up (about 18 kernels fewer per layer than torch's ops)" + nf4
-            + "; compiled when the rollout starts")
+            + "; compiled when the rollout starts" + triton)
 
 
 def _torch_reason(c: "Ctx") -> str:
     if not c.device.is_cuda:
         return "CPU: torch's ops (edgerl's decode kernels need a CUDA GPU)"
     half = _compute(c) in ("fp16", "bf16")
-    why = _triton_attention(c) if half else _cuda_c(c)
-    also = f"; the CUDA C kernels: {_cuda_c(c)}" if _compute(c) == "fp16" else ""
+    why = _triton_attention(c) if half else _cuda_c_refused(c)
+    also = f"; the CUDA C kernels: {_cuda_c_refused(c)}" if _compute(c) == "fp16" else ""
     return (f"torch's ops in CUDA graphs ({'SDPA' if half else 'baddbmm, softmax and bmm'} over the masked "
             f"cache, the columns written so far a span at a time): edgerl's {'Triton' if half else 'CUDA C'} "
             f"decode kernels cannot run: {why}{also}")
@@ -251,7 +241,7 @@ DECODE_BACKENDS: dict[str, Path] = {
         f"{_compute(c)} on {c.device.sm} with triton: edgerl's rotary decode-attention kernel (it rotates q and k, "
         "writes the cache column and reads only the columns each row sees, where SDPA reads every column, masked) "
         f"between torch's projections; the Triton layers cannot run: {_triton_layers(c)}")),
-    "cuda-c": Path("cuda-c", _cuda_c, _cuda_c_reason, _cuda_c_refused),
+    "cuda-c": Path("cuda-c", _cuda_c_refused, _cuda_c_reason),
     "torch": Path("torch", _static_only, _torch_reason),
 }
 
