@@ -50,6 +50,12 @@ ROWS: dict[str, tuple[str, str, int, list[str]]] = {
     "1.5b-v100-fp16-8k": ("1.5b", "v100-32gb", 8192, ["lora.enabled=false"]),
     "1.5b-4090-bf16-2k": ("1.5b", "rtx4090", 2048, ["lora.enabled=false"]),
     "1.5b-4090-bf16-8k": ("1.5b", "rtx4090", 8192, ["lora.enabled=false"]),
+    # the cells of the length x plan x dtype grid no row above covers: 16K where it fits (full, fp32), LoRA on a
+    # 16-bit base under fp32 compute, and LoRA and NF4 QLoRA in bf16
+    "1.5b-p40-16k": ("1.5b", "p40", 16384, ["lora.enabled=false"]),
+    "1.5b-lora-p40-8k": ("1.5b", "p40", 8192, ["lora.enabled=true"]),
+    "1.5b-lora-4090-8k": ("1.5b", "rtx4090", 8192, ["lora.enabled=true"]),
+    "qwen7b-nf4-4090-8k": ("qwen7b", "rtx4090", 8192, NF4),
     # fp16 rows again through torch's ops (plan.decode_backend=torch, the fp16 plans' decode before 2026-12-05),
     # against the same rows through the CUDA C kernels the plan now picks
     "1.5b-lora-t4-8k-torch": ("1.5b", "t4", 8192, ["lora.enabled=true", 'plan.decode_backend="torch"']),

@@ -16,8 +16,8 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
     graph_triton_layers       decode backend triton-layers: that kernel between gpu_kernels/decode_linear.py's
                               projections (the norms, SiLU * up and residual adds inside them), the plan's
                               choice in 16 bits
-    graph_cuda_c              decode backend cuda-c: the CUDA C layer kernels (fp32, the plan's choice there; fp16
-                              when asked for)
+    graph_cuda_c              decode backend cuda-c: the CUDA C layer kernels (the plan's choice in fp32, and in
+                              fp16 below CC 8.0)
 
 The variants measured before and not kept (torch.compile'd layers, with and without split-K o and down
 products; the attention kernel without its rotary part) are in docs/benchmarks.md and git history.

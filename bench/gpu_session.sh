@@ -37,7 +37,7 @@
 #   attn-long 150   the decode kernels' CUDA tests (fp32 and fp16), then bench_decode_cuda_attention: the attention
 #                   kernel whole and split into slices of columns, at 256-8192 columns, beside torch's ops
 #                   (ATTN_ARGS: more options, e.g. --dtype fp16)
-#   fp16-decode 560 the CUDA C decode kernels in fp16 (what plan.decode_backend=cuda-c runs on a T4 or V100 plan):
+#   fp16-decode 560 the CUDA C decode kernels in fp16 (what a T4 or V100 plan decodes through):
 #                   their CUDA tests and the NF4 kernel's, the attention against torch's fp16 SDPA, the NF4 decode
 #                   step at the Llama-3.1-8B widths, 8 rows (bitsandbytes, the fused kernel, and the cuda-c layers),
 #                   and bench_rollout's 1.7B fp16 step through torch's ops (over spans of the cache and over the
