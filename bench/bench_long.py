@@ -225,7 +225,7 @@ def main() -> None:
             return
         sets = row_sets(name, work, total, args.resumable)
         spec = bl.edgerl_spec(models[shape], sets, run_dir, work / f"{name}.json", phase_peaks=True, tf32=args.tf32,
-                              **({"resume": str(run_dir)} if done else {}))
+                              **({"resume": str(run_dir), "resumed_after": done} if done else {}))
         if done:
             log(f"{name}: continues its run after step {done}, to step {total}")
         # a resumable row is stopped early enough that the checkpoint it is writing (9 GB at the 1.5B widths in

@@ -670,11 +670,16 @@ def run_status(logged: str, child: str, steps: int, asked: Optional[int] = None,
     """A run's status from the parent's (`logged`: run_logged's) and the child's own, given the steps this run
     did, the number of its last step (a resumed run starts after 1) and train.steps. A run the time limit's
     SIGTERM stopped ends cleanly after the step in flight: it is reported as stopped at the limit, never as
-    "ok", unless that step was its last."""
+    "ok", unless that step was its last. One the SIGKILL ended (it wrote no status of its own) after its last
+    step had finished, while it saved or shut down, is reported so: its steps are whole, its last checkpoint may
+    not be."""
+    done = asked is not None and (steps if last is None else last) >= asked
     if logged.startswith("timeout") and child.startswith(("stopped by", "ok")):
-        if asked is not None and (steps if last is None else last) >= asked:
+        if done:
             return "ok"   # the signal came during the last step, which finished
         return f"{logged}: stopped after {steps} step(s)"
+    if logged.startswith("timeout") and child == logged and done:
+        return f"{logged}: killed after its last step ({steps if last is None else last} of {asked})"
     if child != "ok" and steps and "step(s)" not in child:
         return f"{child} after {steps} step(s)"
     return child
@@ -703,8 +708,8 @@ def run_edgerl(name: str, spec: dict[str, Any], work: Path, timeout: float, npro
     phases = Path(f"{spec['out']}.phases.json")
     if spec.get("phase_peaks") and not res.get("phase_peaks") and phases.exists():
         res["phase_peaks"] = json.loads(phases.read_text())   # the phases a run stopped or failed had finished
-    if not res.get("rows"):
-        res["rows"] = folder["rows"]     # steps done before a timeout or crash
+    if not res.get("rows"):   # steps done before a timeout or crash: this call's (a resumed run's folder holds more)
+        res["rows"] = [r for r in folder["rows"] if r.get("step", 0) > spec.get("resumed_after", 0)]
     asked = [int(x.split("=", 1)[1]) for x in spec["sets"] if x.startswith("train.steps=")]
     res["status"] = run_status(status, res["status"], len(res["rows"]), asked[-1] if asked else None,
                                max((r.get("step", 0) for r in res["rows"]), default=0))

@@ -264,6 +264,11 @@ def test_a_run_the_time_limit_stopped_is_never_reported_ok():
     assert bl.run_status("timeout after 316 s", "stopped by SIGTERM after 2 step(s)", 2, asked=3, last=3) == "ok"
     assert bl.run_status("timeout after 316 s", "stopped by SIGTERM after 1 step(s)", 1, asked=3, last=2) == \
         "timeout after 316 s: stopped after 1 step(s)"   # a resumed run: steps 2 and 3 of 3, stopped after 2
+    # killed by the SIGKILL (no status of its own) after its last step, while it saved: said so, not "ok"
+    assert bl.run_status("timeout after 256 s", "timeout after 256 s", 2, asked=3, last=3) == \
+        "timeout after 256 s: killed after its last step (3 of 3)"
+    assert bl.run_status("timeout after 256 s", "timeout after 256 s", 1, asked=3, last=2) == \
+        "timeout after 256 s after 1 step(s)"
     assert bl.run_status("ok", "ok", 3) == "ok"
     assert bl.run_status("exit 1", "out of memory", 1) == "out of memory after 1 step(s)"
     assert bl.run_status("exit 1", "out of memory", 0) == "out of memory"
