@@ -35,6 +35,15 @@ def make_tiny_model(out: Path, arch: str = "llama", tied: bool = True, layers: i
     return out
 
 
+@pytest.fixture
+def nvrtc_compiles(monkeypatch):
+    """NVRTC as a CUDA build of torch brings it (this CPU build has none): every compile succeeds."""
+    import edgerl.kernels.nvrtc as nvrtc
+    seen = []
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda src, names, cc: seen.append((names, cc)) or (b"", {}))
+    return seen
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -39,8 +39,8 @@ def test_doctor_simulated_p40_json(machine):
     assert r.exit_code == 1
 
 
-def test_doctor_real_gpu_ok(machine):
-    machine("T4")
+def test_doctor_real_gpu_ok(machine, nvrtc_compiles):
+    machine("T4")   # its fp16 plan decodes through the CUDA C kernels: NVRTC (a CUDA torch brings it) compiles them
     r = run("doctor")
     assert r.exit_code == 0, r.stdout
     assert "Ready." in r.stdout and "Tesla T4" in r.stdout
