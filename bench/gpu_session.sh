@@ -42,6 +42,9 @@
 #                   step at the Llama-3.1-8B widths, 8 rows (bitsandbytes, the fused kernel, and the cuda-c layers),
 #                   and bench_rollout's 1.7B fp16 step through torch's ops (over spans of the cache and over the
 #                   whole cache) and through cuda-c; the spans' CUDA test first
+#   selftest-fp16 300  the fp16 plans' decode through the CUDA C kernels end to end: edgerl doctor --selftest forced to
+#                   the t4 and v100 profiles (the default model, and Qwen2.5-7B widths over NF4 on the t4) at once,
+#                   then bench_architectures in fp16 (Qwen3 through cuda-c against HF)
 #   nf4-decode 200  bench_nf4_decode: the QLoRA fp32 decode step at the Qwen2.5-7B widths, NF4_LAYERS (28) layers
 #   rollout-bf16 240  bench_rollout's bf16 configs only, the decode backends (ROLLOUT_VARIANTS; default: HF generate,
 #                   torch's ops in the graph, the Triton attention kernel, and the Triton layers, which the plan
@@ -135,6 +138,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               timeout -k 5 100 python3 bench/bench_decode_cuda_attention.py --dtype fp16 --cols 256,2048,4096,8192 --splits 256,512 --out $OUT/bench_decode_cuda_attention_fp16$x.json;
               timeout -k 5 150 python3 bench/bench_nf4_decode.py --shape llama8b --compute fp16 --rows 8 --layers 8 --row-sweep 8 --out $OUT/bench_nf4_decode_fp16$x.json;
               python3 bench/bench_rollout.py --reps 2 --configs 1.7b:fp16 --variants graph_torch,graph_torch_whole,graph_cuda_c --new-tokens 1024 --budget-s $(( b > 480 ? b - 420 : 60 )) --out $OUT/bench_rollout_fp16$x.json" ;;
+        selftest-fp16) echo "for a in 't4' 'v100' 't4 --model qwen2.5-7b --set lora.enabled=true'; do n=\$(echo \$a | tr -c 'a-z0-9' _);
+                  timeout -k 5 $(( t - 100 )) edgerl doctor --selftest --profile \$a --json --out $OUT/selftest_\$n$x.json > $LOGS/selftest_\$n$x.log 2>&1 & done; wait;
+              tail -n 3 $LOGS/selftest_*$x.log; timeout -k 5 80 python3 bench/bench_architectures.py --dtypes fp16 --out $OUT/bench_architectures_fp16$x.json | tail -5" ;;
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
         rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_torch,graph_triton_attention,graph_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
@@ -162,7 +168,7 @@ limit_of() {
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
-        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
+        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; selftest-fp16) echo 300 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
         fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; *) echo 560 ;;
     esac
 }
