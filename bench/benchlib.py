@@ -673,13 +673,14 @@ def run_status(logged: str, child: str, steps: int, asked: Optional[int] = None,
     "ok", unless that step was its last. One the SIGKILL ended (it wrote no status of its own) after its last
     step had finished, while it saved or shut down, is reported so: its steps are whole, its last checkpoint may
     not be."""
-    done = asked is not None and (steps if last is None else last) >= asked
+    final = steps if last is None else last   # the number of its last step
+    done = asked is not None and final >= asked
     if logged.startswith("timeout") and child.startswith(("stopped by", "ok")):
         if done:
             return "ok"   # the signal came during the last step, which finished
         return f"{logged}: stopped after {steps} step(s)"
     if logged.startswith("timeout") and child == logged and done:
-        return f"{logged}: killed after its last step ({steps if last is None else last} of {asked})"
+        return f"{logged}: killed after its last step ({final} of {asked})"
     if child != "ok" and steps and "step(s)" not in child:
         return f"{child} after {steps} step(s)"
     return child
