@@ -3,7 +3,11 @@
 #
 #     bash bench/gpu_session.sh STAGE...     stages in order
 #     bash bench/gpu_session.sh A+B          A on GPU 0 and B on GPU 1 at the same time (a two-GPU machine;
-#                                            their speeds share the host's CPU cores and PCIe)
+#                                            their speeds share the host's CPU cores and PCIe); SHARE_GPU=1:
+#                                            both on GPU 0 (each run keeps its own memory cap; speeds share it)
+#
+# WORK: the work folder (default /tmp/edgerl-bench; an A+B pair's parts use WORK-gpu0, WORK-gpu1), so a later
+# call can continue a resumable stage that ran as part of a pair.
 #
 # The whole command ends within SESSION_BUDGET_S seconds (default 565: under 9.5 minutes): a stage gets its
 # own limit or what is left, whichever is less (less 25 s for the table at the end), and is skipped when
@@ -139,7 +143,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               timeout -k 5 150 python3 bench/bench_nf4_decode.py --shape llama8b --compute fp16 --rows 8 --layers 8 --row-sweep 8 --out $OUT/bench_nf4_decode_fp16$x.json;
               python3 bench/bench_rollout.py --reps 2 --configs 1.7b:fp16 --variants graph_torch,graph_torch_whole,graph_cuda_c --new-tokens 1024 --budget-s $(( b > 480 ? b - 420 : 60 )) --out $OUT/bench_rollout_fp16$x.json" ;;
         selftest-fp16) echo "for a in 't4' 'v100' 't4 --model qwen2.5-7b --set lora.enabled=true'; do n=\$(echo \$a | tr -c 'a-z0-9' _);
-                  timeout -k 5 $(( t - 100 )) edgerl doctor --selftest --profile \$a --json --out $OUT/selftest_\$n$x.json > $LOGS/selftest_\$n$x.log 2>&1 & done; wait;
+                  timeout -k 5 $(( t - 100 )) edgerl doctor --selftest --profile \$a --json --out $OUT/selftest_\${n}$x.json > $LOGS/selftest_\${n}$x.log 2>&1 & done; wait;
               tail -n 3 $LOGS/selftest_*$x.log; timeout -k 5 80 python3 bench/bench_architectures.py --dtypes fp16 --out $OUT/bench_architectures_fp16$x.json | tail -5" ;;
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
         rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_torch,graph_triton_attention,graph_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
@@ -148,10 +152,10 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         recipes) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} ${RECIPES:+--only $RECIPES} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json" ;;
         recipes-long) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} ${RECIPES:+--only $RECIPES} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w-recipes --out $OUT/bench_recipes$x.json > $LOGS/recipes$x.log 2>&1 &
               python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} ${LONG_ROWS:+--only $LONG_ROWS} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_long$x.json; wait" ;;
-        long-trl) echo "for s in ${LONG_SHAPES:-1.5b qwen7b llama8b}; do python3 bench/benchlib.py ensure $w $TOK \$s > $LOGS/build-\$s$x.log 2>&1 & done; wait;
+        long-trl) echo "for s in ${LONG_SHAPES:-1.5b qwen7b llama8b}; do python3 bench/benchlib.py ensure $w $TOK \$s > $LOGS/build-\${s}$x.log 2>&1 & done; wait;
               left=\$(( $t - 25 - SECONDS )); echo models ready, \$left s left;
               i=0; IFS=';' read -ra jobs <<< \"\${VS_JOBS:-}\"; for j in \"\${jobs[@]}\"; do i=\$((i + 1)); mkdir -p $w-vs\$i; ln -sfn $w/models $w-vs\$i/models;
-                  timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left --shared-gpu \$j --out $OUT/bench_vs_trl_long\$i$x.json > $LOGS/vs\$i$x.log 2>&1 & done;
+                  timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left --shared-gpu \$j --out $OUT/bench_vs_trl_long\${i}$x.json > $LOGS/vs\${i}$x.log 2>&1 & done;
               ${LONG_ROWS:+python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} --only $LONG_ROWS ${LONG_ARGS:-} --timeout \$(( left - 30 )) --budget-s \$left --tokenizer $TOK --work $w --out $OUT/bench_long$x.json;} wait" ;;
         archs) echo "python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json" ;;
         recipes-archs) echo "timeout -k 5 200 python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json > $LOGS/archs$x.log 2>&1 &
@@ -192,17 +196,17 @@ for item in "$@"; do
     if [[ $item == *+* ]]; then
         IFS=+ read -ra parts <<<"$item"; i=0
         for s in "${parts[@]}"; do
-            CUDA_VISIBLE_DEVICES=$i run_stage "$s" "_gpu$i" "/tmp/edgerl-bench-gpu$i" &
+            CUDA_VISIBLE_DEVICES=$(( ${SHARE_GPU:-0} ? 0 : i )) run_stage "$s" "_gpu$i" "${WORK:-/tmp/edgerl-bench}-gpu$i" &
             i=$((i + 1))
         done
         wait
     else
-        run_stage "$item" "" /tmp/edgerl-bench
+        run_stage "$item" "" "${WORK:-/tmp/edgerl-bench}"
     fi
 done
 
 for f in "$LOGS"/*.log; do echo "##### $(basename "$f")"; cat "$f"; done >"$OUT/session.log" 2>/dev/null
-find /tmp/edgerl-logs /tmp/edgerl-bench* -type f \( -name '*.log' -o -name 'plan.json' -o -name 'metrics.jsonl' \
+find /tmp/edgerl-logs "${WORK:-/tmp/edgerl-bench}"* -type f \( -name '*.log' -o -name 'plan.json' -o -name 'metrics.jsonl' \
     -o -name '*.spec.json' -o -path '*/profile/*.txt' \) -size -20M 2>/dev/null | tar -czf "$OUT/logs.tar.gz" -T - 2>/dev/null
 echo; echo "=== stages (rc, seconds; session $((SECONDS - START)) s of $BUDGET s)"; column -t "$STATUS" 2>/dev/null || cat "$STATUS"
 echo; python3 bench/summary.py "$OUT"

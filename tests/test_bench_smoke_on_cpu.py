@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,10 @@ def test_gpu_session_script_parses_and_names_every_stage():
     text = (BENCH / "gpu_session.sh").read_text()
     for stage in ("quick", "measure", "memory", "multi", "trl-core", "trl-qlora", "info", "tests", "fit", "rollout"):
         assert f"        {stage})" in text, stage
+    # a pair's suffix ($x, e.g. "_gpu1") glued to a variable of the stage's loop reads as one name ("$n_gpu1",
+    # unset): every part's files would share one empty name
+    glued = re.findall(r"\\\$[A-Za-z_][A-Za-z0-9_]*\$x", text)
+    assert not glued, glued
 
 
 def _smoke(script: str, tmp_path: Path, *extra: str) -> dict:
