@@ -429,8 +429,10 @@ class StaticCacheEngine:
         return span_for(col, self.dec.cache_len, self.span_step) if self.span_step else self.dec.cache_len
 
     def _captured(self, mode: _Mode, info: dict) -> torch.cuda.CUDAGraph:
-        t0 = time.perf_counter()
         fresh = mode not in self._graphs
+        if fresh:   # the steps queued before it are decode time, not the capture's (a capture waits for them)
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
         graph = self._graph(mode)
         if fresh:
             torch.cuda.synchronize(self.device)
