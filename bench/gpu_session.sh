@@ -83,6 +83,7 @@ START=$SECONDS
 BUDGET=${SESSION_BUDGET_S:-565}
 OUT=${OUT:-/tmp/edgerl-out}; mkdir -p "$OUT"
 LOGS=/tmp/edgerl-logs; mkdir -p "$LOGS"
+WORK=${WORK:-/tmp/edgerl-bench}
 export OUT PYTHONUNBUFFERED=1 EDGERL_SHARED=${EDGERL_SHARED:-$PWD/.cache/shared} EDGERL_CACHE=/tmp/edgerl-cache
 export NCCL_NVLS_ENABLE=0 TOK=${EDGERL_SHARED:-$PWD/.cache/shared}/data/smollm2-tokenizer
 if [ -z "${SKIP_INSTALL:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -196,17 +197,17 @@ for item in "$@"; do
     if [[ $item == *+* ]]; then
         IFS=+ read -ra parts <<<"$item"; i=0
         for s in "${parts[@]}"; do
-            CUDA_VISIBLE_DEVICES=$(( ${SHARE_GPU:-0} ? 0 : i )) run_stage "$s" "_gpu$i" "${WORK:-/tmp/edgerl-bench}-gpu$i" &
+            CUDA_VISIBLE_DEVICES=$(( ${SHARE_GPU:-0} ? 0 : i )) run_stage "$s" "_gpu$i" "$WORK-gpu$i" &
             i=$((i + 1))
         done
         wait
     else
-        run_stage "$item" "" "${WORK:-/tmp/edgerl-bench}"
+        run_stage "$item" "" "$WORK"
     fi
 done
 
 for f in "$LOGS"/*.log; do echo "##### $(basename "$f")"; cat "$f"; done >"$OUT/session.log" 2>/dev/null
-find /tmp/edgerl-logs "${WORK:-/tmp/edgerl-bench}"* -type f \( -name '*.log' -o -name 'plan.json' -o -name 'metrics.jsonl' \
+find "$LOGS" "$WORK"* -type f \( -name '*.log' -o -name 'plan.json' -o -name 'metrics.jsonl' \
     -o -name '*.spec.json' -o -path '*/profile/*.txt' \) -size -20M 2>/dev/null | tar -czf "$OUT/logs.tar.gz" -T - 2>/dev/null
 echo; echo "=== stages (rc, seconds; session $((SECONDS - START)) s of $BUDGET s)"; column -t "$STATUS" 2>/dev/null || cat "$STATUS"
 echo; python3 bench/summary.py "$OUT"
