@@ -17,7 +17,10 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
                           LoRA); none when it runs the actor's own modules (quantized base). Rollout
                           phase only, unless the plan keeps it resident with its KV cache and graphs
     layer copies          2 layers + embeddings in b_c while FSDP2 unshards layers for a forward
-    gradients             T x g (T = P, or A under LoRA; g = 4, or 2 for the bf16 optimizers)
+    gradients             T x g (T = P, or A under LoRA; g = 4, or 2 for the bf16 optimizers); with one
+                          micro-step per optimizer step and checkpointing, the layers' gradients are
+                          allocated as the backward frees each layer's checkpointed input, so the update
+                          counts the larger of the two and not both (less min(layers' gradients, inputs))
     optimizer state       T x `OPTIMIZERS[name].state` (8 AdamW, 2 8-bit, 6 or 4 bf16), plus the bf16
                           step's fixed workspace
     dequantization        one layer's weight dequantized to the compute dtype (quantized base)
@@ -222,6 +225,7 @@ class Setting:
     logprob_upcast: bool = False    # the torch log-prob path computes 16-bit inputs in fp32 (upcast copies)
     kv_window: bool = False         # the rollout's KV cache keeps only the window of sliding-window layers
                                     # (transformers' generate does; the static engine keeps every token)
+    mini_batch: int = 0             # rows per optimizer step on this rank (0: unknown; several micro-steps assumed)
 
 
 @dataclass(frozen=True)
@@ -401,7 +405,21 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         tokens_in = tokens * m.num_layers * m.hidden_size * b_c
     else:
         tokens_in = 0
-    update["optimizer step"] = max(0, step_extra - update["activations"] - update["backward workspace"]
+    if s.grad_checkpointing and not s.activation_offload and not s.param_offload and n == 1 \
+            and s.micro_batch >= s.mini_batch > 0:
+        # one micro-step: the gradients start empty (set to None after each step) and the backward allocates a
+        # layer's as it frees that layer's checkpointed input, so the two are never both whole; at the layer
+        # the backward has reached, the sum is linear in its depth, largest at one end (all the inputs, or all
+        # the gradients). What is not in a layer (embeddings, head) is counted whole.
+        layer_grads = (T if lora else m.num_layers * m.layer_params()) * tb.grads
+        overlap = min(layer_grads, tokens * m.num_layers * m.hidden_size * b_c)
+    else:
+        overlap = 0
+    if overlap:   # the table says so: its gradients row is what the freed inputs do not make room for
+        update = {("gradients beyond freed inputs" if k == "gradients" else k): (v - overlap if k == "gradients" else v)
+                  for k, v in update.items()}
+    # the step itself holds every gradient, and no activations
+    update["optimizer step"] = max(0, step_extra + overlap - update["activations"] - update["backward workspace"]
                                    - update["log-prob pass"])
 
     phases = {"rollout": rollout, "score": score, "update": update}

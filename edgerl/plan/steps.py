@@ -132,6 +132,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             base_bytes=(dtype.compute_bytes if quant else int(nbytes(cand.base))) if cand.lora else dtype.param_bytes,
             grad_checkpointing=False, swap_models=False, optimizer_offload=False, param_offload=False,
             micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=chunk, logit_bytes=per_logit,
+            mini_batch=task.local_mini,
             eager_attention=attention == "eager", lora_params=lora_params if cand.lora else 0,
             critic=task.critic, reference=task.kl and not cand.lora,
             reward_model_params=task.reward_model_params, cuda=dev.is_cuda, shards=task.world_size,
