@@ -485,6 +485,40 @@ def test_out_of_memory_writes_oom_json_naming_the_phase_the_estimate_and_the_pea
 
 # --- the memory model's per-token terms against what the CPU allocates ------------------------------------
 
+def _malloc_meter():
+    used = bl.malloc_meter()
+    if used is None:
+        pytest.skip("needs glibc's mallinfo2 to read the bytes in use")
+    return used
+
+
+def _measured_policy(h, inter, layers, heads, kv, V, dtype, ckpt, train):
+    """A seeded llama of these widths (tied embeddings, fused MLPs) with the trainer's policy head, and its spec."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from edgerl.models.swiglu import fuse_mlps
+    from edgerl.plan.modelspec import ModelSpec
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    fuse_mlps(model.model.layers)
+    if ckpt:
+        enable_checkpointing(model)
+    model.train(train)
+    head = PolicyHead(model, SimpleNamespace(kernel_backend="torch", logprob_chunk=256, kernel_tiles=None,
+                                             share_prompts=False, attention_chunk=0))
+    return model, head, ModelSpec("t", "llama", V, h, layers, heads, kv, inter, True)
+
+
+def _measured_setting(b: int, ckpt: bool, rows: int, **kw):
+    """The plan's setting for `_measured_policy`'s micro-steps of `rows` rows (the torch log-prob path, no GPU)."""
+    from edgerl.plan.memory import Setting
+    return Setting(compute_bytes=b, base_bytes=b, grad_checkpointing=ckpt, swap_models=False, optimizer_offload=False,
+                   param_offload=False, micro_batch=rows, score_micro_batch=rows, rollout_batch=rows,
+                   logprob_chunk=256, logit_bytes=8, eager_attention=False, cuda=False, head_trains=True, **kw)
+
+
 @pytest.mark.parametrize("phase,ckpt,dtype", [("update", True, torch.float32), ("update", False, torch.float32),
                                               ("score", False, torch.float32), ("update", True, torch.bfloat16),
                                               ("update", False, torch.bfloat16)])
@@ -494,25 +528,10 @@ def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt, dtype):
     pass): never below, and at most 25% above at these small widths (the log-prob chunk is a larger share
     of them than of a real model's)."""
     import gc
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from edgerl.models.swiglu import fuse_mlps
-    from edgerl.plan.memory import Setting, estimate
-    from edgerl.plan.modelspec import ModelSpec
-    used = bl.malloc_meter()
-    if used is None:
-        pytest.skip("needs glibc's mallinfo2 to read the bytes in use")
+    from edgerl.plan.memory import estimate
+    used = _malloc_meter()
     h, inter, layers, heads, kv, V, B, P, R = 128, 512, 4, 4, 2, 2048, 2, 32, 2048
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).to(dtype)
-    fuse_mlps(model.model.layers)
-    if ckpt:
-        enable_checkpointing(model)
-    model.train(phase == "update")
-    head = PolicyHead(model, SimpleNamespace(kernel_backend="torch", logprob_chunk=256, kernel_tiles=None,
-                                             share_prompts=False, attention_chunk=0))
+    model, head, spec = _measured_policy(h, inter, layers, heads, kv, V, dtype, ckpt, train=phase == "update")
     ids = torch.randint(3, V, (B, P + R))
     mask = torch.ones_like(ids)
     targets = ids[:, P:]
@@ -529,12 +548,7 @@ def test_the_estimate_bounds_what_a_micro_step_allocates(phase, ckpt, dtype):
     step()
     gc.collect()
     measured = bl.peak_in_use(step, used)
-    spec = ModelSpec("t", "llama", V, h, layers, heads, kv, inter, True)
-    b = dtype.itemsize
-    s = Setting(compute_bytes=b, base_bytes=b, grad_checkpointing=ckpt, swap_models=False, optimizer_offload=False,
-                param_offload=False, micro_batch=B, score_micro_batch=B, rollout_batch=B, logprob_chunk=256,
-                logit_bytes=8, eager_attention=False, cuda=False, head_trains=True, logprob_upcast=True)
-    comps = estimate(spec, s, P, R, 2**40).phases[phase]
+    comps = estimate(spec, _measured_setting(dtype.itemsize, ckpt, B, logprob_upcast=True), P, R, 2**40).phases[phase]
     est = sum(comps.get(k, 0) for k in ("activations", "backward workspace", "attention workspace", "log-prob pass"))
     assert measured <= est <= 1.25 * measured, (phase, ckpt, measured, est)
 
@@ -546,26 +560,12 @@ def test_one_micro_step_counts_the_gradients_as_the_backward_frees_the_inputs(mi
     checkpointed input, and the model counts the larger of the two, not both; from the second micro-step on
     every gradient is whole beside every input. Measured from glibc's in-use bytes (the weights excluded),
     never above the estimate and at most 25% below it. The widths make the layers' gradients (9.4 MB) a
-    quarter of the step: counting them whole beside the inputs with one micro-step would be 30% over."""
+    quarter of the step: counting them whole beside the inputs with one micro-step was 28% over."""
     import gc
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from edgerl.models.swiglu import fuse_mlps
-    from edgerl.plan.memory import Setting, estimate
-    from edgerl.plan.modelspec import ModelSpec
-    used = bl.malloc_meter()
-    if used is None:
-        pytest.skip("needs glibc's mallinfo2 to read the bytes in use")
+    from edgerl.plan.memory import estimate
+    used = _malloc_meter()
     h, inter, layers, heads, kv, V, B, P, R = 128, 256, 16, 4, 2, 512, 1, 32, 2048
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    fuse_mlps(model.model.layers)
-    enable_checkpointing(model)
-    model.train()
-    head = PolicyHead(model, SimpleNamespace(kernel_backend="torch", logprob_chunk=256, kernel_tiles=None,
-                                             share_prompts=False, attention_chunk=0))
+    model, head, spec = _measured_policy(h, inter, layers, heads, kv, V, torch.float32, ckpt=True, train=True)
     ids = torch.randint(3, V, (B, P + R))
     mask = torch.ones_like(ids)
     targets = ids[:, P:]
@@ -579,11 +579,7 @@ def test_one_micro_step_counts_the_gradients_as_the_backward_frees_the_inputs(mi
     model.zero_grad(set_to_none=True)
     gc.collect()
     measured = bl.peak_in_use(step, used)
-    spec = ModelSpec("t", "llama", V, h, layers, heads, kv, inter, True)
-    s = Setting(compute_bytes=4, base_bytes=4, grad_checkpointing=True, swap_models=False, optimizer_offload=False,
-                param_offload=False, micro_batch=B, score_micro_batch=B, rollout_batch=B, logprob_chunk=256,
-                logit_bytes=8, eager_attention=False, cuda=False, head_trains=True, mini_batch=B * micro_steps)
-    comps = estimate(spec, s, P, R, 2**40).phases["update"]
+    comps = estimate(spec, _measured_setting(4, True, B, mini_batch=B * micro_steps), P, R, 2**40).phases["update"]
     grads = "gradients beyond freed inputs" if micro_steps == 1 else "gradients"
     assert (grads in comps) and ("gradients" in comps) == (micro_steps > 1)
     est = sum(comps.get(k, 0) for k in (grads, "activations", "backward workspace", "attention workspace",

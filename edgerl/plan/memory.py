@@ -401,23 +401,19 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     step_extra = tb.step_workspace + (state if s.optimizer_offload and not s.param_offload else 0)
     if s.optimizer_offload and not s.param_offload:
         update["optimizer state"] = 0
-    if s.activation_offload and s.grad_checkpointing:   # every checkpointed layer input of a micro-batch, pinned
-        tokens_in = tokens * m.num_layers * m.hidden_size * b_c
-    else:
-        tokens_in = 0
+    inputs = tokens * m.num_layers * m.hidden_size * b_c   # every checkpointed layer input of a micro-batch
+    tokens_in = inputs if s.activation_offload and s.grad_checkpointing else 0   # offloaded: pinned host memory
+    overlap = 0
     if s.grad_checkpointing and not s.activation_offload and not s.param_offload and n == 1 \
             and s.micro_batch >= s.mini_batch > 0:
         # one micro-step: the gradients start empty (set to None after each step) and the backward allocates a
         # layer's as it frees that layer's checkpointed input, so the two are never both whole; at the layer
         # the backward has reached, the sum is linear in its depth, largest at one end (all the inputs, or all
         # the gradients). What is not in a layer (embeddings, head) is counted whole.
-        layer_grads = (T if lora else m.num_layers * m.layer_params()) * tb.grads
-        overlap = min(layer_grads, tokens * m.num_layers * m.hidden_size * b_c)
-    else:
-        overlap = 0
-    if overlap:   # the table says so: its gradients row is what the freed inputs do not make room for
-        update = {("gradients beyond freed inputs" if k == "gradients" else k): (v - overlap if k == "gradients" else v)
-                  for k, v in update.items()}
+        overlap = min((T if lora else m.num_layers * m.layer_params()) * tb.grads, inputs)
+        update["gradients"] -= overlap
+        # the table says so: its gradients row is what the freed inputs do not make room for
+        update = {("gradients beyond freed inputs" if k == "gradients" else k): v for k, v in update.items()}
     # the step itself holds every gradient, and no activations
     update["optimizer step"] = max(0, step_extra + overlap - update["activations"] - update["backward workspace"]
                                    - update["log-prob pass"])
