@@ -161,6 +161,8 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
             console.print(traffic.line(), soft_wrap=True, highlight=False)
         console.print(longest_line(p.device, p.model, p.task, overrides_from_config(cfg, target.profile)),
                       soft_wrap=True, highlight=False)
+        from edgerl.plan import timing
+        console.print(timing.line(p), soft_wrap=True, highlight=False)
         return
     if fmt == "toml":
         text = plan_toml(cfg, p, target.profile.name if target.simulated and target.profile else None)
@@ -168,7 +170,9 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         from edgerl.config.target import overrides_from_config
         from edgerl.plan.plan import longest_response
         longest, _ = longest_response(p.device, p.model, p.task, overrides_from_config(cfg, target.profile))
-        doc = p.to_dict() | {"longest_response": longest}
+        from edgerl.plan import timing
+        est = timing.for_plan(p)
+        doc = p.to_dict() | {"longest_response": longest, "step_time": est.to_dict() if est else None}
         if traffic is not None:
             doc["traffic"] = dataclasses.asdict(traffic) | {"total_bytes": traffic.total_bytes, "nodes": nodes}
         text = json.dumps(doc, indent=2, default=str)

@@ -140,6 +140,8 @@ class Device:
     integrated: bool = False                   # shares memory with the host (Jetson)
     memory_bandwidth_gbs: Optional[float] = None
     fp32_tflops: Optional[float] = None        # fp32 (CUDA-core) matmul rate from the profile's datasheet row
+    fp16_tflops: Optional[float] = None        # 16-bit matmul rate (tensor cores with fp32 accumulation, where present)
+    tf32_tflops: Optional[float] = None        # fp32 matmuls on TF32 tensor cores (CC >= 8.0)
     pcie_gen: Optional[int] = None
     pcie_gen_max: Optional[int] = None
     pcie_width: Optional[int] = None

@@ -49,6 +49,8 @@ class Profile:
     smem_per_block_optin: Optional[int] = None
     memory_bandwidth_gbs: Optional[float] = None
     fp32_tflops: Optional[float] = None
+    fp16_tflops: Optional[float] = None          # 16-bit matmuls (tensor cores with fp32 accumulation, where present)
+    tf32_tflops: Optional[float] = None          # fp32 matmuls on TF32 tensor cores (CC >= 8.0)
     tensor_cores: Optional[bool] = None         # None: from the capability table
     integrated: bool = False
     pcie_gen: Optional[int] = None
@@ -92,7 +94,7 @@ def nvml_key(name: str) -> str:
 
 
 _HW_KEYS = {"cc", "memory_mib", "ecc_default", "ecc_off_mib", "sm_count", "smem_per_block_optin",
-            "memory_bandwidth_gbs", "fp32_tflops", "tensor_cores", "integrated", "pcie_gen", "pcie_width"}
+            "memory_bandwidth_gbs", "fp32_tflops", "fp16_tflops", "tf32_tflops", "tensor_cores", "integrated", "pcie_gen", "pcie_width"}
 
 
 def _parse(name: str, text: str) -> Profile:
@@ -129,7 +131,7 @@ def _parse(name: str, text: str) -> Profile:
             ecc_default=bool(hw.get("ecc_default", False)), ecc_off_mib=ecc_off,
             sm_count=hw.get("sm_count"), smem_per_block_optin=hw.get("smem_per_block_optin"),
             memory_bandwidth_gbs=hw.get("memory_bandwidth_gbs"), fp32_tflops=hw.get("fp32_tflops"),
-            tensor_cores=hw.get("tensor_cores"), integrated=bool(hw.get("integrated", False)),
+            fp16_tflops=hw.get("fp16_tflops"), tf32_tflops=hw.get("tf32_tflops"), tensor_cores=hw.get("tensor_cores"), integrated=bool(hw.get("integrated", False)),
             pcie_gen=hw.get("pcie_gen"), pcie_width=hw.get("pcie_width"),
             defaults=dict(d.get("defaults", {})), measured=tuple(prov.get("measured", ())),
             derived=tuple(prov.get("derived", ())), notes=d.get("notes", ""))
@@ -193,6 +195,7 @@ def device_from_profile(p: Profile, software: Software, host_memory: int) -> Dev
     dev = gpu_from_capability(
         p.display, p.cc, p.memory_bytes, host_memory, software, sm_count=p.sm_count,
         smem_per_block_optin=p.smem_per_block_optin, tensor_cores=p.tensor_cores,
-        memory_bandwidth_gbs=p.memory_bandwidth_gbs, fp32_tflops=p.fp32_tflops, integrated=p.integrated or None,
+        memory_bandwidth_gbs=p.memory_bandwidth_gbs, fp32_tflops=p.fp32_tflops, fp16_tflops=p.fp16_tflops,
+        tf32_tflops=p.tf32_tflops, integrated=p.integrated or None,
         pcie_gen=p.pcie_gen, pcie_gen_max=p.pcie_gen, pcie_width=p.pcie_width, pcie_width_max=p.pcie_width)
     return replace(dev, source="profile", profile=p.name, note=f"profile {p.name}: {p.summary()}")

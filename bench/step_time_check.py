@@ -1,0 +1,74 @@
+"""The step time estimate (edgerl/plan/timing.py) against the steps measured on an H100 and an H200, each run alone
+on its GPU (docs/benchmarks.md, Step time estimate, where this table is printed):
+
+    python bench/step_time_check.py          # the markdown table
+
+Each row is a benchmark row as it ran: the card whose plan it made (its memory as the allocator's cap), the random-
+weight widths (SmolLM2's vocabulary, llama layers), 2 prompts x 8 samples of exactly N new tokens (EOS ignored)
+after prompts of at most 64 tokens, GRPO with the reference KL; the estimate takes the plan that card gets today
+and the rates of the GPU that ran it (TF32 where the benchmark turned it on). No GPU is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# row: (GPU that ran it, the card's plan, memory cap in GiB or None, widths, new tokens, "nf4" / None, TF32 on,
+#       measured seconds (rollout, scoring, update), where: docs/benchmarks.md's table and call)
+ROWS: dict[str, tuple[Any, ...]] = {
+    "1.7B bf16 at TRL's memory": ("h200", "h200", 18.46, "1.7b", 256, None, False, (0.45, 0.11, 0.26),
+                                  "Against TRL: 362M and 1.7B; 2026-12-02, ba86a27"),
+    "RTX 4090, 1.5B full, 2K": ("h200", "rtx4090", None, "1.5b", 2048, None, False, (4.22, 0.26, 1.00),
+                                "Long responses; 2026-12-05, 7df79e4"),
+    "P40, 1.5B full, 8K": ("h200", "p40", None, "1.5b", 8192, None, True, (71.8, 3.6, 18.4), "Long responses; 2026-12-04, b47b18a"),
+    "P40, 7B NF4, 512": ("h200", "p40", None, "qwen7b", 512, "nf4", False, (6.8, 2.5, 6.4), "Long responses; 2026-12-04, b47b18a"),
+    "P40, 7B NF4, 4K": ("h200", "p40", None, "qwen7b", 4096, "nf4", True, (57.4, 4.4, 18.5), "Long responses; 2026-12-04, b47b18a"),
+    "P40, 7B NF4, 8K": ("h200", "p40", None, "qwen7b", 8192, "nf4", True, (128.0, 11.3, 49.3),
+                        "Long responses; 2026-12-05, 7df79e4"),
+    "T4, 8B NF4, 512": ("h100", "t4", None, "llama8b", 512, "nf4", False, (6.97, 0.40, 1.77), "Long responses; 2026-12-05, 739fe6b"),
+    "T4, 8B NF4, 4K": ("h100", "t4", None, "llama8b", 4096, "nf4", False, (88.0, 2.9, 14.5), "Long responses; 2026-12-05, 739fe6b"),
+}
+# (hidden, layers, heads, KV heads, MLP, tied embeddings): bench/benchlib.py's SHAPES
+SHAPES = {"1.7b": (2048, 24, 32, 32, 8192, True), "1.5b": (1536, 28, 12, 2, 8960, True),
+          "qwen7b": (3584, 28, 28, 4, 18944, False), "llama8b": (4096, 32, 32, 8, 14336, False)}
+
+
+def estimates() -> list[dict[str, Any]]:
+    from edgerl.device.device import Software
+    from edgerl.device.profiles import device_from_profile, get_profile
+    from edgerl.plan import timing
+    from edgerl.plan.modelspec import ModelSpec
+    from edgerl.plan.plan import plan
+    from edgerl.plan.task import Task
+    sw = Software(python="3.12", torch="2.11.0+cu130", torch_cuda="13.0", arch_list=("sm_80", "sm_90"),
+                  libs=(("torch", "2.11.0"), ("transformers", "5.17.0"), ("triton", "3.6.0"),
+                        ("bitsandbytes", "0.50.2")))
+    out = []
+    for name, (gpu, card, cap, shape, n, base, tf32, measured, where) in ROWS.items():
+        h, layers, heads, kv, mlp, tied = SHAPES[shape]
+        model = ModelSpec(shape, "llama", 49152, h, layers, heads, kv, mlp, tied, max_position=32768)
+        task = Task(prompt_len=64, response_len=n, prompts_per_step=2, samples_per_prompt=8, kl=True, lora=bool(base))
+        o: dict[str, Any] = {"memory_gib": cap} if cap else {}
+        if base:
+            o["base_dtype"] = base
+        p = plan(device_from_profile(get_profile(card), sw, 128 << 30), model, task, o)
+        ran_on = device_from_profile(get_profile(gpu), sw, 128 << 30)
+        t = timing.estimate(p, timing.rates(ran_on, p.dtype.compute, tf32=tf32))
+        out.append({"row": name, "gpu": ran_on.name, "where": where, "measured": measured,
+                    "estimate": (t.rollout_s, t.score_s, t.update_s), "decode": p.decode_backend})
+    return out
+
+
+def table() -> str:
+    lines = ["| row | ran on | measured s/step (rollout / scoring / update) | estimate | error | measured (table; date, commit) |",
+             "|---|---|---|---|---|---|"]
+    for r in estimates():
+        m, e = r["measured"], r["estimate"]
+        err = sum(e) / sum(m) - 1
+        lines.append(f"| {r['row']} | {r['gpu']} | {sum(m):.2f} ({' / '.join(f'{x:g}' for x in m)}) | "
+                     f"{sum(e):.2f} ({' / '.join(f'{x:.2f}' for x in e)}) | {err:+.0%} | {r['where']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
