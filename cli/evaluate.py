@@ -27,7 +27,7 @@ def evaluate(target: str = typer.Argument(..., help="a run folder (its latest ch
              out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the metrics and every answer as JSON"),
              config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Greedy accuracy (and mean@k / pass@k) of a run, checkpoint or model on held-out prompts."""
-    from edgerl.core.files import output_file, write_atomically
+    from edgerl.core.files import json_text, output_file, write_atomically
     from edgerl.train.eval_run import load_eval_config, run_eval
     path = output_file(out, (".json",), option="--out") if out is not None else None   # checked before the work
     extra: list = []
@@ -50,6 +50,6 @@ def evaluate(target: str = typer.Argument(..., help="a run folder (its latest ch
         t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
     console.print(t)
     if path is not None:
-        text = json.dumps(result, indent=1, default=str)
+        text = json_text(result, indent=1, default=str)
         write_atomically(path, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))
         err.print(f"wrote {escape(str(path))}", highlight=False, soft_wrap=True)

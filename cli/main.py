@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,7 +11,7 @@ import typer
 from edgerl.config.schema import ConfigError
 from edgerl.config.load import load_config, quoted
 from edgerl.plan.modelspec import ModelSpecError
-from edgerl.core.files import output_file, write_atomically
+from edgerl.core.files import json_text, output_file, write_atomically
 from edgerl.plan.plan import PlanError
 from edgerl.device.profiles import list_profiles
 from . import data as data_cmd
@@ -79,7 +78,7 @@ def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         out = {"device": target.device.describe(), "simulated": target.simulated,
                "checks": [c.to_dict() for c in checks], "plan": plan.to_dict() if plan else None,
                "plan_error": plan_error, "measured": m.to_dict() if m is not None else None, "ok": code == 0}
-        typer.echo(json.dumps(out, indent=2, default=str))
+        typer.echo(json_text(out, indent=2, default=str))
         raise typer.Exit(code)
     if target.simulated:
         console.print(f"[bold]Simulating[/] {target.device.describe()} with this machine's software.")
@@ -175,7 +174,7 @@ def recommend(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,
         doc = p.to_dict() | {"longest_response": longest, "step_time": est.to_dict() if est else None}
         if traffic is not None:
             doc["traffic"] = dataclasses.asdict(traffic) | {"total_bytes": traffic.total_bytes, "nodes": nodes}
-        text = json.dumps(doc, indent=2, default=str)
+        text = json_text(doc, indent=2, default=str)
     else:
         lines, caveats = verl_overrides(cfg, p)
         text = "\n".join([f"# {c}" for c in caveats] + ["python -m verl.trainer.main_ppo \\"]

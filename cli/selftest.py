@@ -3,7 +3,6 @@ check and the text for a bug report, write selftest.json."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -18,7 +17,7 @@ STYLE = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "skip": "[dim]sk
 def run(cfg, target, as_json: bool, out: Optional[Path], force: bool) -> None:
     """Raises typer.Exit: 0 when no check failed, 1 otherwise (2 for bad input, through `friendly`)."""
     from edgerl.core.errors import ConfigError
-    from edgerl.core.files import output_file
+    from edgerl.core.files import json_text, output_file
     from edgerl.doctor.selftest import run_selftest, write_report
     from edgerl.config.target import plan_for
     from edgerl.train import session
@@ -52,7 +51,7 @@ def run(cfg, target, as_json: bool, out: Optional[Path], force: bool) -> None:
     write_report(st, path)
     code = 0 if st.ok else 1
     if as_json:
-        typer.echo(json.dumps(st.to_dict(), indent=2, default=str))
+        typer.echo(json_text(st.to_dict(), indent=2, default=str))
         raise typer.Exit(code)
     c = st.counts()
     console.print(f"{c['pass']} passed, {c['fail']} failed, {c['skip']} skipped in {st.seconds:.0f} s",

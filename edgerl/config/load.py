@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import re
 import sys
 import types
@@ -21,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from edgerl.config.schema import Config
+from edgerl.config.schema import Config, toml_string
 from edgerl.core.errors import ConfigError
 from edgerl.core.files import regular_input
 
@@ -216,11 +215,8 @@ def parse_set(item: str) -> tuple[list[str], Any]:
 
 
 def quoted(text: str) -> str:
-    """`text` as a TOML string, for a CLI option that stands for a --set (--model PATH). JSON's escapes
-    are TOML's, but for characters outside the BMP (JSON writes a surrogate pair, which TOML refuses):
-    those stay as they are, and so does a lone surrogate (a byte that was not UTF-8), for the config's
-    checks to name."""
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")   # TOML refuses a raw DEL
+    """`text` as a TOML string, for a CLI option that stands for a --set (--model PATH)."""
+    return toml_string(text)
 
 
 def _merge(base: dict[str, Any], path: list[str], value: Any, label: str) -> None:

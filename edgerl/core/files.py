@@ -13,12 +13,14 @@ Both raise ConfigError: the path is something the user chose, and the message sa
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import re
 import secrets
 import stat
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from edgerl.core.errors import ConfigError
 
@@ -94,6 +96,27 @@ def write_atomically(path: Union[str, Path], write: Union[str, Callable[[Path], 
         pass  # some file systems refuse fsync on a folder; the rename is still atomic
     finally:
         os.close(fd)
+
+
+def finite(obj: Any) -> tuple[Any, int]:
+    """`obj` (dicts, lists and tuples of plain values) with every float that is NaN or infinite replaced
+    by None, and how many were: JSON has no NaN nor infinity, and Python's json would write them as
+    literals no other reader takes."""
+    if isinstance(obj, float):
+        return (obj, 0) if math.isfinite(obj) else (None, 1)
+    if isinstance(obj, dict):
+        items = [(k, finite(v)) for k, v in obj.items()]
+        return {k: v for k, (v, _) in items}, sum(n for _, (_, n) in items)
+    if isinstance(obj, (list, tuple)):
+        items = [finite(v) for v in obj]
+        return [v for v, _ in items], sum(n for _, n in items)
+    return obj, 0
+
+
+def json_text(obj: Any, **kwargs: Any) -> str:
+    """json.dumps of `obj` as valid JSON: a NaN or infinite float is written as null (`finite`); a
+    caller that must say how many were uses `finite` first."""
+    return json.dumps(finite(obj)[0], allow_nan=False, **kwargs)
 
 
 _TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp(\.[^.]*)?$")

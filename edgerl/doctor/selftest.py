@@ -12,7 +12,6 @@ of text to paste into a bug report; neither holds a path of this machine or its 
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import platform
 import re
@@ -170,8 +169,8 @@ def run_selftest(plan: Plan, device: Any, model_checks: Optional[ModelChecks] = 
 
 def write_report(st: SelfTest, path: Path) -> None:
     """selftest.json at `path`, written atomically (the caller checked the path with output_file)."""
-    from edgerl.core.files import write_atomically
-    text = json.dumps(st.to_dict() | {"report": st.report_text()}, indent=2, default=str) + "\n"
+    from edgerl.core.files import json_text, write_atomically
+    text = json_text(st.to_dict() | {"report": st.report_text()}, indent=2, default=str) + "\n"
     write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 

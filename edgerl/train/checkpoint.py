@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from edgerl.core.errors import CheckpointError
-from edgerl.core.files import temporaries
+from edgerl.core.files import json_text, temporaries
 
 _STEP = re.compile(r"^step-(\d{6,})$")
 
@@ -167,7 +167,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
         for name, data in (files or {}).items():
             _writing(tmp / name, lambda path: path.write_bytes(data))
         sums = {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
-        text = json.dumps({**meta, "files": sums}, indent=2, default=str)
+        text = json_text({**meta, "files": sums}, indent=2, default=str)
         _writing(tmp / "meta.json", lambda path: path.write_text(text))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from edgerl.core.errors import ConfigError
-from edgerl.core.files import write_atomically
+from edgerl.core.files import json_text, write_atomically
 
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}   # logger -> its module
 IDS_FILE = "loggers.json"
@@ -115,7 +115,7 @@ class MLflow:
                                  for k, v in _numbers(values).items()}, step=step)
 
     def samples(self, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
-        self.mlflow.log_text(json.dumps(rows, indent=1), f"samples/{kind}-step-{step:06d}.json")
+        self.mlflow.log_text(json_text(rows, indent=1), f"samples/{kind}-step-{step:06d}.json")
 
     def close(self) -> None:
         self.mlflow.end_run()
@@ -168,5 +168,5 @@ def open_loggers(names: Sequence[str], run_dir: Path, config: dict, project: Opt
             out.append(m)
             notes.append(f"MLflow run {m.id}")
     if any(k in ids for k in ("wandb", "mlflow")):
-        write_atomically(ids_path, lambda tmp: tmp.write_text(json.dumps(ids) + "\n"))
+        write_atomically(ids_path, lambda tmp: tmp.write_text(json_text(ids) + "\n"))
     return out, "; ".join(notes) or "metrics in metrics.jsonl only"

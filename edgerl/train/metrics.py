@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from edgerl.core.errors import RunDirError
-from edgerl.core.files import output_file, write_atomically
+from edgerl.core.files import finite, output_file, write_atomically
 
 Log = Optional[Callable[[str], None]]
 
@@ -27,10 +27,13 @@ KEY_METRICS = (("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "le
                ("eval/accuracy", "eval acc", "{:.3f}"))
 
 
-def _clean(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None  # JSON has no NaN; null says "not defined this step"
-    return v
+def _line(row: dict[str, Any]) -> str:
+    """`row` as one line of valid JSON. JSON has no NaN nor infinity: such a value is written as null (for a
+    metric, "not defined this step"), and the row counts them in 'non_finite'."""
+    clean, n = finite(row)
+    if n:
+        clean["non_finite"] = n
+    return json.dumps(clean, allow_nan=False) + "\n"
 
 
 def _row(line: str) -> Optional[dict[str, Any]]:
@@ -139,7 +142,7 @@ class StepLog:
             self._fh = open(self.path, "a", encoding="utf-8")
 
     def append(self, rows: list[dict[str, Any]]) -> None:
-        self._fh.write("".join(json.dumps(r) + "\n" for r in rows))
+        self._fh.write("".join(_line(r) for r in rows))
         self._fh.flush()
 
     def close(self) -> None:
@@ -177,7 +180,7 @@ class MetricsWriter:
         return self.jsonl.archive_after(step)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        self.jsonl.append([{"step": step, **{k: _clean(v) for k, v in metrics.items()}}])
+        self.jsonl.append([{"step": step, **metrics}])
         for lg in self.loggers:
             lg.metrics(step, metrics)
 
@@ -185,8 +188,8 @@ class MetricsWriter:
         """Sample rows ({'prompt', 'response', 'reward', ...}) of a step ('train') or an evaluation ('eval')."""
         if not rows or self.samples_log is None:
             return
-        full = [{"step": step, "kind": kind, **{k: _clean(v) for k, v in r.items()}} for r in rows]
-        self.samples_log.append(full)
+        full = [finite({"step": step, "kind": kind, **r})[0] for r in rows]
+        self.samples_log.append([{"step": step, "kind": kind, **r} for r in rows])
         for lg in self.loggers:
             lg.samples(step, kind, full)
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 from edgerl.train import checkpoint
 from edgerl.core.errors import CheckpointError, RunDirError
+from edgerl.core.files import json_text
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints", "final", "final-adapter", "plan.json")
 LOCK = ".edgerl.lock"
@@ -138,7 +139,7 @@ def branch_history(point: ResumePoint, name: str = "metrics.jsonl") -> Optional[
     from edgerl.train.metrics import read_metrics, read_samples
     read = read_metrics if name == "metrics.jsonl" else read_samples
     rows = [r for r in read(point.run_dir, log=None) if r.get("step", 0) <= point.step]
-    return "".join(json.dumps(r) + "\n" for r in rows)
+    return "".join(json_text(r) + "\n" for r in rows)
 
 
 def never_stepped(run: Path, history: Optional[str] = None) -> bool:

@@ -26,7 +26,7 @@ from edgerl.config.schema import Config, ConfigError, to_toml
 from edgerl.config.load import SetItem, load_config, quoted
 from edgerl.data.prompts import DataReport, Prompt, load_prompts
 from edgerl.core.errors import ModelError, RunDirError
-from edgerl.core.files import write_atomically
+from edgerl.core.files import json_text, write_atomically
 from edgerl.models.load import unreadable_weights
 from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.plan.plan import Plan
@@ -306,7 +306,7 @@ def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.Res
                     history = runfolder.branch_history(resume, name)
                     if history is not None:
                         write_atomically(run_dir / name, history)
-            write_atomically(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2, default=str))
+            write_atomically(run_dir / "plan.json", json_text(plan.to_dict(), indent=2, default=str))
         except ConfigError:   # the writer's own one line, naming the file; nothing there was changed
             lock.release()
             raise
