@@ -10,7 +10,9 @@ edgerl ignores EOS (every row is full length); TRL stops a row at EOS, which ran
 emit: both report the tokens they generated, and tokens/s counts those. Step time is the median of
 steps 2..N (step 1 holds compilation and graph capture; N is 4, or 3 for the frontier points, 1.7b-p40
 and the QLoRA groups); peaks are the largest of any step. TRL loads its models with attn_implementation
-"sdpa" (transformers' default; the first fp32 comparisons used "eager").
+"sdpa" (transformers' default; the first fp32 comparisons used "eager"), and the allocator settings edgerl sets for
+itself (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: torch's out-of-memory message tells a user to set it);
+--trl-default-alloc runs TRL again with torch's own settings beside it. Before 2026-12-06 TRL ran with torch's.
 
 Groups (TRL first, so that its measured memory can set edgerl's budgets; then edgerl):
   362m-bf16    SmolLM2-360M shape, whole H200. TRL: bf16, its defaults (gradient checkpointing on).
@@ -47,7 +49,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -64,6 +66,20 @@ class Trl:
     cap: Optional[str] = None       # profile whose memory caps the allocator
     qlora: bool = False
     tag: str = "trl"
+    alloc: str = "edgerl"           # "edgerl": the allocator settings edgerl sets for itself; "default": torch's own
+
+
+def alloc_env(alloc: str) -> dict[str, Optional[str]]:
+    """TRL's allocator settings. By default the ones edgerl's plan sets for itself on a GPU
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which torch's own out-of-memory message tells a user to
+    set), so that the peer runs as a user who read that message would; "default" leaves torch's."""
+    if alloc == "default":
+        return {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": None}
+    from edgerl.device.device import Software
+    from edgerl.device.profiles import device_from_profile, get_profile
+    from edgerl.plan.decisions import pick_env
+    env, _ = pick_env(device_from_profile(get_profile("h100"), Software(), 0))
+    return {k: v for k, v in env if k.endswith("ALLOC_CONF")}
 
 
 @dataclass(frozen=True)
@@ -205,14 +221,15 @@ def context_of(res: dict, shared_gpu: bool) -> tuple[Optional[float], str]:
 def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: Path, timeout: float,
             shared_gpu: bool = False) -> dict:
     out = work / f"{name.replace('/', '_')}.json"
+    env = alloc_env(t.alloc)
     spec = {"model": str(model), "precision": t.precision, "cap": t.cap, "qlora": t.qlora, "steps": steps,
-            "new_tokens": new_tokens, "attention": "sdpa", "out": str(out)}
+            "new_tokens": new_tokens, "attention": "sdpa", "out": str(out), "alloc_env": env}
     spec_path = work / f"{name.replace('/', '_')}.spec.json"
     spec_path.write_text(json.dumps(spec))
     for p in (out, Path(str(out) + ".partial")):
         p.unlink(missing_ok=True)
     status, rc, tail = bl.run_logged([sys.executable, __file__, "--trl-child", str(spec_path)],
-                                     work / f"{name.replace('/', '_')}.log", timeout)
+                                     work / f"{name.replace('/', '_')}.log", timeout, env)
     if out.exists():
         res = json.loads(out.read_text())
     elif Path(str(out) + ".partial").exists():
@@ -223,6 +240,7 @@ def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: P
     if res["status"] != "ok" and res.get("step_rows"):
         res["status"] += f" after {len(res['step_rows'])} step(s)"
     res["log"] = str(work / f"{name.replace('/', '_')}.log")
+    res["alloc_conf"] = env.get("PYTORCH_CUDA_ALLOC_CONF") or "torch's default"
     rows = res.get("step_rows") or []
     res["steps_done"] = len(rows)
     res["step_s"] = [r["step_s"] for r in rows]
@@ -259,15 +277,17 @@ def budget_for(item: str, trl: Optional[dict]) -> tuple[Optional[float], Optiona
 
 
 def runs_of(gname: str, g: Group, frontier: tuple[str, ...], edgerl_only: bool = False,
-            trl_only: bool = False) -> list[tuple[str, Any]]:
+            trl_only: bool = False, trl_default: bool = False) -> list[tuple[str, Any]]:
     """The group's runs in order, each (name, what): TRL's main run (a Trl), edgerl with its own plan (None),
     edgerl at each frontier budget (the item), TRL's other runs. edgerl_only (GROUP:edgerl): no TRL run, nor a
-    budget taken from TRL's memory; trl_only (GROUP:trl): TRL's main run alone."""
+    budget taken from TRL's memory; trl_only (GROUP:trl): TRL's main run alone; trl_default: TRL once more with
+    torch's own allocator settings (its main run has edgerl's), after TRL's main run."""
+    main = [(f"{gname}/{g.trl.tag}", g.trl)] if g.trl and not edgerl_only else []
+    default = [(f"{gname}/{g.trl.tag}-default-alloc", replace(g.trl, alloc="default", tag=f"{g.trl.tag}-default-alloc"))
+               ] if g.trl and trl_default and not edgerl_only else []
     if trl_only:
-        return [(f"{gname}/{g.trl.tag}", g.trl)] if g.trl else []
-    runs: list[tuple[str, Any]] = []
-    if g.trl and not edgerl_only:
-        runs.append((f"{gname}/{g.trl.tag}", g.trl))
+        return main + default
+    runs: list[tuple[str, Any]] = main + default
     runs.append((f"{gname}/edgerl", None))
     runs += [(f"{gname}/edgerl@{item}", item) for item in frontier if not edgerl_only or not item.startswith("trl")]
     runs += [(f"{gname}/{t.tag}", t) for t in g.extra_trl if not edgerl_only]
@@ -290,7 +310,7 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
             frontier = SMOKE_FRONTIER
     if g.shape in QLORA_SHAPES and args.frontier_qlora is not None:
         frontier = tuple(b for b in args.frontier_qlora.split(",") if b)
-    plan_runs = runs_of(gname, g, frontier, gname in args.edgerl_only, gname in args.trl_only)
+    plan_runs = runs_of(gname, g, frontier, gname in args.edgerl_only, gname in args.trl_only, args.trl_default_alloc)
     todo = [(n, w) for n, w in plan_runs if n not in args.skip
             and not (args.skip_done and results.runs.get(n, {}).get("status") == "ok")]
     if not todo:
@@ -438,6 +458,9 @@ def main() -> None:
     ap.add_argument("--shared-gpu", action="store_true",
                     help="other runs share the GPU: a run's context is its own process's (NVML), else the plan's "
                          "constant, never the device's used memory")
+    ap.add_argument("--trl-default-alloc", action="store_true",
+                    help="also run TRL with torch's own allocator settings (its main run has the ones edgerl sets "
+                         "for itself: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
     ap.add_argument("--skip", nargs="*", default=[], help="runs not to start, by name (llama8b-t4/trl-fp16)")
     ap.add_argument("--edgerl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more --set for every edgerl run (e.g. run.profile_step=3: that step's profile "

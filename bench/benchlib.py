@@ -303,16 +303,17 @@ def stop_children(signum: int = signal.SIGTERM, _frame: Any = None) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dict[str, str]] = None,
+def run_logged(cmd: list[str], log_path: Path, timeout: float, env: Optional[dict[str, Optional[str]]] = None,
                grace: float = 10.0) -> tuple[str, Optional[int], str]:
     """Run `cmd` in its own process group, output to `log_path`; on timeout the whole group is
     stopped (SIGTERM, then SIGKILL after `grace` seconds: time for a checkpoint being written). A SIGTERM to this process (a stage's time limit) stops the group
     too before this process ends, so no run outlives the benchmark that started it. Returns (status,
-    exit code or None, the last 3000 characters of the log)."""
+    exit code or None, the last 3000 characters of the log). A None value in `env` removes that variable."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    merged = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}
     with open(log_path, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})})
+                                env={k: v for k, v in merged.items() if v is not None})
 
         def on_term(signum, _frame):
             _stop_group(proc, grace=3.0)

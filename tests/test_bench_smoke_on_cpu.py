@@ -371,3 +371,30 @@ def test_logprob_memory_bench_measures_the_torch_path(tmp_path):
     nowhere = subprocess.run([sys.executable, str(BENCH / "bench_logprob_memory.py"), "--out",
                               str(tmp_path / "none" / "lp.json")], capture_output=True, text=True, env=ENV, timeout=300)
     assert nowhere.returncode == 2 and "no folder" in nowhere.stderr and "Traceback" not in nowhere.stderr
+
+
+def test_bench_vs_trl_gives_trl_edgerls_allocator_settings():
+    """TRL runs with the allocator settings edgerl's plan sets for itself (torch's out-of-memory message tells a user
+    to set them); --trl-default-alloc adds a run with torch's own, where the variable is removed, not emptied."""
+    import bench_vs_trl as vs
+    import benchlib as bl
+    assert vs.alloc_env("edgerl") == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert vs.alloc_env("default") == {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": None}
+    g = vs.GROUPS["qwen7b-p40"]
+    runs = dict(vs.runs_of("qwen7b-p40", g, (), trl_default=True))
+    assert runs["qwen7b-p40/trl"].alloc == "edgerl"
+    assert runs["qwen7b-p40/trl-default-alloc"].alloc == "default"
+    assert list(dict(vs.runs_of("qwen7b-p40", g, (), trl_only=True, trl_default=True))) == [
+        "qwen7b-p40/trl", "qwen7b-p40/trl-default-alloc"]
+    import os
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    try:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            log = Path(d) / "env.log"
+            status, rc, tail = bl.run_logged([sys.executable, "-c", "import os; print(os.environ.get("
+                                              "'PYTORCH_CUDA_ALLOC_CONF', 'unset'))"], log, 30,
+                                             vs.alloc_env("default"))
+            assert rc == 0 and tail.strip() == "unset"
+    finally:
+        del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
