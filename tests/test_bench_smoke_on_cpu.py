@@ -12,15 +12,31 @@ from pathlib import Path
 
 import pytest
 
+from conftest import GSM8K, TOKENIZER, need_shared_tokenizer
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-TOKENIZER = REPO.parent / "shared" / "data" / "smollm2-tokenizer"
 sys.path.insert(0, str(BENCH))
 import benchlib as bl  # noqa: E402
 
-needs_tokenizer = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").exists(), reason=f"no tokenizer at {TOKENIZER}")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "EDGERL_SHARED": str(REPO.parent / "shared"),
-       "CUDA_VISIBLE_DEVICES": ""}
+needs_tokenizer = pytest.mark.usefixtures("tokenizer")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture
+def tokenizer():
+    need_shared_tokenizer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_folder(tmp_path_factory):
+    """The benchmarks read the tokenizer and GSM8K from $EDGERL_SHARED/data (on a GPU machine, a copy of the
+    full data): here a folder of links to the tests' own."""
+    data = tmp_path_factory.mktemp("shared") / "data"
+    data.mkdir()
+    (data / "smollm2-tokenizer").symlink_to(TOKENIZER, target_is_directory=True)
+    (data / "gsm8k").symlink_to(GSM8K, target_is_directory=True)
+    ENV["EDGERL_SHARED"] = str(data.parent)
 
 
 @needs_tokenizer

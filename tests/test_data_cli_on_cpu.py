@@ -11,18 +11,15 @@ from typer.testing import CliRunner
 
 from edgerl.cli.data import app
 
-from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
-TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
-GSM8K_TEST = SHARED / "data" / "gsm8k" / "test.jsonl"
+from conftest import GSM8K, need_shared_tokenizer  # noqa: E402
+GSM8K_TEST = GSM8K / "test.jsonl"
 
 runner = CliRunner()
 
 
 @pytest.fixture
 def tokenizer_path():
-    if not TOKENIZER.is_dir():
-        pytest.skip(f"needs the SmolLM2 tokenizer at {TOKENIZER} (shared test data)")
-    return str(TOKENIZER)
+    return str(need_shared_tokenizer())
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -98,14 +95,12 @@ def test_check_bad_config_and_tokenizer(tmp_path, tokenizer_path, monkeypatch):
 
 
 def test_prepare_gsm8k_from_local_file(tmp_path):
-    if not GSM8K_TEST.is_file():
-        pytest.skip(f"needs GSM8K at {GSM8K_TEST} (shared test data)")
     out = tmp_path / "test.parquet"
     r = run("prepare", "gsm8k", "--out", out, "--from", GSM8K_TEST, "--split", "test")
     assert r.exit_code == 0, r.output
-    assert "wrote 1319 rows" in r.output
+    assert "wrote 24 rows" in r.output   # tests/data's sample of the test split
     rows = pq.read_table(out).to_pylist()
-    assert len(rows) == 1319 and rows[0]["extra_info"]["split"] == "test"
+    assert len(rows) == 24 and rows[0]["extra_info"]["split"] == "test"
     r = run("prepare", "gsm8k", "--out", tmp_path / "other.parquet", "--from", tmp_path / "nope.jsonl")
     assert r.exit_code == 2 and "cannot read --from" in r.output and "no such file" in r.output
 

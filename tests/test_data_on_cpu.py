@@ -15,17 +15,14 @@ from edgerl.config.schema import DataConfig
 from edgerl.data.prompts import DataError, check_data, load_prompts, prepare_gsm8k
 from edgerl.data.builtin import GSM8K_INSTRUCTION, generate_arithmetic
 
-from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
-TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
-GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
+from conftest import GSM8K, need_shared_tokenizer  # noqa: E402
+GSM8K_TRAIN = GSM8K / "train.jsonl"
 
 
 @pytest.fixture(scope="module")
 def tok():
-    if not TOKENIZER.is_dir():
-        pytest.skip(f"needs the SmolLM2 tokenizer at {TOKENIZER} (shared test data)")
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+    return AutoTokenizer.from_pretrained(str(need_shared_tokenizer()))
 
 
 @pytest.fixture
@@ -418,8 +415,6 @@ def test_builtin_answers_match_the_numbers_in_the_question(level):
 # --- GSM8K preparation ----------------------------------------------------------------------------
 
 def test_prepare_gsm8k_matches_verl_rule(tmp_path, tok):
-    if not GSM8K_TRAIN.is_file():
-        pytest.skip(f"needs GSM8K at {GSM8K_TRAIN} (shared test data)")
     (tmp_path / "gsm8k").mkdir()
     out = tmp_path / "gsm8k" / "train.parquet"
     written, n = prepare_gsm8k(out, source=GSM8K_TRAIN, split="train")
@@ -427,7 +422,7 @@ def test_prepare_gsm8k_matches_verl_rule(tmp_path, tok):
     src = [json.loads(line) for line in GSM8K_TRAIN.read_text().splitlines() if line.strip()]
     table = pq.read_table(out)
     rows = table.to_pylist()
-    assert n == len(rows) == len(src) == 7473
+    assert n == len(rows) == len(src) == 42   # tests/data's sample: the first 40 rows, then rows 345 and 5715
     assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
     for i, (row, ex) in enumerate(zip(rows, src)):
         final = ex["answer"].strip().splitlines()[-1]
@@ -441,15 +436,12 @@ def test_prepare_gsm8k_matches_verl_rule(tmp_path, tok):
     assert rows[0]["reward_model"]["ground_truth"] == "72"
     assert rows[0]["prompt"][0]["content"].endswith(
         "April and May? Let's think step by step and output the final answer after \"####\".")
-    assert rows[345]["reward_model"]["ground_truth"] == "1080"   # "#### 1,080"
-    assert rows[5715]["reward_model"]["ground_truth"] == "-7"    # "#### -7"
+    assert rows[40]["reward_model"]["ground_truth"] == "1080"   # "#### 1,080"
+    assert rows[41]["reward_model"]["ground_truth"] == "-7"     # "#### -7"
     # and edgerl reads its own output as verl-format data
-    # (the first 400 rows keep the test fast)
-    small = tmp_path / "small.parquet"
-    pq.write_table(table.slice(0, 400), small)
-    prompts, _ = load_prompts(cfg(small), tok)
-    assert len(prompts) == 400 and prompts[345].ground_truth == "1080"
-    assert prompts[345].extra["index"] == 345
+    prompts, _ = load_prompts(cfg(out), tok)
+    assert len(prompts) == 42 and prompts[40].ground_truth == "1080"
+    assert prompts[40].extra["index"] == 40
 
 
 def test_prepare_gsm8k_bad_source(tmp_path):

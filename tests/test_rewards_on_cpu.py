@@ -11,8 +11,7 @@ from edgerl.rewards.rules import (RewardError, RewardItem, arithmetic_score, che
                             default_compute_score, ground_truth_problem, gsm8k_extract, gsm8k_score,
                             load_reward_function, math_score, parse_number, score_batch)
 
-from conftest import SHARED  # noqa: E402  (../shared, or $EDGERL_SHARED)
-TOKENIZER = SHARED / "data" / "smollm2-tokenizer"
+from conftest import need_shared_tokenizer  # noqa: E402
 
 
 # --- gsm8k: verl's exact behaviour ------------------------------------------------------------------
@@ -271,12 +270,11 @@ def test_rule_rewards_need_a_ground_truth():
 
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
-    if not TOKENIZER.is_dir():
-        pytest.skip(f"needs the SmolLM2 tokenizer at {TOKENIZER} (shared test data)")
+    tokenizer = need_shared_tokenizer()
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, num_labels=1,

