@@ -36,6 +36,11 @@ class RewardError(ValueError):
     """A reward function or reward model that cannot be loaded or failed on a sample."""
 
 
+class ToolError(ValueError):
+    """A tool or environment (rollout.tools, rollout.environment) that cannot be loaded or that broke its
+    protocol; a tool that merely failed on a call answers the model with an error instead."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing or unreadable; the message names the folder."""
 
@@ -61,5 +66,5 @@ class TrainingError(RuntimeError):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, SpecError, ProfileError, ModelSpecError, PlanError, DataError, RewardError, CheckpointError,
+    ConfigError, SpecError, ProfileError, ModelSpecError, PlanError, DataError, RewardError, ToolError, CheckpointError,
     RunDirError, ModelError, EmbeddedModelError, OptimizerError, TrainingError)
