@@ -25,6 +25,9 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
           resume: Optional[Path] = typer.Option(None, "--resume", help="continue a run folder (or one checkpoint folder)"),
           restart: bool = typer.Option(False, "--restart", help="start a new run in --out even though it holds "
                                        "one: that run's files are moved into OUT/earlier-run-N/, nothing is deleted"),
+          final_only: bool = typer.Option(False, "--final-only", help="once the run finishes and final/ is "
+                                          "written, remove its checkpoints (the best keeps its weights): less "
+                                          "disk, but the run cannot be extended (run.final_only)"),
           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
     from edgerl.rewards.contain import Interrupted
@@ -42,6 +45,8 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
                   ("reward.weights=none", f"--reward {reward}")]
     if steps is not None:
         extra.append((f"train.steps={steps}", f"--steps {steps}"))
+    if final_only:
+        extra.append(("run.final_only=true", "--final-only"))
     cfg, point = session.load(config, extra + list(sets or []), resume, out)
 
     def log(s: str) -> None:

@@ -211,7 +211,12 @@ PlanOverrides = plan_overrides(table.TABLE)
 class RunConfig:
     out_dir: Optional[str] = F(None, "run folder; None = runs/<model>-<date>-<time>")
     save_every: int = F(10, "checkpoint every N steps (and on SIGINT/SIGTERM); 0 disables")
-    keep_last: int = F(2, "checkpoints kept")
+    keep_last: int = F(2, "the newest checkpoints kept (a new one is complete before an old one goes)")
+    keep_best: bool = F(True, "also keep the checkpoint with the best held-out score (eval.data, at a step "
+                        "that is both evaluated and saved), however old")
+    final_only: bool = F(False, "when the run finishes and final/ is written, remove its checkpoints; the best "
+                         "(run.keep_best) keeps its weights without the optimizer state. The run can no longer "
+                         "be extended with --resume (edgerl train --final-only)")
     export_final: bool = F(True, "write the final model as an HF folder in <run>/final")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = F(
         factory=lambda: ["jsonl", "tensorboard"], doc="where metrics go besides metrics.jsonl (always written): "
@@ -291,6 +296,9 @@ class Config:
         if ESTIMATORS[a.advantage].groups and r.n_samples < 2:
             raise ConfigError(f"{a.advantage} needs rollout.n_samples >= 2 to form a group baseline; "
                               "set rollout.n_samples=4 or use algo.advantage=gae")
+        if self.run.final_only and not self.run.export_final:
+            raise ConfigError("run.final_only removes the checkpoints once final/ is written, but run.export_final "
+                              "= false writes no final/; set run.export_final = true or drop run.final_only")
         if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
             raise ConfigError(f"train.betas needs two values in [0, 1), e.g. [0.9, 0.999]; got {t.betas}")
         seqs = self.sequences_per_step

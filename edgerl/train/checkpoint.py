@@ -138,7 +138,7 @@ def stale_temporaries(run_dir: Path) -> list[Path]:
     return sorted(found)
 
 
-def _remove(folder: Path) -> None:
+def remove(folder: Path) -> None:
     """Delete a checkpoint folder by first renaming it to a temporary name: a kill during the
     deletion leaves a temporary folder (removed by the next run) and never half a checkpoint."""
     doomed = folder.with_name(f".{folder.name}-old-{secrets.token_hex(4)}")
@@ -147,11 +147,13 @@ def _remove(folder: Path) -> None:
 
 
 def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
-         meta: dict[str, Any], keep_last: int, files: Optional[dict[str, bytes]] = None) -> Path:
+         meta: dict[str, Any], keep_last: int, files: Optional[dict[str, bytes]] = None,
+         keep_best: bool = False) -> Path:
     """Write checkpoint `step`: `tensors` name -> state dict (safetensors), `state` name -> object
     (torch.save), `files` name -> bytes written as is, and meta.json: `meta` plus the size and sha256
     of every other file (`damage` checks them before a resume). Returns the folder. A failed write (a
-    full disk) is an OSError naming the file, with the earlier checkpoints untouched."""
+    full disk) is an OSError naming the file, with the earlier checkpoints untouched. Once it is in
+    place, the checkpoints edgerl.train.retention lets go (beyond `keep_last`, `keep_best`) are removed."""
     from safetensors.torch import save_file
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -183,8 +185,9 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    for old in checkpoints(run_dir)[:-keep_last]:
-        _remove(old)
+    from edgerl.train.retention import doomed
+    for old in doomed(checkpoints(run_dir), keep_last, keep_best):
+        remove(old)
     return final
 
 
@@ -244,6 +247,9 @@ def damage(folder: Path) -> Optional[str]:
         return f"{meta_path} is missing"
     except (OSError, ValueError) as e:
         return f"{meta_path} is damaged ({getattr(e, 'strerror', None) or e})"
+    if meta.get("weights_only"):
+        return (f"{folder} holds weights only: its optimizer state was removed when the run finished "
+                "(run.final_only)")
     sums = meta.get("files")
     if not isinstance(sums, dict):   # written before checksums were recorded: the files must be there
         weights = [n for n in ("actor.safetensors", "adapter_model.safetensors") if (folder / n).exists()]

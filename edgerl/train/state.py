@@ -20,6 +20,7 @@ from edgerl.train import checkpoint
 from edgerl.train import ranks
 from edgerl.models import lora as lora_io
 from edgerl.core.errors import CheckpointError, TrainingError
+from edgerl.plan.memory import fmt_bytes
 from edgerl.train.update import Learner
 
 
@@ -70,9 +71,11 @@ def _learner_state(ln: Learner) -> dict[str, Any]:
             "sched": ln.sched.state_dict()}
 
 
-def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Callable[[str], None]) -> Optional[Path]:
+def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Callable[[str], None],
+         keep_best: bool = False, score: Optional[float] = None) -> Optional[Path]:
     """Write a checkpoint of `st` (every rank calls this: the state dicts are gathered collectively;
-    the writer writes). Returns the folder on the writer, None elsewhere."""
+    the writer writes), with `score`, the step's held-out score if it was evaluated (edgerl.train.retention
+    ranks checkpoints by it). Returns the folder on the writer, None elsewhere."""
     files: dict[str, bytes] = {}
     if st.lora:  # the frozen base is the model's own: only the adapter, in peft's format
         tensors = {"adapter_model": lora_io.adapter_state(st.actor.model)}
@@ -96,9 +99,30 @@ def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Ca
                             f"saved, so {last_good(run_dir)}")
     if not is_writer:
         return None
-    folder = checkpoint.save(run_dir, lp.step, tensors, state, {"step": lp.step, **st.meta}, keep_last, files)
-    log(f"checkpoint: {folder}")
+    meta = {"step": lp.step, **({"eval_score": score} if score is not None else {}), **st.meta}
+    folder = checkpoint.save(run_dir, lp.step, tensors, state, meta, keep_last, files, keep_best=keep_best)
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    log(f"checkpoint: {folder} ({fmt_bytes(size)})")
     return folder
+
+
+def checkpoint_bytes(st: TrainState, optimizer: str) -> tuple[int, int]:
+    """(weights, optimizer state) in bytes of one checkpoint of `st`, before any is written: the tensors
+    `save` writes (tied weights twice, as safetensors stores them), and the optimizer's state bytes per
+    trainable parameter (memory.OPTIMIZERS)."""
+    from edgerl.plan.memory import OPTIMIZERS
+    weights = trainable = 0
+    for ln in (st.actor, st.critic):
+        if ln is None:
+            continue
+        params = [p for p in ln.model.parameters() if p.requires_grad]
+        trainable += sum(p.numel() for p in params)
+        if st.lora:
+            weights += sum(p.numel() * p.element_size() for p in params)
+        else:
+            weights += sum(t.numel() * t.element_size() for t in ln.model.state_dict().values()
+                           if isinstance(t, torch.Tensor))
+    return weights, trainable * OPTIMIZERS[optimizer].state
 
 
 def non_finite(tensors: dict[str, dict[str, torch.Tensor]]) -> list[str]:

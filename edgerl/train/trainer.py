@@ -39,6 +39,7 @@ from edgerl.rewards.builtins import RewardRow
 from edgerl.rewards.functions import sample_text, score as score_rewards
 from edgerl.rollout import EngineContext, build_engine
 from edgerl.rollout.base import RolloutBatch, SamplingParams
+from edgerl.train import retention
 from edgerl.train.runfolder import aside_name, export_step, mark_export
 from edgerl.train.session import Session
 from edgerl.train.step_metrics import global_explained_variance, global_mean, step_metrics
@@ -124,6 +125,13 @@ class Trainer:
             actor=self._learner("actor", self.actor, t.lr),
             critic=self._learner("critic", self.critic, t.critic_lr) if self.critic is not None else None,
             loop=loop, lora=self.lora, meta={"config": to_dict(cfg), "plan": plan.decisions()})
+        self._scores: dict[int, float] = {}   # step -> held-out score, for run.keep_best
+        weights, optim_bytes = state.checkpoint_bytes(self.state, plan.optimizer)
+        final = None if self.lora else sum(t.numel() * t.element_size() for t in self.actor.state_dict().values()
+                                           if isinstance(t, torch.Tensor))
+        r = cfg.run
+        self.log(retention.plan_line(weights, optim_bytes, r.save_every, r.keep_last, r.keep_best,
+                                     bool(self.eval_prompts), r.final_only, final))
         # held-out prompts are no longer than data.max_prompt_len either: the plan's KV cache holds them
         max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.max_new_tokens
         self.engine = build_engine(plan, EngineContext(
@@ -414,7 +422,9 @@ class Trainer:
     # --- checkpoints, export, failures -------------------------------------------------------------
 
     def save(self) -> Optional[Path]:
-        return state.save(self.run_dir, self.state, self.cfg.run.keep_last, self.rank == 0, self.log)
+        r = self.cfg.run
+        return state.save(self.run_dir, self.state, r.keep_last, self.rank == 0, self.log, keep_best=r.keep_best,
+                          score=self._scores.get(self.step))
 
     def _write_hf(self, folder: Path, weights: dict[str, torch.Tensor]) -> None:
         if self.rank == 0:
@@ -560,6 +570,10 @@ class Trainer:
                     self._write(self.save)
                 if self.cfg.run.export_final:
                     self._write(lambda: self.export(self.run_dir / "final"))
+                    if self.cfg.run.final_only and self.rank == 0:
+                        from edgerl.train.checkpoint import checkpoints
+                        retention.finish(self.run_dir, checkpoints(self.run_dir), lp.step, self.cfg.run.keep_best,
+                                         self.log)
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)
@@ -572,7 +586,11 @@ class Trainer:
         """`stats` with the evaluation's metrics. A failure in it (a reward function that raised on a
         held-out answer) saves the step just completed first."""
         try:
-            return {**stats, **self.evaluate()}
+            out = {**stats, **self.evaluate()}
+            score = retention.score_of(out)
+            if score is not None:
+                self._scores[self.step] = score
+            return out
         except Exception as e:
             saved = "no checkpoint written (no step had completed)"
             if self.step > 0:   # the step itself completed: its metrics and weights are kept
