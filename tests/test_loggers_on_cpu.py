@@ -175,3 +175,39 @@ def test_a_damaged_ids_file_starts_new_runs_and_says_so(fakes, tmp_path):
     MetricsWriter(run, resume=True, log=notes.append, loggers=["wandb"]).close()
     assert wb.calls[0][1]["id"] is None and any("loggers.json is unreadable" in n for n in notes)
     assert json.loads((run / "loggers.json").read_text()) == {"wandb": "wb-1"}
+
+
+@pytest.mark.parametrize("text", ['["wb-1"]', '{"wandb": 3}', "7"])
+def test_an_ids_file_of_another_shape_starts_new_runs_and_says_so(fakes, tmp_path, text):
+    wb, _ = fakes
+    (tmp_path / "loggers.json").write_text(text)
+    notes: list[str] = []
+    MetricsWriter(tmp_path, resume=True, log=notes.append, loggers=["wandb"]).close()
+    assert wb.calls[0][1]["id"] is None and any("loggers.json is unreadable" in n for n in notes)
+
+
+def test_wandb_errors_at_start_and_while_logging_are_one_line(fakes, tmp_path, monkeypatch):
+    """wandb's own exceptions (no network, a project name it refuses) name wandb and the way on."""
+    from edgerl.core.errors import TrainingError
+
+    class CommError(Exception):
+        pass
+
+    def no_network(**kw):
+        raise CommError("Network error (ConnectionError), entering retry loop.\nfailed")
+    monkeypatch.setattr(sys.modules["wandb"], "init", no_network)
+    with pytest.raises(ConfigError, match=r"^run.loggers: wandb could not start a run in project 'a/b\?c' \(CommError: "
+                                          r"Network error \(ConnectionError\), entering retry loop. failed\); check the "
+                                          r"network, or log offline \(WANDB_MODE=offline\), or remove wandb"):
+        MetricsWriter(tmp_path, log=None, loggers=["wandb"], project="a/b?c")
+    monkeypatch.setattr(sys.modules["wandb"], "init", fake_wandb(Recorder()).init)
+    w = MetricsWriter(tmp_path / "b", log=None, loggers=["wandb"])
+
+    def dropped(values, step=None):
+        raise CommError("connection reset")
+    w.loggers[0].run.log = dropped
+    with pytest.raises(TrainingError, match=r"^run.loggers: wandb failed to log step 3 \(CommError: connection reset\); "
+                                            "metrics.jsonl holds every step"):
+        w.write(3, {"reward/mean": 1.0})
+    w.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()] == [3]

@@ -386,6 +386,7 @@ class Config:
 # keys carry theirs in their field's metadata, from the plan's decision table. Every integer has a finite
 # upper bound: Python's integers have none, and a value past what torch, numpy or a loop can take (a seed
 # of 10**23, a billion prompts per step) would fail mid-run or compute for hours.
+FLOAT32_MAX = 3.4028234663852886e38   # a float setting open above ("inf") is still at most this: fp32 holds no more
 MAX_SEQUENCES = 65536   # sequences per step (prompts x samples) a plan is searched for
 RANGES: dict[str, tuple[str, str]] = {
     "rollout.n_samples": ("[1, 1024]", ""),
@@ -477,6 +478,9 @@ def _check_ranges(cfg: "Config") -> None:
         if value is None:
             continue
         lo, hi, lo_in, hi_in = _interval(spec)
+        if math.isinf(hi) and isinstance(value, float) and value > FLOAT32_MAX:
+            raise ConfigError(f"{key} must be {_in_words(spec, False)} and at most {FLOAT32_MAX:.4g}, the largest "
+                              f"32-bit float (the value meets fp32 tensors), got {value:g}" + (f"; {why}" if why else ""))
         if (lo <= value if lo_in else lo < value) and (value <= hi if hi_in else value < hi):
             continue
         if key == "train.lr" and value == 0:

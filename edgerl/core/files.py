@@ -157,6 +157,10 @@ def check_path(path: Union[str, Path], what: str) -> None:
                               f"long, and a file or folder name has at most {NAME_MAX}; choose a shorter one")
     try:
         os.stat(Path(text).expanduser())
+    except RuntimeError:   # ~name of no user on this machine (pathlib cannot expand it)
+        user = Path(text).parts[0]
+        raise ConfigError(f"{what} {shown(text)}: there is no user {user[1:]!r} on this machine, so {user} cannot be "
+                          "expanded; give the full path (or ./" + shown(text) + " for a folder named so)") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise ConfigError(f"{what} {shown(text)}: a loop of symbolic links (a link that leads back to itself); "

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from edgerl.core.errors import ModelError, ModelSpecError
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# the Hub's own rule: ASCII letters, digits, '-', '_' and '.', no '--' or '..', neither at either end of a part
+_REPO_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9_])?/[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?$",
+                      re.ASCII)
 # What training reads from a model repository: config, weights, tokenizer and chat template. Not the
 # other copies some repositories ship (original/ checkpoints, GGUF files, ONNX exports).
 TRAIN_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
@@ -61,7 +63,11 @@ def config_file(repo_id: str) -> Path:
     """The id's config.json: from the cache, else downloaded into it (never the weights). Raises
     ModelSpecError in one line when neither works."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
-    found = try_to_load_from_cache(repo_id, "config.json")
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception as e:   # an id the Hub's own check refuses (HFValidationError)
+        raise ModelSpecError(f"model {repo_id!r} is not a Hugging Face id ({e}); or pass a local HF model folder") \
+            from None
     if isinstance(found, str):
         return Path(found)
     if offline():

@@ -26,7 +26,11 @@ def _sets(overrides: dict[str, Any]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
 
     def add(key: str, value: Any) -> None:
-        text = "none" if value is None else _toml_value(value)
+        try:
+            text = "none" if value is None else _toml_value(list(value) if isinstance(value, tuple) else value)
+        except TypeError:
+            raise ConfigError(f"prepare({key}={value!r}): a config value is a number, a string, a bool, a list of "
+                              f"those or None (got {type(value).__name__})") from None
         out.append((f"{key}={text}", f"prepare({key}={value!r})"))
     for key, value in overrides.items():
         if "." in key:
@@ -86,11 +90,29 @@ class Run:
         self.close()
 
 
+def _quiet(_: str) -> None:
+    """prepare(log=None): no messages."""
+
+
 def prepare(config: Union[str, Path, Config, dict, None] = None, *, resume: Union[str, Path, None] = None,
-            out: Union[str, Path, None] = None, log: Callable[[str], None] = print, **overrides: Any) -> Run:
+            out: Union[str, Path, None] = None, log: Optional[Callable[[str], None]] = print,
+            **overrides: Any) -> Run:
     """A run ready to train: the config (a TOML file, a Config, a dict of sections or None) with
     `overrides` (train={'steps': 4} or **{'train.steps': 4}); `resume` a run folder or checkpoint to
-    continue, `out` the run folder (with `resume`: branch into it). Raises edgerl's user errors."""
+    continue, `out` the run folder (with `resume`: branch into it); `log` receives each message (None:
+    none). Raises edgerl's user errors (edgerl.core.errors), with the messages the CLI prints."""
+    if log is None:
+        log = _quiet
+    elif not callable(log):
+        raise ConfigError(f"prepare(log={log!r}): give a function that takes one line of text (print, say), or "
+                          "None for no messages")
+    if not isinstance(config, (str, Path, Config, dict, type(None))):
+        raise ConfigError(f"prepare({config!r}): the config is a TOML file's path, a Config, a dict of sections "
+                          f"({{'train': {{'steps': 4}}}}) or None for the defaults (got {type(config).__name__})")
+    for name, value in (("resume", resume), ("out", out)):
+        if not isinstance(value, (str, Path, type(None))):
+            raise ConfigError(f"prepare({name}={value!r}): give a folder's path (a str or a Path; got "
+                              f"{type(value).__name__})")
     sets = _sets(overrides)
     if isinstance(config, Config):
         base, path = to_dict(config), None

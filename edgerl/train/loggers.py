@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from edgerl.core.errors import ConfigError
+from edgerl.core.errors import ConfigError, TrainingError
 from edgerl.core.files import json_text, write_atomically
 
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}   # logger -> its module
@@ -131,6 +131,34 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _said(e: BaseException) -> str:
+    """A package's exception as a clause: its type and its first 200 characters, one line."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def _close(lg: Any, log: Callable[[str], None]) -> None:
+    try:
+        lg.close()
+    except Exception as e:   # the run is over: a logger that cannot finish is said, not raised
+        log(f"{lg.name} did not close cleanly ({_said(e)}); metrics.jsonl holds every step")
+
+
+def log_step(loggers: Sequence[Any], what: str, step: int, *args: Any) -> None:
+    """Each logger's `what` ('metrics' or 'samples') for `step`. A logger's own failure (a dropped
+    connection) is a TrainingError naming it: the run saves its last step and stops in one line."""
+    for lg in loggers:
+        try:
+            getattr(lg, what)(step, *args)
+        except Exception as e:
+            raise TrainingError(f"run.loggers: {lg.name} failed to log step {step} ({_said(e)}); metrics.jsonl "
+                                f"holds every step: fix it or remove {lg.name} from run.loggers, then resume") from None
+
+
+def close_loggers(loggers: Sequence[Any], log: Callable[[str], None]) -> None:
+    for lg in loggers:
+        _close(lg, log)
+
+
 def _project(configured: Optional[str], env: str) -> str:
     return configured or os.environ.get(env) or "edgerl"
 
@@ -145,7 +173,10 @@ def open_loggers(names: Sequence[str], run_dir: Path, config: dict, project: Opt
         try:
             ids = json.loads(ids_path.read_text())
         except (OSError, ValueError):
-            log(f"{ids_path} is unreadable; wandb / MLflow start new runs")
+            ids = None
+        if not isinstance(ids, dict) or not all(isinstance(v, str) for v in ids.values()):
+            log(f"{ids_path} is unreadable (not an object of run ids); wandb / MLflow start new runs")
+            ids = {}
     out: list[Any] = []
     notes: list[str] = []
     for name in names:
@@ -157,16 +188,21 @@ def open_loggers(names: Sequence[str], run_dir: Path, config: dict, project: Opt
                 continue
             out.append(tb)
             notes.append(f"TensorBoard logs in {tb.folder}")
-        elif name == "wandb":
-            w = Wandb(run_dir, config, _project(project, "WANDB_PROJECT"), ids.get("wandb"))
-            ids["wandb"] = w.id
-            out.append(w)
-            notes.append(f"wandb run {w.id}")
-        elif name == "mlflow":
-            m = MLflow(run_dir, config, _project(project, "MLFLOW_EXPERIMENT_NAME"), ids.get("mlflow"))
-            ids["mlflow"] = m.id
-            out.append(m)
-            notes.append(f"MLflow run {m.id}")
+        elif name in ("wandb", "mlflow"):
+            cls, env = (Wandb, "WANDB_PROJECT") if name == "wandb" else (MLflow, "MLFLOW_EXPERIMENT_NAME")
+            where = _project(project, env)
+            try:
+                lg = cls(run_dir, config, where, ids.get(name))
+            except Exception as e:   # the package's own errors (no network, a project name it refuses)
+                for started in out:
+                    _close(started, log)
+                fix = ("check the network, or log offline (WANDB_MODE=offline)" if name == "wandb" else
+                       "check MLFLOW_TRACKING_URI and the network")
+                raise ConfigError(f"run.loggers: {name} could not start a run in project {where!r} ({_said(e)}); "
+                                  f"{fix}, or remove {name} from run.loggers") from None
+            ids[name] = lg.id
+            out.append(lg)
+            notes.append(f"{'wandb' if name == 'wandb' else 'MLflow'} run {lg.id}")
     if any(k in ids for k in ("wandb", "mlflow")):
         write_atomically(ids_path, lambda tmp: tmp.write_text(json_text(ids) + "\n"))
     return out, "; ".join(notes) or "metrics in metrics.jsonl only"

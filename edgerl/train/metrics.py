@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from edgerl.core.errors import RunDirError
 from edgerl.core.files import finite, output_file, write_atomically
+from edgerl.train.loggers import close_loggers, log_step, open_loggers
 
 Log = Optional[Callable[[str], None]]
 
@@ -160,14 +161,18 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume: bool = False, log: Log = print,
                  loggers: Optional[list[str]] = None, samples: bool = False, config: Optional[dict] = None,
                  project: Optional[str] = None) -> None:
-        from edgerl.train.loggers import open_loggers
         self.log = log or (lambda s: None)
         self.jsonl = StepLog(Path(run_dir) / "metrics.jsonl", "metrics", resume, self.log)
         self.path = self.jsonl.path
         self.samples_log = StepLog(Path(run_dir) / SAMPLES, "samples", resume, self.log) if samples else None
         names = list(loggers) if loggers is not None else (["tensorboard"] if tensorboard else [])
-        self.loggers, self.note = open_loggers([n for n in names if n != "jsonl"], Path(run_dir), config or {},
-                                               project, resume, self.log)
+        self.loggers: list[Any] = []
+        try:
+            self.loggers, self.note = open_loggers([n for n in names if n != "jsonl"], Path(run_dir), config or {},
+                                                   project, resume, self.log)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def tb_note(self) -> str:
@@ -181,8 +186,7 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         self.jsonl.append([{"step": step, **metrics}])
-        for lg in self.loggers:
-            lg.metrics(step, metrics)
+        log_step(self.loggers, "metrics", step, metrics)
 
     def write_samples(self, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
         """Sample rows ({'prompt', 'response', 'reward', ...}) of a step ('train') or an evaluation ('eval')."""
@@ -190,15 +194,13 @@ class MetricsWriter:
             return
         full = [finite({"step": step, "kind": kind, **r})[0] for r in rows]
         self.samples_log.append([{"step": step, "kind": kind, **r} for r in rows])
-        for lg in self.loggers:
-            lg.samples(step, kind, full)
+        log_step(self.loggers, "samples", step, kind, full)
 
     def close(self) -> None:
         self.jsonl.close()
         if self.samples_log is not None:
             self.samples_log.close()
-        for lg in self.loggers:
-            lg.close()
+        close_loggers(self.loggers, self.log)
 
 
 def _eval_keys(keys: Any) -> list[str]:
