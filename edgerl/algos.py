@@ -398,7 +398,8 @@ def accumulation_weight(part_mask: torch.Tensor, whole: tuple[float, float, floa
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-                agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                agg: str = "token-mean", weights: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """logp (with grad), old_logp, advantages, mask: (B, T). PPO clipped surrogate per token:
       r = exp(logp - old_logp)  (log-ratio clamped to [-20, 20] as verl, against overflow)
       l = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))   (clip_high > clip_low is DAPO's
@@ -408,8 +409,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     Returns aggregate(l, mask, agg) and stats (0-d detached tensors): clip_frac = share of valid
     tokens where the clipped branch is strictly larger; dual_clip_frac = share of valid tokens where
     the dual-clip bound replaced l (0 without dual clip); approx_kl = masked mean of k3 KL(old||new)
-    = r - 1 - log r; ratio_mean = masked mean of r."""
-    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp)
+    = r - 1 - log r; ratio_mean = masked mean of r. `weights` (B, T), detached: each token's l is multiplied
+    by its weight before aggregation (the rollout correction, edgerl/correction.py; verl's
+    `rollout_is_weights`), as in every policy loss here."""
+    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp, weights=weights)
     if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got clip_low={clip_low}, "
                          f"clip_high={clip_high}")
@@ -428,7 +431,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         dual = (advantages < 0) & (loss_mat > l3)
         loss_mat = torch.where(dual, l3, loss_mat)
     stats = _ratio_stats(logp, old_logp, ratio, l2 > l1, dual, m)
-    return aggregate(loss_mat, m, agg), stats
+    return aggregate(_weighted(loss_mat, weights), m, agg), stats
+
+
+def _weighted(loss_mat: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return loss_mat if weights is None else loss_mat * weights.detach().to(loss_mat.dtype)
 
 
 def _ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor,
@@ -445,7 +452,8 @@ def _ratio_stats(logp: torch.Tensor, old_logp: torch.Tensor, ratio: torch.Tensor
 
 def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_low: float = 3e-4, clip_high: float = 4e-4, dual_clip: float | None = None,
-              agg: str = "seq-mean-token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              agg: str = "seq-mean-token-mean", weights: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """logp (with grad), old_logp, advantages, mask: (B, T). GSPO (Zheng et al. 2025, "Group Sequence
     Policy Optimization"): one importance ratio per sequence, the geometric mean of its token ratios,
       s_b = exp(mean over the valid tokens t of row b of (logp - old_logp))
@@ -454,8 +462,9 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     carries s_b in value with the gradient s_b * d logp_t (log s_bt = sg(log s_b) + logp_t - sg(logp_t)),
     so the per-sequence mean of the token gradients is d s_b; log s is clamped above at 10. The clip
     ranges are small because s is a per-token geometric mean (the paper uses 3e-4 and 4e-4); no dual
-    clip. Returns (loss, stats as policy_loss; ratio_mean is the mean of s over valid tokens)."""
-    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp)
+    clip. `weights` as policy_loss's. Returns (loss, stats as policy_loss; ratio_mean is the mean of s over valid
+    tokens)."""
+    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp, weights=weights)
     if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got clip_low={clip_low}, "
                          f"clip_high={clip_high}")
@@ -471,21 +480,22 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     l2 = -advantages * s.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_mat = torch.maximum(l1, l2)
     stats = _ratio_stats(logp, old_logp, s, l2 > l1, torch.zeros_like(m), m)
-    return aggregate(loss_mat, m, agg), stats
+    return aggregate(_weighted(loss_mat, weights), m, agg), stats
 
 
 def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                clip_low: float = 1.0, clip_high: float = 0.2, dual_clip: float | None = None,
-               agg: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               agg: str = "token-mean", weights: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """logp (with grad), old_logp, advantages, mask: (B, T). CISPO (MiniMax-M1, 2025): REINFORCE with
     a clipped, stop-gradient importance weight, so that no token's gradient is dropped by the clip:
       r = exp(logp - old_logp)  (log-ratio clamped to [-20, 20])
       l = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp
     as verl's compute_policy_loss_cispo. clip_low = 1 bounds r below at 0, i.e. not at all (the
-    paper's choice); no dual clip. The loss value is -A * logp, not comparable to PPO's. Returns
-    (aggregate(l, mask, agg), stats as policy_loss; clip_frac = share of valid tokens whose weight
-    was clipped)."""
-    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp)
+    paper's choice); no dual clip. The loss value is -A * logp, not comparable to PPO's. `weights` as
+    policy_loss's. Returns (aggregate(l, mask, agg), stats as policy_loss; clip_frac = share of valid tokens
+    whose weight was clipped)."""
+    m = _check(mask, old_logp=old_logp, advantages=advantages, logp=logp, weights=weights)
     if not (clip_low >= 0.0 and clip_high >= 0.0):
         raise ValueError(f"need clip_low >= 0 and clip_high >= 0; got clip_low={clip_low}, clip_high={clip_high}")
     if dual_clip is not None:
@@ -494,12 +504,12 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
     loss_mat = -weight * advantages * logp
     stats = _ratio_stats(logp, old_logp, ratio, ratio.detach() != weight, torch.zeros_like(m), m)
-    return aggregate(loss_mat, m, agg), stats
+    return aggregate(_weighted(loss_mat, weights), m, agg), stats
 
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """A policy loss: fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg) ->
+    """A policy loss: fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, weights) ->
     (loss, stats), with the clip ranges it uses when the config leaves them unset."""
     name: str
     fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -521,11 +531,12 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 
 def compute_policy_loss(name: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, clip_low: float, clip_high: float, dual_clip: float | None,
-                        agg: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The registered policy loss `name` ('ppo', 'gspo', 'cispo'). Returns (loss, stats)."""
+                        agg: str, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The registered policy loss `name` ('ppo', 'gspo', 'cispo'), each token's loss multiplied by `weights`
+    (the rollout correction) when given. Returns (loss, stats)."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; choose one of {', '.join(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name].fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg)
+    return POLICY_LOSSES[name].fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, weights)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

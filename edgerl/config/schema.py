@@ -149,6 +149,14 @@ class AlgoConfig:
     overlong_buffer: Optional[int] = F(None, "soft_penalty: tokens before rollout.max_new_tokens where the penalty "
                                        "starts; None = a quarter of rollout.max_new_tokens")
     overlong_penalty: float = F(1.0, "soft_penalty: the penalty at rollout.max_new_tokens")
+    rollout_correction: Optional[Literal["none", "tis", "mis"]] = F(
+        None, "weigh each token's policy loss by the trainer's probability over the rollout engine's "
+        "(docs/rollout-correction.md): 'tis' caps the ratio at algo.rollout_correction_threshold (truncated "
+        "importance sampling), 'mis' also zeroes units whose ratio is outside [1/threshold, threshold] (masked); "
+        "None: the plan decides (tis wherever the engine computes differently from the trainer)")
+    rollout_correction_level: Literal["token", "sequence"] = F(
+        "token", "rollout correction ratio per token, or one per sequence (the product of its token ratios)")
+    rollout_correction_threshold: float = F(2.0, "rollout correction cap C on the ratio (mis keeps [1/C, C])")
 
 
 @dataclass
@@ -432,6 +440,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "algo.max_extra_draws": ("[0, 1000]", "0 draws no more prompts than a plain step"),
     "algo.overlong_buffer": ("[1, 1048576]", "leave it unset for a quarter of rollout.max_new_tokens"),
     "algo.overlong_penalty": ("[0, inf)", "the penalty at the length limit, e.g. 1.0"),
+    "algo.rollout_correction_threshold": ("(1, inf)", "the ratio's cap, e.g. 2.0 (verl, ms-swift) or 3.0 (TRL)"),
     "eval.every": ("[0, 1000000000]", "0 evaluates before the first step and after the last only"),
     "eval.samples": ("[0, 1024]", "0 evaluates greedy answers only"),
     "eval.max_prompts": ("[1, 1000000]", "leave it unset to evaluate every prompt"),

@@ -67,7 +67,9 @@ def task_from_config(cfg: Config, prompt_len: Optional[int] = None, world_size: 
                 reward_model_params=classifier_params(cfg.reward.model) if cfg.reward.model else 0,
                 lora=cfg.lora.enabled, lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
                 lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.target_modules else None,
-                world_size=world_size)
+                world_size=world_size, rollout_correction=cfg.algo.rollout_correction,
+                rollout_correction_level=cfg.algo.rollout_correction_level,
+                rollout_correction_threshold=cfg.algo.rollout_correction_threshold)
 
 
 def overrides_from_config(cfg: Config, profile: Optional[Profile] = None) -> dict[str, Any]:

@@ -367,6 +367,48 @@ def rollout_memory_share(c: "Ctx") -> tuple[float, str]:
     return round(share, 4), rollout_share_reason(c["rollout_engine"])
 
 
+# engines that report the log-prob of each token they sample (RolloutBatch.logprobs): the rollout correction
+# weighs the trainer's log-probs against these
+SAMPLED_LOGPROBS = ("static", "vllm")
+
+
+def numerics_gap(c: "Ctx") -> str:
+    """How the rollout engine's arithmetic differs from the trainer's (torch's ops over whole sequences), or ''
+    where the engine decodes in fp32 through torch's ops too."""
+    engine, compute_dtype, backend = c["rollout_engine"], c["dtype"].compute, c["decode_backend"]
+    if engine == "vllm":
+        return f"vLLM samples in {compute_dtype} with its own kernels"
+    how = ([f"in {compute_dtype}"] if compute_dtype != "fp32" else []) + \
+        ([f"through edgerl's {backend} kernels"] if backend not in (None, "torch") else [])
+    return f"the engine decodes {' '.join(how)}" if how else ""
+
+
+def rollout_correction(c: "Ctx") -> tuple[str, str]:
+    """`algo.rollout_correction` (the task's): the user's setting, else tis wherever the rollout engine's
+    numerics differ from the trainer's; none where the engine reports no sampled log-probs."""
+    task, engine = c.task, c["rollout_engine"]
+    asked, level, cap = task.rollout_correction, task.rollout_correction_level, task.rollout_correction_threshold
+    how = {"tis": f"each {level}'s ratio pi_trainer / pi_rollout, capped at {cap:g}, weighs its policy loss",
+           "mis": f"each {level}'s ratio pi_trainer / pi_rollout weighs its policy loss, 0 outside [1/{cap:g}, "
+                  f"{cap:g}]"}
+    if engine not in SAMPLED_LOGPROBS:
+        if asked in how:
+            raise PlanError(f"algo.rollout_correction={asked} weighs the trainer's log-probs against the rollout "
+                            f"engine's, and the {engine} engine does not report the log-probs of the tokens it "
+                            f"samples; use plan.rollout_engine={SAMPLED_LOGPROBS[0]} or algo.rollout_correction=none")
+        return "none", (f"{'asked for with algo.rollout_correction=none' if asked else 'off'}: the {engine} engine "
+                        "does not report the log-probs of the tokens it samples, so there is nothing to weigh")
+    gap = numerics_gap(c)
+    if asked is not None:
+        return asked, (f"asked for with algo.rollout_correction={asked}" + (f": {how[asked]}" if asked in how else "")
+                       + f" ({gap or 'the engine decodes in fp32 through torch ops, as the trainer computes'})")
+    if gap:
+        return "tis", (f"{gap}, the trainer scores whole sequences with torch's ops: the samples come from a "
+                       f"slightly different policy; truncated importance sampling, {how['tis']}")
+    return "none", ("off: the engine decodes in fp32 through torch's ops, as the trainer computes "
+                    "(rollout/k3_kl logs the remaining gap)")
+
+
 def env(c: "Ctx") -> tuple[tuple[tuple[str, str], ...], str]:
     return pick_env(c.device)
 

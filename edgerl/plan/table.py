@@ -88,6 +88,21 @@ def _lora_verl(p: Any) -> list[str]:
                                                          else f"[{','.join(targets)}]")]   # projections verl means
 
 
+def _correction_verl(p: Any) -> list[str]:
+    """verl's rollout correction (algorithm.rollout_correction, decoupled mode: its old log-probs are the
+    trainer's, as edgerl's): tis is its truncated weights (rollout_is); mis adds its rejection filter at the
+    same level and threshold (rollout_rs token_k1 / seq_sum_k1, kept ratios in [1/C, C])."""
+    mode, t = p.rollout_correction, p.task
+    rc = "algorithm.rollout_correction"
+    if mode == "none":
+        return [f"{rc}.rollout_is=null", f"{rc}.rollout_rs=null"]
+    rs = f"{'token' if t.rollout_correction_level == 'token' else 'seq_sum'}_k1"
+    return (["actor_rollout_ref.rollout.calculate_log_probs=True", f"{rc}.rollout_is={t.rollout_correction_level}",
+             f"{rc}.rollout_is_threshold={t.rollout_correction_threshold!r}"]
+            + ([f"{rc}.rollout_rs={rs}", f"{rc}.rollout_rs_threshold={t.rollout_correction_threshold!r}"]
+               if mode == "mis" else [f"{rc}.rollout_rs=null"]))
+
+
 def _hf(dtype: str) -> str:
     from edgerl.plan.dtypes import hf_name
     return hf_name(dtype)
@@ -171,6 +186,8 @@ TABLE: tuple[Decision, ...] = (
              "share of GPU memory the vllm engine may take", float, range=("(0, 1]", "a share of the GPU's memory"),
              verl=lambda p: ["actor_rollout_ref.rollout.gpu_memory_utilization="
                              f"{max(0.1, round(p.rollout_memory_share, 2))}"]),
+    Decision("rollout_correction", "rollout correction", steps.rollout_correction,
+             pin=lambda v: {"algo.rollout_correction": v}, verl=_correction_verl),
     Decision("env", "environment", steps.env, render=_env, as_json=dict),
     Decision("memory_limit", "memory limit", steps.memory_limit,
              "memory budget in GiB instead of the device's; on a GPU the run keeps it (torch's allocator is capped at "

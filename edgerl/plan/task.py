@@ -8,7 +8,8 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Task:
-    """The shape of the work: what the memory model and batch decisions depend on."""
+    """The shape of the work: what the memory model and batch decisions depend on, and the algorithm's
+    settings a decision reads."""
     prompt_len: int = 256
     response_len: int = 256
     prompts_per_step: int = 4
@@ -23,6 +24,9 @@ class Task:
     lora_alpha: float = 32.0
     lora_targets: Optional[tuple[str, ...]] = None
     world_size: int = 1                    # GPUs (processes) sharing the step; the plan is for one of them
+    rollout_correction: Optional[str] = None   # algo.rollout_correction: none | tis | mis; None: the plan decides
+    rollout_correction_level: str = "token"
+    rollout_correction_threshold: float = 2.0
 
     @property
     def sequences(self) -> int:

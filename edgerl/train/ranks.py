@@ -75,6 +75,15 @@ def sum_floats(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def max_floats(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum over ranks (all ranks call it)."""
+    if world() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def tensor_sum(device: torch.device) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """A function summing a small tensor over ranks (for statistics over the global batch), or None
     with one process (all ranks call the function it returns, in the same order)."""

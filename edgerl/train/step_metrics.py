@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from edgerl import algos
+from edgerl import algos, correction
 from edgerl.train import ranks
 from edgerl.train.experience import Experience
 from edgerl.rollout.base import RolloutBatch
@@ -18,6 +18,32 @@ def global_mean(x: torch.Tensor, mask: torch.Tensor, device: torch.device) -> fl
     """Masked mean over the global batch (every rank's share)."""
     total, count = ranks.sum_floats([float(algos.masked_sum(x.float(), mask)), float(mask.bool().sum())], device)
     return total / max(count, 1.0)
+
+
+def global_max(x: torch.Tensor, mask: torch.Tensor, device: torch.device) -> float:
+    """Largest valid element over the global batch (every rank's share); nan when there is none."""
+    m = mask.bool()
+    mine = float(x[m].max()) if m.any() else -math.inf
+    top = ranks.max_floats([mine], device)[0]
+    return top if math.isfinite(top) else float("nan")
+
+
+def rollout_metrics(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor, mode: str, level: str,
+                    threshold: float, device: torch.device) -> dict[str, float]:
+    """The rollout engine's sampled log-probs against the trainer's old ones (B, T), over the global batch:
+    rollout/k3_kl, the k3 estimate of KL(pi_rollout || pi_old) per token; under a rollout correction, the
+    weights' mean and max per unit (token, or sequence at the sequence level) and the share of units whose
+    ratio was capped (tis: rollout_corr/truncated) or masked (mis: rollout_corr/masked)."""
+    out = {"rollout/k3_kl": global_mean(correction.k3(old, sampled, mask), mask, device)}
+    if mode == "none":
+        return out
+    w, cut = correction.weights(old, sampled, mask, mode, level, threshold)
+    w_unit, units = correction.per_unit(w, mask, level)
+    cut_unit, _ = correction.per_unit(cut, mask, level)
+    out["rollout_corr/weight_mean"] = global_mean(w_unit, units, device)
+    out["rollout_corr/weight_max"] = global_max(w_unit, units, device)
+    out["rollout_corr/truncated" if mode == "tis" else "rollout_corr/masked"] = global_mean(cut_unit, units, device)
+    return out
 
 
 def global_explained_variance(exp: Experience, device: torch.device) -> float:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from edgerl import algos
+from edgerl import algos, correction
 from edgerl.train import ranks
 from edgerl.train import resume as resume_changes
 from edgerl.train import state
@@ -42,7 +42,7 @@ from edgerl.rollout.base import RolloutBatch, SamplingParams
 from edgerl.train import retention
 from edgerl.train.runfolder import aside_name, export_step, mark_export
 from edgerl.train.session import Session
-from edgerl.train.step_metrics import global_explained_variance, global_mean, step_metrics
+from edgerl.train.step_metrics import global_explained_variance, global_mean, rollout_metrics, step_metrics
 from edgerl.train import evaluate as evaluation
 from edgerl.train.groups import Drawn, draw, overlong_penalty, rows_with_gradient, skip_policy, uniform_groups
 from edgerl.train.update import Learner, run_update
@@ -246,7 +246,11 @@ class Trainer:
         cfg, a, lp = self.cfg, self.cfg.algo, self.state.loop
         (clip_low, clip_high), agg = a.clip_range(), a.loss_agg_mode()
         keep = rows_with_gradient(exp.advantages, exp.response_mask) if self.skip_rows else None
-        epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": []}
+        epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": [], "old": [], "sampled": []}
+        mode = self.plan.rollout_correction
+        if mode != "none" and exp.sampled_logp is None:   # the plan allows it only with an engine that reports them
+            raise TrainingError(f"the plan's rollout correction ({mode}) needs the rollout engine's sampled log-probs, "
+                                f"and the {self.plan.rollout_engine} engine returned none")
         R = exp.response_ids.shape[1]   # micro-batches come trimmed to their longest response
 
         def actor_loss(part: Experience, epoch: int):
@@ -254,8 +258,10 @@ class Trainer:
                                    cfg.rollout.temperature)
             old = part.old_logp if part.old_logp is not None else logp.detach()
             mask = part.response_mask
+            weights = None if mode == "none" else correction.weights(
+                old, part.sampled_logp, mask, mode, a.rollout_correction_level, a.rollout_correction_threshold)[0]
             loss, st = algos.compute_policy_loss(a.policy_loss, logp, old, part.advantages, mask, clip_low,
-                                                 clip_high, a.dual_clip, agg)
+                                                 clip_high, a.dual_clip, agg, weights)
             st["pg_loss"] = loss.detach()
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * algos.aggregate(ent, mask, agg)
@@ -267,6 +273,9 @@ class Trainer:
                 epoch0["mask"].append(pad_columns(mask.cpu(), R))
                 if part.ref_logp is not None:
                     epoch0["ref"].append(pad_columns(part.ref_logp.cpu(), R))
+                if part.sampled_logp is not None:   # rows in any order: each with its own sampled log-probs
+                    epoch0["old"].append(pad_columns(old.detach().float().cpu(), R))
+                    epoch0["sampled"].append(pad_columns(part.sampled_logp.float().cpu(), R))
             return loss, st
 
         def critic_loss(part: Experience, epoch: int):
@@ -292,6 +301,9 @@ class Trainer:
                 # the engine's log-probs against the trainer's own: a rollout/training mismatch shows here
                 sampled = exp.sampled_logp if keep is None else exp.sampled_logp[keep]
                 out["rollout/logprob_diff"] = global_mean((logp - sampled).abs(), mask, self.device)
+            if epoch0["old"]:
+                out |= rollout_metrics(torch.cat(epoch0["old"]), torch.cat(epoch0["sampled"]), mask, mode,
+                                       a.rollout_correction_level, a.rollout_correction_threshold, self.device)
         loss_bad, norm_bad = res.skipped, res.skipped_norm
         if self.critic is not None:
             cres = run_update(self.state.critic, exp, critic_loss, **common)
