@@ -45,12 +45,12 @@ def _check(old_logp: torch.Tensor, sampled_logp: torch.Tensor, mask: torch.Tenso
 @torch.no_grad()
 def weights(old_logp: torch.Tensor, sampled_logp: torch.Tensor, mask: torch.Tensor, mode: str,
             level: str = "token", threshold: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (B, T) fp32, cut (B, T) bool): the correction weights, 0 at masked positions, and where the
-    cap bit (tis: the ratio was above C) or the unit was masked (mis). At the sequence level every token of a
-    sequence carries its sequence's weight and flag."""
+    """(weights (B, T), cut (B, T) bool): the correction weights (fp32, or the inputs' dtype if wider), 0 at
+    masked positions, and where the cap bit (tis: the ratio was above C) or the unit was masked (mis). At the
+    sequence level every token of a sequence carries its sequence's weight and flag."""
     _check(old_logp, sampled_logp, mask, mode, level, threshold)
     m = mask.bool()
-    d = torch.where(m, old_logp.float() - sampled_logp.float(), 0.0)
+    d = _log_ratio(old_logp, sampled_logp, m)
     if level == "token":
         log_rho = d
         # verl's token_k1 filter reads the clamped token log-ratio
@@ -78,12 +78,19 @@ def per_unit(x: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[torch.Ten
     if level == "token":
         return x, m
     count = m.sum(1)
-    return torch.where(m, x.float(), 0.0).sum(1) / count.clamp(min=1), count > 0
+    x = x if x.is_floating_point() else x.float()
+    return torch.where(m, x, 0.0).sum(1) / count.clamp(min=1), count > 0
 
 
 def k3(old_logp: torch.Tensor, sampled_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T): k3 = rho - log rho - 1 with rho = pi_old / pi_rollout per token (0 at masked positions), whose
     mean estimates KL(pi_rollout || pi_old) over the engine's samples (verl's `rollout_corr/k3_kl`); the log
     is clamped to [-20, 20] so that a blow-up reads as a large number, not inf."""
-    d = torch.where(mask.bool(), old_logp.float() - sampled_logp.float(), 0.0).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    d = _log_ratio(old_logp, sampled_logp, mask.bool()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     return torch.exp(d) - d - 1
+
+
+def _log_ratio(old_logp: torch.Tensor, sampled_logp: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """old - sampled in at least fp32 (the trainer's log-probs may be 16-bit), 0 at masked positions."""
+    dtype = torch.promote_types(torch.promote_types(old_logp.dtype, sampled_logp.dtype), torch.float32)
+    return torch.where(m, old_logp.to(dtype) - sampled_logp.to(dtype), 0.0)

@@ -207,6 +207,7 @@ def test_recommend_shows_pins_and_exports_it(no_gpu, tmp_path):
                  "algorithm.rollout_correction.rollout_rs_threshold=2.0",
                  "actor_rollout_ref.rollout.calculate_log_probs=True"):
         assert line in r.stdout, line
+    assert "keeps it in the loss's denominator" in r.stdout
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -24,13 +24,15 @@ def torchrun(*args: str, n: int = 2, timeout: int = 600) -> subprocess.Completed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("advantage", ["grpo", "reinforce++"])   # reinforce++ whitens over the whole batch
-def test_two_ranks_update_equals_one_process(tiny_llama, tmp_path, advantage):
+@pytest.mark.parametrize("advantage, correction, level", [   # reinforce++ whitens over the whole batch
+    ("grpo", "tis", "token"), ("reinforce++", "mis", "sequence")])
+def test_two_ranks_update_equals_one_process(tiny_llama, tmp_path, advantage, correction, level):
     script = str(HERE / "two_ranks_update.py")
     one = subprocess.run([sys.executable, script, str(tiny_llama), str(tmp_path / "one.pt"), str(tmp_path / "r1"),
-                          advantage], capture_output=True, text=True, timeout=600, env=ENV)
+                          advantage, correction, level], capture_output=True, text=True, timeout=600, env=ENV)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(script, str(tiny_llama), str(tmp_path / "two.pt"), str(tmp_path / "r2"), advantage)
+    two = torchrun(script, str(tiny_llama), str(tmp_path / "two.pt"), str(tmp_path / "r2"), advantage, correction,
+                   level)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     torch.testing.assert_close(torch.cat(b["advantages"]), a["advantages"][0], rtol=1e-5, atol=1e-6)
@@ -38,8 +40,11 @@ def test_two_ranks_update_equals_one_process(tiny_llama, tmp_path, advantage):
     for name, w in a["weights"].items():
         torch.testing.assert_close(b["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
         moved += int(not torch.equal(w, b["weights"][name]) or True)
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+    share = f"rollout_corr/{'truncated' if correction == 'tis' else 'masked'}"
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout/k3_kl", "rollout_corr/weight_mean",
+                "rollout_corr/weight_max", share):
         assert b["stats"][key] == pytest.approx(a["stats"][key], rel=1e-4, abs=1e-6), key
+    assert 0 < a["stats"][share] < 1   # global means and maxima over ranks that hold different rows
 
 
 def _train(model: Path, run: Path, *extra: str, n: int = 2) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """edgerl's RL math against verl's own: literal transcriptions of verl's functions
-(verl/trainer/ppo/core_algos.py, commit b178a3c of volcengine/verl) and slow plain-Python references,
-values and gradients; and `recommend --format verl` against a transcription of verl's defaults
-(verl/trainer/config/_generated_ppo_trainer.yaml, same commit)."""
+(verl/trainer/ppo/core_algos.py and verl/trainer/ppo/rollout_corr_helper.py, commit b178a3c of
+volcengine/verl) and slow plain-Python references, values and gradients; and `recommend --format verl`
+against a transcription of verl's defaults (verl/trainer/config/_generated_ppo_trainer.yaml, same commit)."""
 
 import math
 from pathlib import Path
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from edgerl import algos
+from edgerl import algos, correction
 from edgerl.config.load import load_config
 from edgerl.config.schema import Config, ConfigError
 from edgerl.config.export import verl_overrides
@@ -67,7 +67,8 @@ def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode):
     raise ValueError(loss_agg_mode)
 
 
-def verl_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
+def verl_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                             rollout_is_weights=None):
     clip_ratio_low, clip_ratio_high, clip_ratio_c = config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c
     negative_approx_kl = log_prob - old_log_prob
     negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
@@ -81,11 +82,13 @@ def verl_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, 
     pg_clipfrac_lower = verl_masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(),
                                          response_mask)
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
     return pg_loss, pg_clipfrac, pg_clipfrac_lower
 
 
-def verl_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, config):
+def verl_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights=None):
     negative_approx_kl = log_prob - old_log_prob
     seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
     negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
@@ -96,12 +99,15 @@ def verl_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, con
     pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - config.clip_ratio_low,
                                            1 + config.clip_ratio_high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = verl_agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
     pg_clipfrac = verl_masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     return pg_loss, pg_clipfrac
 
 
-def verl_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
+def verl_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                           rollout_is_weights=None):
     negative_approx_kl = log_prob - old_log_prob
     negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -109,8 +115,59 @@ def verl_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, lo
     clipped_ratio_sg = clipped_ratio.detach()
     pg_losses = -clipped_ratio_sg * advantages * log_prob
     pg_clipfrac = verl_masked_mean((ratio != clipped_ratio).float(), response_mask)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
     return pg_loss, pg_clipfrac
+
+
+# rollout_corr_helper.py: the IS weights (compute_rollout_correction_weights without its metrics and batch
+# normalisation, which edgerl does not do), the rejection mask for the two options edgerl's mis uses (token_k1,
+# seq_sum_k1, with the threshold given as one number: lower = 1/upper), and compute_offpolicy_metrics' k3_kl
+SAFETY_BOUND = 20.0
+
+
+def verl_rollout_correction_weights(log_ratio, response_mask, rollout_is="token", rollout_is_threshold=2.0):
+    if rollout_is == "token":
+        log_ratio_safe = torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+        rollout_is_weights = torch.exp(log_ratio_safe)
+    elif rollout_is == "sequence":
+        log_ratio_sum = verl_masked_sum(log_ratio, response_mask, axis=-1).unsqueeze(-1)
+        log_ratio_sum_safe = torch.clamp(log_ratio_sum, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+        rollout_is_weights = torch.exp(log_ratio_sum_safe).expand_as(log_ratio)
+    else:
+        raise ValueError(rollout_is)
+    rollout_is_weights = rollout_is_weights * response_mask
+    rollout_is_weights = rollout_is_weights.clamp(max=rollout_is_threshold)
+    return rollout_is_weights.detach()
+
+
+def verl_rollout_rejection_mask(log_ratio, response_mask, option_name, rollout_rs_threshold):
+    upper = float(str(rollout_rs_threshold))
+    lower = float(str(1.0 / float(str(rollout_rs_threshold))))
+    lower_log, upper_log = math.log(lower), math.log(upper)
+    log_ratio_safe = torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+    token_k1 = -log_ratio_safe
+    response_mask_bool = response_mask.bool()
+    combined_mask = torch.ones_like(response_mask, dtype=log_ratio.dtype)
+    if option_name == "token_k1":
+        per_token_stat = token_k1
+        token_keep_bool = (per_token_stat >= lower_log) & (per_token_stat <= upper_log)
+    elif option_name == "seq_sum_k1":
+        seq_stat = verl_masked_sum(token_k1, response_mask, axis=-1)
+        seq_keep_bool_direct = (seq_stat >= lower_log) & (seq_stat <= upper_log)
+        token_keep_bool = seq_keep_bool_direct.unsqueeze(-1).expand_as(response_mask_bool)
+    else:
+        raise ValueError(option_name)
+    token_keep_mask = token_keep_bool.to(dtype=log_ratio.dtype)
+    combined_mask = combined_mask * token_keep_mask
+    return (response_mask * combined_mask).to(dtype=response_mask.dtype)
+
+
+def verl_k3_kl(old_log_prob, rollout_log_prob, response_mask):
+    log_ratio = old_log_prob - rollout_log_prob
+    k3_kl_matrix = torch.exp(log_ratio) - log_ratio - 1
+    return verl_masked_mean(k3_kl_matrix, response_mask)
 
 
 # --- cases ---------------------------------------------------------------------------------------
@@ -305,6 +362,71 @@ def test_policy_loss_registry_and_bad_arguments():
         algos.compute_policy_loss("grpo", logp, old, adv, mask, 0.2, 0.2, None, "token-mean")
 
 
+# --- rollout correction ---------------------------------------------------------------------------------
+
+def rollout_case(seed):
+    """case()'s log-probs as the trainer's old ones and the rollout engine's: token log-ratios of about
+    +-0.6, three of row 3 at log 5 (past every threshold), an empty row and a one-token row."""
+    logp, old, _, mask = case(seed)
+    return logp, old, mask
+
+
+def verl_correction(trainer, rollout, mask, mode, level, cap):
+    """verl's weights for edgerl's mode: tis is rollout_is at the level; mis adds rollout_rs at the same level
+    and threshold, whose rejected tokens edgerl weighs 0 (verl takes them out of the response mask)."""
+    log_ratio = trainer - rollout
+    w = verl_rollout_correction_weights(log_ratio, mask, level, cap)
+    if mode == "mis":
+        kept = verl_rollout_rejection_mask(log_ratio, mask, "token_k1" if level == "token" else "seq_sum_k1", cap)
+        return w * kept, kept
+    return w, mask
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("cap", [2.0, 3.0])
+def test_rollout_correction_weights_equal_verls(seed, mode, level, cap):
+    trainer, rollout, mask = rollout_case(seed)
+    ours, cut = correction.weights(trainer, rollout, mask, mode, level, cap)
+    theirs, kept = verl_correction(trainer, rollout, mask, mode, level, cap)
+    close(ours, theirs)
+    if mode == "mis":
+        assert torch.equal(cut, (kept == 0) & mask.bool()) and cut.any() and (~cut & mask.bool()).any()
+    else:
+        ratio = verl_rollout_correction_weights(trainer - rollout, mask, level, 1e30)   # verl's, before the cap
+        assert torch.equal(cut, ratio > cap) and cut.any()
+    close(algos.masked_mean(correction.k3(trainer, rollout, mask), mask), verl_k3_kl(trainer, rollout, mask))
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("mode, level", [("tis", "token"), ("tis", "sequence"), ("mis", "token"), ("mis", "sequence")])
+def test_policy_losses_weighted_by_the_correction_equal_verls(loss, mode, level):
+    """Values and gradients of each loss with the weights, against verl's `pg_losses * rollout_is_weights`."""
+    from edgerl.config.export import VERL_NO_DUAL_CLIP
+    logp, old, adv, mask = case(1)
+    rollout = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=old.dtype) * mask
+    w, _ = correction.weights(old, rollout, mask, mode, level, 2.0)
+    theirs_w, kept = verl_correction(old, rollout, mask, mode, level, 2.0)
+    own = algos.POLICY_LOSSES[loss]
+    lo, hi, agg = own.clip_low, own.clip_high, own.agg or "token-mean"
+    cfg = SimpleNamespace(clip_ratio_low=lo, clip_ratio_high=hi, clip_ratio_c=VERL_NO_DUAL_CLIP)
+    verl = {"ppo": lambda lp, m: verl_policy_loss_vanilla(old, lp, adv, m, agg, cfg, theirs_w),
+            "gspo": lambda lp, m: verl_policy_loss_gspo(old, lp, adv, m, cfg, theirs_w),
+            "cispo": lambda lp, m: verl_policy_loss_cispo(old, lp, adv, m, agg, cfg, theirs_w)}[loss]
+    ours = grads(lambda lp: algos.compute_policy_loss(loss, lp, old, adv, mask, lo, hi, None, agg, w), logp)
+    theirs = grads(lambda lp: verl(lp, mask), logp)
+    close(ours[0], theirs[0], VERL_TOL)
+    close(ours[1], theirs[1], VERL_TOL)
+    unweighted = algos.compute_policy_loss(loss, logp, old, adv, mask, lo, hi, None, agg)[0]
+    assert abs(float(ours[0] - unweighted)) > 1e-6   # the weights change the loss
+    if mode == "mis" and agg == "token-mean":
+        # verl's rejection shrinks the response mask, edgerl's keeps the rejected tokens at weight 0: with
+        # token-mean the two differ by the kept share of the tokens, and only by that
+        dropped = verl(logp, kept)[0]
+        close(ours[0] * mask.sum(), dropped * kept.sum(), VERL_TOL)
+
+
 # --- the config --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("loss, clips, agg", [("ppo", (0.2, 0.2), "token-mean"),
@@ -347,6 +469,10 @@ VERL_DEFAULTS = {  # _generated_ppo_trainer.yaml (and dp_actor.yaml for grad_cli
     "critic.optim.weight_decay": 0.01, "critic.optim.betas": [0.9, 0.999],
     "critic.optim.lr_warmup_steps_ratio": 0.0, "critic.optim.lr_scheduler_type": "constant",
     "critic.optim.min_lr_ratio": 0.0,
+    f"{R}.calculate_log_probs": False, "algorithm.rollout_correction.rollout_is": None,
+    "algorithm.rollout_correction.rollout_is_threshold": 2.0, "algorithm.rollout_correction.rollout_rs": None,
+    "algorithm.rollout_correction.rollout_rs_threshold": None, "algorithm.rollout_correction.bypass_mode": False,
+    "algorithm.rollout_correction.rollout_is_batch_normalize": False,
 }
 VERL_KL = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
@@ -354,6 +480,8 @@ VERL_KL = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 def _parse(v: str):
     if v in ("True", "False"):
         return v == "True"
+    if v == "null":
+        return None
     if v.startswith("["):
         return [_parse(x) for x in v[1:-1].split(",")]
     for kind in (int, float):
@@ -386,6 +514,9 @@ def verl_effective(cfg: Config) -> dict:
     ["algo.policy_loss=cispo", "algo.clip_high=0.28", "algo.advantage=rloo", "algo.kl_estimator=k2"],
     ["algo.dual_clip=3.0", "algo.clip_high=0.28", "algo.norm_adv_by_std=false", "algo.loss_agg=seq-mean-token-sum",
      "rollout.temperature=0.7", "rollout.top_p=0.9", "train.max_grad_norm=0.5", "train.betas=[0.9, 0.95]"],
+    ["algo.rollout_correction=mis", "algo.rollout_correction_level=sequence", "algo.rollout_correction_threshold=3.0"],
+    ["algo.rollout_correction=mis"],
+    ["algo.rollout_correction=none"],
 ])
 def test_verl_export_trains_like_edgerl(sets):
     cfg = load_config(None, sets + ["model.path=qwen2.5-0.5b"])
@@ -420,6 +551,17 @@ def test_verl_export_trains_like_edgerl(sets):
     if a.policy_loss == "ppo":  # verl always applies its dual clip; off must mean a bound that never binds
         c = v[f"{A}.clip_ratio_c"]
         assert c == a.dual_clip if a.dual_clip is not None else c > math.exp(20.0)
+    # the rtx3090 plans bf16, so the rollout correction is tis unless the config says otherwise
+    mode, level, cap = a.rollout_correction or "tis", a.rollout_correction_level, a.rollout_correction_threshold
+    rc = "algorithm.rollout_correction"
+    assert v[rc + ".bypass_mode"] is False and v[rc + ".rollout_is_batch_normalize"] is False
+    if mode == "none":
+        assert v[rc + ".rollout_is"] is None and v[rc + ".rollout_rs"] is None
+    else:
+        assert v[f"{R}.calculate_log_probs"] is True
+        assert (v[rc + ".rollout_is"], v[rc + ".rollout_is_threshold"]) == (level, cap)
+        rs = {"token": "token_k1", "sequence": "seq_sum_k1"}[level] if mode == "mis" else None
+        assert (v[rc + ".rollout_rs"], v[rc + ".rollout_rs_threshold"]) == (rs, cap if rs else None)
     if algos.ESTIMATORS[a.advantage].critic:
         for key, want in {"critic.optim.lr": t.critic_lr, "critic.cliprange_value": a.value_clip,
                           "critic.grad_clip": t.max_grad_norm, "critic.optim.weight_decay": t.weight_decay,

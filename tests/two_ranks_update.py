@@ -1,17 +1,19 @@
 """One PPO update on fixed rollouts, run as one process or as N under torchrun; writes the updated
-weights (rank 0) so a test can compare N processes with one.
+weights (rank 0) so a test can compare N processes with one. The rollouts carry sampled log-probs off the
+trainer's, weighed by the rollout correction CORRECTION (none, tis or mis) at LEVEL (token or sequence).
 
-    python tests/two_ranks_update.py MODEL OUT.pt RUN_DIR ADVANTAGE
-    torchrun --standalone --nproc_per_node 2 tests/two_ranks_update.py MODEL OUT.pt RUN_DIR ADVANTAGE
+    python tests/two_ranks_update.py MODEL OUT.pt RUN_DIR ADVANTAGE CORRECTION LEVEL
+    torchrun --standalone --nproc_per_node 2 tests/two_ranks_update.py MODEL OUT.pt RUN_DIR ADVANTAGE CORRECTION LEVEL
 """
 
 import sys
+from dataclasses import replace
 
 import torch
 
 from edgerl.train import ranks
 from edgerl.train import session
-from edgerl.train.experience import Experience, advantages
+from edgerl.train.experience import Experience, advantages, policy_logprobs
 from edgerl.models.load import lm_weights
 from edgerl.train.trainer import Trainer
 
@@ -31,14 +33,23 @@ def fixed_rollouts(vocab: int, prompts: int, n: int) -> Experience:
                       response_mask=mask[:, P:].float(), start=P - 1, scores=scores)
 
 
+def sampled_by_another_engine(t: Trainer, exp: Experience) -> Experience:
+    """`exp` with sampled log-probs: the trainer's own, off by noise of about 0.7 (every rank computes the
+    same forward over the same rows, as FSDP2 needs)."""
+    logp, _ = policy_logprobs(t.actor, exp, 4, 1.0, t.device)
+    noise = 0.7 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(11))
+    return replace(exp, sampled_logp=(logp + noise) * exp.response_mask)
+
+
 def main() -> None:
-    model, out, run_dir, adv = sys.argv[1:5]
+    model, out, run_dir, adv, corr, level = sys.argv[1:7]
     sets = [f'model.path="{model}"', 'run.profile="cpu"', "train.prompts_per_step=2", "rollout.n_samples=4",
+            f'algo.rollout_correction="{corr}"', f'algo.rollout_correction_level="{level}"',
             f'algo.advantage="{adv}"', "algo.kl_coef=0", "train.lr=1e-3", "rollout.max_new_tokens=9",
             "data.num_examples=16", "run.tensorboard=false", "train.micro_batch=2"]
     cfg, _ = session.load(sets=sets, out=run_dir)
     t = Trainer(session.prepare(cfg, None, log=lambda s: None))
-    exp = fixed_rollouts(t.tokenizer.vocab_size, 2, 4)
+    exp = sampled_by_another_engine(t, fixed_rollouts(t.tokenizer.vocab_size, 2, 4))
     k = len(exp) // t.world
     mine = exp.rows(slice(t.rank * k, (t.rank + 1) * k))   # whole groups: 4 samples of one prompt per rank
     mine = advantages(mine, cfg.algo, cfg.rollout.n_samples, 0.0, ranks.tensor_sum(t.device))

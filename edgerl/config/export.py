@@ -76,6 +76,10 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
         critic = cfg.model.critic_path or cfg.model.path
         lines += [f"critic.model.path={HF_IDS.get(critic.lower(), critic)}",
                   f"critic.ppo_micro_batch_size_per_gpu={p.micro_batch}"]
+    if p.rollout_correction == "mis":
+        caveats.append("edgerl's mis gives a token outside [1/C, C] the weight 0 and keeps it in the loss's "
+                       "denominator, as TRL does; verl's rejection (rollout_rs) takes it out of the response mask, "
+                       "so under token-mean verl's loss is edgerl's times (tokens / tokens kept).")
     if p.kernel_backend == "triton":
         caveats.append("edgerl's fused log-prob kernel has no verl switch; verl's closest is "
                        "actor_rollout_ref.model.use_fused_kernels=True (Ampere and newer).")
