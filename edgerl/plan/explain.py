@@ -73,21 +73,21 @@ def fits_table() -> str:
 
 
 def decision_table() -> str:
-    """Markdown: one row per profile with the dtype, attention, kernel and memory decisions."""
+    """Markdown: one row per profile with the dtype, attention, kernel, rollout correction and memory decisions."""
     model = "qwen2.5-0.5b"
     m = CATALOGUE[model]
     task = replace(REFERENCE_TASK, lora=None)   # LoRA only where full fine-tuning cannot fit
     lines = [f"Plans for {model} GRPO, {task.effective_batch()}, prompt {task.prompt_len} + response "
              f"{task.response_len} tokens, LoRA only where full fine-tuning does not fit; {SOFTWARE_NOTE} "
              "(`python -m edgerl.plan.explain decisions` prints this table):", "",
-             "| GPU | dtype | attention | log-prob kernel | memory fit | why (dtype) |",
-             "|---|---|---|---|---|---|"]
+             "| GPU | dtype | attention | log-prob kernel | rollout correction | memory fit | why (dtype) |",
+             "|---|---|---|---|---|---|---|"]
     for prof in list_profiles():
         dev = device_from_profile(prof, REFERENCE_SOFTWARE, HOST_RAM)
         try:
             p = plan(dev, m, task)
         except PlanError as e:
-            lines.append(f"| {prof.name} | - | - | - | does not fit: {str(e).splitlines()[0][:60]} | |")
+            lines.append(f"| {prof.name} | - | - | - | - | does not fit: {str(e).splitlines()[0][:60]} | |")
             continue
         fit = [f"micro-batch {p.micro_batch}"]
         if p.grad_checkpointing:
@@ -101,8 +101,8 @@ def decision_table() -> str:
         if p.lora:
             fit.append(f"LoRA r={p.lora['rank']}")
         fit.append(f"{p.memory.total / GiB:.1f}/{p.memory.budget / GiB:.1f} GiB")
-        lines.append(f"| {prof.name} | {p.dtype.name} | {p.attention} | {p.kernel_backend} | {', '.join(fit)} | "
-                     f"{p.reasons['dtype']} |")
+        lines.append(f"| {prof.name} | {p.dtype.name} | {p.attention} | {p.kernel_backend} | {p.rollout_correction} | "
+                     f"{', '.join(fit)} | {p.reasons['dtype']} |")
     return "\n".join(lines)
 
 

@@ -254,6 +254,8 @@ def read_samples(run_dir: Path, log: Log = print) -> list[dict[str, Any]]:
 PLOTS = (("reward/mean", "reward (mean)"), ("response/length_mean", "response length"),
          ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"), ("actor/pg_loss", "policy loss"),
          ("actor/clip_frac", "clip fraction"), ("actor/grad_norm", "grad norm"),
+         ("rollout/k3_kl", "KL rollout engine to trainer (k3)"),
+         ("rollout_corr/weight_mean", "rollout correction weight (mean)"),
          ("perf/tokens_per_s", "tokens / s"), ("memory/peak_allocated_gib", "peak GPU memory (GiB)"))
 
 
