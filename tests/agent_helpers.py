@@ -146,3 +146,69 @@ def secret(x: int, *, answer: str = "") -> str:
     """
     return f"{x}:{answer}:{os.getpid()}"
 '''
+
+
+# The scripted tool caller's two pieces of a call, each one token of its tokenizer (added tokens): the model
+# writes OPEN, one digit, CLOSE, then ends its turn (calculator(digit))
+OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+CLOSE = '"}}\n</tool_call>'
+
+
+def make_tool_model(out: Path, src: Path, layers: int = 2, seed: int = 0, steer: float = 3.0) -> Path:
+    """A tiny random llama steered to call the calculator in every turn: SmolLM2's tokenizer with the
+    Qwen2.5 template and OPEN and CLOSE added as tokens, and weights that carry a bigram over a few tokens
+    (after the assistant header's newline OPEN, after OPEN any digit, after a digit CLOSE, after CLOSE the
+    end of the turn) on top of the random model: embedding slots 0..12 hold those tokens one-hot, and the
+    output head maps each slot to its successors with weight `steer`. The random layers still add a little
+    to every logit, so what the model reads (the KV cache) changes its log-probs and its choice of digit."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.chat_template = QWEN25_TEMPLATE
+    tok.add_tokens([AddedToken(OPEN, normalized=False), AddedToken(CLOSE, normalized=False)])
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]   # noqa: E731
+    newline, open_id, close_id, end = ids("\n")[-1], tok.convert_tokens_to_ids(OPEN), tok.convert_tokens_to_ids(CLOSE), \
+        tok.eos_token_id
+    digits = [ids(str(d))[0] for d in range(1, 10)]
+    successors = {newline: [open_id], open_id: digits, close_id: [end], **{d: [close_id] for d in digits}}
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=end, pad_token_id=tok.pad_token_id,
+                      max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        head[:, :len(successors)] = 0
+        for slot, (src_id, nxt) in enumerate(successors.items()):
+            emb[src_id] = 0
+            emb[src_id, slot] = 1.0
+            head[nxt, slot] = steer
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+CALCULATOR = '''
+import os
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the expression
+    """
+    return f"{int(expression) * 11} (process {os.getpid()})"
+'''
+
+DIGIT_REWARD = '''
+import re
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    """The first digit the model passed to the calculator, over 9."""
+    m = re.search(r'"expression": "(\\d)', solution_str)
+    return int(m.group(1)) / 9 if m else 0.0
+'''

@@ -17,7 +17,7 @@ from edgerl.core.errors import ConfigError
 from edgerl.data.prompts import Prompt
 from edgerl.rewards.functions import load_functions
 from edgerl.rollout.base import RolloutBatch, SamplingParams
-from edgerl.train.evaluate import due, evaluate
+from edgerl.train.evaluate import due, evaluate, on_engine
 from edgerl.train.metrics import plot, read_metrics, read_samples
 
 FAST = ['run.profile="cpu"', "rollout.max_new_tokens=8", "train.prompts_per_step=2", "rollout.n_samples=4",
@@ -50,7 +50,7 @@ def test_accuracy_mean_and_pass_at_k_match_plain_loops():
     truths = ["3", "5", "7"]
     script = {0: [3, 1, 3, 2], 1: [1, 2, 4, 6], 2: [7, 7, 7, 7]}   # token t answers "#### t"
     prompts = [Prompt(i, f"q{i}", (i,), truths[i], "arithmetic") for i in range(3)]
-    res = evaluate(Scripted(script), Words(words), prompts, load_functions(["answer"], None), SamplingParams(8), 4,
+    res = evaluate(on_engine(Scripted(script)), Words(words), prompts, load_functions(["answer"], None), SamplingParams(8), 4,
                    0, 10, torch.device("cpu"), keep=2)
     correct = [[str(script[p][j]) == truths[p] for j in range(4)] for p in range(3)]
     assert res.metrics["eval/accuracy"] == pytest.approx(sum(c[0] for c in correct) / 3)
@@ -183,7 +183,7 @@ def test_an_empty_heldout_file_is_one_line(tiny_llama, tmp_path):
 def test_a_scripted_engine_sees_one_greedy_call_and_one_sampled_call():
     words = ["#### 1"]
     engine = Scripted({0: [0, 0]})
-    evaluate(engine, Words(words), [Prompt(0, "q", (0,), "1", "arithmetic")], load_functions(["answer"], None),
+    evaluate(on_engine(engine), Words(words), [Prompt(0, "q", (0,), "1", "arithmetic")], load_functions(["answer"], None),
              SamplingParams(4), 2, 0, 0, torch.device("cpu"))
     assert engine.calls == [(1, 1, True), (1, 2, False)]
 
@@ -196,7 +196,7 @@ def test_the_greedy_params_keep_the_rollout_limits():
         def generate(self, prompts, n, params, generator=None):
             seen.append(params)
             return super().generate(prompts, n, params, generator)
-    evaluate(Spy({0: [0]}), Words(["#### 1"]), [Prompt(0, "q", (0,), "1", "arithmetic")],
+    evaluate(on_engine(Spy({0: [0]})), Words(["#### 1"]), [Prompt(0, "q", (0,), "1", "arithmetic")],
              load_functions(["answer"], None), p, 0, 0, 0, torch.device("cpu"))
     assert seen[0].greedy and seen[0].max_new_tokens == 7 and seen[0].eos_token_ids == (2,)
 

@@ -135,3 +135,21 @@ class ToolBox:
     def describe(self) -> str:
         return (f"tools {', '.join(self.names) or 'none'}" + (f", environment {self.environment}" if self.environment
                 else "") + f"; {len(self._workers)} worker process(es), {self.limits.timeout_s:g} s a call; {self.fences}")
+
+
+def open_toolbox(rollout_cfg, tokenizer, model: str, chat_template: str, log: Callable[[str], None] = print
+                 ) -> tuple[ToolBox, Optional[str]]:
+    """The run's ToolBox and the chat template's tool-call format (None without tools), or a ToolError before
+    the run when the model's chat template cannot take them."""
+    from edgerl.agents.calls import template_text, tool_format
+    r = rollout_cfg
+    fmt = tool_format(tokenizer, model) if r.tools else None
+    if not template_text(tokenizer) or chat_template == "never":
+        raise ToolError("episodes of several turns: what comes between the model's turns is rendered by the chat "
+                        f"template, and {model} has none (or data.chat_template=never); use a model with a chat template")
+    if not r.stop_at_eos:
+        raise ToolError("episodes of several turns need rollout.stop_at_eos=true: a turn ends at the EOS token")
+    box = ToolBox(r.tools, r.environment, Limits(r.tool_timeout_s, r.tool_memory_mb, max_chars=r.tool_max_chars),
+                  r.tool_workers, log)
+    log(f"episodes: up to {r.turns()} turns and {r.response_tokens()} tokens after the prompt; {box.describe()}")
+    return box, fmt

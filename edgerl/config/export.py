@@ -80,6 +80,14 @@ def verl_overrides(cfg: Config, p: Plan) -> tuple[list[str], list[str]]:
         caveats.append("edgerl's mis gives a token outside [1/C, C] the weight 0 and keeps it in the loss's "
                        "denominator, as TRL does; verl's rejection (rollout_rs) takes it out of the response mask, "
                        "so under token-mean verl's loss is edgerl's times (tokens / tokens kept).")
+    r = cfg.rollout
+    if r.episodes:   # verl's multi-turn rollout (its docs, "Multi-turn Rollout Support")
+        lines += ["actor_rollout_ref.rollout.multi_turn.enable=True",
+                  f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={r.turns()}"]
+        caveats.append("verl takes tools as classes listed in a YAML file (actor_rollout_ref.rollout.multi_turn."
+                       "tool_config_path) and environments as interactions (interaction_config_path), not edgerl's "
+                       f"functions ({', '.join(r.tools + ([r.environment] if r.environment else []))}): write them "
+                       "for verl; its multi-turn rollout runs on SGLang or vLLM's async server.")
     if p.kernel_backend == "triton":
         caveats.append("edgerl's fused log-prob kernel has no verl switch; verl's closest is "
                        "actor_rollout_ref.model.use_fused_kernels=True (Ampere and newer).")

@@ -92,6 +92,37 @@ class RolloutConfig:
     top_p: float = F(1.0, "nucleus sampling threshold; 1.0 samples from the full distribution")
     top_k: int = F(0, "sample from the k most likely tokens; 0 disables")
     stop_at_eos: bool = F(True, "stop a response at the tokenizer's EOS token")
+    tools: list[str] = F(factory=list, doc=(
+        "tools the model may call in episodes of several turns (docs/agents.md): built-in 'calculator' and "
+        "'python', or 'path/to/file.py:function' (its signature and docstring are the schema); each call runs in "
+        "a worker process, confined to a scratch folder"))
+    environment: Optional[str] = F(None, "an environment 'path/to/file.py:Class' (reset(row), step(text) -> "
+                                   "observation, reward, done) the model talks with over several turns")
+    max_turns: Optional[int] = F(None, "model turns per episode at most (with rollout.tools or "
+                                 "rollout.environment); None: 4")
+    max_episode_tokens: Optional[int] = F(None, "tokens after the prompt per episode at most: the model's turns "
+                                          "and everything between them; None: max_turns x max_new_tokens. The plan "
+                                          "sizes memory for it")
+    turn_discount: float = F(1.0, "an environment's per-turn rewards enter the episode's reward as sum over turns "
+                             "k of discount^k x reward_k (1.0: their sum)")
+    tool_timeout_s: float = F(10.0, "seconds one tool call (or environment step) may take")
+    tool_memory_mb: int = F(1024, "memory a tool worker may allocate beyond its own, in MiB")
+    tool_max_chars: int = F(2000, "characters of a tool's result the model reads; the rest is cut, with a note")
+    tool_workers: int = F(2, "worker processes serving tool calls (calls of different episodes run in parallel)")
+
+    @property
+    def episodes(self) -> bool:
+        """Episodes of several turns: tools or an environment answer the model."""
+        return bool(self.tools) or self.environment is not None
+
+    def turns(self) -> int:
+        return (self.max_turns or 4) if self.episodes else 1
+
+    def response_tokens(self) -> int:
+        """Tokens after the prompt the plan sizes memory for: the episode's budget, or one response."""
+        if not self.episodes:
+            return self.max_new_tokens
+        return self.max_episode_tokens or self.turns() * self.max_new_tokens
 
 
 @dataclass
@@ -296,6 +327,7 @@ class Config:
         for spec in self.reward.functions or []:   # a user function's file: 'path/to/file.py:fn'
             if isinstance(spec, str) and ":" in spec:
                 check_path(spec.rsplit(":", 1)[0], "reward.functions")
+        self._validate_episodes()
         if a.advantage not in ESTIMATORS:
             names = list(ESTIMATORS)
             close = difflib.get_close_matches(a.advantage, names, n=1)
@@ -360,8 +392,9 @@ class Config:
                 raise ConfigError("reward.function and reward.functions are both set; list every function in "
                                   "reward.functions (reward.function is the same as reward.functions = [it])")
             rw.functions, rw.function = [rw.function], None
-        if not rw.functions:
-            raise ConfigError("reward.functions is empty; name at least one, e.g. [\"answer\"]")
+        if not rw.functions and self.rollout.environment is None:
+            raise ConfigError("reward.functions is empty; name at least one, e.g. [\"answer\"] (an empty list is for "
+                              "runs whose rollout.environment gives the rewards)")
         for i, spec in enumerate(rw.functions):
             if ":" in spec or spec in BUILTIN_REWARDS:
                 continue
@@ -372,6 +405,40 @@ class Config:
         if rw.weights is not None and len(rw.weights) != len(rw.functions):
             raise ConfigError(f"reward.weights has {len(rw.weights)} value(s) for {len(rw.functions)} reward "
                               f"function(s) {rw.functions}; give one weight per function")
+
+    def _validate_episodes(self) -> None:
+        from edgerl.agents.builtin import BUILTIN_TOOLS
+        r = self.rollout
+        if not r.episodes:
+            for key in ("max_turns", "max_episode_tokens"):
+                if getattr(r, key) is not None:
+                    raise ConfigError(f"rollout.{key} is set, but episodes have several turns only with rollout.tools "
+                                      "or rollout.environment; set one of them, or unset it")
+            return
+        seen = set()
+        for i, spec in enumerate(r.tools):
+            if spec in seen:
+                raise ConfigError(f"rollout.tools names {spec!r} twice")
+            seen.add(spec)
+            if spec in BUILTIN_TOOLS:
+                continue
+            path, sep, name = spec.rpartition(":")
+            if not sep or not path or not name or "/" in name:
+                close = difflib.get_close_matches(spec, list(BUILTIN_TOOLS), n=1)
+                raise ConfigError(f"rollout.tools[{i}] = {spec!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) "
+                                  "nor 'path/to/file.py:function'" + (f"; did you mean {close[0]!r}?" if close else ""))
+            check_path(path, "rollout.tools")
+        if r.environment is not None:
+            path, sep, name = r.environment.rpartition(":")
+            if not sep or not path or not name:
+                raise ConfigError(f"rollout.environment = {r.environment!r}: expected 'path/to/file.py:Class'")
+            check_path(path, "rollout.environment")
+        if r.turns() < 2:
+            raise ConfigError("rollout.max_turns=1 leaves the model no turn to read a tool's result or an observation; "
+                              "set it to 2 or more")
+        if r.max_episode_tokens is not None and r.max_episode_tokens < r.max_new_tokens:
+            raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} is less than one turn "
+                              f"(rollout.max_new_tokens={r.max_new_tokens}); raise it, or lower max_new_tokens")
 
     def _validate_loggers(self) -> None:
         run = self.run
@@ -402,6 +469,13 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.temperature": ("(0, inf)", "for near-greedy sampling use a small value such as 0.1"),
     "rollout.top_p": ("(0, 1]", "1.0 samples from the full distribution"),
     "rollout.top_k": ("[0, 1048576]", "0 samples from every token"),
+    "rollout.max_turns": ("[1, 1024]", ""),
+    "rollout.max_episode_tokens": ("[1, 1048576]", ""),
+    "rollout.turn_discount": ("[0, 1]", "1.0 sums the turns' rewards"),
+    "rollout.tool_timeout_s": ("(0, 86400]", ""),
+    "rollout.tool_memory_mb": ("[64, 1048576]", ""),
+    "rollout.tool_max_chars": ("[1, 10000000]", ""),
+    "rollout.tool_workers": ("[1, 256]", ""),
     "train.steps": ("[0, 1000000000]", ""),
     "train.prompts_per_step": ("[1, 65536]", ""),
     "train.mini_batch": ("[1, 65536]", "sequences; leave it unset for one update per epoch"),

@@ -60,7 +60,7 @@ def resolve_target(gpu: Optional[str] = None, gpu_spec: Optional[str] = None,
 def task_from_config(cfg: Config, prompt_len: Optional[int] = None, world_size: int = 1) -> Task:
     from edgerl.algos import ESTIMATORS
     from edgerl.plan.modelspec import classifier_params
-    return Task(prompt_len=prompt_len or cfg.data.max_prompt_len, response_len=cfg.rollout.max_new_tokens,
+    return Task(prompt_len=prompt_len or cfg.data.max_prompt_len, response_len=cfg.rollout.response_tokens(),
                 prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.rollout.n_samples,
                 mini_batch=cfg.train.mini_batch, algo=cfg.algo.advantage,
                 critic=ESTIMATORS[cfg.algo.advantage].critic, kl=cfg.algo.kl_coef > 0,

@@ -43,9 +43,10 @@ def eval_split(path: str, split: Optional[str]) -> Optional[str]:
                     "choose one with eval.split")
 
 
-def load_eval_prompts(cfg: Config, tokenizer, train: list[Prompt],
-                      log: Optional[Callable[[str], None]] = print) -> tuple[list[Prompt], DataReport]:
-    """The held-out prompts of cfg.eval (DataError for a bad file or row, naming it as eval.data)."""
+def load_eval_prompts(cfg: Config, tokenizer, train: list[Prompt], log: Optional[Callable[[str], None]] = print,
+                      tools: Optional[list[dict]] = None) -> tuple[list[Prompt], DataReport]:
+    """The held-out prompts of cfg.eval (DataError for a bad file or row, naming it as eval.data); `tools`:
+    the schemas the chat template renders (rollout.tools)."""
     e = cfg.eval
     assert e.data is not None
     split = eval_split(e.data, e.split)
@@ -58,7 +59,7 @@ def load_eval_prompts(cfg: Config, tokenizer, train: list[Prompt],
     else:
         seed = 0
     try:
-        prompts, report = load_prompts(dc, tokenizer, seed=seed, log=None)
+        prompts, report = load_prompts(dc, tokenizer, seed=seed, log=None, tools=tools)
     except DataError as err:
         raise DataError(f"eval.data: {err}") from None
     dropped: dict[str, int] = dict(report.filtered)

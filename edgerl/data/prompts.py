@@ -50,6 +50,7 @@ class Prompt:
     data_source: str
     extra: dict = field(default_factory=dict, hash=False)
     raw_prompt: Union[str, Chat, None] = field(default=None, hash=False)  # as in the data, untemplated
+    messages: Optional[Chat] = field(default=None, hash=False)  # what the chat template rendered (None: no template)
 
 
 @dataclass(frozen=True)
@@ -244,8 +245,10 @@ def _field(raw: dict, key: str, check: Callable[[Any], Any]) -> Any:
 
 # --- chat template and tokens ---------------------------------------------------------------------
 
-def _render(rows: list[_Row], cfg: DataConfig, tokenizer: Any, name: str) -> tuple[list[str], list[bool], str]:
-    """(texts, add_special_tokens per text, a description of the format)."""
+def _render(rows: list[_Row], cfg: DataConfig, tokenizer: Any, name: str, tools: Optional[list[dict]] = None
+            ) -> tuple[list[str], list[bool], str, list[Optional[Chat]]]:
+    """(texts, add_special_tokens per text, a description of the format, the messages each text rendered).
+    `tools`: the JSON schemas of the run's tools, rendered by the template (rollout.tools)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if cfg.chat_template == "always" and not has_template:
         raise DataError("data.chat_template='always' but the tokenizer has no chat template; use a "
@@ -256,12 +259,13 @@ def _render(rows: list[_Row], cfg: DataConfig, tokenizer: Any, name: str) -> tup
                         f"(data.chat_template={cfg.chat_template!r}, tokenizer "
                         f"{'has' if has_template else 'has no'} template); unset data.system_prompt "
                         "or use a tokenizer with a chat template")
-    texts, special = [], []
+    texts, special, rendered = [], [], []
     n_chat = 0
     for r in rows:
         if r.messages is None and not plain_templated:
             texts.append(r.text)
             special.append(True)  # no template: the tokenizer adds BOS itself if the model wants one
+            rendered.append(None)
             continue
         if not has_template:
             raise DataError(f"{name}: row {r.row} (0-based) is a chat list, which needs a chat template, "
@@ -274,8 +278,9 @@ def _render(rows: list[_Row], cfg: DataConfig, tokenizer: Any, name: str) -> tup
                 raise DataError(f"{name}: row {r.row} (0-based) already starts with a system message and "
                                 "data.system_prompt is set too; unset one of them")
             messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+        rendered.append(messages)
         try:
-            texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            texts.append(render_chat(tokenizer, messages, tools))
         except Exception as e:
             raise DataError(f"{name}: the chat template failed on row {r.row} (0-based): "
                             f"{type(e).__name__}: {e}") from None
@@ -288,7 +293,25 @@ def _render(rows: list[_Row], cfg: DataConfig, tokenizer: Any, name: str) -> tup
     if len(rows) - n_chat:
         kinds.append(f"{len(rows) - n_chat} text prompt(s), "
                      f"{'chat template' if plain_templated else 'as is (no chat template)'}")
-    return texts, special, "; ".join(kinds)
+    return texts, special, "; ".join(kinds), rendered
+
+
+def render_chat(tokenizer: Any, messages: Chat, tools: Optional[list[dict]] = None) -> str:
+    """The chat template's text for `messages` and the model's turn to come (with the tools' schemas)."""
+    kw = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+
+
+def with_observation(prompt: Prompt, observation: str, tokenizer: Any, tools: Optional[list[dict]] = None
+                     ) -> list[int]:
+    """The prompt's tokens with `observation` (an environment's first one) added to its last user message."""
+    if prompt.messages is None:
+        raise DataError(f"prompt row {prompt.row}: an environment's first observation joins the prompt's last "
+                        "user message, which needs a chat template; use a tokenizer with one")
+    messages = [dict(m) for m in prompt.messages]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    messages[last]["content"] += "\n\n" + observation
+    return list(tokenizer(render_chat(tokenizer, messages, tools), add_special_tokens=False)["input_ids"])
 
 
 def _tokenize(texts: list[str], special: list[bool], tokenizer: Any) -> list[list[int]]:
@@ -303,26 +326,27 @@ def _tokenize(texts: list[str], special: list[bool], tokenizer: Any) -> list[lis
     return ids
 
 
-def _prepare(cfg: DataConfig, tokenizer: Any, seed: int):
+def _prepare(cfg: DataConfig, tokenizer: Any, seed: int, tools: Optional[list[dict]] = None):
     if cfg.path.startswith(BUILTIN_PREFIX):
         table = read_builtin(cfg.path, cfg.difficulty, cfg.num_examples, seed)
     else:
         table = read_table(cfg.path, cfg.split)
     rows = _rows(table, cfg)
-    texts, special, fmt = _render(rows, cfg, tokenizer, table.name)
+    texts, special, fmt, rendered = _render(rows, cfg, tokenizer, table.name, tools)
     ids = _tokenize(texts, special, tokenizer)
-    return table, rows, texts, ids, fmt
+    return table, rows, texts, ids, fmt, rendered
 
 
-def load_prompts(cfg: DataConfig, tokenizer: Any, seed: int = 0,
-                 log: Optional[Callable[[str], None]] = print) -> tuple[list[Prompt], DataReport]:
+def load_prompts(cfg: DataConfig, tokenizer: Any, seed: int = 0, log: Optional[Callable[[str], None]] = print,
+                 tools: Optional[list[dict]] = None) -> tuple[list[Prompt], DataReport]:
     """Read, validate and tokenize the prompts of `cfg`; raise DataError on any bad row.
 
     `seed` only seeds the generated 'builtin:arithmetic' problems (keep it fixed across training
     seeds to train on the same problems). Rows over `cfg.max_prompt_len` tokens raise DataError
-    (on_too_long='error') or are dropped, counted in the report and passed to `log`.
+    (on_too_long='error') or are dropped, counted in the report and passed to `log`. `tools`: the JSON
+    schemas the chat template renders with every prompt (rollout.tools).
     """
-    table, rows, texts, ids, _ = _prepare(cfg, tokenizer, seed)
+    table, rows, texts, ids, _, rendered = _prepare(cfg, tokenizer, seed, tools)
     over = [r.row for r, seq in zip(rows, ids) if len(seq) > cfg.max_prompt_len]
     filtered: dict[str, int] = {}
     if over:
@@ -334,8 +358,8 @@ def load_prompts(cfg: DataConfig, tokenizer: Any, seed: int = 0,
                             "tokens); raise data.max_prompt_len or set data.on_too_long=filter to drop them")
         filtered[f"longer than data.max_prompt_len={cfg.max_prompt_len} tokens (rows {listed}, 0-based)"] = len(over)
     prompts = [Prompt(r.row, text, tuple(seq), r.ground_truth, r.data_source, r.extra,
-                      r.messages if r.messages is not None else r.text)
-               for r, text, seq in zip(rows, texts, ids) if len(seq) <= cfg.max_prompt_len]
+                      r.messages if r.messages is not None else r.text, msgs)
+               for r, text, seq, msgs in zip(rows, texts, ids, rendered) if len(seq) <= cfg.max_prompt_len]
     if not prompts:
         raise DataError(f"{table.name}: all {len(rows)} prompts are longer than data.max_prompt_len="
                         f"{cfg.max_prompt_len} tokens; nothing is left to train on")
@@ -355,7 +379,7 @@ def _percentile(sorted_values: list[int], p: float) -> int:
 def check_data(cfg: DataConfig, tokenizer: Any, seed: int = 0) -> DataSummary:
     """Run all of `load_prompts`' validation and summarise the data; prompts over the length limit
     are counted here (not an error), so the summary shows what training would do with them."""
-    table, rows, _, ids, fmt = _prepare(cfg, tokenizer, seed)
+    table, rows, _, ids, fmt, _ = _prepare(cfg, tokenizer, seed)
     lengths = sorted(len(seq) for seq in ids)
     over = [r.row for r, seq in zip(rows, ids) if len(seq) > cfg.max_prompt_len]
     sources = Counter(r.data_source for r in rows)

@@ -29,6 +29,10 @@ class RolloutBatch:
     truncated: list[bool]                # reached max_new_tokens without EOS
     logprobs: Optional[list[list[float]]] = None   # the sampler's own log-probs, when the engine has them
     info: dict = field(default_factory=dict)       # engine notes, e.g. timings
+    # episodes of several turns (rollout/episodes.py): 1 on the model's own tokens of each response, 0 on the
+    # context between its turns (tool results, observations); None: every response token is the model's
+    loss_mask: Optional[list[list[int]]] = None
+    episodes: Optional[list] = None                # the agents.episode.Episode of each row
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -99,6 +103,12 @@ class OwnWeights:
     def generate(self, prompts, n_samples, params, generator=None) -> RolloutBatch:
         return self.engine.generate(prompts, n_samples, params, generator)
 
+    def __getattr__(self, name: str):
+        engine = vars(self).get("engine")
+        if name == "generate_turns" and hasattr(engine, "generate_turns"):   # the engine's own turn loop
+            return self.engine.generate_turns
+        raise AttributeError(name)
+
     def release(self) -> None:
         if self.resident:
             return
@@ -137,6 +147,20 @@ class ActorWeights:
         finally:
             for m in self.fsdp:
                 m.reshard()
+
+    def __getattr__(self, name: str):
+        engine = vars(self).get("engine")
+        if name == "generate_turns" and hasattr(engine, "generate_turns"):
+            def turns(*args):
+                for m in self.fsdp:
+                    m.unshard()
+                try:
+                    return self.engine.generate_turns(*args)
+                finally:
+                    for m in self.fsdp:
+                        m.reshard()
+            return turns
+        raise AttributeError(name)
 
     def release(self) -> None:
         if not self.resident:

@@ -9,6 +9,7 @@ in the run folder.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -56,15 +57,9 @@ def _load_checkpoint(actor: Any, folder: Path, lora: bool) -> None:
 def run_eval(cfg: Config, checkpoint_folder: Optional[Path], log: Callable[[str], None] = print) -> dict[str, Any]:
     """Evaluate cfg.eval on the model (and checkpoint). Returns {"metrics": {...}, "samples": [...],
     "model": ..., "checkpoint": ...}."""
-    import torch
-    from edgerl.data.heldout import load_eval_prompts
-    from edgerl.data.prompts import load_prompts
-    from edgerl.models.load import build_actor, init_distributed, lm_weights, load_tokenizer
+    from edgerl.models.load import init_distributed, load_tokenizer
     from edgerl.config.target import model_spec, plan_for, resolve_target
-    from edgerl.rollout import EngineContext, build_engine
-    from edgerl.rollout.base import SamplingParams
-    from edgerl.train.evaluate import evaluate
-    from edgerl.train.session import _device_for, _reward_functions, apply_env, apply_switches
+    from edgerl.train.session import _device_for, apply_env, apply_switches
     if cfg.eval.data is None:
         raise ConfigError("edgerl eval needs the held-out prompts: --data FILE|DATASET|builtin:arithmetic")
     target = resolve_target(cfg.run.profile)
@@ -77,19 +72,43 @@ def run_eval(cfg: Config, checkpoint_folder: Optional[Path], log: Callable[[str]
     apply_switches(plan, device)
     m = cfg.model
     tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
-    train = load_prompts(cfg.data, tokenizer, seed=0, log=None)[0] if cfg.eval.data.startswith("builtin:") else []
-    prompts, _ = load_eval_prompts(cfg, tokenizer, train, log)
+    r = cfg.rollout
+    toolbox, fmt = None, None
+    if r.episodes:   # the same episodes as training: tools or the environment in their workers
+        from edgerl.agents.toolbox import open_toolbox
+        toolbox, fmt = open_toolbox(r, tokenizer, m.path, cfg.data.chat_template, log)
+    with contextlib.ExitStack() as stack:
+        if toolbox is not None:
+            stack.callback(toolbox.close)
+        return _run(cfg, checkpoint_folder, plan, device, tokenizer, toolbox, fmt, log)
+
+
+def _run(cfg: Config, checkpoint_folder: Optional[Path], plan, device, tokenizer, toolbox, fmt,
+         log: Callable[[str], None]) -> dict[str, Any]:
+    import torch
+    from edgerl.data.heldout import load_eval_prompts
+    from edgerl.data.prompts import load_prompts
+    from edgerl.models.load import build_actor, lm_weights
+    from edgerl.rollout import EngineContext, build_engine
+    from edgerl.rollout.base import SamplingParams
+    from edgerl.rollout.episodes import EpisodeRollout
+    from edgerl.train.evaluate import evaluate, on_engine
+    from edgerl.train.session import _reward_functions
+    m, r = cfg.model, cfg.rollout
+    schemas = toolbox.schemas if toolbox is not None and toolbox.schemas else None
+    train = load_prompts(cfg.data, tokenizer, seed=0, log=None, tools=schemas)[0] \
+        if cfg.eval.data.startswith("builtin:") else []
+    prompts, _ = load_eval_prompts(cfg, tokenizer, train, log, schemas)
     functions = _reward_functions(cfg, prompts, log)
     torch.manual_seed(cfg.train.seed)
     actor = build_actor(m.path, plan, device, m.trust_remote_code, cfg.lora.dropout)
     if checkpoint_folder is not None:
         _load_checkpoint(actor, checkpoint_folder, plan.lora is not None)
-    r = cfg.rollout
     with tempfile.TemporaryDirectory(prefix="edgerl-eval-") as work:
         from edgerl.models.load import save_hf
         engine = build_engine(plan, EngineContext(
             model_path=m.path, trust_remote_code=m.trust_remote_code, device=device,
-            max_seq_len=max(len(p.input_ids) for p in prompts) + r.max_new_tokens, seed=cfg.train.seed,
+            max_seq_len=max(len(p.input_ids) for p in prompts) + r.response_tokens(), seed=cfg.train.seed,
             work_dir=Path(work), actor=actor,
             save_initial=lambda folder: save_hf(dict(lm_weights(actor)), m.path, tokenizer, folder,
                                                 m.trust_remote_code)))
@@ -100,7 +119,11 @@ def run_eval(cfg: Config, checkpoint_folder: Optional[Path], log: Callable[[str]
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                   top_k=r.top_k, eos_token_ids=(eos,) if (r.stop_at_eos and eos is not None) else (),
                                   pad_token_id=tokenizer.pad_token_id)
-        res = evaluate(engine, tokenizer, prompts, functions, sampling, cfg.eval.samples, cfg.train.seed, 0, device,
-                       cfg.data.answer_key, keep=len(prompts))
+        if toolbox is not None:
+            generate = EpisodeRollout(engine, toolbox, fmt, tokenizer, r).generate
+        else:
+            generate = on_engine(engine)
+        res = evaluate(generate, tokenizer, prompts, functions, sampling, cfg.eval.samples, cfg.train.seed, 0,
+                       device, cfg.data.answer_key, keep=len(prompts))
     return {"model": m.path, "checkpoint": str(checkpoint_folder) if checkpoint_folder else None,
             "data": cfg.eval.data, "metrics": res.metrics, "samples": res.samples}

@@ -27,6 +27,7 @@ from edgerl.rewards.builtins import BUILTIN_REWARDS, RewardRow
 from edgerl.rewards.functions import RewardFunction, load_functions, score
 from edgerl.rewards.rules import KNOWN_SOURCES
 from edgerl.rollout.base import SamplingParams
+from edgerl.rollout.episodes import episode_sample
 from edgerl.train import ranks
 
 
@@ -54,18 +55,18 @@ def _rows(tokenizer, prompts: list[Any], response_ids: list[list[int]], n: int) 
             for p, t, r in zip(group, texts, response_ids)]
 
 
-def evaluate(engine, tokenizer, prompts: list[Any], functions: list[RewardFunction], sampling: SamplingParams,
+def evaluate(generate, tokenizer, prompts: list[Any], functions: list[RewardFunction], sampling: SamplingParams,
              samples: int, seed: int, step: int, device: torch.device, answer_key: str = "",
              keep: int = 0) -> EvalResult:
     """Evaluate the engine's current weights on `prompts` (every rank calls this with the same list).
-    `keep`: sample rows to return for samples.jsonl."""
+    `generate(prompts, n, params, generator)`: the run's rollout (an engine's generate on the prompts' tokens,
+    or the run's episodes). `keep`: sample rows to return for samples.jsonl."""
     t0 = time.perf_counter()
     rank, world = (torch.distributed.get_rank(), ranks.world()) if ranks.world() > 1 else (0, 1)
     mine = prompts[rank::world]
-    ids = [list(p.input_ids) for p in mine]
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     rule = has_rule([p.data_source for p in prompts])
-    greedy = engine.generate(ids, 1, dataclasses.replace(sampling, greedy=True), gen)
+    greedy = generate(mine, 1, dataclasses.replace(sampling, greedy=True), gen)
     rows = _rows(tokenizer, mine, greedy.response_ids, 1)
     scored = score(functions, rows, answer_key)
     acc = correct(rows) if rule else []
@@ -73,7 +74,7 @@ def evaluate(engine, tokenizer, prompts: list[Any], functions: list[RewardFuncti
                              "cut": [float(t) for t in greedy.truncated],
                              "by": {k: [x for x in v if not math.isnan(x)] for k, v in scored.by_function.items()}}
     if samples > 0:
-        sampled = engine.generate(ids, samples, sampling, gen)
+        sampled = generate(mine, samples, sampling, gen)
         ok = correct(_rows(tokenizer, mine, sampled.response_ids, samples)) if rule else []
         per_prompt = [ok[i * samples:(i + 1) * samples] for i in range(len(mine))] if rule else []
         share["mean"] = [sum(g) / samples for g in per_prompt]
@@ -96,10 +97,18 @@ def evaluate(engine, tokenizer, prompts: list[Any], functions: list[RewardFuncti
         for name in scored.by_function:
             out[f"eval/reward/{name}"] = mean([x for sh in shares for x in sh["by"].get(name, [])])
     out["time/eval_s"] = time.perf_counter() - t0
+    eps = greedy.episodes or [None] * len(rows)
     kept = [{"prompt": r.prompt_text, "response": r.response, "reward": s, "ground_truth": r.ground_truth,
-             **({"correct": a} if rule else {})}
-            for r, s, a in zip(rows[:keep], scored.total, acc or [None] * len(rows))]
+             **({"correct": a} if rule else {}), **(episode_sample(e) if e is not None else {})}
+            for r, s, a, e in zip(rows[:keep], scored.total, acc or [None] * len(rows), eps)]
     return EvalResult(out, kept)
+
+
+def on_engine(engine):
+    """`evaluate`'s generate on an engine: the prompts' tokens, one response each."""
+    def generate(prompts, n, params, gen):
+        return engine.generate([list(p.input_ids) for p in prompts], n, params, gen)
+    return generate
 
 
 def reward_functions(cfg) -> list[RewardFunction]:

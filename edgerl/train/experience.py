@@ -80,8 +80,12 @@ def pad_batch(batch: RolloutBatch, pad_id: int, scores: list[float]) -> Experien
         sampled = torch.zeros((B, R), dtype=torch.float32)
         for i, lp in enumerate(batch.logprobs):
             sampled[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    response_mask = mask[:, P:].float()   # the model attends to every token; it learns from its own only
+    if batch.loss_mask is not None:   # episodes: the tools' and the environment's tokens are context
+        for i, lm in enumerate(batch.loss_mask):
+            response_mask[i, :len(lm)] *= torch.tensor(lm, dtype=torch.float32)
     return Experience(input_ids=ids, attention_mask=mask, response_ids=ids[:, P:].clone(),
-                      response_mask=mask[:, P:].float(), start=P - 1,
+                      response_mask=response_mask, start=P - 1,
                       scores=torch.tensor(scores, dtype=torch.float32), sampled_logp=sampled)
 
 

@@ -55,8 +55,9 @@ class Drawn:
         for k, v in o.info.items():   # timings add up over the draws
             if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(info.get(k), (int, float)):
                 info[k] = info[k] + v
+        both = lambda x, y: x + y if x is not None and y is not None else None   # noqa: E731
         batch = RolloutBatch(b.prompt_ids + o.prompt_ids, b.response_ids + o.response_ids, b.truncated + o.truncated,
-                             logprobs, info)
+                             logprobs, info, both(b.loss_mask, o.loss_mask), both(b.episodes, o.episodes))
         def joined(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str, list[float]]:
             nan = float("nan")   # a key one draw's results lack (a dict key, say) is NaN on its rows
             return {k: a.get(k, [nan] * len(self.scores)) + b.get(k, [nan] * len(other.scores)) for k in {**a, **b}}
@@ -71,7 +72,9 @@ class Drawn:
         def pick(xs):
             return [xs[i] for i in rows]
         batch = RolloutBatch(pick(b.prompt_ids), pick(b.response_ids), pick(b.truncated),
-                             pick(b.logprobs) if b.logprobs is not None else None, dict(b.info))
+                             pick(b.logprobs) if b.logprobs is not None else None, dict(b.info),
+                             pick(b.loss_mask) if b.loss_mask is not None else None,
+                             pick(b.episodes) if b.episodes is not None else None)
         return Drawn([self.prompts[g] for g in groups], batch, pick(self.scores),
                      {k: pick(v) for k, v in self.by_function.items()}, {k: pick(v) for k, v in self.components.items()})
 

@@ -48,6 +48,8 @@ class Session:
     resume: Optional[runfolder.ResumePoint] = None
     eval_prompts: list[Prompt] = field(default_factory=list)   # eval.data's held-out prompts
     reward_functions: list[Any] = field(default_factory=list)   # reward.functions, loaded and checked
+    toolbox: Any = None                  # rollout.tools / rollout.environment served (agents.toolbox.ToolBox)
+    tool_format: Optional[str] = None    # the chat template's tool-call format (agents.calls)
     rank: ranks.Rank = field(default_factory=ranks.Rank)
     emulation: str = ""                  # how a profile is emulated on this GPU; "" when not
     finished: bool = False               # resumed a run that already reached train.steps and exported
@@ -64,6 +66,8 @@ class Session:
             write()
 
     def close(self) -> None:
+        if self.toolbox is not None:
+            self.toolbox.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -217,31 +221,41 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
         if Path(folder).is_dir() and (why := unreadable_weights(Path(folder))):
             raise ModelError(f"cannot load model {folder!r}: {why}")
     tokenizer = load_tokenizer(m.tokenizer or m.path, m.trust_remote_code)
-    # the generated task is seeded apart from train.seed: every run trains on the same problems
-    prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log)
-    if resume is not None:   # what the checkpoint cannot follow is refused before anything is written
-        ranks.agree(lambda: resume_changes.check(resume, cfg, plan, len(prompts), rank.world), rank.main)
-    eval_prompts = _eval_prompts(cfg, tokenizer, prompts, rank.world, log)
-    functions = _reward_functions(cfg, prompts + eval_prompts, log)
-    check_installed(cfg.run.loggers if rank.main else [])
-    finished = runfolder.finished(resume, run_dir, cfg.train.steps, _exports(cfg, plan))
-    held: list[tuple[runfolder.RunLock, Optional[Callable[[], None]]]] = []   # the lock stays in this process
-    ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log, write=not finished, restart=restart)),
-                rank.main)
+    toolbox, fmt = None, None
+    if cfg.rollout.episodes:   # the tools' schemas go into every prompt
+        from edgerl.agents.toolbox import open_toolbox
+        toolbox, fmt = open_toolbox(cfg.rollout, tokenizer, m.path, cfg.data.chat_template, log)
+    try:
+        schemas = toolbox.schemas if toolbox is not None and toolbox.schemas else None
+        # the generated task is seeded apart from train.seed: every run trains on the same problems
+        prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log, tools=schemas)
+        if resume is not None:   # what the checkpoint cannot follow is refused before anything is written
+            ranks.agree(lambda: resume_changes.check(resume, cfg, plan, len(prompts), rank.world), rank.main)
+        eval_prompts = _eval_prompts(cfg, tokenizer, prompts, rank.world, log, schemas)
+        functions = _reward_functions(cfg, prompts + eval_prompts, log)
+        check_installed(cfg.run.loggers if rank.main else [])
+        finished = runfolder.finished(resume, run_dir, cfg.train.steps, _exports(cfg, plan))
+        held: list[tuple[runfolder.RunLock, Optional[Callable[[], None]]]] = []   # the lock stays in this process
+        ranks.agree(lambda: held.append(_open(cfg, plan, run_dir, resume, log, write=not finished, restart=restart)),
+                    rank.main)
+    except BaseException:
+        if toolbox is not None:
+            toolbox.close()
+        raise
     lock, pending = held[0] if held else (None, None)
     return Session(cfg=cfg, target=target, plan=plan, device=device, run_dir=run_dir, tokenizer=tokenizer,
                    prompts=prompts, data_report=report, resume=resume, eval_prompts=eval_prompts,
                    reward_functions=functions, rank=rank, emulation=emulation, finished=finished, log=log,
-                   lock=lock, pending=pending)
+                   lock=lock, pending=pending, toolbox=toolbox, tool_format=fmt)
 
 
-def _eval_prompts(cfg: Config, tokenizer: Any, train: list[Prompt], world: int, log: Callable[[str], None]
-                  ) -> list[Prompt]:
+def _eval_prompts(cfg: Config, tokenizer: Any, train: list[Prompt], world: int, log: Callable[[str], None],
+                  tools: Optional[list[dict]] = None) -> list[Prompt]:
     """eval.data's prompts, checked before anything is written; none without eval.data."""
     if cfg.eval.data is None:
         return []
     from edgerl.data.heldout import load_eval_prompts
-    prompts, _ = load_eval_prompts(cfg, tokenizer, train, log)
+    prompts, _ = load_eval_prompts(cfg, tokenizer, train, log, tools)
     if len(prompts) < world:
         raise ConfigError(f"eval.data has {len(prompts)} prompt(s) for {world} processes; each process evaluates "
                           "a share, so give at least one per process")

@@ -39,6 +39,7 @@ from edgerl.rewards.builtins import RewardRow
 from edgerl.rewards.functions import sample_text, score as score_rewards
 from edgerl.rollout import EngineContext, build_engine
 from edgerl.rollout.base import RolloutBatch, SamplingParams
+from edgerl.rollout.episodes import EpisodeRollout, episode_metrics, episode_sample
 from edgerl.train import retention
 from edgerl.train.runfolder import aside_name, export_step, mark_export
 from edgerl.train.session import Session
@@ -133,11 +134,14 @@ class Trainer:
         self.log(retention.plan_line(weights, optim_bytes, r.save_every, r.keep_last, r.keep_best,
                                      bool(self.eval_prompts), r.final_only, final))
         # held-out prompts are no longer than data.max_prompt_len either: the plan's KV cache holds them
-        max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.max_new_tokens
+        max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.response_tokens()
         self.engine = build_engine(plan, EngineContext(
             model_path=m.path, trust_remote_code=m.trust_remote_code, device=device, max_seq_len=max_len,
             seed=t.seed, work_dir=self.run_dir,
             save_initial=lambda folder: self._write_hf(folder, dict(lm_weights(self.actor))), actor=self.actor))
+        self.toolbox = s.toolbox
+        self.episodes = EpisodeRollout(self.engine, s.toolbox, s.tool_format, self.tokenizer, cfg.rollout) \
+            if cfg.rollout.episodes else None
         self.stop_signal: Optional[str] = None
         self._samples: list[dict[str, Any]] = []
         self.phase = "setup"
@@ -184,9 +188,15 @@ class Trainer:
     # --- the phases of one step --------------------------------------------------------------------
 
     def rollout(self, prompts: list[Prompt]) -> RolloutBatch:
-        """n samples per prompt from the current policy (the engine holds a synced copy or the weights)."""
-        return self.engine.generate([list(p.input_ids) for p in prompts], self.cfg.rollout.n_samples,
-                                    self.sampling, self.state.loop.gen)
+        """n samples per prompt from the current policy (the engine holds a synced copy or the weights); with
+        tools or an environment, n episodes of several turns."""
+        return self.generate(prompts, self.cfg.rollout.n_samples, self.sampling, self.state.loop.gen)
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, gen: Optional[torch.Generator]
+                 ) -> RolloutBatch:
+        if self.episodes is not None:
+            return self.episodes.generate(prompts, n, params, gen)
+        return evaluation.on_engine(self.engine)(prompts, n, params, gen)
 
     def rewards(self, prompts: list[Prompt], batch: RolloutBatch) -> Drawn:
         """One score per response: reward.functions weighted, plus the reward model's score if any, and
@@ -211,8 +221,12 @@ class Trainer:
                                       "plan.dtype=fp32)")
             components["reward_model"] = rm
             scores = [s + cfg.reward.model_coef * r for s, r in zip(scores, rm)]
+        if batch.episodes is not None and cfg.rollout.environment is not None:   # the turns' rewards
+            env = [ep.discounted_return(cfg.rollout.turn_discount) for ep in batch.episodes]
+            components["environment"] = env
+            scores = [s + e for s, e in zip(scores, env)]
         if cfg.algo.overlong == "soft_penalty":
-            r = cfg.rollout.max_new_tokens
+            r = cfg.rollout.response_tokens()
             pen = overlong_penalty([len(x) for x in batch.response_ids], r, cfg.algo.overlong_buffer or max(1, r // 4),
                                    cfg.algo.overlong_penalty)
             components["overlong_penalty"] = pen
@@ -375,7 +389,8 @@ class Trainer:
             lp.kl_ctl.update(stats["actor/kl"], len(exp))
         extra = {"actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
                  "train/bad_steps_in_a_row": lp.bad_in_a_row, **drew,
-                 "batch/uniform_groups": ranks.sum_floats([float(sum(uniform_groups(scores, n)))], self.device)[0]}
+                 "batch/uniform_groups": ranks.sum_floats([float(sum(uniform_groups(scores, n)))], self.device)[0],
+                 **episode_metrics(batch)}
         self._samples = self._sample_rows(drawn)
         return step_metrics(batch, scores, components, {**stats, **extra}, times, time.perf_counter() - t0,
                             self.device, drawn.by_function)
@@ -387,9 +402,11 @@ class Trainer:
             return []
         n = self.cfg.rollout.n_samples
         texts = self.tokenizer.batch_decode(drawn.batch.response_ids[:k], skip_special_tokens=True)
+        eps = drawn.batch.episodes
         return [{"prompt": drawn.prompts[i // n].text, "response": t, "reward": drawn.scores[i],
                  "rewards": {name: v[i] for name, v in drawn.by_function.items()},
-                 "ground_truth": drawn.prompts[i // n].ground_truth, "truncated": drawn.batch.truncated[i]}
+                 "ground_truth": drawn.prompts[i // n].ground_truth, "truncated": drawn.batch.truncated[i],
+                 **(episode_sample(eps[i]) if eps is not None else {})}
                 for i, t in enumerate(texts)]
 
     def evaluate(self) -> dict[str, float]:
@@ -398,7 +415,7 @@ class Trainer:
         if not self.eval_prompts:
             return {}
         cfg = self.cfg
-        res = evaluation.evaluate(self.engine, self.tokenizer, self.eval_prompts, self.functions, self.sampling,
+        res = evaluation.evaluate(self.generate, self.tokenizer, self.eval_prompts, self.functions, self.sampling,
                                   cfg.eval.samples, cfg.train.seed, self.step, self.device, cfg.data.answer_key,
                                   keep=cfg.run.log_samples)
         self.metrics.write_samples(self.step, "eval", res.samples)
@@ -430,6 +447,8 @@ class Trainer:
             close = getattr(f.fn, "close", None)
             if close is not None:
                 close()
+        if getattr(self, "toolbox", None) is not None:
+            self.toolbox.close()
 
     # --- checkpoints, export, failures -------------------------------------------------------------
 

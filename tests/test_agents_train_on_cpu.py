@@ -1,0 +1,149 @@
+"""Episodes trained end to end on the CPU: a tiny model steered to call the calculator (agent_helpers)
+runs two GRPO steps of three-turn episodes; the tool runs in its worker, the loss mask covers only the
+model's own tokens (checked against the conversation's roles), the engine's log-probs match the trainer's
+full forward over the whole conversation, and samples.jsonl shows the turns."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from agent_helpers import CALCULATOR, CLOSE, DIGIT_REWARD, OPEN, make_tool_model
+from conftest import make_tiny_model, need_shared_tokenizer, prepare_trainer
+from edgerl.agents.calls import Continuations
+from edgerl.core.errors import ToolError
+from edgerl.train.experience import pad_batch
+from edgerl.train.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    folder = make_tool_model(tmp_path_factory.mktemp("tool-model"), need_shared_tokenizer())
+    rows = [{"prompt": q, "data_source": "calc", "reward_model": {"ground_truth": "0"}}
+            for q in ("What is 2 + 3?", "What is 7 * 6?", "What is 9 - 4?", "What is 8 / 2?")]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "tools.py").write_text(CALCULATOR)
+    (folder / "reward.py").write_text(DIGIT_REWARD)
+    return folder
+
+
+def sets(folder, *more):
+    return ['run.profile="cpu"', f'data.path="{folder / "prompts.jsonl"}"', "train.steps=2",
+            "train.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6", "rollout.max_turns=3", "rollout.max_episode_tokens=128",
+            f'rollout.tools=["{folder / "tools.py"}:calculator"]', "rollout.tool_workers=1",
+            f'reward.functions=["{folder / "reward.py"}:score"]', "algo.kl_coef=0", "run.log_samples=4",
+            "run.tensorboard=false", "run.export_final=false", "run.save_every=0", "train.lr=1e-4", *more]
+
+
+def check_roles(batch, tokenizer):
+    """Every episode's tokens are the model's turns and, between them, the template's rendering of the tool
+    messages; the loss mask is 1 exactly on the turns."""
+    cont = Continuations(tokenizer)
+    exp = pad_batch(batch, tokenizer.pad_token_id, [0.0] * len(batch))
+    for i, ep in enumerate(batch.episodes):
+        roles = [m["role"] for m in ep.messages]
+        assert roles == ["assistant", "tool", "assistant", "tool", "assistant"], roles
+        expected_ids, expected_mask = [], []
+        for j, m in enumerate(ep.messages):
+            if m["role"] == "assistant":
+                ids = tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                expected_ids += ids
+                expected_mask += [1] * len(ids)
+            elif j == 0 or ep.messages[j - 1]["role"] != "tool":   # the tool messages after one turn
+                group = [m]
+                for k in range(j + 1, len(ep.messages)):
+                    if ep.messages[k]["role"] != "tool":
+                        break
+                    group.append(ep.messages[k])
+                ids = cont.tokens(group)
+                expected_ids += ids
+                expected_mask += [0] * len(ids)
+        assert ep.tokens == expected_ids and ep.mask == expected_mask
+        mask = exp.response_mask[i]
+        assert mask[:len(ep.mask)].tolist() == [float(x) for x in ep.mask] and not mask[len(ep.mask):].any()
+        assert exp.attention_mask[i, exp.start + 1:exp.start + 1 + len(ep.tokens)].all()   # the context is read
+
+
+def test_two_grpo_steps_on_three_turn_episodes(tool_model, tmp_path):
+    t = prepare_trainer(tool_model, tmp_path / "run", sets(tool_model))
+    batches = []
+    real = t.rollout
+    t.rollout = lambda prompts: batches.append(real(prompts)) or batches[-1]
+    t.run()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/turns_mean"] == 3 and r["rollout/tool_calls_mean"] == 2 and r["rollout/tool_errors"] == 0
+        assert r["rollout/ended_max_turns"] == 1 and r["rollout/context_tokens_mean"] > r["rollout/model_tokens_mean"]
+        # the engine's log-probs of every model token equal the trainer's forward over the whole conversation
+        assert r["rollout/logprob_diff"] < 1e-4, r["rollout/logprob_diff"]
+        assert "actor/pg_loss" in r and r["batch/uniform_groups"] < 2   # the digits differ: there is a gradient
+    for batch in batches:
+        check_roles(batch, t.tokenizer)
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8
+    for s in samples:
+        conv = s["conversation"]
+        assert [m["role"] for m in conv] == ["assistant", "tool", "assistant", "tool", "assistant"]
+        assert conv[0]["content"].startswith(OPEN) and conv[0]["content"].endswith(CLOSE)
+        digit = int(conv[0]["content"][len(OPEN)])
+        result, pid = conv[1]["content"].split(" (process ")
+        assert result == str(11 * digit) and int(pid.rstrip(")")) != os.getpid()   # ran in the worker
+        assert s["turns"] == 3 and s["tool_calls"] == 2 and s["ended_by"] == "max_turns"
+        assert s["reward"] == pytest.approx(digit / 9)
+
+
+def test_a_model_whose_template_has_no_tool_support_is_refused_before_the_run(tmp_path, tool_model):
+    plain = make_tiny_model(tmp_path / "smollm2")   # SmolLM2's chat template never reads `tools`
+    with pytest.raises(ToolError, match="has no tool support") as e:
+        prepare_trainer(plain, tmp_path / "run", sets(tool_model))
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
+ODD_DIGITS = '''
+import re
+
+
+class OddDigits:
+    """Two turns: each turn's first digit scores 1 when odd; the first observation asks for a digit."""
+
+    def reset(self, row):
+        self.turn = 0
+        return "Pick a digit, " + row["interaction_kwargs"]["who"]
+
+    def step(self, text):
+        self.turn += 1
+        digit = int(re.search(r"\\d", text).group(0))
+        return f"you said {digit}", float(digit % 2), self.turn == 2
+'''
+
+
+def test_an_environment_rewards_each_turn(tool_model, tmp_path):
+    (tmp_path / "env.py").write_text(ODD_DIGITS)
+    rows = [{"prompt": [{"role": "user", "content": "Play."}], "data_source": "game", "reward_model": {"ground_truth": "0"},
+             "extra_info": {"interaction_kwargs": {"who": "please"}}}] * 2
+    (tmp_path / "game.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = prepare_trainer(tool_model, tmp_path / "run", [
+        s for s in sets(tool_model, f'rollout.environment="{tmp_path / "env.py"}:OddDigits"', "reward.functions=[]",
+                        "rollout.turn_discount=0.5", "train.steps=1", f'data.path="{tmp_path / "game.jsonl"}"')
+        if not s.startswith(("rollout.tools", "reward.functions=[\"", "data.path=\"" + str(tool_model)))])
+    batches = []
+    real = t.rollout
+    t.rollout = lambda prompts: batches.append(real(prompts)) or batches[-1]
+    t.run()
+    for ids in batches[0].prompt_ids:   # the first observation joined the prompt's user message
+        assert "Play.\n\nPick a digit, please<|im_end|>" in t.tokenizer.decode(ids)
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    for s in samples:
+        conv = s["conversation"]
+        assert [m["role"] for m in conv] == ["user", "assistant", "user", "assistant"]
+        assert conv[0]["content"] == "Pick a digit, please" and conv[0]["first_observation"]
+        digits = [int(m["content"][len(OPEN)]) for m in conv if m["role"] == "assistant"]
+        assert conv[2]["content"] == f"you said {digits[0]}" and s["ended_by"] == "environment"
+        assert s["turn_rewards"] == [float(d % 2) for d in digits]
+        assert s["reward"] == pytest.approx(digits[0] % 2 + 0.5 * (digits[1] % 2))
+    row = read_metrics(tmp_path / "run")[-1]
+    assert row["rollout/turns_mean"] == 2 and "reward/environment_mean" in row and "reward/turn_mean" in row
