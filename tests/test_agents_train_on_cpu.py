@@ -68,7 +68,8 @@ def check_roles(batch, tokenizer):
 
 
 def test_two_grpo_steps_on_three_turn_episodes(tool_model, tmp_path):
-    t = prepare_trainer(tool_model, tmp_path / "run", sets(tool_model))
+    # the rollout correction (off on the CPU's plan) weighs the model's tokens only, against the engine's log-probs
+    t = prepare_trainer(tool_model, tmp_path / "run", sets(tool_model, 'algo.rollout_correction="mis"'))
     batches = []
     real = t.rollout
     t.rollout = lambda prompts: batches.append(real(prompts)) or batches[-1]
@@ -80,6 +81,8 @@ def test_two_grpo_steps_on_three_turn_episodes(tool_model, tmp_path):
         assert r["rollout/ended_max_turns"] == 1 and r["rollout/context_tokens_mean"] > r["rollout/model_tokens_mean"]
         # the engine's log-probs of every model token equal the trainer's forward over the whole conversation
         assert r["rollout/logprob_diff"] < 1e-4, r["rollout/logprob_diff"]
+        assert r["rollout/k3_kl"] < 1e-6 and r["rollout_corr/masked"] == 0
+        assert r["rollout_corr/weight_mean"] == pytest.approx(1, abs=1e-3), r["rollout_corr/weight_mean"]
         assert "actor/pg_loss" in r and r["batch/uniform_groups"] < 2   # the digits differ: there is a gradient
     for batch in batches:
         check_roles(batch, t.tokenizer)
