@@ -63,11 +63,13 @@ TOOLS = ("edgerl", "trl")
 
 
 def commit() -> Optional[str]:
+    """The checkout's commit, or $EDGERL_COMMIT where the code is a copy without its git folder."""
     try:
-        return subprocess.run(["git", "-C", str(bl.REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
+        out = subprocess.run(["git", "-C", str(bl.REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        out = ""
+    return out or os.environ.get("EDGERL_COMMIT") or None
 
 
 def model_folder(arg: Optional[str], smoke: bool, work: Path, tokenizer: str) -> Path:

@@ -76,6 +76,13 @@
 #                  each job's bench_vs_trl options, jobs separated by ';' (e.g. "--new-tokens 512 --only qwen7b-p40;
 #                  --new-tokens 1024 --only qwen7b-p40:trl"): TRL at the long lengths
 #   long-check 150 bench_long --offload-cost and --check (the code paths of those rows, in a minute)
+#   learning 560   bench_learning: edgerl against TRL's GRPOTrainer on SmolLM2-135M-Instruct's real weights, TASK
+#                  (arithmetic or gsm8k; one task a call), SEEDS (default 0 1 2), each run alone on the GPU, then
+#                  the table (--summary) and the curves in $OUT/learning/. The weights: GGUF, the path of
+#                  SmolLM2-135M-Instruct.Q4_1.gguf carried to the machine (converted once into the cache); a call
+#                  that finds the cache folder already there (the machine still held) needs no GGUF
+#   tests-real 200 tests/test_real_weights_cuda.py: the static engine against HF on the same weights (GGUF as
+#                  for learning), every decode backend in fp32, fp16 and bf16, EOS on
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -158,6 +165,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               i=0; IFS=';' read -ra jobs <<< \"\${VS_JOBS:-}\"; for j in \"\${jobs[@]}\"; do i=\$((i + 1)); mkdir -p $w-vs\$i; ln -sfn $w/models $w-vs\$i/models;
                   timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left --shared-gpu \$j --out $OUT/bench_vs_trl_long\${i}$x.json > $LOGS/vs\${i}$x.log 2>&1 & done;
               ${LONG_ROWS:+python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} --only $LONG_ROWS ${LONG_ARGS:-} --timeout \$(( left - 30 )) --budget-s \$left --tokenizer $TOK --work $w --out $OUT/bench_long$x.json;} wait" ;;
+        learning) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF &&} python3 bench/bench_learning.py --task ${TASK:-arithmetic} --seeds ${SEEDS:-0 1 2} --device cuda --budget-s $(( b - 15 )) --work $w-learning --out $OUT/learning;
+              python3 bench/bench_learning.py --summary $OUT/learning --plot $OUT/learning" ;;
+        tests-real) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF &&} python3 -m pytest -q -p no:cacheprovider -rs tests/test_real_weights_cuda.py 2>&1 | tee $OUT/tests_real$x.log | tail -30" ;;
         archs) echo "python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json" ;;
         recipes-archs) echo "timeout -k 5 200 python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json > $LOGS/archs$x.log 2>&1 &
               python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json; wait" ;;
@@ -174,7 +184,7 @@ limit_of() {
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; selftest-fp16) echo 300 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
-        fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; *) echo 560 ;;
+        fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; learning) echo 560 ;; tests-real) echo 200 ;; *) echo 560 ;;
     esac
 }
 

@@ -109,11 +109,13 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
 
 
 @friendly
-def plot(run_dir: Path = typer.Argument(..., help="a run folder with metrics.jsonl"),
-         out: Optional[Path] = typer.Option(None, "--out", "-o", help=".png (default RUN_DIR/curves.png, replaced "
-                                            "each time), .pdf or .svg; a folder gets curves.png"),
+def plot(run_dirs: list[Path] = typer.Argument(..., help="a run folder with metrics.jsonl, or several to compare"),
+         out: Optional[Path] = typer.Option(None, "--out", "-o", help=".png (default RUN_DIR/curves.png, or the first "
+                                            "folder's compare.png for several runs, replaced each time), .pdf or "
+                                            ".svg; a folder gets curves.png or compare.png"),
          force: bool = typer.Option(False, "--force", help="replace an existing --out file")) -> None:
-    """Write a PNG of a run's curves (reward, length, KL, entropy, losses, speed, memory)."""
+    """Write a PNG of a run's curves (reward, length, KL, entropy, losses, speed, memory); several runs on one
+    figure, one line each, with held-out accuracy against training seconds too."""
     from edgerl.train.metrics import plot as plot_run
-    path = plot_run(run_dir, out, overwrite=force or out is None)
+    path = plot_run(run_dirs, out, overwrite=force or out is None)
     console.print(f"wrote {escape(str(path))}", soft_wrap=True)

@@ -107,6 +107,36 @@ def test_plot_prints_the_path_it_wrote(tmp_path):
     one_line_error(run("plot", tmp_path / "none"), "metrics.jsonl does not exist")
 
 
+def test_plot_of_several_runs_draws_each_beside_the_others(tmp_path):
+    """Two run folders: one figure (the first folder's compare.png), one line per run labelled with its folder,
+    held-out accuracy against steps and against the training seconds summed; a missing folder is one line."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for name, secs in (("edgerl-run", 1.0), ("trl-run", 3.0)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": 0, "eval/accuracy": 0.5}] + [{"step": i, "perf/step_s": secs, "reward/mean": i / 10,
+                                                        **({"eval/accuracy": 0.5 + i / 10} if i == 2 else {})}
+                                                       for i in (1, 2)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = []
+    real = plt.subplots
+    plt.subplots = lambda *a, **k: figures.append(real(*a, **k)) or figures[-1]
+    try:
+        r = run("plot", tmp_path / "edgerl-run", tmp_path / "trl-run")
+    finally:
+        plt.subplots = real
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().endswith(str(tmp_path / "edgerl-run" / "compare.png"))
+    panels = {ax.get_title(): ax for ax in figures[0][1].flat}
+    by_seconds = panels["held-out vs training seconds"]
+    assert [ln.get_label() for ln in by_seconds.get_lines()] == ["edgerl-run", "trl-run"]
+    assert [list(ln.get_xdata()) for ln in by_seconds.get_lines()] == [[0.0, 2.0], [0.0, 6.0]]
+    assert [ln.get_label() for ln in panels["reward (mean)"].get_lines()] == ["edgerl-run", "trl-run"]
+    one_line_error(run("plot", tmp_path / "edgerl-run", tmp_path / "none"), "metrics.jsonl does not exist")
+
+
 def test_cpu_plan_keeps_state_in_memory_not_on_a_gpu():
     r = run("recommend", "--gpu", "cpu", "--format", "json")
     reasons = json.loads(r.stdout)["reasons"]

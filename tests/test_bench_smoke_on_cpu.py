@@ -414,3 +414,110 @@ def test_bench_vs_trl_gives_trl_edgerls_allocator_settings():
             assert rc == 0 and tail.strip() == "unset"
     finally:
         del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+
+
+# ------------------------------------------------------------------------------------- bench_learning
+
+def test_learning_tasks_draw_edgerls_order_and_keep_the_heldout_problems_apart():
+    """The training rows are edgerl's built-in problems in its sampler's order for the seed (so TRL, given them
+    unshuffled, sees the same prompts in the same order); the held-out problems are edgerl's held-out set (another
+    seed, no training prompt); the gsm8k task asks with verl's instruction and scores '#### <number>' only."""
+    import learning_tasks as lt
+    from edgerl.data.builtin import GSM8K_INSTRUCTION, generate_arithmetic
+    from edgerl.data.sampler import PromptSampler
+    task = lt.TASKS["arithmetic"]
+    train, heldout = lt.rows_of(task, 1)
+    pool = generate_arithmetic(lt.TRAIN_PROBLEMS, 1, 0)
+    sampler = PromptSampler(len(pool), 8, seed=1, log=None)
+    assert len(train) == 24 * 8 and train[:16] == [pool[i] for i in sampler.next_batch() + sampler.next_batch()]
+    assert train != lt.rows_of(task, 2)[0] and lt.rows_of(task, 1)[0] == train   # seeded
+    assert len(heldout) == 64 and not {r["extra_info"]["question"] for r in heldout} & \
+        {r["extra_info"]["question"] for r in pool}
+    g_train, g_heldout = lt.rows_of(lt.TASKS["gsm8k"], 0)
+    assert {r["data_source"] for r in g_train + g_heldout} == {"openai/gsm8k"}
+    assert g_train[0]["prompt"][0]["content"].endswith(" " + GSM8K_INSTRUCTION)
+    assert g_train[0]["extra_info"]["difficulty"] == lt.TASKS["gsm8k"].difficulty
+    truth = g_train[0]["reward_model"]["ground_truth"]
+    assert lt.reward("openai/gsm8k", f"so {truth}", truth) == 0.0 and lt.reward("openai/gsm8k", f"#### {truth}", truth) == 1.0
+    assert lt.reward("edgerl/arithmetic", f"so {truth}", truth) == 1.0   # the built-in task takes the last number
+
+
+def test_trls_settings_are_edgerls():
+    """Every learning setting of TRL's side (learning_trl.trl_config) equals edgerl's (bench_learning.edgerl_sets,
+    read as edgerl reads it): a change on one side only fails here."""
+    import bench_learning as b
+    import learning_tasks as lt
+    from learning_trl import trl_config
+    from edgerl.config.load import load_config
+    task = lt.TASKS["arithmetic"]
+    cfg = load_config(None, b.edgerl_sets(task, Path("t.jsonl"), Path("h.jsonl"), 2, "cpu"))
+    spec = {"prompts_per_step": task.prompts_per_step, "samples": task.samples, "new_tokens": task.new_tokens,
+            "steps": task.steps, "lr": task.lr, "seed": 2, "run_dir": "r"}
+    t = trl_config(spec, cuda=False)
+    r, a, tr = cfg.rollout, cfg.algo, cfg.train
+    batch = tr.prompts_per_step * r.n_samples
+    assert (t["num_generations"], t["per_device_train_batch_size"]) == (r.n_samples, batch)
+    assert tr.mini_batch is None and tr.ppo_epochs == 1 and t["gradient_accumulation_steps"] == 1 \
+        and t["steps_per_generation"] == 1 and t["num_iterations"] == 1   # one optimizer step per generation
+    assert (t["max_steps"], t["max_completion_length"], t["learning_rate"]) == (tr.steps, r.max_new_tokens, tr.lr)
+    assert (t["temperature"], t["top_p"], t["top_k"]) == (r.temperature, r.top_p, r.top_k) and r.stop_at_eos
+    assert [t["adam_beta1"], t["adam_beta2"]] == tr.betas and t["weight_decay"] == tr.weight_decay
+    assert t["max_grad_norm"] == tr.max_grad_norm and t["seed"] == tr.seed
+    assert (t["lr_scheduler_type"], t["warmup_steps"]) == (tr.lr_schedule, 0) and tr.warmup_ratio == 0
+    assert t["beta"] == a.kl_coef == 0 and (t["epsilon"], t["epsilon_high"]) == a.clip_range()
+    assert (t["loss_type"], a.loss_agg_mode()) == ("dapo", "token-mean") and a.policy_loss == "ppo"
+    assert t["scale_rewards"] == "group" and a.norm_adv_by_std and a.advantage == "grpo"
+    assert t["mask_truncated_completions"] is False and a.overlong == "none" and not a.dynamic_sampling
+    assert t["shuffle_dataset"] is False and cfg.data.shuffle is False
+
+
+def _learning_record(tool, seed, accs, step_s):
+    return {"task": "arithmetic", "tool": tool, "seed": seed, "status": "ok", "device": "cpu", "machine": "CPU",
+            "versions": {"trl": "1.16.0"},
+            "evals": [{"step": s, "accuracy": v} for s, v in zip((0, 12, 24), accs)],
+            "steps": [{"step": i, "wall_s": step_s, "reward_mean": 0.5} for i in range(1, 25)]}
+
+
+def test_learning_summary_finds_when_each_tool_reaches_trls_final_accuracy(tmp_path):
+    """Mean and range over seeds at each evaluation; TRL's final mean is the target; a tool reaches it at the
+    first evaluation whose mean is at least the target, after the training seconds summed to that step."""
+    import bench_learning as b
+    recs = [_learning_record("trl", 0, (0.5, 0.7, 0.8), 10.0), _learning_record("trl", 1, (0.5, 0.6, 0.9), 10.0),
+            _learning_record("edgerl", 0, (0.5, 0.9, 0.9), 2.0), _learning_record("edgerl", 1, (0.5, 0.8, 0.9), 2.0)]
+    for r in recs:
+        (tmp_path / f"arithmetic_{r['tool']}_seed{r['seed']}.json").write_text(json.dumps(r))
+    (tmp_path / "arithmetic_edgerl_seed2.json").write_text(json.dumps({**recs[2], "seed": 2, "status": "timeout"}))
+    s = b.summarise(b.load_records([str(tmp_path)]))["arithmetic"]
+    assert s["target"] == pytest.approx(0.85)
+    assert s["edgerl"]["acc"][12] == (pytest.approx(0.85), 0.8, 0.9) and s["edgerl"]["seeds"] == [0, 1]
+    assert s["edgerl"]["reach"] == (12, 24.0) and s["trl"]["reach"] == (24, 240.0)
+    text = b.table({"arithmetic": s})
+    assert "| edgerl | 2 | 0.500 (0.500-0.500) | 0.850 (0.800-0.900) | 0.900 (0.900-0.900) | 2.00 | 48 | step 12, 24 s |" \
+        in text
+    worse = [_learning_record("edgerl", 0, (0.5, 0.6, 0.7), 2.0)] + recs[:2]
+    assert "not reached" in b.table(b.summarise(worse))
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_bench_learning_smoke_trains_both_tools_and_plots_them_side_by_side(tmp_path):
+    """--smoke: a tiny random model, 2 steps of each tool on the same rows; each run's JSON holds its steps and
+    its evaluations before step 1, after 1 and after 2; TRL tokenized the prompts as edgerl did; the summary
+    prints the table and `edgerl plot` draws both run folders on one figure."""
+    pytest.importorskip("trl", reason="TRL is not installed (pip install trl==1.16.0; CI leaves it out)")
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(BENCH / "bench_learning.py"), "--smoke", "--seeds", "0", "--out",
+                          str(out), "--work", str(tmp_path / "work"), "--tokenizer", str(TOKENIZER)],
+                         capture_output=True, text=True, env=ENV, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    recs = {t: json.loads((out / f"arithmetic_{t}_seed0.json").read_text()) for t in ("edgerl", "trl")}
+    for r in recs.values():
+        assert r["status"] == "ok", r.get("error")
+        assert [e["step"] for e in r["evals"]] == [0, 1, 2] and [s["step"] for s in r["steps"]] == [1, 2]
+        assert all(s["wall_s"] > 0 and s["length_mean"] for s in r["steps"])
+    assert recs["trl"]["prompt_ids_match"] is True and recs["trl"]["config"]["generation_batch_size"] == 4
+    summary = subprocess.run([sys.executable, str(BENCH / "bench_learning.py"), "--summary", str(out)],
+                             capture_output=True, text=True, env=ENV, timeout=300)
+    assert summary.returncode == 0 and "| trl | 1 |" in summary.stdout, summary.stdout + summary.stderr
+    from edgerl.train.metrics import plot
+    assert plot([Path(recs["edgerl"]["run_dir"]), Path(recs["trl"]["run_dir"])], tmp_path / "both.png").exists()

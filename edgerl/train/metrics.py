@@ -262,40 +262,63 @@ PLOTS = (("reward/mean", "reward (mean)"), ("response/length_mean", "response le
 IMAGE_TYPES = (".png", ".pdf", ".svg")
 
 
-def plot(run_dir: Path, out: Optional[Path] = None, log: Log = print, overwrite: bool = True) -> Path:
-    """An image of the main curves of a run; returns the path really written.
+def _cumulative_seconds(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Step -> training seconds up to and including it (perf/step_s summed; evaluation and setup left out)."""
+    total, out = 0.0, {}
+    for r in rows:
+        v = r.get("perf/step_s")
+        total += v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+        out[r["step"]] = total
+    return out
 
-    `out` None or a folder: curves.png in it (the run folder by default); a name without a suffix
-    gets '.png'; .pdf and .svg are written as such. A missing folder or another suffix is a
-    ConfigError, and so is an existing file unless `overwrite`; no metrics is a RunDirError. The
-    image is replaced atomically."""
+
+def plot(run_dirs: Path | list[Path], out: Optional[Path] = None, log: Log = print, overwrite: bool = True) -> Path:
+    """An image of the main curves of one run, or of several side by side (one line per run, labelled with its
+    folder's name, and a panel of held-out accuracy against training seconds); returns the path really written.
+
+    `out` None or a folder: curves.png in it (one run; the run folder by default) or compare.png (several; the
+    first run's folder by default); a name without a suffix gets '.png'; .pdf and .svg are written as such. A
+    missing folder or another suffix is a ConfigError, and so is an existing file unless `overwrite`; no metrics
+    is a RunDirError. The image is replaced atomically."""
+    dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(d) for d in run_dirs]
+    several = len(dirs) > 1
+
     def target() -> Path:
-        return output_file(out if out is not None else run_dir, IMAGE_TYPES, option="--out",
-                           default_name="curves.png", overwrite=overwrite)
+        return output_file(out if out is not None else dirs[0], IMAGE_TYPES, option="--out",
+                           default_name="compare.png" if several else "curves.png", overwrite=overwrite)
     path = target() if out is not None else None   # a bad --out fails before the metrics are read
-    rows = read_metrics(run_dir, log)
-    if not rows:
-        raise RunDirError(f"{Path(run_dir) / 'metrics.jsonl'} has no steps yet; plot once a step has finished")
+    runs = []
+    for d in dirs:
+        rows = read_metrics(d, log)
+        if not rows:
+            raise RunDirError(f"{d / 'metrics.jsonl'} has no steps yet; plot once a step has finished")
+        runs.append((d.resolve().name, rows))
     path = path or target()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    shown: list[tuple[Any, str]] = [(k, t) for k, t in PLOTS if any(isinstance(r.get(k), (int, float)) for r in rows)]
-    evals = _eval_keys({k for r in rows for k, v in r.items() if isinstance(v, (int, float))})
+    every = [r for _, rows in runs for r in rows]
+    shown: list[tuple[Any, str]] = [(k, t) for k, t in PLOTS if any(isinstance(r.get(k), (int, float)) for r in every)]
+    evals = _eval_keys({k for r in every for k, v in r.items() if isinstance(v, (int, float))})
     if evals:   # the held-out curves first: they say whether the run learns what it should
-        shown.insert(0, (evals, "held-out evaluation"))
+        if several:   # the headline key, one line per run, against steps and against training seconds
+            shown[:0] = [(evals[:1], "held-out evaluation"), (("seconds", evals[0]), "held-out vs training seconds")]
+        else:
+            shown.insert(0, (evals, "held-out evaluation"))
     cols = 3
     nrows = max(1, math.ceil(len(shown) / cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, shown):
-        for k in (key if isinstance(key, list) else [key]):
-            pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None,
-                    label=k.removeprefix("eval/"))
-        if isinstance(key, list):
+        for name, rows in runs:
+            x_of = _cumulative_seconds(rows) if isinstance(key, tuple) else {r["step"]: r["step"] for r in rows}
+            for k in ([key[1]] if isinstance(key, tuple) else key if isinstance(key, list) else [key]):
+                pts = [(x_of[r["step"]], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+                label = name if several else k.removeprefix("eval/")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None, label=label)
+        if isinstance(key, list) or several:
             ax.legend(fontsize=8)
         ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_xlabel("training seconds" if isinstance(key, tuple) else "step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(shown):]:
         ax.axis("off")
