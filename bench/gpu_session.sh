@@ -78,7 +78,8 @@
 #   long-check 150 bench_long --offload-cost and --check (the code paths of those rows, in a minute)
 #   learning 560   bench_learning: edgerl against TRL's GRPOTrainer on SmolLM2-135M-Instruct's real weights, TASK
 #                  (arithmetic or gsm8k; one task a call), SEEDS (default 0 1 2), each run alone on the GPU, then
-#                  the table (--summary) and the curves in $OUT/learning/. The weights: GGUF, the path of
+#                  the table (--summary) and the curves in $OUT/learning/; runs finished in an earlier call on the
+#                  machine still held are kept (the budget cut the rest: call again). The weights: GGUF, the path of
 #                  SmolLM2-135M-Instruct.Q4_1.gguf carried to the machine (converted once into the cache); a call
 #                  that finds the cache folder already there (the machine still held) needs no GGUF
 #   tests-real 200 tests/test_real_weights_cuda.py: the static engine against HF on the same weights (GGUF as
@@ -165,8 +166,8 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               i=0; IFS=';' read -ra jobs <<< \"\${VS_JOBS:-}\"; for j in \"\${jobs[@]}\"; do i=\$((i + 1)); mkdir -p $w-vs\$i; ln -sfn $w/models $w-vs\$i/models;
                   timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left --shared-gpu \$j --out $OUT/bench_vs_trl_long\${i}$x.json > $LOGS/vs\${i}$x.log 2>&1 & done;
               ${LONG_ROWS:+python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} --only $LONG_ROWS ${LONG_ARGS:-} --timeout \$(( left - 30 )) --budget-s \$left --tokenizer $TOK --work $w --out $OUT/bench_long$x.json;} wait" ;;
-        learning) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF &&} python3 bench/bench_learning.py --task ${TASK:-arithmetic} --seeds ${SEEDS:-0 1 2} --device cuda --budget-s $(( b - 15 )) --work $w-learning --out $OUT/learning;
-              python3 bench/bench_learning.py --summary $OUT/learning --plot $OUT/learning" ;;
+        learning) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF &&} python3 bench/bench_learning.py --task ${TASK:-arithmetic} --seeds ${SEEDS:-0 1 2} --device cuda --budget-s $(( b - 15 )) --work $w-learning --out $w-learning/results;
+              mkdir -p $OUT/learning; cp $w-learning/results/*.json $OUT/learning/; python3 bench/bench_learning.py --summary $OUT/learning --plot $OUT/learning" ;;
         tests-real) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF &&} python3 -m pytest -q -p no:cacheprovider -rs tests/test_real_weights_cuda.py 2>&1 | tee $OUT/tests_real$x.log | tail -30" ;;
         archs) echo "python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json" ;;
         recipes-archs) echo "timeout -k 5 200 python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json > $LOGS/archs$x.log 2>&1 &

@@ -98,9 +98,11 @@ def check_greedy(model, engine_fn, prompts: list[list[int]], new_tokens: int, ma
     for r, cut in zip(got.response_ids, got.truncated):
         assert (r[-1] == EOS) != cut and EOS not in r[:-1]
     assert got.info["compactions"] >= 1, got.info          # finished rows left the decode batch
-    keep = engine_fn()
-    keep.drop_finished = False
-    assert keep.generate(prompts, 1, params).response_ids == got.response_ids
+    if a.equal_rows < a.rows:   # equal to HF's rows, the dropping changed nothing; else compare with it off
+        keep = engine_fn()      # (a smaller batch may round differently in 16 bits: the same margin applies)
+        keep.drop_finished = False
+        kept = agreement(model, prompts, got.response_ids, keep.generate(prompts, 1, params).response_ids)
+        assert kept.worst_margin <= margin, kept
     return a
 
 

@@ -34,6 +34,10 @@ def test_embedded_model_converts_to_a_loadable_hf_folder(tmp_path, monkeypatch):
     text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "5" in text, text  # the real instruct model, not random weights
     assert embedded_folder("smollm2-135m-instruct", say=said.append) == folder  # cached: converts nothing
+    # the same file given by its path (python -m edgerl.models.embedded FILE.gguf) lands in the same folder
+    from edgerl.models.embedded import _gguf, convert_gguf
+    gguf_folder, gguf = _gguf("smollm2-135m-instruct")
+    assert convert_gguf(gguf_folder / gguf, say=said.append) == folder
     assert len(said) == 2
 
 
@@ -64,3 +68,16 @@ def test_the_tokenizer_alone_matches_the_converted_models(tmp_path, monkeypatch)
     assert tok("Natalia sold 48 clips").input_ids == [62, 6927, 542, 3459, 216, 36, 40, 23026]
     (folder / "marker").write_text("")
     assert embedded_tokenizer("smollm2-135m-instruct") == folder and (folder / "marker").exists()  # cached
+
+
+def test_a_gguf_path_that_is_not_a_file_is_one_line(tmp_path):
+    """python -m edgerl.models.embedded FILE.gguf (a machine without the package): a wrong path is one line,
+    exit 2, and nothing is written."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "edgerl.models.embedded", str(tmp_path / "none.gguf")],
+                         capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
+                                                                          "EDGERL_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {tmp_path / 'none.gguf'} is not a file; give the " \
+        "path of a .gguf model file", out.stderr
+    assert not (tmp_path / "cache").exists()

@@ -23,8 +23,10 @@ EXPECTED = {("torch", d) for d in DTYPES} | {(b, d) for b in ("triton-attention"
                                             for d in ("fp16", "bf16")} | {("cuda-c", "fp32"), ("cuda-c", "fp16")}
 # greedy: the largest gap, in HF's own logits, between HF's token and the engine's where they differ; sampled
 # log-probs: the largest and the mean gap to HF's forward (fp32 on the GPU: TF32 off, torch's default)
-GREEDY_MARGIN = {"fp32": 2e-3, "fp16": 0.25, "bf16": 1.0}
-LOGP_TOL = {"fp32": (2e-3, 1e-4), "fp16": (0.25, 0.01), "bf16": (1.0, 0.06)}
+# (on the CPU, torch's kernels: fp32 every row equal, log-probs within 2.5e-5, mean 3.2e-6; bf16 5 of 8 rows equal,
+# largest gap 0.19, log-probs within 0.21, mean 0.052; fp16 7 of 8, 0.016, 0.026 and 0.0043)
+GREEDY_MARGIN = {"fp32": 2e-3, "fp16": 0.1, "bf16": 0.5}
+LOGP_TOL = {"fp32": (1e-3, 1e-4), "fp16": (0.15, 0.01), "bf16": (0.75, 0.08)}
 
 
 def runnable(backend: str, dtype: str) -> str:

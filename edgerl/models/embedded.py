@@ -141,9 +141,10 @@ def convert_gguf(gguf_file: Path, target: Optional[Path] = None, say: Callable[[
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m edgerl.models.embedded FILE.gguf")
     try:
+        if len(sys.argv) != 2:
+            raise EmbeddedModelError("usage: python -m edgerl.models.embedded FILE.gguf")
         print(convert_gguf(Path(sys.argv[1])))
     except EmbeddedModelError as e:
-        raise SystemExit(f"error: {e}") from None
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
