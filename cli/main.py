@@ -22,6 +22,20 @@ from rich.markup import escape
 from .app import RANK, ConfigOpt, GpuOpt, SetOpt, SpecOpt, app, console, err, friendly
 
 
+def _version(value: bool) -> None:
+    if value:
+        from edgerl.core.version import describe
+        typer.echo("\n".join(describe()))
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                          help="print edgerl's version and commit, torch's and CUDA's, and exit")
+             ) -> None:
+    pass
+
+
 @app.command()
 @friendly
 def doctor(gpu: Optional[str] = GpuOpt, gpu_spec: Optional[str] = SpecOpt,

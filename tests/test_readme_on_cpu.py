@@ -93,3 +93,24 @@ def test_code_cites_only_the_repository():
                         hits.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not hits, ("cite docs/hardware.md or docs/benchmarks.md by heading, not files outside the repository "
                       "or section numbers:\n" + "\n".join(hits))
+
+
+def test_the_readmes_recommend_sample_is_what_the_command_prints():
+    """Each line of README's `edgerl recommend` sample (but the "[...]" elisions) comes out of the command
+    today, in that order, at the sample's width of 100 columns."""
+    import os
+    import subprocess
+    import sys
+    readme = (ROOT / "README.md").read_text()
+    cmd = "$ edgerl recommend --gpu p40 --model qwen2.5-0.5b"
+    block = readme[readme.index(cmd) + len(cmd):].split("```", 1)[0]
+    want = [line for line in block.strip("\n").splitlines() if not line.startswith("[...")]
+    out = subprocess.run([sys.executable, "-m", "edgerl.cli", *cmd.split()[2:]], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "100"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = [line.rstrip() for line in out.stdout.splitlines()]
+    at = 0
+    for line in want:
+        assert line in got[at:], f"README's recommend sample: {line!r} is no longer printed (after line {at}); " \
+                                 "paste the command's output at COLUMNS=100"
+        at = got.index(line, at) + 1

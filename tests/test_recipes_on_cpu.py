@@ -38,6 +38,21 @@ def test_every_recipe_is_listed_and_readme_shows_their_plans():
 
 
 @pytest.mark.parametrize("name", sorted(GPUS))
+def test_the_headers_commands_run_from_the_repository_root(name):
+    """Every path the header's commands name exists from the root, and the files they write are the ones the
+    recipe reads (data.path, eval.data: relative to where edgerl runs); pip installs from the clone, as the
+    package index holds no edgerl."""
+    path = RECIPES / name
+    header = [line[4:] for line in path.read_text().splitlines() if line.startswith("#   ")]
+    configs = [m.group(1) for line in header for m in [re.search(r"--config (\S+)", line)] if m]
+    assert configs and all((ROOT / c).is_file() for c in configs), configs
+    written = {m.group(1) for line in header for m in [re.search(r"data prepare \S+ .*--out (\S+)", line)] if m}
+    cfg = load_config(path, [])
+    assert {cfg.data.path, cfg.eval.data} == written
+    assert all("pip install '.[" in line for line in header if "pip install" in line)
+
+
+@pytest.mark.parametrize("name", sorted(GPUS))
 def test_the_recipe_plans_to_fit_its_card(name):
     path = RECIPES / name
     cfg = load_config(path, [])

@@ -117,10 +117,10 @@ def test_the_start_line_says_the_size_the_count_and_what_stays():
     line = retention.plan_line(538 * 2**20, 1076 * 2**20, 12, 2, True, True, False, 538 * 2**20)
     assert line == ("checkpoints: every 12 steps, each about 1.58 GiB (weights 538 MiB, optimizer state 1.05 GiB); "
                     "at most 3 kept (the newest 2 and the best by held-out score; run.keep_last, run.keep_best); "
-                    "at the end they stay beside final/ about 538 MiB (--final-only removes them)")
+                    "at the end they stay beside final/ (about 538 MiB) (--final-only removes them)")
     line = retention.plan_line(100 * 2**20, 200 * 2**20, 0, 1, True, False, True, None)
     assert "only on a stop signal" in line and "at most 1 kept (the newest 1;" in line
-    assert line.endswith("at the end final/ stays (run.final_only)")
+    assert line.endswith("at the end only final/ stays (run.final_only)")
 
 
 def test_a_run_says_what_a_checkpoint_costs_and_final_only_leaves_the_final_model(tiny_llama, tmp_path):
@@ -132,7 +132,7 @@ def test_a_run_says_what_a_checkpoint_costs_and_final_only_leaves_the_final_mode
                                           "rollout.n_samples=2", "run.tensorboard=false", "data.num_examples=16",
                                           "train.steps=2", "run.save_every=1", "run.final_only=true"], log=said.append)
     start = [s for s in said if s.startswith("checkpoints: every step, each about ")]
-    assert len(start) == 1 and re.search(r"at the end final/ about \d+ MiB stays \(run.final_only\)$", start[0]), said
+    assert len(start) == 1 and re.search(r"at the end only final/ \(about \d+ MiB\) stays \(run.final_only\)$", start[0]), said
     weights, optim = checkpoint_bytes(t.state, t.plan.optimizer)
     t.save()   # step 0's checkpoint, to weigh one against the estimate
     folder = run / "checkpoints" / "step-000000"

@@ -1,3 +1,3 @@
 """Errors a user can cause, and the files edgerl writes for them (atomically)."""
 
-VERSION = "0.1.0"   # pyproject.toml's version; edgerl.__version__
+VERSION = "0.1.0"   # the release: pyproject.toml reads it; edgerl.__version__, edgerl --version

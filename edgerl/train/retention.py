@@ -80,10 +80,10 @@ def plan_line(weights: int, optimizer: int, save_every: int, keep_last: int, kee
     line = (f"checkpoints: {every}, each about {fmt_bytes(weights + optimizer)} (weights {fmt_bytes(weights)}, "
             f"optimizer state {fmt_bytes(optimizer)}); at most {most} kept ({which}; run.keep_last, "
             f"run.keep_best)")
-    final = f"final/ about {fmt_bytes(final_bytes)}" if final_bytes else "final/"
+    final = f"final/ (about {fmt_bytes(final_bytes)})" if final_bytes else "final/"
     if final_only:
-        line += (f"; at the end {final} stays" + (" and the best checkpoint's weights" if keep_best and evaluated
-                                                   else "") + " (run.final_only)")
+        line += (f"; at the end only {final} stays" + (", with the best checkpoint's weights if that is not the last "
+                                                       "step" if keep_best and evaluated else "") + " (run.final_only)")
     else:
         line += f"; at the end they stay beside {final} (--final-only removes them)"
     return line
