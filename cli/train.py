@@ -30,6 +30,8 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
                                           "disk, but the run cannot be extended (run.final_only)"),
           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
+    from edgerl.core.platforms import check_can_train
+    check_can_train("edgerl train")   # native Windows: one line naming WSL2, before anything is imported or read
     from edgerl.rewards.contain import Interrupted
     from edgerl.train import session
     from edgerl.train.metrics import read_metrics, summary_line

@@ -238,3 +238,31 @@ def test_recommend_with_an_uncached_hub_id_offline_exits_2_in_one_line(offline_h
     r = CliRunner().invoke(app, ["recommend", "--gpu", "t4", "--model", "acme/nothing-cached"])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert "acme/nothing-cached" in r.output and "HF_HUB_OFFLINE" in r.output
+
+
+@pytest.fixture
+def unreachable_hub(tmp_path, monkeypatch):
+    """Online, but the Hub's address refuses connections (a closed local port): no network."""
+    from huggingface_hub import constants
+    from edgerl.core import hub
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", "http://127.0.0.1:9/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    hub.snapshot.cache_clear()
+    yield tmp_path / "hub"
+    hub.snapshot.cache_clear()
+
+
+def test_a_hub_id_without_a_network_says_the_hub_cannot_be_reached(unreachable_hub, tmp_path):
+    """Not 'download the model again' (nothing was downloaded): the Hub cannot be reached, how to download it
+    where there is a network, and HF_HUB_OFFLINE for the cache; through the tokenizer load `train` does first."""
+    from edgerl.models.load import load_tokenizer
+    fake_hub(unreachable_hub, "acme/config-only", {"config.json": b"{}"})   # `recommend` cached its config
+    for repo in ("acme/config-only", "acme/nothing-cached"):
+        with pytest.raises(ModelError) as e:
+            load_tokenizer(repo)
+        msg = str(e.value)
+        assert "\n" not in msg and "the Hub cannot be reached" in msg and f"hf download {repo}" in msg, msg
+        assert "HF_HUB_OFFLINE=1" in msg and "download the model again" not in msg

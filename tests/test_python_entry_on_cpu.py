@@ -78,3 +78,20 @@ def test_the_example_script_runs(tmp_path):
     assert {(s["step"], s["kind"]) for s in samples} == {(0, "eval"), (1, "train"), (1, "eval"), (2, "train"),
                                                          (2, "eval")}
     assert plot(tmp_path / "run").stat().st_size > 0
+
+
+@pytest.mark.parametrize("doc", ["docs/guide.md", "docs/python.md", "examples/python_entry.py"])
+def test_the_documented_step_callback_takes_the_evaluation_before_training(doc, capsys):
+    """Step 0 is the held-out evaluation before the first step: its metrics are eval/* only, with no
+    reward/mean. Each documented `on_step` prints both kinds of step (it once raised KeyError at step 0)."""
+    import re
+    root = Path(__file__).resolve().parents[1]
+    text = (root / doc).read_text()
+    found = re.search(r"^def on_step\(.*?(?=\n\n)", text, re.S | re.M)
+    assert found, f"{doc} has no on_step callback"
+    scope: dict = {}
+    exec(found.group(0), scope)
+    scope["on_step"](0, {"eval/accuracy": 0.547, "eval/reward": 0.547, "eval/response_length": 20.0})
+    scope["on_step"](1, {"reward/mean": 0.031, "loss/policy": 0.1, "eval/accuracy": 0.6})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "0.547" in out[0] and "0.031" in out[1], out

@@ -65,6 +65,10 @@ class TrainingError(RuntimeError):
     """Training cannot continue; the message says why and what to change."""
 
 
+class PlatformError(RuntimeError):
+    """This operating system cannot do what was asked (training on native Windows); the message says where."""
+
+
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, SpecError, ProfileError, ModelSpecError, PlanError, DataError, RewardError, ToolError, CheckpointError,
-    RunDirError, ModelError, EmbeddedModelError, OptimizerError, TrainingError)
+    RunDirError, ModelError, EmbeddedModelError, OptimizerError, TrainingError, PlatformError)

@@ -36,9 +36,12 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _why(e: BaseException) -> str:
+def _why(e: BaseException, repo_id: str = "OWNER/NAME") -> str:
     """A download failure as a clause, one line."""
     from huggingface_hub import errors
+    if _unreachable(e):
+        return (f"the Hub cannot be reached ({type(e).__name__}); on a machine with a network, download it into "
+                f"the cache with `hf download {repo_id}`, then set HF_HUB_OFFLINE=1 to use the cache alone")
     if isinstance(e, errors.GatedRepoError):
         return "the repository is gated: accept its terms on the Hub and log in (hf auth login, or HF_TOKEN)"
     if isinstance(e, errors.RepositoryNotFoundError):
@@ -48,6 +51,19 @@ def _why(e: BaseException) -> str:
     first = " ".join(str(e).split())[:200]
     return f"it could not be downloaded ({type(e).__name__}: {first}); check the network, or set HF_HUB_OFFLINE=1 " \
            "to use the cache alone"
+
+
+def _unreachable(e: BaseException) -> bool:
+    """No connection to the Hub: huggingface_hub's LocalEntryNotFoundError (it could not connect, and the cache
+    lacks the file) or a connection error of the HTTP library under it, anywhere in the chain of causes."""
+    from huggingface_hub import errors
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, errors.LocalEntryNotFoundError) or type(e).__name__ in (
+                "ConnectionError", "ConnectError", "ConnectTimeout", "NameResolutionError", "MaxRetryError"):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def _missing(repo_id: str, what: str, why: str) -> str:
@@ -75,7 +91,7 @@ def config_file(repo_id: str) -> Path:
     try:
         return Path(hf_hub_download(repo_id, "config.json"))
     except Exception as e:   # network, authentication, a missing repository: all one line
-        raise ModelSpecError(_missing(repo_id, "its config.json is", _why(e))) from None
+        raise ModelSpecError(_missing(repo_id, "its config.json is", _why(e, repo_id))) from None
 
 
 def _has_weights(folder: Path) -> bool:
@@ -94,8 +110,19 @@ def snapshot(repo_id: str) -> Path:
             folder = Path(snapshot_download(repo_id, allow_patterns=["pytorch_model*.bin"],
                                             ignore_patterns=SKIP_FILES))
     except Exception as e:
-        raise ModelError(_missing(repo_id, "its weights are", _offline_why() if offline() else _why(e))) from None
+        raise ModelError(_missing(repo_id, "its weights are", _offline_why() if offline() else _why(e, repo_id))) \
+            from None
     if not _has_weights(folder):
-        raise ModelError(_missing(repo_id, "its weights are", _offline_why() if offline() else
-                                  "the repository has no .safetensors or pytorch_model*.bin weights"))
+        raise ModelError(_missing(repo_id, "its weights are", _offline_why() if offline() else _no_weights(repo_id)))
     return folder
+
+
+def _no_weights(repo_id: str) -> str:
+    """Why a download left no weights: huggingface_hub returns a cached snapshot without them (a config that
+    `recommend` fetched) when the Hub cannot be reached, so ask the Hub before blaming the repository."""
+    from huggingface_hub import HfApi
+    try:
+        HfApi().model_info(repo_id)
+    except Exception as e:
+        return _why(e, repo_id)
+    return "the repository has no .safetensors or pytorch_model*.bin weights"

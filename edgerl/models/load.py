@@ -55,8 +55,9 @@ def model_source(path: str) -> str:
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
+    source = model_source(path)   # a hub id that cannot be fetched: its own one-line ModelError
     try:
-        tok = AutoTokenizer.from_pretrained(model_source(path), trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as e:
         raise ModelError(f"cannot load the tokenizer of {path!r}: {e}. Offline, pass a local folder "
                          "(--set model.tokenizer=PATH)") from None
