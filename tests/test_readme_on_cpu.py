@@ -114,3 +114,8 @@ def test_the_readmes_recommend_sample_is_what_the_command_prints():
         assert line in got[at:], f"README's recommend sample: {line!r} is no longer printed (after line {at}); " \
                                  "paste the command's output at COLUMNS=100"
         at = got.index(line, at) + 1
+    # and the elisions count the decisions left out: the two shown and the ones "[... N ...]" names
+    shown = sum(int(n) for n in re.findall(r"^\[\.\.\. (\d+) (?:more )?decisions", block, re.M))
+    end = next(i for i, line in enumerate(got) if "component" in line)
+    rows = [line for line in got[:end] if line.startswith("│ ") and line[2] != " "]
+    assert len(rows) == shown + 2, f"the recommend sample says {shown + 2} decisions; the command prints {len(rows)}"
