@@ -69,8 +69,8 @@ def triton_variants(variants, proj, x, W, res_in, sweep):
 
 # The sweep's grid per product (BM 16, 4 warps): output columns per program, inner block, pipeline depth (up to
 # the depth that has every inner block of a 360M product in flight at once), the inner dimension split over 1, 2
-# or 4 programs, and W x^T or x W^T. It leaves out what measured slower (docs/benchmarks.md, Decode projections
-# and History): q/k/v and gate/up split, q/k/v as x W^T, gate/up and o as W x^T, down at 16 columns; --sweep-all
+# or 4 programs, and W x^T or x W^T. It leaves out what measured slower (docs/benchmarks.md, Decode projections;
+# docs/lab-log.md, 2026-12-02): q/k/v and gate/up split, q/k/v as x W^T, gate/up and o as W x^T, down at 16 columns; --sweep-all
 # puts the splits and both operand orders back.
 SWEEP = {"qkv": dict(bn=(16, 32, 64), bk=(128, 256, 512), stages=(3, 4, 5, 6), split=(1,), swap=(1,)),
          "gate_up": dict(bn=(16, 32), bk=(128, 256, 512), stages=(2, 3, 4, 5), split=(1,), swap=(0,)),
@@ -121,7 +121,7 @@ def main():
     ap.add_argument("--triton", action="store_true", help="add the fused Triton projections")
     ap.add_argument("--sweep", action="store_true", help="with --triton: time a grid of tiles too")
     ap.add_argument("--sweep-all", action="store_true", help="with --sweep: also the splits and operand orders that "
-                    "measured slower (docs/benchmarks.md, History)")
+                    "measured slower (docs/lab-log.md, 2026-12-02)")
     args = ap.parse_args()
     refuse_unknown_models_and_out(ap, args.models, args.out)
     if args.rows < 1:

@@ -93,7 +93,7 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // One block of 1024 threads per row (a few values each: a decode step has few rows, and 256 threads per row
-// took 4.8 us at width 4096 on an H200, waiting on their loads): xo = x + d (when has_d),
+// were slower, waiting on their loads: docs/lab-log.md, Figures from earlier code comments): xo = x + d (when has_d),
 // y = w * ((x + d) * rsqrt(mean((x + d)^2) + eps)), in fp16 with x + d and the normalised value rounded to fp16
 // where HF's eager ops round them.
 template <typename T>

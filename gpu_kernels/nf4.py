@@ -2,7 +2,7 @@
 
 bitsandbytes multiplies a few rows by a 4-bit weight in two steps: dequantize the whole weight to the
 compute dtype (writing N x K values), then a GEMM that reads them back. For a decode step of 16 rows in
-fp32 (what a P40 plan computes in), that is 8.5 bytes moved per weight for 32 flops, and it was 74% of
+fp32 (what a P40 plan computes in), that is 8.5 bytes moved per weight for 32 flops, and it was most of
 the step (docs/benchmarks.md, Fused NF4 decode kernel). This kernel reads the packed codes (0.5 bytes a weight) and
 their block scales, decodes them in registers and multiplies in fp32: the same products, no fp32 copy.
 
@@ -23,9 +23,8 @@ within the 48 KB a Pascal block may use). K is also split across blocks where th
 waves better (`_splits`), and a second small kernel then adds the fp32 partials. A LoRA adapter
 (`lora=`) rides along: its A as r more rows of the weight in fp32 (x A^T summed with the rest), and
 scale * (x A^T) B^T joins the second kernel's sum; no kernel of its own (docs/benchmarks.md, Fused NF4 decode kernel).
-A first version (a warp per 8 K-chunked rows, x chunks behind a block barrier) reached a fifth of the
-H200's fp32 matmul rate at 16 rows, barely ahead of bitsandbytes; this one 46% (docs/benchmarks.md, History and
-Fused NF4 decode kernel).
+A first version (a warp per 8 K-chunked rows, x chunks behind a block barrier) was barely ahead of bitsandbytes
+(docs/lab-log.md, 2026-12-01, NF4 kernel versions; this one: docs/benchmarks.md, Fused NF4 decode kernel).
 
 Compiled at run time with NVRTC (`nvrtc.py`) for the GPU's own architecture: CC 6.0 and up with a
 CUDA 12 torch, 7.5 and up with CUDA 13.
@@ -82,7 +81,7 @@ __device__ __forceinline__ void stage_x(float* xs, const T* __restrict__ x, int 
 // A LoRA adapter's x A^T rides along as `rank` more rows of W, in fp32: the blocks past the weight's last
 // (blockIdx.x >= N tiles) multiply by rows of A (r, K) instead of decoded codes and write their partials
 // in columns N.. of the same rows, which nf4_sum adds up before it multiplies by B. A separate kernel for
-// x A^T (cuBLAS: a split-K GEMM and its reduction) cost 10 us per projection, 13% of a 7B decode step.
+// x A^T (cuBLAS: a split-K GEMM and its reduction) cost more (docs/lab-log.md, 2026-12-01, NF4 kernel versions).
 template <typename T, int MT, int R>
 __global__ void __launch_bounds__(256) nf4_mm(
     const T* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ qabs,
@@ -222,7 +221,7 @@ __global__ void __launch_bounds__(256) nf4_mm(
 // t = x A^T summed from its own partials (columns N.. of the workspace) into shared memory first. Block:
 // 256 output columns of SUM_ROWS rows of x. A thread reads its column's row of B once, four floats at a
 // time, for all its rows (the first version, a block per row reading B one float at a time, waited on
-// those loads in turn: 10 us per call at N = 14336). Every output's sum runs in the same order as before:
+// those loads in turn: docs/lab-log.md, Figures from earlier code comments). Every output's sum runs in the same order as before:
 // the splits in turn, the bias, then scale * sum_j t[j] B[n, j] over j in turn.
 #define SUM_ROWS 4
 template <typename T>
@@ -296,7 +295,8 @@ def _rows_tile(m: int) -> int:
 
 def _rows_of_w(n: int) -> int:
     """Rows of W per lane: 2 (each staged x value feeds twice the multiply-adds) from N = 1024 (the split
-    along K fills the GPU either way); on an H200 at 16 rows, 1.35x at N = 3584, 0.83x at N = 512."""
+    along K fills the GPU either way; below it, 2 rows were slower: docs/lab-log.md, Figures from earlier
+    code comments)."""
     return 2 if n >= 1024 else 1
 
 

@@ -209,15 +209,15 @@ DECODE_CUDA_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_CUDA_MAX_GROUP = 8
 # rope_attend attends a cache longer than this many columns in slices of it, a block each (split-K), merged by a
 # second kernel: one block per row and KV head (32 at 16 rows of Qwen2.5-1.5B's 2 KV heads) leaves most SMs
-# idle while it walks thousands of columns. 512 is the setting the long-response rows were measured with; in
-# bench/bench_decode_cuda_attention.py on an H200, slices of 256 took 0-8% less kernel time summed over 256 to
-# 8192 columns, and 1024 or 2048 more (docs/benchmarks.md).
+# idle while it walks thousands of columns. 512 is the setting the long-response rows were measured with; slices
+# of 256 measured within a few percent of it, longer ones slower (docs/benchmarks.md, The attention at long
+# lengths: split over columns).
 DECODE_CUDA_SPLIT_COLUMNS = 512
 
 
 # The fused NF4 decode kernel (gpu_kernels/nf4.py) takes a decode step's rows up to this many: per projection
-# on an H200 in fp32 it beat bitsandbytes' dequantize-then-GEMM 1.4-3.2x at 32 rows and matched it at 64
-# (docs/benchmarks.md); more rows go to bitsandbytes.
+# in fp32 it beat bitsandbytes' dequantize-then-GEMM at 32 rows and matched it at 64 (docs/benchmarks.md, Fused
+# NF4 decode kernel); more rows go to bitsandbytes.
 NF4_DECODE_ROWS = 32
 
 
@@ -233,7 +233,7 @@ def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
 # gpu_kernels/_triton_decode_linear.py (the decode step's projections with their elementwise work fused):
 # each program walks the inner dimension (or a slice of it) for BN output columns, so the programs' count
 # is what spreads the weight's bytes over the SMs, and the bytes each has in flight (BK x BN x stages) what
-# hides the memory's latency. The blocks come from a sweep at 16 rows on an H200 over the 360M and 1.7B
+# hides the memory's latency. The blocks come from a sweep at 16 rows over the 360M and 1.7B
 # shapes (`bench/bench_decode_gemm.py --triton --sweep`, docs/benchmarks.md, Decode projections): for each of
 # the eight products within 7% of the fastest tiles measured in the same run.
 
@@ -249,9 +249,9 @@ def decode_linear_tiles(rows: int, n: int, k: int, dtype_bytes: int, glu: bool, 
     columns; under glu each program reads two weight blocks of BN rows):
     - glu (gate/up, the norm before it): BN 32, BK 256, up to 3 stages;
     - norm (q/k/v): BN 64, BK 256, the product computed as W x^T (swap: the weight block as the first
-      operand, 1.4x faster there);
+      operand, faster there: docs/lab-log.md, Figures from earlier code comments);
     - o (the residual add after it, an inner dimension no longer than its output): BN 16, BK 256, not split
-      (1.2x faster than the down product's tiles at 360M, 1.03x at 1.7B: docs/benchmarks.md, Decode projections);
+      (faster than the down product's tiles: docs/benchmarks.md, Decode projections);
     - otherwise (down, the residual add after it): BN 32, BK 128, the inner dimension split over 4 or 2
       programs where each slice still holds two BK blocks and the programs stay within 4 per SM.
     Stages: the deepest of up to 4 that fits in shared memory with a quarter spare for the compiler's own

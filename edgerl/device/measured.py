@@ -88,7 +88,7 @@ class Measurements:
     def offload_seconds(self, nbytes: float, direction: str = "h2d") -> Optional[float]:
         """Predicted seconds to move `nbytes` between pinned host memory and the GPU at the measured
         rate: "h2d", "d2h", or "round_trip" (out and back). The rate comes from one large copy (256 MiB
-        unless the card was short of memory); transfers of a few MiB or less also pay ~10 us of latency
+        unless the card was short of memory); transfers of a few MiB or less also pay a fixed latency
         each, which this leaves out. None if not measured."""
         rates = {"h2d": [self.h2d_gbs], "d2h": [self.d2h_gbs], "round_trip": [self.h2d_gbs, self.d2h_gbs]}
         if direction not in rates:

@@ -87,7 +87,7 @@ def _converted(target: Path) -> bool:
 
 
 def embedded_folder(name: str, say: Callable[[str], None] | None = None) -> Path:
-    """The HF folder for an embedded model, converting it from GGUF on first use (~20 s). The conversion
+    """The HF folder for an embedded model, converting it from GGUF on first use (once). The conversion
     is announced through `say` (default: standard error), with where it goes and its size, because it
     writes about half a gigabyte into the cache."""
     key = name.strip().lower()

@@ -395,8 +395,7 @@ def on_device(module: Optional[nn.Module], device: torch.device, enabled: bool):
     (the first time), so the copy in runs at the bus's speed with asynchronous copies; a host that
     cannot pin that much keeps pageable memory (slower copies, same result; said once in the log).
 
-    Measured before, with `module.to(device)` and `module.to("cpu")` every step: 2.4 s of a 3.9 s step
-    for the 1.7B reference on the H200 (docs/benchmarks.md, Reference swap)."""
+    Against `module.to(device)` and `module.to("cpu")` every step: docs/benchmarks.md, Reference swap."""
     if module is None or not enabled:
         yield module
         return

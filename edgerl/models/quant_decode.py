@@ -1,8 +1,8 @@
 """The rollout's decode step over an NF4 base through one fused kernel (`edgerl.kernels.nf4`).
 
 bitsandbytes' `Linear4bit` multiplies a few rows by dequantizing the whole weight to the compute dtype
-and running a GEMM on the copy; for the rows of a decode step that is most of the step's time (in fp32
-on a P40 plan, 74%: docs/benchmarks.md, Fused NF4 decode kernel). `enable(model, rows)` turns each NF4 `Linear4bit`
+and running a GEMM on the copy; for the rows of a decode step that is most of the step's time
+(docs/benchmarks.md, Fused NF4 decode kernel). `enable(model, rows)` turns each NF4 `Linear4bit`
 of the model into a `DecodeLinear4bit`, the same module (same weight, state dict and peft wrapping)
 whose forward sends inputs of at most `rows` rows, outside autograd, to the fused kernel, and
 everything else (training, scoring, prefill) to bitsandbytes as before. The kernel computes the same
@@ -61,7 +61,7 @@ def _lora_class(wrapper: type) -> type:
     kernel and one plain LoRA adapter is active, computes the adapter inside the kernel: x A^T with the
     weight's own rows, scale (x A^T) B^T in its last sum, where peft runs six more kernels (A, B, a clone
     of the base output, the scale, the add, a cast) on each projection of each layer. (x A^T as a cuBLAS
-    matmul of its own took 13% of a 7B decode step on an H200: docs/benchmarks.md, Fused NF4 decode kernel.)"""
+    matmul of its own cost more: docs/lab-log.md, 2026-12-01, NF4 kernel versions.)"""
     cls = _classes.get(wrapper)
     if cls is not None:
         return cls

@@ -139,8 +139,7 @@ def pick_base_dtype(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> t
     """Storage dtype of a frozen LoRA base. It never changes, so it needs no fp32 master copy."""
     if not forced:
         if dev.is_cuda and dtype.compute == "fp32":
-            # measured under P40 emulation on an H200 (docs/benchmarks.md, What fits under a P40): LoRA on a
-            # 1.5B shape reserved 11.3 GiB with an fp16 base against 13.7 GiB with an fp32 one, at 4.08 vs 3.97 s per step
+            # the memory and step time of both bases under a P40's memory: docs/benchmarks.md, What fits under a P40
             return "fp16", (f"{dev.sm} computes in fp32; the frozen base is stored in fp16 and upcast one layer "
                             "at a time: measured 17% less memory for 3% more step time (docs/benchmarks.md, What fits "
                             "under a P40)")
@@ -211,7 +210,7 @@ def sdpa_backends(dev: Device, dtype: str) -> list[str]:
 FA2_CC = ((8, 0), (9, 0))
 
 
-# Measured on an H200 with torch 2.11 and cuDNN 9.19 (bench/bench_attention.py; docs/benchmarks.md, cuDNN attention).
+# docs/benchmarks.md, cuDNN attention (bench/bench_attention.py).
 CUDNN_SDPA_SETUP = ("it sets up each new sequence length anew, which cost up to seconds per forward and backward on an "
                     "H200 where the other backends take about a millisecond")
 
@@ -306,9 +305,8 @@ def _asked(setting: str, forced: Optional[bool], impossible: str) -> Optional[tu
 
 
 PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention keywords on (tests/test_packing_on_cpu.py)
-# Below this width the packed attention's extra kernels cost more than the prompt tokens save: on an H200
-# in bf16 (docs/benchmarks.md, Shared prompts) a 362M step (hidden 960) took 0.95 s packed against 0.75 s,
-# a 1.7B step (2048) 0.98 against 1.08 s.
+# Below this width the packed attention's extra kernels cost more than the prompt tokens save (docs/benchmarks.md,
+# Shared prompts: slower at hidden 960, faster at 2048).
 PACK_MIN_HIDDEN = 2048
 
 

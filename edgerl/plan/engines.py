@@ -100,8 +100,8 @@ def _static_support(c: "Ctx") -> tuple[bool, str]:
 def _static_reason(c: "Ctx") -> str:
     step = ("its decode step replayed from a CUDA graph, which removes per-token Python and launch overhead and "
             "works on every CUDA GPU, Pascal included" if c.device.is_cuda else
-            # measured on a 2-core x86 CPU, fp32, 8 rows, 1 thread: 1.04-1.2x HF generate at 135M, 1.75x on
-            # tiny models (the CPU is bound by arithmetic at 135M)
+            # the CPU is bound by arithmetic at 135M, so the two are close there (docs/lab-log.md, Figures from
+            # earlier code comments)
             "its decode step eager on the CPU (as fast as HF generate or faster; it is the code the GPU runs)")
     return f"static: {_vllm(c)}; {_static_support(c)[1]}; {step}"
 

@@ -161,7 +161,7 @@ class Calibration:
     cuda_context: int = 880 * MiB
     # An NCCL communicator's buffers, also outside the allocator: one-process edgerl runs that created
     # one held 1.28-1.30 GiB outside it, those that did not 0.82-0.83 GiB (docs/benchmarks.md,
-    # Memory model and History). Counted when the plan runs on several processes, which create one; with more
+    # Memory model; docs/lab-log.md, 2026-12-01). Counted when the plan runs on several processes, which create one; with more
     # GPUs NCCL may hold more (not measured: no multi-GPU machine has run edgerl yet).
     nccl: int = 490 * MiB
     activation_factor: float = 1.0   # scales the activation formula

@@ -53,7 +53,7 @@ def candidates(stages: list[Stage], mini: int, forced_mb: Optional[int],
 
 
 # One micro-step's fixed time beside its matmuls: host launches of eager PyTorch (forward and backward,
-# some 60 kernels of ~8 us per layer) and, over a quantized base, dequantizing every weight to the
+# some 60 kernels per layer, each paying a host launch) and, over a quantized base, dequantizing every weight to the
 # compute dtype once in the forward and once in the backward (written, then read by the matmul).
 LAUNCH_S_PER_LAYER = 0.5e-3
 # The update's share of a step, the scale of moves.STAGE_COST (checkpointing's 0.17 is a third of it)

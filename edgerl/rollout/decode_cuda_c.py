@@ -5,14 +5,12 @@ kernels besides its matmuls. `gpu_kernels/decode_cuda.py` does that work in thre
 add with the RMS norm, the rotary embedding with the cache write and attention over the columns each
 row sees, and SiLU * up. Over an NF4 base (QLoRA) the projections' matmuls of up to `NF4_DECODE_ROWS`
 rows also go through edgerl's fused NF4 kernel (`models/quant_decode.py`: it reads the 4-bit codes once,
-where bitsandbytes writes and reads a dequantized fp32 copy of each weight). On an H200 at the
-Llama-3.1-8B widths over an NF4 base with LoRA, 16 rows: 12.92 ms per decode step against 13.88 with
-torch's ops, and the NF4 kernel 13.35 ms against bitsandbytes' 34.4 (docs/benchmarks.md).
+where bitsandbytes writes and reads a dequantized fp32 copy of each weight): docs/benchmarks.md, fp32 decode
+kernels and Fused NF4 decode kernel.
 
 The plan picks it for fp32 plans, and for fp16 plans where edgerl's Triton kernels cannot run (Volta and Turing,
-below their CC 8.0): in fp16 on the H200, a 1.7B decode step took 2.76 ms against 4.44 with torch's ops in the
-same CUDA graph, and the NF4 step at the Llama-3.1-8B widths 2.31 ms against bitsandbytes' 4.70
-(docs/benchmarks.md, fp16 decode kernels).
+below their CC 8.0), against torch's ops in the same CUDA graph and bitsandbytes' NF4 matmuls:
+docs/benchmarks.md, fp16 decode kernels.
 """
 
 from __future__ import annotations

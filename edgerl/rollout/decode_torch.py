@@ -5,8 +5,8 @@ What the plan picks where no edgerl kernel runs: the CPU, fp16 on Volta and Turi
 static engine replays the step from a CUDA graph. Attention reads the first S columns of the cache it is
 handed (the engine's span: the columns written so far, rounded up) and is baddbmm/softmax/bmm in fp32 and
 SDPA in 16 bits: a 16-bit baddbmm rounds the scores to 16 bits before the softmax, where HF's SDPA forward
-(what training runs) keeps them in fp32; on an H200 in bf16, bmm agreed with HF's argmax on 54-60% of
-tokens, SDPA on 76-83%, HF generate itself on 83-87% (docs/benchmarks.md).
+(what training runs) keeps them in fp32, and a 16-bit bmm agreed with HF's argmax on far fewer tokens
+than SDPA did (docs/lab-log.md, 2026-12-01).
 """
 
 from __future__ import annotations

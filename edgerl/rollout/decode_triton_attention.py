@@ -4,8 +4,7 @@
 over only the columns each row sees (SDPA's kernels read every column of the static cache, masked), in
 one kernel per layer. The plan picks it in 16 bits from CC 8.0 with triton where the Triton layers
 cannot run: a quantized base, whose projections are bitsandbytes modules, or an MLP that is not SiLU.
-On an H200 in bf16, in a CUDA graph without torch.compile, a decode step took 1.96 ms against SDPA's
-2.62 at 360M and 2.45 against 2.94 ms at 1.7B (docs/benchmarks.md).
+Its step against SDPA's: docs/benchmarks.md, Decode attention kernel.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ residual add, the norm fused into the gate/up product with SiLU(gate) * up as it
 down product with the residual add (`gpu_kernels/decode_linear.py`), each rounded where HF's ops round.
 The products that add to the residual stream also write the new rows' sums of squares, which the next
 norm reads instead of the rows. The plan picks it in 16 bits from CC 8.0 with triton, for fused
-projections and a SiLU MLP. On an H200 in bf16 it was the fastest decode step measured: 1.04-1.05x
-the torch.compile'd step (with its o and down products split-K) at 1.7B and the same within 1% at
-360M, which is why that step is not in the library (docs/benchmarks.md).
+projections and a SiLU MLP. It was the fastest 16-bit decode step measured, ahead of the torch.compile'd
+step (with its o and down products split-K), which is why that step is not in the library
+(docs/benchmarks.md, Rollout decode step).
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ The two draw their random bits differently (both keyed as above), so a run moved
 otherwise, equally at random.
 
 Shards in host memory (FSDP2's parameter offload) are stepped on `step_device` when one is given:
-each chunk of weight, gradient and state is copied there, stepped, and copied back (on an H200, 72x
-faster than the host's 16 cores at 362M parameters: docs/benchmarks.md, bf16 AdamW step).
+each chunk of weight, gradient and state is copied there, stepped, and copied back (far faster than
+stepping on the host's cores: docs/benchmarks.md, bf16 AdamW step).
 """
 
 from __future__ import annotations

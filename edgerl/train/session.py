@@ -177,9 +177,8 @@ def apply_env(plan: Plan, device: Any) -> None:
 def apply_switches(plan: Plan, device: Any) -> None:
     """Process-wide torch switches the plan relies on. On CUDA with SDPA attention: cuDNN's SDPA backend
     off (torch then takes flash, or the memory-efficient kernel where a batch has padding). cuDNN builds
-    an execution plan for every new sequence length, measured at 0.1 to 2.3 s per new length for a
-    forward and backward on an H200 (bench/bench_attention.py; docs/benchmarks.md, cuDNN attention), and a
-    GRPO batch's length changes from step to step."""
+    an execution plan for every new sequence length, which costs far more than the attention itself
+    (docs/benchmarks.md, cuDNN attention), and a GRPO batch's length changes from step to step."""
     if device.type == "cuda" and plan.attention == "sdpa":
         import torch
         torch.backends.cuda.enable_cudnn_sdp(False)
