@@ -12,8 +12,10 @@ was written with takes effect in one of three ways:
                schedule changed (`SCHEDULE`), so the step after the resume already uses it
     refused    the checkpoint's state cannot follow it (`REFUSED`, and `check`'s structural rules: LoRA
                or a critic turned on or off, another optimizer state format, another number of
-               prompts): one line, before anything is written. Another number of processes is no
-               change to refuse: the checkpoint's full state dicts re-shard (state.restore)
+               prompts: `STRUCTURAL`): one line, before anything is written. Another number of processes
+               is no change to refuse: the checkpoint's full state dicts re-shard (state.restore, `RESHARDED`)
+
+`table()` is docs/run-folders.md's table of these (`python -m edgerl.train.resume`; a test compares them).
 
 Nothing is announced that is not done: `changes` lists every differing key, and `apply` prints them.
 """
@@ -47,6 +49,13 @@ REFUSED = {
 }
 # where the run lives, not how it trains
 IGNORED = ("run.out_dir",)
+# what `check` refuses besides the keys of REFUSED: the checkpoint's state has another structure
+STRUCTURAL = ("LoRA or a critic turned on or off (`lora.enabled`, `algo.advantage`)",
+              "another optimizer state format (`plan.optimizer`)", "data that gives another number of prompts")
+# what a resume on another number of processes does (state.restore): no change to refuse
+RESHARDED = ("another number of processes (`torchrun --nproc_per_node`)",
+             "the checkpoint's full state dicts re-shard over the new processes, the prompt order continues where "
+             "it stopped, and each process starts a new sampling stream from `train.seed`, the step and its rank")
 
 
 def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -163,3 +172,34 @@ def _short(v: Any) -> str:
     text = json.dumps(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
+
+def _keys(keys: Any) -> str:
+    return ", ".join(f"`{k}`" for k in keys)
+
+
+def table() -> str:
+    """docs/run-folders.md's table of what a resume does with each change, from the constants above and the
+    config's keys: a key added to the config lands in the applied row unless it is named here."""
+    named = set(RESTORED) | set(REFUSED) | set(IGNORED)
+    whole, rest = [], []
+    for section, values in to_dict(Config()).items():
+        keys = {f"{section}.{k}" for k in values} if isinstance(values, dict) else set()
+        (rest if keys & named else whole).append(f"`{section}.*`")
+    rows = [
+        ("applied", f"every key not named below: {', '.join(whole)}, and the rest of {', '.join(rest)}",
+         "read from the config, as in a new run"),
+        ("restored, then set", _keys(RESTORED),
+         "the checkpoint holds these too (the optimizer, the schedule, the KL controller); the new value is written "
+         "into the restored state, and `actor/lr` / `actor/kl_coef` show it from the next step; a change to "
+         f"any of {_keys(SCHEDULE)} recomputes the next step's learning rate"),
+        ("refused", f"{_keys(REFUSED)}; {'; '.join(STRUCTURAL)}",
+         "one line naming the key and the run's value, before anything is written"),
+        ("re-sharded", RESHARDED[0], RESHARDED[1]),
+        ("ignored", _keys(IGNORED), "where the run lives, not how it trains"),
+    ]
+    return "\n".join(["| kind | keys | what happens |", "|---|---|---|"]
+                     + [f"| {kind} | {keys} | {what} |" for kind, keys, what in rows])
+
+
+if __name__ == "__main__":
+    print(table())
