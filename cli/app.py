@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from edgerl.core.errors import USER_ERRORS, ConfigError, ModelError, TrainingError
 from edgerl.core.files import check_path, shown
+from edgerl.rewards.contain import Interrupted
 from edgerl.train.ranks import Rank, from_env
 
 app = typer.Typer(name="edgerl", no_args_is_help=True, add_completion=False,
@@ -113,8 +114,9 @@ def friendly(fn: Callable) -> Callable:
             if RANK.main or isinstance(e, (TrainingError, ModelError)):
                 _say(str(e))
             raise typer.Exit(2) from None
-        except (Stopped, KeyboardInterrupt) as e:
-            name = str(e) if isinstance(e, Stopped) else "SIGINT (Ctrl-C)"
+        except (Stopped, KeyboardInterrupt, Interrupted) as e:
+            # Interrupted: the signal stopped user code (a reward file being imported, a reward in `eval`)
+            name = str(e) if isinstance(e, Stopped) else e.signal if isinstance(e, Interrupted) else "SIGINT (Ctrl-C)"
             after = ("before training began; nothing was trained: run the same command again to start"
                      if fn.__name__ == "train" else "; run the command again")
             err.print(f"[yellow]stopped by {name}{' ' if after[0] != ';' else ''}{after}[/]", highlight=False,

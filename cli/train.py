@@ -32,6 +32,7 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
     from edgerl.core.platforms import check_can_train
     check_can_train("edgerl train")   # native Windows: one line naming WSL2, before anything is imported or read
+    from edgerl.core.errors import RunDirError
     from edgerl.rewards.contain import Interrupted
     from edgerl.train import session
     from edgerl.train.metrics import read_metrics, summary_line
@@ -87,14 +88,21 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
     finally:
         s.close()
     if trainer.stop_signal:
-        console.print(f"[yellow]stopped by {trainer.stop_signal} after step {trainer.step}; resume with "
-                      f"edgerl train --resume {escape(str(s.run_dir))}[/]", soft_wrap=True)
+        from edgerl.train.checkpoint import latest
+        run = escape(str(s.run_dir))
+        way = (f"resume with edgerl train --resume {run}" if latest(s.run_dir) is not None else
+               "no step was saved: run the same command again to start")
+        console.print(f"[yellow]stopped by {trainer.stop_signal} after step {trainer.step}; {way}[/]", soft_wrap=True)
         raise typer.Exit(130)
     from edgerl.train.ranks import shutdown
     shutdown()
     if not s.rank.main:
         return
-    rows = read_metrics(s.run_dir)
+    try:
+        rows = read_metrics(s.run_dir, log=None)
+    except RunDirError as e:   # the run finished: a file deleted or damaged since costs the summary only
+        console.print(f"[yellow]no summary: {escape(str(e))}[/]", soft_wrap=True)
+        rows = []
     rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), float)]
     if len(rewards) >= 10:
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -119,5 +127,5 @@ def plot(run_dirs: list[Path] = typer.Argument(..., help="a run folder with metr
     """Write a PNG of a run's curves (reward, length, KL, entropy, losses, speed, memory); several runs on one
     figure, one line each, with held-out accuracy against training seconds too."""
     from edgerl.train.metrics import plot as plot_run
-    path = plot_run(run_dirs, out, overwrite=force or out is None)
+    path = plot_run(run_dirs, out, overwrite=force)
     console.print(f"wrote {escape(str(path))}", soft_wrap=True)

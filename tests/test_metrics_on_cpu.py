@@ -94,8 +94,8 @@ def test_archive_after_moves_later_rows_aside(tmp_path):
     w = writer(run, [])
     assert w.archive_after(2) is None
     w.close()
-    assert sorted(p.name for p in run.iterdir()) == ["metrics.after-step-2-2.jsonl", "metrics.after-step-2.jsonl",
-                                                     "metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == ["edgerl-run.jsonl", "metrics.after-step-2-2.jsonl",
+                                                     "metrics.after-step-2.jsonl", "metrics.jsonl"]
 
 
 def test_a_crash_while_archiving_loses_nothing(tmp_path, monkeypatch):
@@ -117,7 +117,7 @@ def test_a_crash_while_archiving_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", real_replace)
     assert (run / "metrics.jsonl").read_text() == lines(1, 2, 3, 4)
     assert (run / "metrics.after-step-2.jsonl").read_text() == lines(3, 4)
-    assert sorted(p.name for p in run.iterdir()) == ["metrics.after-step-2.jsonl", "metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == ["edgerl-run.jsonl", "metrics.after-step-2.jsonl", "metrics.jsonl"]
     w.write(5, {})  # the writer still appends to the log
     w.close()
     assert read_metrics(run)[-1] == {"step": 5}

@@ -308,11 +308,14 @@ def test_a_run_that_stopped_before_its_first_step_can_be_started_again(tiny_llam
     assert [row["step"] for row in read_metrics(branch)] == [1, 2, 3]
     # a folder with history of its own is still refused
     refused(train("--resume", ckpt, "--out", branch, "--steps", 3), f"{branch} already holds a run")
-    # a new run where one stopped before its first step (config and plan only)
+    # a new run where one stopped before its first step (config and plan only, listed in its manifest;
+    # without the manifest they would be the user's files, and refused)
+    from edgerl.train.manifest import own
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     for name in ("config.toml", "plan.json"):
         shutil.copy(run_copy / name, fresh / name)
+    own(fresh, "config.toml", "plan.json")
     r = train("--out", fresh, "--steps", 1, "--set", "run.export_final=false", "--set", "run.save_every=0",
               model=tiny_llama)
     assert r.exit_code == 0, r.output

@@ -71,7 +71,7 @@ class Run:
             self.close()
             return self.run_dir
         if self.trainer is None:
-            self.trainer = Trainer(self.session)
+            self.trainer = Trainer(self.session)   # refuses a run whose folder is no longer locked (closed)
         return self.trainer.run(on_step)
 
     def metrics(self) -> list[dict[str, Any]]:

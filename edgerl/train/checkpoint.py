@@ -26,6 +26,7 @@ import torch
 
 from edgerl.core.errors import CheckpointError
 from edgerl.core.files import json_text, temporaries
+from edgerl.train.manifest import own
 
 _STEP = re.compile(r"^step-(\d{6,})$")
 
@@ -156,6 +157,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
     place, the checkpoints edgerl.train.retention lets go (beyond `keep_last`, `keep_best`) are removed."""
     from safetensors.torch import save_file
     root = Path(run_dir) / "checkpoints"
+    own(run_dir, root.name)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=root))

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from edgerl.core.errors import ConfigError, TrainingError
 from edgerl.core.files import json_text, write_atomically
+from edgerl.train.manifest import own
 
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}   # logger -> its module
 IDS_FILE = "loggers.json"
@@ -57,6 +58,7 @@ class TensorBoard:
     def __init__(self, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
         self.folder = Path(run_dir) / "tensorboard"
+        own(run_dir, self.folder.name)
         self.writer = SummaryWriter(str(self.folder))
 
     def metrics(self, step: int, values: dict[str, Any]) -> None:
@@ -78,6 +80,7 @@ class Wandb:
     def __init__(self, run_dir: Path, config: dict, project: str, run_id: Optional[str]) -> None:
         import wandb
         self.wandb = wandb
+        own(run_dir, "wandb")   # wandb writes its files in RUN/wandb/
         self.run = wandb.init(project=project, name=Path(run_dir).name, id=run_id, resume="allow", config=config,
                               dir=str(run_dir))
         self.id = getattr(self.run, "id", run_id)
@@ -204,5 +207,6 @@ def open_loggers(names: Sequence[str], run_dir: Path, config: dict, project: Opt
             out.append(lg)
             notes.append(f"{'wandb' if name == 'wandb' else 'MLflow'} run {lg.id}")
     if any(k in ids for k in ("wandb", "mlflow")):
+        own(run_dir, IDS_FILE)
         write_atomically(ids_path, lambda tmp: tmp.write_text(json_text(ids) + "\n"))
     return out, "; ".join(notes) or "metrics in metrics.jsonl only"

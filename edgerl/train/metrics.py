@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from edgerl.core.errors import RunDirError
+from edgerl.core.errors import ConfigError, RunDirError
 from edgerl.core.files import finite, output_file, write_atomically
 from edgerl.train.loggers import close_loggers, log_step, open_loggers
+from edgerl.train.manifest import MANIFEST, own, owned
 
 Log = Optional[Callable[[str], None]]
 
@@ -97,14 +98,16 @@ class StepLog:
         self.path, self.label = Path(path), label
         self.log = log or (lambda s: None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        own(self.path.parent, self.path.name)
         if self.path.exists() and self.path.stat().st_size > 0:
             if resume:
                 self._repair()
             else:
                 moved = _free_name(self.path, "previous")
+                own(self.path.parent, moved.name)
                 os.replace(self.path, moved)
                 self.log(f"{label}: {self.path} held the steps of an earlier run; moved them to {moved}")
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = open(self.path, "a+", encoding="utf-8")
 
     def _repair(self) -> None:
         """Drop a torn last line, and end the file with a newline: the next row appended to a line
@@ -132,6 +135,7 @@ class StepLog:
             side = None
             if later:
                 side = _free_name(self.path, f"after-step-{step}")
+                own(self.path.parent, side.name)
                 write_atomically(side, lambda tmp: tmp.write_text(_lines(later), encoding="utf-8"))
             write_atomically(self.path, lambda tmp: tmp.write_text(_lines(keep), encoding="utf-8"))
             if side is not None:
@@ -140,9 +144,28 @@ class StepLog:
                          f"checkpoint of step {step}, to {side}")
             return side
         finally:
-            self._fh = open(self.path, "a", encoding="utf-8")
+            self._fh = open(self.path, "a+", encoding="utf-8")
+
+    def _still_there(self) -> None:
+        """The file this log appends to is still at its path. Deleted during the run (by a reward, say):
+        written again from the open descriptor, which still holds every row, with a line saying so.
+        Replaced by another file: a RunDirError, since rows appended to either would be lost to a reader."""
+        try:
+            if os.path.samestat(os.stat(self.path), os.fstat(self._fh.fileno())):
+                return
+        except FileNotFoundError:
+            self._fh.seek(0)
+            text = self._fh.read()
+            write_atomically(self.path, text)
+            self._fh.close()
+            self._fh = open(self.path, "a+", encoding="utf-8")
+            self.log(f"{self.label}: {self.path} was deleted during the run; written again with every row it held")
+            return
+        raise RunDirError(f"{self.path} was replaced by another file during the run; this run appends its "
+                          f"{self.label} there, so it stops: put the run's file back, or resume in a new folder")
 
     def append(self, rows: list[dict[str, Any]]) -> None:
+        self._still_there()
         self._fh.write("".join(_line(r) for r in rows))
         self._fh.flush()
 
@@ -162,6 +185,7 @@ class MetricsWriter:
                  loggers: Optional[list[str]] = None, samples: bool = False, config: Optional[dict] = None,
                  project: Optional[str] = None) -> None:
         self.log = log or (lambda s: None)
+        self.last_step: Optional[int] = None   # the step of the last row written
         self.jsonl = StepLog(Path(run_dir) / "metrics.jsonl", "metrics", resume, self.log)
         self.path = self.jsonl.path
         self.samples_log = StepLog(Path(run_dir) / SAMPLES, "samples", resume, self.log) if samples else None
@@ -184,8 +208,13 @@ class MetricsWriter:
             self.samples_log.archive_after(step)
         return self.jsonl.archive_after(step)
 
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
+    def write_row(self, step: int, metrics: dict[str, Any]) -> None:
+        """The row of `step` in metrics.jsonl alone (`write` passes it on to the loggers too)."""
         self.jsonl.append([{"step": step, **metrics}])
+        self.last_step = step
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        self.write_row(step, metrics)
         log_step(self.loggers, "metrics", step, metrics)
 
     def write_samples(self, step: int, kind: str, rows: list[dict[str, Any]]) -> None:
@@ -272,20 +301,28 @@ def _cumulative_seconds(rows: list[dict[str, Any]]) -> dict[int, float]:
     return out
 
 
-def plot(run_dirs: Path | list[Path], out: Optional[Path] = None, log: Log = print, overwrite: bool = True) -> Path:
+def plot(run_dirs: Path | list[Path], out: Optional[Path] = None, log: Log = print, overwrite: bool = False) -> Path:
     """An image of the main curves of one run, or of several side by side (one line per run, labelled with its
     folder's name, and a panel of held-out accuracy against training seconds); returns the path really written.
 
     `out` None or a folder: curves.png in it (one run; the run folder by default) or compare.png (several; the
     first run's folder by default); a name without a suffix gets '.png'; .pdf and .svg are written as such. A
-    missing folder or another suffix is a ConfigError, and so is an existing file unless `overwrite`; no metrics
-    is a RunDirError. The image is replaced atomically."""
+    missing folder or another suffix is a ConfigError, and so is an existing file unless `overwrite`, but for
+    the run folder's own default image (listed in its manifest: edgerl wrote it); no metrics is a RunDirError.
+    The image is replaced atomically."""
     dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(d) for d in run_dirs]
     several = len(dirs) > 1
+    name = "compare.png" if several else "curves.png"
 
     def target() -> Path:
-        return output_file(out if out is not None else dirs[0], IMAGE_TYPES, option="--out",
-                           default_name="compare.png" if several else "curves.png", overwrite=overwrite)
+        if out is None:   # the run's own image: replaced each time, but never the user's file of that name
+            path = output_file(dirs[0], IMAGE_TYPES, option="RUN_DIR", default_name=name)
+            if path.exists() and not overwrite and path.name not in (owned(dirs[0]) or ()):
+                raise ConfigError(f"{path} is not one edgerl wrote (the run folder's {MANIFEST} does not list "
+                                  "it): pass --force to replace it, or --out to write the curves elsewhere")
+            own(dirs[0], path.name)
+            return path
+        return output_file(out, IMAGE_TYPES, option="--out", default_name=name, overwrite=overwrite)
     path = target() if out is not None else None   # a bad --out fails before the metrics are read
     runs = []
     for d in dirs:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgerl.core.files import json_text, write_atomically
+from edgerl.train.manifest import own
 from edgerl.plan.memory import fmt_bytes
 
 OOM_FILE = "oom.json"
@@ -59,5 +60,6 @@ def oom_message(record: dict[str, Any], run_dir: Path) -> str:
 def write_oom(run_dir: Path, record: dict[str, Any], rank: int = 0) -> Path:
     """oom.json (oom.rankN.json for ranks other than 0), written atomically."""
     path = Path(run_dir) / (OOM_FILE if rank == 0 else f"oom.rank{rank}.json")
+    own(run_dir, path.name)
     write_atomically(path, json_text(record, indent=2, default=str) + "\n")
     return path

@@ -23,7 +23,6 @@ are removed once the lock is held and the checks have passed.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -35,9 +34,10 @@ from typing import Any, Callable, Optional
 from edgerl.train import checkpoint
 from edgerl.core.errors import CheckpointError, RunDirError
 from edgerl.core.files import json_text
+from edgerl.train.lock import LOCK, RunLock
+from edgerl.train.manifest import MANIFEST, RUN_NAMES, forget, own, owned
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints", "final", "final-adapter", "plan.json")
-LOCK = ".edgerl.lock"
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,17 @@ def check_new(out: Path, history: Optional[str] = None, restart: bool = False) -
     above = _file_above(out)
     if above is not None:
         raise RunDirError(f"--out {out}: {above} is a file, so no folder can be made there; choose another --out")
-    if restart or not holds_run(out, history):
-        return
+    if not restart and holds_run(out, history):
+        _refuse_run(out)
+    theirs = foreign(out)
+    if theirs:
+        names = ", ".join(theirs)
+        raise RunDirError(f"--out {out} holds {names}, which edgerl did not write (they are not in its "
+                          f"{MANIFEST}), and a run writes files of those names: edgerl never replaces your files. "
+                          f"Choose another --out (a new folder such as {out / 'run'}), or move {names} away")
+
+
+def _refuse_run(out: Path) -> None:
     if checkpoint.latest(out) is None:
         raise RunDirError(f"{out} already holds a run ({_describe_run(out)}) without a checkpoint to continue "
                           f"from; start over there with --out {out} --restart (its files are moved into "
@@ -188,10 +197,38 @@ def holds_run(out: Path, history: Optional[str] = None) -> bool:
     return out.is_dir() and any((out / f).exists() for f in RUN_FILES) and not never_stepped(out, history)
 
 
-# what a run writes in its folder besides RUN_FILES (a restart moves them aside with the rest)
-_RUN_PATTERNS = ("metrics.*.jsonl", "final-step-*", "final-earlier*", "final-adapter-step-*",
-                 "final-adapter-earlier*", "tensorboard", "profile", "rollout-model", "curves.png", "curves.pdf",
-                 "curves.svg")
+# A run written before edgerl kept a manifest: what a run writes besides RUN_FILES, found by name (a
+# restart moves them aside with the rest). A run with a manifest owns exactly what it lists.
+_LEGACY_PATTERNS = ("metrics.*.jsonl", "samples*.jsonl", "loggers.json", "wandb", "oom*.json", "final-step-*",
+                    "final-earlier*", "final-adapter-step-*", "final-adapter-earlier*", "tensorboard", "profile",
+                    "rollout-model", "curves.png", "curves.pdf", "curves.svg")
+
+
+def run_files(run: Path) -> list[Path]:
+    """The files and folders of the run in `run`: those its manifest lists (and the manifest), or, in a
+    folder without one that holds a run, those a run writes, by name. [] when `run` holds no run."""
+    names = owned(run)
+    if names is not None:
+        listed = [run / n for n in sorted(names) + [MANIFEST]]
+        return [p for p in listed if p.exists() or p.is_symlink()]
+    if not holds_run(run):
+        return []
+    found = [run / f for f in RUN_FILES if (run / f).exists() or (run / f).is_symlink()]
+    return found + [p for pattern in _LEGACY_PATTERNS for p in sorted(run.glob(pattern)) if p not in found]
+
+
+def adopt(run: Path) -> None:
+    """A run resumed in place lists its files in a manifest, if it was written before edgerl kept one."""
+    if owned(run) is None:
+        own(run, *[p.name for p in run_files(run)])
+
+
+def foreign(run: Path) -> list[str]:
+    """The names in `run` a run writes (manifest.RUN_NAMES) that belong to no run there: the user's."""
+    if not run.is_dir():
+        return []
+    ours = {p.name for p in run_files(run)}
+    return [n for n in RUN_NAMES if ((run / n).exists() or (run / n).is_symlink()) and n not in ours]
 
 
 def _aside_folder(run: Path) -> Path:
@@ -202,16 +239,17 @@ def _aside_folder(run: Path) -> Path:
 
 
 def move_aside(run: Path, log: Callable[[str], None]) -> Optional[Path]:
-    """Move the files of the run in `run` into run/earlier-run-N/ (a new N), each by one rename;
-    the user's own files stay. Returns that folder, or None when there was nothing to move."""
-    found = [run / f for f in RUN_FILES if (run / f).exists() or (run / f).is_symlink()]
-    found += [p for pattern in _RUN_PATTERNS for p in sorted(run.glob(pattern)) if p not in found]
+    """Move the files of the run in `run` (`run_files`: what its manifest lists) into run/earlier-run-N/ (a
+    new N), each by one rename; the user's own files stay. Returns that folder, or None when there was
+    nothing to move."""
+    found = run_files(run)
     if not found:
         return None
     aside = _aside_folder(run)
     aside.mkdir()
     for p in found:
         os.replace(p, aside / p.name)
+    forget(run)
     log(f"--restart: moved the earlier run's {', '.join(p.name for p in found)} into {aside} (nothing was "
         "deleted); starting a new run in " + str(run))
     return aside
@@ -285,34 +323,6 @@ def finished(point: Optional[ResumePoint], run_dir: Path, steps: int, exports: l
     the run writes (`exports`, e.g. ["final"]) holds that very step."""
     return (point is not None and run_dir.resolve() == point.run_dir.resolve() and point.step >= steps
             and all(export_step(run_dir / name) == point.step for name in exports))
-
-
-class RunLock:
-    """An exclusive lock on a run folder for the life of a training process. Taking it writes
-    nothing; `claim` writes this process's id into the lock file once the run may go ahead."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / LOCK
-        self.fh = open(self.path, "a+")
-        try:
-            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.fh.seek(0)
-            pid = self.fh.read().strip() or "?"
-            self.fh.close()
-            raise RunDirError(f"another edgerl process (pid {pid}) is training in {run_dir}; wait for it to "
-                              "finish or stop it, or choose another --out") from None
-
-    def claim(self) -> None:
-        self.fh.seek(0)
-        self.fh.truncate()
-        self.fh.write(str(os.getpid()))
-        self.fh.flush()
-
-    def release(self) -> None:
-        if not self.fh.closed:
-            fcntl.flock(self.fh, fcntl.LOCK_UN)
-            self.fh.close()
 
 
 def open_run(run_dir: Path, log: Callable[[str], None], check: Callable[[], Any] = lambda: None,

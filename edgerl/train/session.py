@@ -32,6 +32,7 @@ from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.plan.plan import Plan
 from edgerl.config.target import Target, model_spec, plan_for, resolve_target
 from edgerl.train.loggers import check_installed
+from edgerl.train.manifest import own
 from edgerl.doctor.kernel_checks import check_at_start
 
 
@@ -311,13 +312,16 @@ def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.Res
         try:
             if in_place:
                 runfolder.clean_up(run_dir, log)
+                runfolder.adopt(run_dir)
             if restart:
                 runfolder.move_aside(run_dir, log)
+            own(run_dir, "config.toml", "plan.json")
             _write_config(cfg, run_dir, not in_place, log)
             if branch:  # a branch starts with its trunk's history
                 for name in ("metrics.jsonl", "samples.jsonl"):
                     history = runfolder.branch_history(resume, name)
                     if history is not None:
+                        own(run_dir, name)
                         write_atomically(run_dir / name, history)
             write_atomically(run_dir / "plan.json", json_text(plan.to_dict(), indent=2, default=str))
         except ConfigError:   # the writer's own one line, naming the file; nothing there was changed

@@ -41,6 +41,7 @@ from edgerl.rollout import EngineContext, build_engine
 from edgerl.rollout.base import RolloutBatch, SamplingParams
 from edgerl.rollout.episodes import EpisodeRollout, episode_metrics, episode_sample
 from edgerl.train import retention
+from edgerl.train.manifest import own
 from edgerl.train.runfolder import aside_name, export_step, mark_export
 from edgerl.train.session import Session
 from edgerl.train.step_metrics import global_explained_variance, global_mean, rollout_metrics, step_metrics
@@ -73,6 +74,7 @@ class Trainer:
         self.session = session
         self.functions: list[Any] = session.reward_functions
         try:
+            self._check_lock()
             self._build(session)
         except BaseException:
             self._close_user_code()
@@ -134,6 +136,8 @@ class Trainer:
                                      bool(self.eval_prompts), r.final_only, final))
         # held-out prompts are no longer than data.max_prompt_len either: the plan's KV cache holds them
         max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.response_tokens()
+        if plan.rollout_engine == "vllm" and self.rank == 0:
+            own(self.run_dir, "rollout-model")   # vLLM loads the weights from a folder there
         self.engine = build_engine(plan, EngineContext(
             model_path=m.path, trust_remote_code=m.trust_remote_code, device=device, max_seq_len=max_len,
             seed=t.seed, work_dir=self.run_dir,
@@ -472,7 +476,7 @@ class Trainer:
             self._finite_export({"adapter": adapter})
             target = out.with_name(out.name + "-adapter")
             if self.rank == 0:
-                with checkpoint.atomic_folder(target, aside_name(target, export_step(target))) as tmp:
+                with checkpoint.atomic_folder(target, self._owned_aside(target)) as tmp:
                     lora_io.save_adapter(self.actor, tmp, adapter)
                     mark_export(tmp, step)
                 self.log(f"final adapter: {target}")
@@ -487,11 +491,17 @@ class Trainer:
         weights = {k: (v.to(out_dtype) if self.lora else v).cpu() for k, v in lm_weights(self.actor)}
         self._finite_export({"model": weights})
         if self.rank == 0:
-            with checkpoint.atomic_folder(out, aside_name(out, export_step(out))) as tmp:
+            with checkpoint.atomic_folder(out, self._owned_aside(out)) as tmp:
                 self._write_hf(tmp, weights)
                 mark_export(tmp, step)
             self.log(f"final model: {out}" + (" (merged: plain transformers, no peft needed)" if self.lora else ""))
         return out
+
+    def _owned_aside(self, target: Path) -> Path:
+        """Where an earlier export at `target` goes; both names listed in the run's manifest first."""
+        aside = aside_name(target, export_step(target))
+        own(target.parent, target.name, *([aside.name] if target.exists() else []))
+        return aside
 
     def _finite_export(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
         """Refuse to export weights that are not finite (NaN, inf, or past the largest value of the
@@ -544,7 +554,14 @@ class Trainer:
     # --- the loop ----------------------------------------------------------------------------------
 
     def run(self, on_step: Optional[Callable[[int, dict], None]] = None) -> Path:
-        """Train until train.steps (or a signal); returns the run folder."""
+        """Train until train.steps (or a signal); returns the run folder.
+
+        One handler covers the whole run: the evaluation before the first step, each step, and what
+        follows it (its evaluation, its metrics and loggers, `on_step`). SIGINT or SIGTERM stops the run
+        once the step in progress is done, or at once where it stopped user code (a reward), and the last
+        completed step is saved; `stop_signal` names it (the CLI exits 130). An error saves the last
+        completed step, then is raised: a user error keeps its type and says what was saved (exit 2)."""
+        self._check_lock()
         handlers = {}
         lp = self.state.loop
 
@@ -561,10 +578,7 @@ class Trainer:
         last = self.cfg.train.steps
         try:
             if lp.step == 0 and self.eval_prompts:   # the held-out score before training: the baseline
-                base = self._evaluated({})
-                self.metrics.write(0, base)
-                if on_step:
-                    on_step(0, base)
+                self._after_step({}, on_step, evaluate=True)
             while lp.step < self.cfg.train.steps and self.stop_signal is None:
                 snap, before = lp.snapshot(), self.state.actor.optimizer_steps()
                 try:
@@ -583,12 +597,8 @@ class Trainer:
                         raise
                     raise err from e
                 lp.step += 1
-                self.metrics.write_samples(lp.step, "train", self._samples)
-                if self.eval_prompts and evaluation.due(lp.step, self.cfg.eval.every, last):
-                    stats = self._evaluated(stats)
-                self.metrics.write(lp.step, stats)
-                if on_step:
-                    on_step(lp.step, stats)
+                self._after_step(stats, on_step, self.eval_prompts and evaluation.due(lp.step, self.cfg.eval.every,
+                                                                                       last))
                 every = self.cfg.run.save_every
                 # a signal may reach one process only: every rank stops after the same step
                 if ranks.any_rank(self.stop_signal is not None, self.device) and self.stop_signal is None:
@@ -612,26 +622,76 @@ class Trainer:
             self.session.close()
         return self.run_dir
 
-    def _evaluated(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """`stats` with the evaluation's metrics. A failure in it (a reward function that raised on a
-        held-out answer) saves the step just completed first."""
+    def _after_step(self, stats: dict[str, Any], on_step: Optional[Callable[[int, dict], None]],
+                    evaluate: bool) -> None:
+        """What follows a completed step (at step 0: the evaluation before the first): its samples, its
+        evaluation, its metrics row and loggers, `on_step`. User code stopped by a signal here (a reward
+        scoring a held-out answer) stops the run: the loop then saves the step. An error saves the step
+        first, then is raised, a user error with what was saved."""
+        step = self.step
+        where = "the evaluation before the first step" if step == 0 else f"after step {step}"
         try:
-            out = {**stats, **self.evaluate()}
-            score = retention.score_of(out)
-            if score is not None:
-                self._scores[self.step] = score
-            return out
+            self._keep_lock()
+            if step:
+                self.metrics.write_samples(step, "train", self._samples)
+            if evaluate:
+                stats = self._evaluated(stats)
+            self.metrics.write(step, stats)
+            if on_step:
+                on_step(step, stats)
+        except Interrupted as e:
+            self.stop_signal = e.signal
+            self._salvage_row(step, stats)
+            self.log(f"{e}: {where} stopped" + ("; no step had completed" if step == 0 else
+                                                f"; step {step} completed and is saved"))
         except Exception as e:
-            saved = "no checkpoint written (no step had completed)"
-            if self.step > 0:   # the step itself completed: its metrics and weights are kept
-                self.metrics.write(self.step, stats)
-                folder = self._write(self.save)
-                saved = f"saved step {self.step} to {folder}"
+            saved = self._save_completed(step, stats)
             if isinstance(e, USER_ERRORS):
-                raise type(e)(f"evaluation after step {self.step}: {e}\n{saved}; fix the cause, then resume with "
-                              f"--resume {self.run_dir}") from e
-            self.log(f"evaluation after step {self.step} failed ({type(e).__name__}); {saved}")
+                raise type(e)(f"{where}: {e}\n{saved}; fix the cause, then resume with --resume {self.run_dir}"
+                              if step else f"{where}: {e}\n{saved}; fix the cause, then run the same command "
+                              "again") from e
+            self.log(f"{where}: {type(e).__name__}; {saved}")
             raise
+
+    def _salvage_row(self, step: int, stats: dict[str, Any]) -> None:
+        """The metrics row of `step` in metrics.jsonl, if what followed the step failed before writing it."""
+        if step and self.metrics.last_step != step:
+            try:
+                self.metrics.write_row(step, stats)
+            except Exception as e:   # the cause being reported matters more than this row
+                self.log(f"the metrics of step {step} could not be written ({type(e).__name__}: {e})")
+
+    def _save_completed(self, step: int, stats: dict[str, Any]) -> str:
+        """Save completed step `step` (its weights are current) after what followed it failed; one line
+        saying what was saved."""
+        if step == 0:
+            return "no checkpoint written (no step had completed)"
+        self._salvage_row(step, stats)
+        try:
+            return f"saved step {step} to {self._write(self.save)}"
+        except USER_ERRORS as e:
+            return f"step {step} could not be saved ({e})"
+
+    def _check_lock(self) -> None:
+        """Rank 0 trains only while it holds the run folder's lock (released when a run ends or is closed)."""
+        s = self.session
+        if s.rank.main and (s.lock is None or not s.lock.held):
+            raise RunDirError(f"{s.run_dir} is no longer locked by this process (the run ended or was closed), "
+                              "so it cannot train there: prepare the run again (edgerl.prepare(resume=...))")
+
+    def _keep_lock(self) -> None:
+        if self.session.lock is not None:
+            note = self.session.lock.keep()
+            if note:
+                self.log(note)
+
+    def _evaluated(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """`stats` with the evaluation's metrics, its score kept for run.keep_best."""
+        out = {**stats, **self.evaluate()}
+        score = retention.score_of(out)
+        if score is not None:
+            self._scores[self.step] = score
+        return out
 
     @contextlib.contextmanager
     def _profiled(self, step: int):
@@ -649,6 +709,7 @@ class Trainer:
         if cuda:
             torch.cuda.synchronize(self.device)
         folder = self.run_dir / "profile"
+        own(self.run_dir, folder.name)
         folder.mkdir(exist_ok=True)
         who = f"-rank{self.rank}" if dist.get_world_size() > 1 else ""
         base, n = f"step-{step}{who}", 1
@@ -671,8 +732,12 @@ class Trainer:
 class _NoMetrics:
     """The metrics writer of ranks other than 0."""
     tb_note = note = "metrics written by rank 0"
+    last_step = None
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def write_row(self, step: int, metrics: dict[str, Any]) -> None:
         pass
 
     def write_samples(self, step: int, kind: str, rows: list) -> None:
