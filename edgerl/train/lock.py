@@ -19,7 +19,10 @@ try:
     import fcntl
 except ImportError:   # Windows
     fcntl = None   # type: ignore[assignment]
+try:
     import msvcrt
+except ImportError:   # POSIX
+    msvcrt = None   # type: ignore[assignment]
 
 LOCK = ".edgerl.lock"
 _WINDOWS_OFFSET = 1 << 20   # msvcrt locks a byte range: one past the pid, which stays readable
