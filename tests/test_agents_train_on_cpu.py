@@ -5,6 +5,7 @@ full forward over the whole conversation, and samples.jsonl shows the turns."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -67,12 +68,37 @@ def check_roles(batch, tokenizer):
         assert exp.attention_mask[i, exp.start + 1:exp.start + 1 + len(ep.tokens)].all()   # the context is read
 
 
+def greedy_equals_full_forward(t, prompts):
+    """Greedy episodes on the engine (its KV cache, the tools' results prefilled into it) against the model's
+    forward over each whole conversation in fp32: the same token at every model position, the same
+    log-probs."""
+    batch = t.episodes.generate(prompts, 1, dataclasses.replace(t.sampling, greedy=True), None)
+    model = t.engine.model
+    assert next(model.parameters()).dtype == torch.float32
+    for ep in batch.episodes:
+        assert ep.turns == 3 and 0 in ep.mask
+        with torch.no_grad():
+            logits = model(torch.tensor([ep.prompt_ids + ep.tokens])).logits[0].float()
+        P = len(ep.prompt_ids)
+        for j, (tok, own) in enumerate(zip(ep.tokens, ep.mask)):
+            if own:
+                assert int(logits[P + j - 1].argmax()) == tok
+                assert ep.logprobs[j] == pytest.approx(float(logits[P + j - 1].log_softmax(-1)[tok]), abs=1e-4)
+
+
 def test_two_grpo_steps_on_three_turn_episodes(tool_model, tmp_path):
     # the rollout correction (off on the CPU's plan) weighs the model's tokens only, against the engine's log-probs
     t = prepare_trainer(tool_model, tmp_path / "run", sets(tool_model, 'algo.rollout_correction="mis"'))
+    assert t.engine.name == "static" and hasattr(t.engine, "generate_turns")   # the KV cache kept between turns
     batches = []
     real = t.rollout
-    t.rollout = lambda prompts: batches.append(real(prompts)) or batches[-1]
+
+    def rollout(prompts):
+        batches.append(real(prompts))
+        if len(batches) == 1:
+            greedy_equals_full_forward(t, prompts)
+        return batches[-1]
+    t.rollout = rollout
     t.run()
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
@@ -86,6 +112,7 @@ def test_two_grpo_steps_on_three_turn_episodes(tool_model, tmp_path):
         assert "actor/pg_loss" in r and r["batch/uniform_groups"] < 2   # the digits differ: there is a gradient
     for batch in batches:
         check_roles(batch, t.tokenizer)
+        assert batch.info["rounds"] == 3 and batch.info["extend_s"] > 0   # results prefilled into the cache
     samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 8
     for s in samples:

@@ -124,6 +124,11 @@ class RolloutConfig:
             return self.max_new_tokens
         return self.max_episode_tokens or self.turns() * self.max_new_tokens
 
+    def cache_tokens(self) -> int:
+        """Tokens after the prompt a row's KV cache holds: the response, or the episode's budget and one turn
+        more (the static engine aligns an episode's rows at the longest: edgerl/rollout/turns_static.py)."""
+        return self.response_tokens() + (self.max_new_tokens if self.episodes else 0)
+
 
 @dataclass
 class AlgoConfig:

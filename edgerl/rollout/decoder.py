@@ -260,6 +260,55 @@ class StaticDecoder:
             x = x + (m if post is None else self.norm(m, post[1], post[2]))
         return self._logits(x[:, -1])
 
+    def extend(self, ids: torch.Tensor, start: torch.Tensor, col0: int, fresh: torch.Tensor) -> torch.Tensor:
+        """Append tokens to rows [0, B) of the cache: ids (B, M) go to columns [col0, col0 + M), where fresh
+        (B, M) bool is True; elsewhere the window holds what the row already has (its cached K and V stay,
+        and its ids there are ignored). start: (B,) each row's first real column. The new tokens attend to
+        the row's columns [start, their own]; returns the fp32 logits of column col0 + M - 1 (B, vocab).
+        The prefill of what follows a turn in an episode (the tools' results): the cache then holds what a
+        prefill of the whole conversation would. Runs eagerly."""
+        B, M = ids.shape
+        W = col0 + M
+        assert self.cache is not None and B <= self.cache.shape[2] and W <= self.cache_len
+        H, KVH, D = self.n_heads, self.n_kv, self.head_dim
+        cols, keys = self.cols[col0:W], self.cols[:W]
+        pos = (cols[None, :] - start[:, None]).clamp(min=0)                     # (B, M)
+        tables = [(F.embedding(pos, c)[:, :, None], F.embedding(pos, s)[:, :, None]) for c, s in self.ropes]
+        own = (keys[None, :] == cols[:, None])[None]                              # (1, M, W)
+        allowed = ((keys[None, :] <= cols[:, None])[None] & (keys[None, None, :] >= start[:, None, None])) | own
+        masks = {None: allowed[:, None]}                                          # (B, 1, M, W)
+        for w in self.arch.windows:
+            masks[w] = (allowed & ((cols[:, None] - keys[None, :] < w)[None] | own))[:, None]
+        keep = fresh[None, :, None, :, None]                                      # (1, B, 1, M, 1)
+        x = self.embed(ids)
+        for i, proj in enumerate(self.proj):
+            ln1, eps1, ln2, eps2 = self.norms[i]
+            (qk, post), lay = self.extras[i], self.arch.layers[i]
+            qkv = proj.qkv(self.norm(x, ln1, eps1))                              # (B, M, N)
+            if qk is not None:
+                self.qk_norm(qkv, qk)
+            self.rotate(qkv, *tables[lay.rope])
+            q = qkv[..., :self.q_width].view(B, M, H, D).transpose(1, 2)         # (B, H, M, D)
+            kvn = qkv[..., self.q_width:].view(B, M, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, M, D)
+            window = self.cache[i, :, :B, :, col0:W]
+            window.copy_(torch.where(keep, kvn, window))
+            kv = self.cache[i, :, :B, :, :W]
+            o = sdpa(q, kv[0], kv[1], masks[lay.window], self.scaling, self.group > 1)
+            a = proj.o(o.transpose(1, 2).reshape(B, M, -1))
+            x = x + (a if post is None else self.norm(a, post[0], post[2]))
+            m = self._mlp_in(x, proj, ln2, eps2)
+            x = x + (m if post is None else self.norm(m, post[1], post[2]))
+        return self._logits(x[:, -1])
+
+    def move_columns(self, src: int, dst: int, first: int, n: int, to: int) -> None:
+        """Columns [first, first + n) of cache row `src` to columns [to, to + n) of row `dst`, layer by layer
+        (a layer's slice at a time in temporary memory). K and V carry their rotary position, which a row
+        keeps when its start column moves by the same amount."""
+        if n <= 0 or (src == dst and first == to):
+            return
+        for i in range(self.cache.shape[0]):
+            self.cache[i, :, dst, :, to:to + n] = self.cache[i, :, src, :, first:first + n].clone()
+
     def copy_rows(self, src: list[int], dst: list[int], width: int) -> None:
         """Cache columns [0, width) of row src[i] into row dst[i], for every layer (the prompt a group of
         samples shares, computed once)."""

@@ -295,8 +295,30 @@ class StaticCacheEngine:
                  generator: Optional[torch.Generator] = None) -> RolloutBatch:
         _check(prompts, n_samples, params, self.max_seq_len)
         rows = [list(p) for p in prompts for _ in range(n_samples)]
+        need, eos, info = self._begin(len(rows), params, generator)
+        responses, logprobs, truncated = [], [], []
+        for first in range(0, len(rows), need):
+            chunk = rows[first:first + need]
+            mode = _Mode(rows=len(chunk), full=len(chunk), greedy=params.greedy,
+                         top_k=0 if params.greedy else params.top_k,
+                         top_p=not params.greedy and params.top_p < 1.0, eos=eos, pad=params.pad_token_id,
+                         span=self.dec.cache_len)
+            toks, lps = self._generate_chunk(chunk, mode, params.max_new_tokens, info)
+            for tok_row, lp_row in zip(toks, lps):
+                resp, cut = cut_at_eos(tok_row, eos, params.max_new_tokens)
+                responses.append(resp)
+                logprobs.append(lp_row[:len(resp)])
+                truncated.append(cut)
+            info["chunks"] += 1
+        return RolloutBatch(prompt_ids=rows, response_ids=responses, truncated=truncated,
+                            logprobs=logprobs, info=info)
+
+    def _begin(self, n_rows: int, params: SamplingParams, generator: Optional[torch.Generator]
+               ) -> tuple[int, tuple[int, ...], dict]:
+        """Before a generate: the cache and buffers for min(max_batch, n_rows) rows, the sampling settings in
+        place, the engine's generator seeded from `generator`. Returns (rows at once, EOS ids, info)."""
         moved = self._weights_moved()
-        need = min(self.max_batch, len(rows))   # the KV cache holds the rows this call decodes at once
+        need = min(self.max_batch, n_rows)   # the KV cache holds the rows this call decodes at once
         if self.dec.cache is not None and self.dec.cache.shape[2] < need:
             self.release()   # a bigger cache: the graphs read the old one's addresses
         if self._state is None:
@@ -314,28 +336,21 @@ class StaticCacheEngine:
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         self._gen.manual_seed(seed)
-
         info = {"engine": "static", "cuda_graphs": self.cuda_graphs, "backend": self.dec.backend.name,
                 "capture_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "chunks": 0, "seed": seed,
                 "graphs_dropped": moved, "captures": 0, "row_steps": 0, "compactions": 0, "spans": 0}
         if self.time_steps:
             info["step_ms"] = []
-        responses, logprobs, truncated = [], [], []
-        for first in range(0, len(rows), need):
-            chunk = rows[first:first + need]
-            mode = _Mode(rows=len(chunk), full=len(chunk), greedy=params.greedy,
-                         top_k=0 if params.greedy else params.top_k,
-                         top_p=not params.greedy and params.top_p < 1.0, eos=eos, pad=params.pad_token_id,
-                         span=self.dec.cache_len)
-            toks, lps = self._generate_chunk(chunk, mode, params.max_new_tokens, info)
-            for tok_row, lp_row in zip(toks, lps):
-                resp, cut = cut_at_eos(tok_row, eos, params.max_new_tokens)
-                responses.append(resp)
-                logprobs.append(lp_row[:len(resp)])
-                truncated.append(cut)
-            info["chunks"] += 1
-        return RolloutBatch(prompt_ids=rows, response_ids=responses, truncated=truncated,
-                            logprobs=logprobs, info=info)
+        return need, eos, info
+
+    @torch.no_grad()
+    def generate_turns(self, prompts: list[list[int]], params: SamplingParams, generator: Optional[torch.Generator],
+                       driver) -> dict:
+        """Episodes of several turns (edgerl/rollout/episodes.py) without computing a conversation twice: each
+        row's KV cache is kept between its turns and what follows a turn is prefilled into it
+        (turns_static.py)."""
+        from .turns_static import run_turns
+        return run_turns(self, prompts, params, generator, driver)
 
     def _generate_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
         # Module projections may be the training model's own LoRA layers: their dropout must not act

@@ -113,6 +113,9 @@ def episode_metrics(batch: RolloutBatch) -> dict[str, float]:
            "rollout/model_tokens_mean": sum(e.model_tokens for e in eps) / n,
            "rollout/context_tokens_mean": sum(e.context_tokens for e in eps) / n,
            "rollout/tool_s": float(info.get("seconds", 0.0)), "time/tool_wait_s": float(info.get("tool_wait_s", 0.0))}
+    for key in ("rounds", "extend_s"):   # the static engine's turn loop: rounds of turns, prefill of what follows
+        if key in info:
+            out[f"rollout/{key}"] = float(info[key])
     for why in ("answer", "environment", "max_turns", "truncated", "budget"):
         out[f"rollout/ended_{why}"] = sum(e.ended_by == why for e in eps) / n
     rewards = [r for e in eps for r in e.turn_rewards]

@@ -108,7 +108,7 @@ def _run(cfg: Config, checkpoint_folder: Optional[Path], plan, device, tokenizer
         from edgerl.models.load import save_hf
         engine = build_engine(plan, EngineContext(
             model_path=m.path, trust_remote_code=m.trust_remote_code, device=device,
-            max_seq_len=max(len(p.input_ids) for p in prompts) + r.response_tokens(), seed=cfg.train.seed,
+            max_seq_len=max(len(p.input_ids) for p in prompts) + r.cache_tokens(), seed=cfg.train.seed,
             work_dir=Path(work), actor=actor,
             save_initial=lambda folder: save_hf(dict(lm_weights(actor)), m.path, tokenizer, folder,
                                                 m.trust_remote_code)))

@@ -135,7 +135,7 @@ class Trainer:
         self.log(retention.plan_line(weights, optim_bytes, r.save_every, r.keep_last, r.keep_best,
                                      bool(self.eval_prompts), r.final_only, final))
         # held-out prompts are no longer than data.max_prompt_len either: the plan's KV cache holds them
-        max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.response_tokens()
+        max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.cache_tokens()
         if plan.rollout_engine == "vllm" and self.rank == 0:
             own(self.run_dir, "rollout-model")   # vLLM loads the weights from a folder there
         self.engine = build_engine(plan, EngineContext(
