@@ -24,12 +24,23 @@ def evaluate(target: str = typer.Argument(..., help="a run folder (its latest ch
                                                    "mean@k and pass@k (0: greedy only)"),
              max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="evaluate the first N prompts"),
              profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help="plan for (and emulate) this GPU"),
-             out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the metrics and every answer as JSON"),
+             out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the metrics and every answer as JSON "
+                                               "(a new file outside any run folder)"),
+             force: bool = typer.Option(False, "--force", help="replace an existing --out file"),
              config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Greedy accuracy (and mean@k / pass@k) of a run, checkpoint or model on held-out prompts."""
+    from edgerl.core.errors import ConfigError
     from edgerl.core.files import json_text, output_file, write_atomically
     from edgerl.train.eval_run import load_eval_config, run_eval
-    path = output_file(out, (".json",), option="--out") if out is not None else None   # checked before the work
+    from edgerl.train.runfolder import enclosing_run
+    path = None
+    if out is not None:   # checked before the work
+        path = output_file(out, (".json",), option="--out")
+        run = enclosing_run(path)
+        if run is not None:
+            raise ConfigError(f"--out {out} is inside the run folder {run}: edgerl eval never writes into a run "
+                              "(its files are the run's); choose a path outside it")
+        output_file(out, (".json",), option="--out", overwrite=force)   # an existing file needs --force
     extra: list = []
     for key, value, opt in (("eval.data", data, "--data"), ("eval.split", split, "--split"),
                             ("run.profile", profile, "--profile")):

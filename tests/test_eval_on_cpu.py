@@ -240,3 +240,62 @@ def test_resume_moves_later_samples_aside_and_drops_a_torn_line(tmp_path):
 def test_hostile_edgerl_eval_is_one_line(args, message):
     r = CliRunner().invoke(app, [*args, "--set", 'run.profile="cpu"'])
     assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output, r.output
+
+
+# --- edgerl eval: --out, verified checkpoints, the model it loads into, model paths as given ------------
+
+def _eval(*args):
+    return CliRunner().invoke(app, ["eval", *[str(a) for a in args]])
+
+
+def test_eval_out_never_overwrites_without_force_nor_writes_into_a_run(evaluated_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(evaluated_run[0] / "with", run)
+    mine = tmp_path / "results.json"
+    mine.write_text('{"mine": 1}\n')
+    r = _eval(run, "--data", "builtin:arithmetic", "--out", mine)
+    assert r.exit_code == 2 and f"{mine} exists; pass --force to replace it" in r.output, r.output
+    for inside in (run / "plan.json", run / "checkpoints" / "step-000002" / "meta.json", run / "new.json"):
+        before = inside.read_bytes() if inside.exists() else None
+        r = _eval(run, "--data", "builtin:arithmetic", "--out", inside, "--force")
+        assert r.exit_code == 2 and f"is inside the run folder {run}" in " ".join(r.output.split()), r.output
+        assert (inside.read_bytes() if inside.exists() else None) == before
+    assert mine.read_text() == '{"mine": 1}\n'
+
+
+def test_eval_verifies_the_checkpoint_as_resume_does(evaluated_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(evaluated_run[0] / "with", run)
+    weights = run / "checkpoints" / "step-000002" / "actor.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[5000] ^= 1
+    weights.write_bytes(bytes(data))
+    r = _eval(run, "--data", "builtin:arithmetic")
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert f"checkpoint {weights.parent} cannot be evaluated: {weights} is damaged" in said
+    assert f"evaluate an earlier one: edgerl eval {run / 'checkpoints' / 'step-000001'}" in said
+
+
+def test_eval_refuses_a_checkpoint_of_another_architecture(evaluated_run, tiny_qwen):
+    r = _eval(evaluated_run[0] / "with", "--data", "builtin:arithmetic", "--set", f'model.path="{tiny_qwen}"')
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert f"does not fit the model it is loaded into ({tiny_qwen})" in said and "are not in it (e.g. " in said
+
+
+def test_eval_takes_a_model_path_as_given_and_names_a_missing_one(tiny_llama, tmp_path):
+    folder = tmp_path / 'm"x\tb'
+    folder.mkdir()
+    for f in tiny_llama.iterdir():
+        (folder / f.name).symlink_to(f)
+    out = tmp_path / "r.json"
+    r = _eval(folder, "--data", "builtin:arithmetic", "--max-prompts", 1, "--set", "rollout.max_new_tokens=2",
+              "--set", 'run.profile="cpu"', "--out", out)
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["model"] == str(folder) and "training on the CPU" not in r.output
+    r = _eval(tmp_path / "nonexistent")
+    assert r.exit_code == 2 and f"model folder {tmp_path / 'nonexistent'} does not exist" in r.output, r.output
+    assert "--data" not in r.output

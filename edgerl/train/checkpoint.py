@@ -236,9 +236,10 @@ def sha256(path: Path) -> str:
 _NEEDED = ("train.pt", "optim.pt", "sched.pt")
 
 
-def damage(folder: Path) -> Optional[str]:
+def damage(folder: Path, optimizer: bool = True) -> Optional[str]:
     """Why checkpoint `folder` cannot be trusted, naming the file (missing, cut short, or its bytes not
-    those written: the sha256 in meta.json differs), or None when every file is as written."""
+    those written: the sha256 in meta.json differs), or None when every file is as written. `optimizer`:
+    a resume needs the optimizer state too (an evaluation takes weights only)."""
     folder = Path(folder)
     meta_path = folder / "meta.json"
     try:
@@ -249,13 +250,14 @@ def damage(folder: Path) -> Optional[str]:
         return f"{meta_path} is missing"
     except (OSError, ValueError) as e:
         return f"{meta_path} is damaged ({getattr(e, 'strerror', None) or e})"
-    if meta.get("weights_only"):
+    if meta.get("weights_only") and optimizer:
         return (f"{folder} holds weights only: its optimizer state was removed when the run finished "
                 "(run.final_only)")
     sums = meta.get("files")
     if not isinstance(sums, dict):   # written before checksums were recorded: the files must be there
         weights = [n for n in ("actor.safetensors", "adapter_model.safetensors") if (folder / n).exists()]
-        missing = [n for n in _NEEDED if not (folder / n).exists()] + ([] if weights else ["actor.safetensors"])
+        missing = [n for n in (_NEEDED if optimizer else ()) if not (folder / n).exists()] + \
+            ([] if weights else ["actor.safetensors"])
         return f"{folder / missing[0]} is missing" if missing else None
     for name, want in sums.items():
         path = folder / name

@@ -1,6 +1,7 @@
 """`edgerl eval RUN_DIR|CHECKPOINT|MODEL --data ...`: a held-out evaluation on its own, built the way a
 run builds its actor and rollout engine (the same plan, so the same memory), without writing anything
-in the run folder.
+in the run folder. A checkpoint is verified as a resume verifies it (its files' checksums, finite
+weights), and must fit the model it is loaded into (names and shapes): another architecture is refused.
 
     a run folder       its latest checkpoint's weights, with the run's config (data columns, rewards, lengths)
     a checkpoint       RUN/checkpoints/step-N: its weights, with its run's config
@@ -26,32 +27,79 @@ def _is_run(p: Path) -> bool:
 def load_eval_config(target: str, sets: Sequence[SetItem], config: Optional[Path] = None
                      ) -> tuple[Config, Optional[Path]]:
     """The config to evaluate with and the checkpoint folder to load (None for a model)."""
+    from edgerl.config.target import model_spec
+    from edgerl.core.files import check_path
     from edgerl.train import runfolder, session
+    check_path(target, "edgerl eval")
     p = Path(target).expanduser()
     if _is_run(p):
         point = runfolder.resume_point(p)
+        _verify(point.checkpoint)
         cfg, _ = session.load(config, sets, resume=p)
         return cfg, point.checkpoint
-    cfg = load_config(config, [*sets, (f'model.path="{target}"', f"edgerl eval {target}")])
+    cfg = load_config(config, sets)
+    cfg.model.path = target   # a path as given, never pasted into TOML (a folder named m"x or a<TAB>b)
+    cfg.validate()
+    model_spec(cfg)   # an unknown model or a missing folder is named now, before --data is asked for
     return cfg, None
 
 
-def _load_checkpoint(actor: Any, folder: Path, lora: bool) -> None:
+def _verify(folder: Path) -> None:
+    """Refuse a checkpoint whose files are not as written (checksums in its meta.json) or whose weights
+    are not finite, as a resume does; weights without optimizer state (run.final_only's best) are fine."""
+    from edgerl.core.errors import CheckpointError
+    from edgerl.train import checkpoint
+    why = checkpoint.damage(folder, optimizer=False)
+    bad = checkpoint.non_finite(folder) if why is None else []
+    if bad:
+        why = f"it holds NaN or infinite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+    if why is not None:
+        earlier = [c for c in checkpoint.checkpoints(folder.parent.parent) if c.name < folder.name]
+        way = f"evaluate an earlier one: edgerl eval {earlier[-1]}" if earlier else "evaluate another checkpoint"
+        raise CheckpointError(f"checkpoint {folder} cannot be evaluated: {why}; {way}")
+
+
+def _does_not_fit(model: dict[str, tuple], saved: dict[str, Any]) -> Optional[str]:
+    """How the tensors `saved` (name -> tensor) differ from a model's (name -> shape), or None."""
+    missing, unknown = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
+    shapes = [k for k in sorted(set(model) & set(saved)) if tuple(saved[k].shape) != tuple(model[k])]
+    if not (missing or unknown or shapes):
+        return None
+    parts = ([f"{len(missing)} of the model's weights are not in it (e.g. {missing[0]})"] if missing else []) + \
+        ([f"{len(unknown)} of its weights are not the model's (e.g. {unknown[0]})"] if unknown else []) + \
+        ([f"{shapes[0]} is {tuple(saved[shapes[0]].shape)} in it and {tuple(model[shapes[0]])} in the model"]
+         if shapes else [])
+    return "; ".join(parts)
+
+
+def _load_checkpoint(actor: Any, folder: Path, lora: bool, model_path: str) -> None:
     """The trained weights of a checkpoint into a freshly built actor."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from edgerl.core.errors import CheckpointError
     from edgerl.models import lora as lora_io
     from edgerl.train import checkpoint
-    tensors, _, _ = checkpoint.load(folder)
+    tensors, _, meta = checkpoint.load(folder)
     kind = "adapter_model" if lora else "actor"
     if kind not in tensors:
         raise CheckpointError(f"{folder} holds {'a LoRA adapter' if 'adapter_model' in tensors else 'full weights'}, "
                               f"and the plan {'trains LoRA' if lora else 'trains every weight'}: evaluate with the "
                               "run's lora.enabled (--set lora.enabled=...)")
+    trained_on = ((meta.get("config") or {}).get("model") or {}).get("path") if isinstance(meta, dict) else None
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {folder} does not fit the model it is loaded into ({model_path}): {why}; "
+                               f"it was trained on {trained_on!r}: evaluate it with that model (the run's own "
+                               "model.path)")
     if lora:
-        lora_io.load_adapter_state(actor, tensors["adapter_model"], str(folder))
-    else:
-        set_model_state_dict(actor, tensors["actor"], options=StateDictOptions(full_state_dict=True))
+        try:
+            lora_io.load_adapter_state(actor, tensors["adapter_model"], str(folder))
+        except (ValueError, RuntimeError) as e:   # other names, or the same names with other shapes
+            raise refuse(" ".join(str(e).split())[:300]) from None
+        return
+    why = _does_not_fit({k: tuple(v.shape) for k, v in actor.state_dict().items()}, tensors["actor"])
+    if why is not None:
+        raise refuse(why)
+    set_model_state_dict(actor, tensors["actor"], options=StateDictOptions(full_state_dict=True))
 
 
 def run_eval(cfg: Config, checkpoint_folder: Optional[Path], log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -103,7 +151,7 @@ def _run(cfg: Config, checkpoint_folder: Optional[Path], plan, device, tokenizer
     torch.manual_seed(cfg.train.seed)
     actor = build_actor(m.path, plan, device, m.trust_remote_code, cfg.lora.dropout)
     if checkpoint_folder is not None:
-        _load_checkpoint(actor, checkpoint_folder, plan.lora is not None)
+        _load_checkpoint(actor, checkpoint_folder, plan.lora is not None, m.path)
     with tempfile.TemporaryDirectory(prefix="edgerl-eval-") as work:
         from edgerl.models.load import save_hf
         engine = build_engine(plan, EngineContext(

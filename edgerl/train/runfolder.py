@@ -255,6 +255,16 @@ def move_aside(run: Path, log: Callable[[str], None]) -> Optional[Path]:
     return aside
 
 
+def enclosing_run(path: Path) -> Optional[Path]:
+    """The run folder `path` lies in, at any depth (RUN/final/config.json is in RUN), or None: a folder
+    with a manifest or a lock file, or with checkpoints/ and metrics.jsonl (a run older than manifests)."""
+    for folder in Path(path).expanduser().resolve().parents:
+        if (folder / MANIFEST).exists() or (folder / LOCK).exists() or \
+                ((folder / "checkpoints").is_dir() and (folder / "metrics.jsonl").is_file()):
+            return folder
+    return None
+
+
 def check_resume(point: ResumePoint, out: Optional[Path], verify: bool = True) -> Path:
     """The folder a resumed run writes to: its own, or `out` for a branch. Refuses to replace history.
     `verify`: also read the checkpoint's files (checksums, finite weights); the check repeated under

@@ -110,7 +110,7 @@ def _device_for(target: Target, cfg: Config, processes: int = 1) -> tuple[Any, s
         return device, _budget_note(cfg, budget, real)
     dev = target.device
     if not dev.is_cuda:
-        return torch.device("cpu"), "profile cpu: training on the CPU"
+        return torch.device("cpu"), "profile cpu: running on the CPU"
     if not real.is_cuda:
         raise ConfigError(f"--profile {cfg.run.profile} plans for a {dev.name}, but this machine has no usable GPU "
                           f"({real.note}); use --profile cpu, or run edgerl recommend --gpu {cfg.run.profile} to "
