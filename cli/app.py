@@ -18,7 +18,7 @@ from rich.markup import escape
 from edgerl.core.errors import USER_ERRORS, ConfigError, ModelError, TrainingError
 from edgerl.core.files import check_path, shown
 from edgerl.rewards.contain import Interrupted
-from edgerl.train.ranks import Rank, from_env
+from edgerl.train.ranks import Rank, from_env, leave_together
 
 app = typer.Typer(name="edgerl", no_args_is_help=True, add_completion=False,
                   help="Hardware-adaptive RL fine-tuning (PPO, GRPO) of LLMs on the GPUs people actually have.")
@@ -113,6 +113,7 @@ def friendly(fn: Callable) -> Callable:
             # every rank meets the same bad input; a failure while loading or training can be one rank's own
             if RANK.main or isinstance(e, (TrainingError, ModelError)):
                 _say(str(e))
+            leave_together()   # under torchrun, when every rank stopped here: after rank 0 said why
             raise typer.Exit(2) from None
         except (Stopped, KeyboardInterrupt, Interrupted) as e:
             # Interrupted: the signal stopped user code (a reward file being imported, a reward in `eval`)

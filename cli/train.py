@@ -93,6 +93,8 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         way = (f"resume with edgerl train --resume {run}" if latest(s.run_dir) is not None else
                "no step was saved: run the same command again to start")
         console.print(f"[yellow]stopped by {trainer.stop_signal} after step {trainer.step}; {way}[/]", soft_wrap=True)
+        from edgerl.train.ranks import leave_together
+        leave_together()   # every rank stopped after the same step: they leave once rank 0 said so
         raise typer.Exit(130)
     from edgerl.train.ranks import shutdown
     shutdown()

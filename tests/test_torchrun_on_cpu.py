@@ -47,13 +47,13 @@ def test_two_ranks_update_equals_one_process(tiny_llama, tmp_path, advantage, co
     assert 0 < a["stats"][share] < 1   # global means and maxima over ranks that hold different rows
 
 
-def _train(model: Path, run: Path, *extra: str, n: int = 2) -> subprocess.CompletedProcess:
+def _train(model: Path, run: Path, *extra: str, n: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
     sets = ["run.profile=\"cpu\"", "train.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6",
             "data.num_examples=32", "run.tensorboard=false", "run.export_final=false", "run.save_every=1"]
     args = ["-m", "edgerl.cli", "train", "--model", str(model), *sum((["--set", s] for s in sets), []), *extra]
     if n == 1:
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=ENV)
-    return torchrun(*args, n=n)
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    return torchrun(*args, n=n, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -90,3 +90,44 @@ def test_a_batch_that_does_not_split_is_refused_before_training(tiny_llama, tmp_
     assert "train.prompts_per_step=3 does not split over 2 GPUs" in res.stderr
     assert res.stderr.count("does not split") == 1          # one line, from rank 0
     assert not (tmp_path / "odd").exists()                  # nothing written
+
+
+def _no_edgerl_traceback(stderr: str) -> None:
+    """torchrun prints its own summary (and a traceback of its own) when a rank exits non-zero; no rank
+    of edgerl's may print one."""
+    assert "/edgerl/" not in stderr and "/cli/" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_reward_failing_on_rank_1_alone_is_printed_once_with_its_message(tiny_llama, tmp_path):
+    reward = tmp_path / "rank_reward.py"
+    reward.write_text("import os\ndef f(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    if os.environ['RANK'] == '1':\n        raise ValueError('only rank 1 sees this')\n"
+                      "    return 1.0\n")
+    res = _train(tiny_llama, tmp_path / "run", "--steps", "1", "--out", str(tmp_path / "run"), "--reward",
+                 f"{reward}:f")
+    assert res.returncode != 0
+    errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and errors[0].startswith("rank 0: error: reward function f in "), res.stderr[-3000:]
+    assert "ValueError: only rank 1 sees this (at rank_reward.py:4) (on rank 1 of 2)" in errors[0]
+    _no_edgerl_traceback(res.stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_during_a_reward_saves_on_every_rank(tiny_llama, tmp_path):
+    """Rank 1 is signalled while its reward runs; rank 0's reward never returns (no time limit): it
+    learns of the signal through torchrun's store, and both stop, with step 1 saved once."""
+    reward = tmp_path / "signal_reward.py"
+    reward.write_text("import os, signal, time\nCALLS = 0\n"
+                      "def f(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    global CALLS\n    CALLS += 1\n    if CALLS > 2:   # step 2 (2 samples per rank and step)\n"
+                      "        if os.environ['RANK'] == '1':\n            os.kill(os.getppid(), signal.SIGTERM)\n"
+                      "        time.sleep(1000)\n    return 0.5\n")
+    run = tmp_path / "run"
+    res = _train(tiny_llama, run, "--steps", "3", "--out", str(run), "--reward", f"{reward}:f", "--set",
+                 "run.save_every=0", "--set", "reward.timeout_s=0", timeout=300)
+    assert "stopped by SIGTERM (to rank 1) after step 1; resume with" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "step 2 abandoned; saved the last good state (step 1)" in res.stdout
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000001"]
+    assert "error:" not in res.stderr
+    _no_edgerl_traceback(res.stderr)

@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional
 from edgerl.core.errors import ConfigError
 from edgerl.plan import table
 from edgerl.core.files import check_path, shown
+from edgerl.rewards.contain import MAX_ABS_REWARD
 
 
 def F(default: Any = dataclasses.MISSING, doc: str = "", *, factory: Any = None) -> Any:
@@ -410,6 +411,11 @@ class Config:
         if rw.weights is not None and len(rw.weights) != len(rw.functions):
             raise ConfigError(f"reward.weights has {len(rw.weights)} value(s) for {len(rw.functions)} reward "
                               f"function(s) {rw.functions}; give one weight per function")
+        for i, w in enumerate(rw.weights or []):
+            if isinstance(w, (int, float)) and abs(w) > MAX_ABS_REWARD:
+                raise ConfigError(f"reward.weights[{i}] = {w:g} is beyond +-{MAX_ABS_REWARD:g}, the range a weighted "
+                                  "reward may take (edgerl computes advantages in float32); scale the weights down "
+                                  "(the advantages are normalised anyway)")
 
     def _validate_episodes(self) -> None:
         from edgerl.agents.builtin import BUILTIN_TOOLS
@@ -518,7 +524,10 @@ RANGES: dict[str, tuple[str, str]] = {
     "run.log_samples": ("[0, 1000000]", "0 writes no samples"),
     "algo.max_extra_draws": ("[0, 1000]", "0 draws no more prompts than a plain step"),
     "algo.overlong_buffer": ("[1, 1048576]", "leave it unset for a quarter of rollout.max_new_tokens"),
-    "algo.overlong_penalty": ("[0, inf)", "the penalty at the length limit, e.g. 1.0"),
+    "algo.overlong_penalty": (f"[0, {MAX_ABS_REWARD:g}]", "the penalty at the length limit, e.g. 1.0; a reward "
+                              f"with its penalties lies within +-{MAX_ABS_REWARD:g}"),
+    "reward.model_coef": (f"[-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]", f"a weighted reward lies within "
+                          f"+-{MAX_ABS_REWARD:g}; e.g. 1.0"),
     "algo.rollout_correction_threshold": ("(1, inf)", "the ratio's cap, e.g. 2.0 (verl, ms-swift) or 3.0 (TRL)"),
     "eval.every": ("[0, 1000000000]", "0 evaluates before the first step and after the last only"),
     "eval.samples": ("[0, 1024]", "0 evaluates greedy answers only"),

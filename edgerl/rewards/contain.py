@@ -19,25 +19,29 @@ unguarded. `check_result` checks what a reward returned: type, and range (|r| <=
 
 from __future__ import annotations
 
+import atexit
+import builtins
 import contextlib
 import math
 import os
-import pickle
 import signal
 import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 from edgerl.core.errors import RewardError
+from edgerl.rewards import wire
 
 # Rewards, advantages and value targets are float32 tensors: squares of values above ~1e19 overflow
 # (3.4e38), and the mean of a batch loses the small differences GRPO compares long before that.
 # A reward of a million is far beyond any sane scale, and a scaled reward trains the same.
 MAX_ABS_REWARD = 1e6
+# what a reward's reply holds as a number (wire.BigInt: an integer too large for a float, refused by the checks)
+NUMBERS = (int, float, wire.BigInt)
 # Importing a reward file may import torch or a tokenizer: allow a slow disk at least this long.
 IMPORT_TIMEOUT_S = 300.0
 
@@ -46,11 +50,28 @@ Sample = Union[str, Callable[[], str]]
 
 class Interrupted(BaseException):
     """SIGINT or SIGTERM arrived while user code ran; the code was stopped. A BaseException, so that
-    user code catching Exception cannot swallow it. `signal` is the signal's name."""
+    user code catching Exception cannot swallow it. `signal` is the signal's name; `elsewhere`: it
+    reached another rank (torchrun), which said so (see other_ranks)."""
 
-    def __init__(self, signal_name: str, who: str):
+    def __init__(self, signal_name: str, who: str, elsewhere: bool = False):
         super().__init__(f"{signal_name} received while {who} ran")
-        self.signal, self.who = signal_name, who
+        self.signal, self.who, self.elsewhere = signal_name, who, elsewhere
+
+
+def _nowhere() -> Optional[str]:
+    return None
+
+
+# Under torchrun a signal may reach one rank only. The trainer sets this (other_ranks) to a function
+# returning the signal another rank announced, or None: a call waiting on a reward function's process
+# stops then too, as Interrupted, instead of waiting for code that may never return.
+_elsewhere: Callable[[], Optional[str]] = _nowhere
+
+
+def other_ranks(announced: Optional[Callable[[], Optional[str]]]) -> None:
+    """Watch `announced` (edgerl.train.ranks.stopped_elsewhere) while waiting on a worker; None: stop."""
+    global _elsewhere
+    _elsewhere = announced or _nowhere
 
 
 class _TimeUp(BaseException):
@@ -183,8 +204,8 @@ def _number(x: Any, what: str) -> float:
     try:
         value = float(x)
     except OverflowError:
-        bits = x.bit_length() if isinstance(x, int) else None
-        size = f"an integer of {bits} bits" if bits is not None else f"a {type(x).__name__}"
+        bits = x.bit_length() if isinstance(x, (int, wire.BigInt)) else None
+        size = f"an integer of {bits} bits" if bits is not None else f"a {wire.type_name(x)}"
         raise ValueError(f"{what} {size}, too large for a float; a reward must lie within "
                          f"+-{MAX_ABS_REWARD:g}") from None
     except (TypeError, ValueError):
@@ -192,7 +213,7 @@ def _number(x: Any, what: str) -> float:
             shown = _short(repr(x), 60)
         except Exception:
             shown = "(unprintable)"
-        raise ValueError(f"{what} {type(x).__name__} {shown}, not a number") from None
+        raise ValueError(f"{what} {wire.type_name(x)} {shown}, not a number") from None
     return value
 
 
@@ -219,7 +240,7 @@ def check_result(res: Any) -> tuple[float, dict[str, float]]:
             keys = ", ".join(_short(str(k), 40) for k in list(res)[:20])
             raise ValueError(f"the result dict has no 'score' key (keys: {keys})")
         for k, v in res.items():
-            if k != "score" and isinstance(v, (int, float)):
+            if k != "score" and isinstance(v, NUMBERS):
                 extra[str(k)] = _in_range(_number(v, f"returned component {k!r} ="), f"returned component {k!r} =",
                                           nan_ok=True)
         res = res["score"]
@@ -239,6 +260,20 @@ def _exit_words(code: Optional[int]) -> str:
     return f"exit status {code}"
 
 
+_LIVE: "weakref.WeakSet[UserFunction]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """The trainer is exiting: stop every worker still running, with its process group (a child a
+    reward function left would otherwise hold the terminal's or a pipe's other end)."""
+    for f in list(_LIVE):
+        try:
+            f.close()
+        except Exception:
+            pass
+
+
 class UserFunction:
     """A function `name` of the file `path`, imported and called in a worker process (see the module
     docstring). Calls are contained as `call_user`'s; calling the object is `call_user(self, ...)`."""
@@ -250,16 +285,24 @@ class UserFunction:
         self.spec, self.path, self.name, self.timeout_s = spec, path, name, timeout_s
         self.who = f"reward function {name} in {path}"
         self._proc: Optional[subprocess.Popen] = None
+        self._request = 0
         self._start()
         limit = max(timeout_s or 0.0, IMPORT_TIMEOUT_S)
-        reply = self._exchange(self.who, ("load", str(path), name, spec, list(sys.path), call_with, signature),
+        reply = self._exchange(self.who, {"op": "load", "path": str(path), "name": name, "spec": spec,
+                                          "sys_path": list(sys.path), "call_with": call_with, "signature": signature},
                                f"the import of {path.name}", limit,
                                f"importing {path} took longer than {limit:g} s, so its process was stopped; does the "
                                "file run something at import that does not end?")
-        if reply[0] != "ok":
+        if reply[0] == "error" and len(reply) == 2 and isinstance(reply[1], str):
             self.close()
             raise RewardError(reply[1])
-        self.loaded = reply[1]   # call_with="detect": (kind, keyword arguments) of its signature
+        loaded = reply[1] if reply[0] == "ok" and len(reply) == 2 else False
+        if loaded is not None and not (isinstance(loaded, list) and len(loaded) == 2 and loaded[0] in ("verl", "trl")
+                                       and (loaded[1] is None or isinstance(loaded[1], list))):
+            self.close()
+            raise self._malformed(self.who, f"the import of {path.name}", f"an answer to the import of {_short(repr(reply), 80)}")
+        # call_with="detect": (kind, keyword arguments) of its signature
+        self.loaded = None if loaded is None else (loaded[0], None if loaded[1] is None else tuple(loaded[1]))
 
     def _start(self) -> None:
         to_r, to_w = os.pipe()
@@ -267,31 +310,48 @@ class UserFunction:
         root = str(Path(__file__).resolve().parents[2])   # the folder holding the edgerl package
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         try:
-            # stdin is not the user's: a function that reads it gets EOF, not the trainer's input
+            # stdin is not the user's: a function that reads it gets EOF, not the trainer's input. A session
+            # of its own: what the function starts is in its process group, stopped with it (_kill)
             self._proc = subprocess.Popen([sys.executable, "-m", "edgerl.rewards.worker", str(to_r), str(from_w)],
-                                          pass_fds=(to_r, from_w), stdin=subprocess.DEVNULL, env=env)
+                                          pass_fds=(to_r, from_w), stdin=subprocess.DEVNULL, env=env,
+                                          start_new_session=True)
         except OSError as e:
             for fd in (to_r, to_w, from_r, from_w):
                 os.close(fd)
             raise RewardError(f"--reward {self.spec!r}: cannot start a process for it ({e})") from None
         os.close(to_r)
         os.close(from_w)
-        self._to, self._from = Connection(to_w, readable=False), Connection(from_r, writable=False)
+        os.set_blocking(to_w, False)   # a write waits within the call's deadline (wire.write_message)
+        self._to, self._from = to_w, from_r
+        _LIVE.add(self)
+
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def _kill(self) -> Optional[int]:
-        """Stop the process now; returns its exit status."""
+        """Stop the process and every process of its group now; returns its exit status."""
         if self._proc is None:
             return None
         proc, self._proc = self._proc, None
+        _LIVE.discard(self)
+        try:
+            # the group is the worker's pid (start_new_session); that number stays taken while a member
+            # lives, so this reaches no other process even after the worker itself has exited
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if proc.poll() is None:
             proc.kill()
         code = proc.wait()
-        self._to.close()
-        self._from.close()
+        for fd in (self._to, self._from):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         return code
 
     def close(self) -> None:
-        """Stop the process (it holds nothing to save)."""
+        """Stop the process and its group (it holds nothing to save)."""
         self._kill()
 
     def __del__(self) -> None:
@@ -300,55 +360,80 @@ class UserFunction:
         except Exception:
             pass
 
-    def _exchange(self, who: str, msg: tuple, sample: Sample, timeout_s: Optional[float],
-                  overran: Optional[str] = None) -> tuple:
+    def _malformed(self, who: str, sample: Sample, what: str) -> RewardError:
+        self._kill()
+        return _failure(who, sample, f"its process sent {what}, which is not a reply the protocol allows (did the "
+                                     "function write to a file descriptor it does not own, or fork?); its process was "
+                                     "stopped")
+
+    def _exchange(self, who: str, msg: dict, sample: Sample, timeout_s: Optional[float],
+                  overran: Optional[str] = None) -> list:
+        """Send `msg`, return the reply (a list, as the worker sends it), all within `timeout_s`."""
         if self._proc is None:
             raise RewardError(f"{who} cannot be called: its process was stopped earlier in this run")
+        try:
+            body = wire.encode(msg)
+        except (wire.ProtocolError, RecursionError) as e:
+            raise RewardError(f"{who}: the arguments for {_text(sample)} cannot be sent to its process "
+                              f"({'they hold ' + str(e) if isinstance(e, wire.ProtocolError) else 'nested too deeply'})"
+                              ) from None
+        self._request += 1
+        request = self._request
+
+        def waiting() -> bool:   # between the polls of a wait: another rank's signal, or the process gone
+            other = _elsewhere()
+            if other is not None:
+                raise Interrupted(other, who, elsewhere=True)
+            return self._alive()
         with signals_raise(who):
             try:
-                try:
-                    self._to.send(msg)
-                except (pickle.PicklingError, TypeError, AttributeError) as e:
-                    raise RewardError(f"{who}: the arguments for {_text(sample)} cannot be sent to its "
-                                      f"process ({type(e).__name__}: {e})") from None
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
-                # short waits: the deadline is checked, and a signal handler runs, between them
-                while not self._from.poll(0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))):
-                    if deadline is not None and time.monotonic() >= deadline:
-                        self._kill()
-                        if overran is not None:
-                            raise RewardError(f"--reward {self.spec!r}: {overran}")
-                        raise _timed_out(who, sample, timeout_s or 0.0, "its process was stopped")
-                reply = self._from.recv_bytes()
+                wire.write_message(self._to, request, body, deadline, waiting)
+                answered, reply = wire.read_message(self._from, deadline, waiting)
             except Interrupted:
                 self._kill()
                 raise
-            except (EOFError, OSError):
+            except wire.TimedOut:
+                self._kill()
+                if overran is not None:
+                    raise RewardError(f"--reward {self.spec!r}: {overran}") from None
+                raise _timed_out(who, sample, timeout_s or 0.0, "its process was stopped") from None
+            except (wire.PeerGone, OSError):
                 code = self._kill()
                 raise RewardError(f"{who} ended its process on {_text(sample)} ({_exit_words(code)}); a "
                                   "reward function must return a value (os._exit, a crash and a kill end it)") \
                     from None
-        try:
-            return pickle.loads(reply)
-        except Exception as e:  # e.g. an instance of a class defined in the reward file
-            raise _failure(who, sample, f"returned a value the trainer cannot read ({type(e).__name__}: "
-                                        f"{_short(str(e), 80)}); return a float or a dict of floats") from None
+            except wire.ProtocolError as e:
+                raise self._malformed(who, sample, str(e)) from None
+        if answered != request:
+            raise self._malformed(who, sample, f"an answer to request {answered} while request {request} waited")
+        if not (isinstance(reply, list) and reply and reply[0] in ("ok", "error", "raised")):
+            raise self._malformed(who, sample, f"an answer of the wrong shape ({_short(repr(reply), 80)})")
+        return reply
 
     def call(self, who: str, sample: Sample, args: tuple, kwargs: dict, timeout_s: Optional[float]) -> Any:
         """One call, contained (call_user's way in): `who` and `sample` name it in any error."""
-        reply = self._exchange(who, ("call", args, kwargs), sample, timeout_s)
-        if reply[0] == "ok":
+        reply = self._exchange(who, {"op": "call", "args": list(args), "kwargs": kwargs}, sample, timeout_s)
+        if reply[0] == "ok" and len(reply) == 2:
             return reply[1]
-        cause = None
-        if reply[2] is not None:
-            try:
-                cause = pickle.loads(reply[2])
-            except Exception:
-                cause = None
-        raise _failure(who, sample, reply[1]) from cause
+        if reply[0] != "raised" or len(reply) != 4 or not isinstance(reply[1], str):
+            raise self._malformed(who, sample, f"an answer of the wrong shape ({_short(repr(reply), 80)})")
+        raise _failure(who, sample, _short(reply[1], 400)) from _builtin_exception(reply[2], reply[3])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call_user(self, self.who, "a call", *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"UserFunction({self.spec!r})"
+
+
+def _builtin_exception(name: Any, args: Any) -> Optional[BaseException]:
+    """The built-in exception a worker named (its class and arguments are data), to chain to the
+    trainer's error; None for anything else."""
+    cls = getattr(builtins, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, Exception) and isinstance(args, list)):
+        return None
+    try:
+        return cls(*args)
+    except Exception:
+        return None

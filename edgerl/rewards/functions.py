@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from edgerl.core.errors import RewardError
 from edgerl.rewards.builtins import BUILTIN_REWARDS, RewardRow
-from edgerl.rewards.contain import MAX_ABS_REWARD
+from edgerl.rewards.contain import MAX_ABS_REWARD, NUMBERS
+from edgerl.rewards.wire import type_name
 from edgerl.rewards.rules import load_reward_function
 
 VERL_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict with a 'score' key"
@@ -171,32 +172,35 @@ def _per_sample(f: RewardFunction, rows: Sequence[RewardRow]) -> tuple[list[floa
             if "score" not in res:
                 raise RewardError(f"reward function {f.name} returned a dict without a 'score' key (keys: "
                                   f"{', '.join(map(str, res))}) {where()}")
-            extra = {k: float(v) for k, v in res.items()
-                     if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            # its other numeric keys are components: in the same range, or NaN (logged as missing)
+            extra = {str(k): _number(v, f, where, f"component {str(k)!r} =", nan_ok=True) for k, v in res.items()
+                     if k != "score" and isinstance(v, NUMBERS) and not isinstance(v, bool)}
             res = res["score"]
         values.append(_number(res, f, where))
         extras.append(extra)
     return values, extras
 
 
-def _number(value: Any, f: RewardFunction, where: Callable[[], str]) -> float:
-    if isinstance(value, (str, bytes)) or value is None or not isinstance(value, (int, float)) \
+def _number(value: Any, f: RewardFunction, where: Callable[[], str], what: str = "", nan_ok: bool = False) -> float:
+    """A value a function returned (`what` names a dict component) as a float within +-MAX_ABS_REWARD."""
+    said = f"reward function {f.name} returned {what + ' ' if what else ''}"
+    if isinstance(value, (str, bytes)) or value is None or not isinstance(value, NUMBERS) \
             and not hasattr(value, "__float__"):
-        raise RewardError(f"reward function {f.name} returned {type(value).__name__} {_excerpt(value, 40)} "
-                          f"{where()}; it must return a number")
+        raise RewardError(f"{said}{type_name(value)} {_excerpt(value, 40)} {where()}; it must return a number")
     try:
         x = float(value)
     except OverflowError:
-        raise RewardError(f"reward function {f.name} returned an integer of {int(value).bit_length()} bits "
-                          f"{where()}, too large for a float; return a number within +-{MAX_ABS_REWARD:g}") from None
+        raise RewardError(f"{said}an integer of {value.bit_length()} bits {where()}, too large for a float; return a "
+                          f"number within +-{MAX_ABS_REWARD:g}") from None
     except (TypeError, ValueError) as e:
-        raise RewardError(f"reward function {f.name} returned {type(value).__name__} {_excerpt(value, 40)} "
-                          f"{where()}, not a number") from e
+        raise RewardError(f"{said}{type_name(value)} {_excerpt(value, 40)} {where()}, not a number") from e
+    if math.isnan(x) and nan_ok:
+        return x
     if not math.isfinite(x):
-        raise RewardError(f"reward function {f.name} returned {x} {where()}; a reward must be a finite number")
+        raise RewardError(f"{said}{x} {where()}; a reward must be a finite number")
     if abs(x) > MAX_ABS_REWARD:   # float32 rewards and their group statistics lose everything beyond it
-        raise RewardError(f"reward function {f.name} returned {x:g} {where()}; a reward must be within "
-                          f"+-{MAX_ABS_REWARD:g} (scale it down: the advantages are normalised anyway)")
+        raise RewardError(f"{said}{x:g} {where()}; a reward must be within +-{MAX_ABS_REWARD:g} (scale it down: the "
+                          "advantages are normalised anyway)")
     return x
 
 
@@ -215,11 +219,13 @@ def _batched(f: RewardFunction, rows: Sequence[RewardRow], answer_arg: Optional[
     n = len(rows)
     batch = lambda: f"on a batch of {n} completions"   # noqa: E731
     res = call_reward(f.fn, f.name, batch, **kwargs)
-    if not isinstance(res, (list, tuple)) and hasattr(res, "tolist"):   # a numpy array or a tensor
-        res = res.tolist()
+    # its process sent a numpy array or a tensor as a list (0-d: its one number; edgerl.rewards.wire)
     if not isinstance(res, (list, tuple)):
-        raise RewardError(f"reward function {f.name} returned {type(res).__name__} {_excerpt(res, 40)} {batch()}; a "
-                          f"batched function ({TRL_SIGNATURE}) returns a list with one float per completion")
+        what = (f"one number, {res!r} (a 0-d array or tensor is one number)," if isinstance(res, NUMBERS)
+                else f"{type_name(res)} {_excerpt(res, 40)}")
+        raise RewardError(f"reward function {f.name} returned {what} {batch()}; a "
+                          f"batched function ({TRL_SIGNATURE}) returns one float per completion: a list, or a 1-d "
+                          "array or tensor")
     if len(res) != n:
         raise RewardError(f"reward function {f.name} returned {len(res)} value(s) {batch()}; it must return one "
                           "per completion")
@@ -228,7 +234,8 @@ def _batched(f: RewardFunction, rows: Sequence[RewardRow], answer_arg: Optional[
 
 
 def score(functions: Sequence[RewardFunction], rows: Sequence[RewardRow], answer_key: str = "") -> RewardScores:
-    """Every function on `rows`, checked, and their weighted sum (None/NaN of a batched function adds 0)."""
+    """Every function on `rows`, checked, and their weighted sum (None/NaN of a batched function adds 0),
+    which must lie within +-MAX_ABS_REWARD as each term does (RewardError naming the sample)."""
     total = [0.0] * len(rows)
     out = RewardScores(total)
     answer_arg = answer_argument(answer_key)
@@ -244,4 +251,17 @@ def score(functions: Sequence[RewardFunction], rows: Sequence[RewardRow], answer
         for k in sorted({k for e in extras for k in e}):
             key = k if k not in out.components else f"{f.name}.{k}"
             out.components[key] = [e.get(k, math.nan) for e in extras]
+    for i, t in enumerate(total):
+        terms = [f"{f.weight:g} x {out.by_function[f.name][i]:g} ({f.name})" for f in functions
+                 if not math.isnan(out.by_function[f.name][i])]
+        check_total(t, " + ".join(terms) or "0", lambda i=i: sample_text(i, rows[i]), "reward.weights")
     return out
+
+
+def check_total(total: float, terms: str, where: Callable[[], str], fix: str) -> None:
+    """RewardError when a sample's weighted reward (`terms`, written out) is not finite or beyond
+    +-MAX_ABS_REWARD: each term is within the bound, but weights or penalties can carry the sum past it."""
+    if math.isfinite(total) and abs(total) <= MAX_ABS_REWARD:
+        return
+    raise RewardError(f"the weighted reward {total:g} = {terms} {where()} is outside +-{MAX_ABS_REWARD:g}, the range a "
+                      f"reward may take (edgerl computes advantages in float32); lower {fix}")

@@ -133,6 +133,62 @@ def agree(fn: Callable[[], Any], main: bool) -> Any:
     return value
 
 
+# --- a signal or a failure on one rank -------------------------------------------------------------
+
+_STOP_KEY = "edgerl/stop"
+
+
+def _store() -> Any:
+    from torch.distributed import distributed_c10d
+    return distributed_c10d._get_default_store()   # torchrun's key-value store, which every rank reaches
+
+
+def announce_stop(what: str) -> None:
+    """Tell every rank that this one received a signal (`what`: its name), through torchrun's store, at
+    once: a rank waiting on a reward that does not return learns it there (stopped_elsewhere), not
+    at the next collective, which it may never reach."""
+    if world() == 1:
+        return
+    try:
+        if not _store().check([_STOP_KEY]):
+            _store().set(_STOP_KEY, f"{what} (to rank {dist.get_rank()})")
+    except Exception:   # the store is gone: the ranks are ending anyway; the next collective still agrees
+        pass
+
+
+def stopped_elsewhere() -> Optional[str]:
+    """The signal a rank announced ('SIGTERM (to rank 1)'), or None (any rank may call it, any time)."""
+    if world() == 1:
+        return None
+    try:
+        store = _store()
+        return store.get(_STOP_KEY).decode("utf-8", "replace") if store.check([_STOP_KEY]) else None
+    except Exception:
+        return None
+
+
+_together = False
+
+
+def ended_together() -> None:
+    """Every rank stopped at the same point (a failure or a signal they agreed on)."""
+    global _together
+    _together = True
+
+
+def leave_together() -> None:
+    """After rank 0 printed why the run stopped: when every rank stopped at the same point, they leave
+    together (a barrier); torchrun stops the other ranks as soon as one exits, which could cut rank 0
+    off before it says why (all ranks call it, each after its own last line)."""
+    global _together
+    if _together and world() > 1:
+        _together = False
+        try:
+            dist.barrier()
+        except Exception:   # a peer already gone: nothing left to wait for
+            pass
+
+
 def barrier() -> None:
     if world() > 1:
         dist.barrier()

@@ -97,10 +97,13 @@ def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Ca
     if bad:
         raise TrainingError(f"the weights after step {lp.step} hold NaN or infinite values ({_names(bad)}): not "
                             f"saved, so {last_good(run_dir)}")
+    # every rank waits for the writer (and raises its error): under torchrun a rank that exits first, on a
+    # signal or a failure, makes torchrun stop the others, the writer in the middle of its write included
+    meta = {"step": lp.step, **({"eval_score": score} if score is not None else {}), **st.meta}
+    folder = ranks.agree(lambda: checkpoint.save(run_dir, lp.step, tensors, state, meta, keep_last, files,
+                                                 keep_best=keep_best), is_writer)
     if not is_writer:
         return None
-    meta = {"step": lp.step, **({"eval_score": score} if score is not None else {}), **st.meta}
-    folder = checkpoint.save(run_dir, lp.step, tensors, state, meta, keep_last, files, keep_best=keep_best)
     size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     log(f"checkpoint: {folder} ({fmt_bytes(size)})")
     return folder

@@ -34,9 +34,9 @@ from edgerl.core.files import write_atomically
 from edgerl.models.load import (build_actor, build_critic, build_frozen, init_distributed, lm_weights, on_device, save_hf)
 from edgerl.plan.moves import next_moves
 from edgerl.train.optim import StateOffload, make_optimizer
-from edgerl.rewards.contain import MAX_ABS_REWARD, Interrupted, call_user
+from edgerl.rewards.contain import MAX_ABS_REWARD, Interrupted, call_user, other_ranks
 from edgerl.rewards.builtins import RewardRow
-from edgerl.rewards.functions import sample_text, score as score_rewards
+from edgerl.rewards.functions import check_total, sample_text, score as score_rewards
 from edgerl.rollout import EngineContext, build_engine
 from edgerl.rollout.base import RolloutBatch, SamplingParams
 from edgerl.rollout.episodes import EpisodeRollout, episode_metrics, episode_sample
@@ -234,6 +234,12 @@ class Trainer:
                                    cfg.algo.overlong_penalty)
             components["overlong_penalty"] = pen
             scores = [s + p for s, p in zip(scores, pen)]
+        for i, total in enumerate(scores):   # each term is within the bound; their sum must be too
+            terms = [f"{res.total[i]:g} (reward functions)"] + [
+                f"{w:g} x {components[k][i]:g} ({k.replace('_', ' ')})" for k, w in
+                (("reward_model", cfg.reward.model_coef), ("overlong_penalty", 1.0)) if k in components]
+            check_total(total, " + ".join(terms), lambda i=i: sample_text(i, items[i]),
+                        "reward.model_coef or algo.overlong_penalty")
         return Drawn(list(prompts), batch, scores, res.by_function, components)
 
     def score(self, exp: Experience, kl_coef: float) -> Experience:
@@ -407,7 +413,7 @@ class Trainer:
         texts = self.tokenizer.batch_decode(drawn.batch.response_ids[:k], skip_special_tokens=True)
         eps = drawn.batch.episodes
         return [{"prompt": drawn.prompts[i // n].text, "response": t, "reward": drawn.scores[i],
-                 "rewards": {name: v[i] for name, v in drawn.by_function.items()},
+                 "rewards": {name: None if math.isnan(v[i]) else v[i] for name, v in drawn.by_function.items()},
                  "ground_truth": drawn.prompts[i // n].ground_truth, "truncated": drawn.batch.truncated[i],
                  **(episode_sample(eps[i]) if eps is not None else {})}
                 for i, t in enumerate(texts)]
@@ -426,7 +432,9 @@ class Trainer:
 
     def _agreed(self, fn: Callable[[], Any]) -> Any:
         """fn(), but under torchrun a reward that failed or was interrupted on one rank stops every rank
-        here, before the next collective, so that all of them save the last good step together."""
+        here, before the next collective, so that all of them save the last good step together. Every
+        rank raises the same: Interrupted when a signal reached any rank, else the error of the first
+        rank that failed, with that rank's own message (rank 0 alone prints it)."""
         if self.world == 1:
             return fn()
         failure: Optional[BaseException] = None
@@ -434,15 +442,22 @@ class Trainer:
             out = fn()
         except (RewardError, Interrupted) as e:
             failure = e
-        interrupted = ranks.any_rank(isinstance(failure, Interrupted), self.device)
-        failed = ranks.any_rank(failure is not None, self.device)
-        if failure is not None:
-            raise failure
-        if interrupted:
-            raise Interrupted("a signal to another rank", "another rank's reward")
-        if failed:
-            raise RewardError("the reward failed on another rank; that rank's message says why")
-        return out
+            if isinstance(e, Interrupted) and not e.elsewhere:
+                ranks.announce_stop(e.signal)
+        reports = ranks.gather(None if failure is None else
+                               (isinstance(failure, Interrupted), getattr(failure, "signal", None) or str(failure)))
+        if all(r is None for r in reports):
+            return out
+        ranks.ended_together()
+        stopped = [(r, what) for r, (signalled, what) in enumerate(x or (False, "") for x in reports) if signalled]
+        if stopped:
+            if isinstance(failure, Interrupted):
+                raise failure
+            r, what = stopped[0]
+            raise Interrupted(what if "(to rank" in what else f"{what} (to rank {r})", "another rank's reward",
+                              elsewhere=True)
+        r, what = next((r, x[1]) for r, x in enumerate(reports) if x is not None)
+        raise RewardError(what + (f" (on rank {r} of {self.world})" if r else ""))
 
     def _close_user_code(self) -> None:
         """Stop the processes of the user's reward functions (edgerl.rewards.contain.UserFunction)."""
@@ -567,6 +582,7 @@ class Trainer:
 
         def request_stop(signum, _frame):
             self.stop_signal = signal.Signals(signum).name
+            ranks.announce_stop(self.stop_signal)   # a rank waiting on a reward stops too (contain.other_ranks)
             self.log(f"{self.stop_signal} received: finishing step {lp.step + 1}, then saving a checkpoint")
 
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -576,6 +592,7 @@ class Trainer:
                 pass
         start = lp.step
         last = self.cfg.train.steps
+        other_ranks(ranks.stopped_elsewhere if self.world > 1 else None)
         try:
             if lp.step == 0 and self.eval_prompts:   # the held-out score before training: the baseline
                 self._after_step({}, on_step, evaluate=True)
@@ -601,8 +618,10 @@ class Trainer:
                                                                                        last))
                 every = self.cfg.run.save_every
                 # a signal may reach one process only: every rank stops after the same step
-                if ranks.any_rank(self.stop_signal is not None, self.device) and self.stop_signal is None:
-                    self.stop_signal = "a signal to another rank"
+                if ranks.any_rank(self.stop_signal is not None, self.device):
+                    ranks.ended_together()
+                    if self.stop_signal is None:
+                        self.stop_signal = ranks.stopped_elsewhere() or "a signal to another rank"
                 if self.stop_signal or (every and lp.step % every == 0):
                     self._write(self.save)
             if self.stop_signal is None:
@@ -617,6 +636,7 @@ class Trainer:
         finally:
             for sig, h in handlers.items():
                 signal.signal(sig, h)
+            other_ranks(None)
             self._close_user_code()
             self.metrics.close()
             self.session.close()
