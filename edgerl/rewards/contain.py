@@ -12,7 +12,9 @@ take the run down.
 A `UserFunction` (a reward function loaded from a file) runs in a process of its own (started with
 `python -m edgerl.rewards.worker`): only a process can be stopped in the middle of anything, including
 one C call that never returns to Python (9**9**9 on a model's output), `os._exit` or a crash, and a
-library's own SIGALRM timer (math_verify's) works there. Any other callable runs in this process: on
+library's own SIGALRM timer (math_verify's) works there. It leads a process group of its own, stopped
+whole, and speaks edgerl.rewards.wire (data, never pickle: a reply cannot run code here; the time limit
+covers reading all of it). Any other callable runs in this process: on
 the main thread under an interval timer (SIGALRM) and with raising signal handlers, elsewhere
 unguarded. `check_result` checks what a reward returned: type, and range (|r| <= MAX_ABS_REWARD).
 """
