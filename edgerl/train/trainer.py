@@ -234,12 +234,14 @@ class Trainer:
                                    cfg.algo.overlong_penalty)
             components["overlong_penalty"] = pen
             scores = [s + p for s, p in zip(scores, pen)]
+        added = [(k, w, fix) for k, w, fix in (("reward_model", cfg.reward.model_coef, "reward.model_coef"),
+                                               ("environment", 1.0, "the environment's rewards"),
+                                               ("overlong_penalty", 1.0, "algo.overlong_penalty")) if k in components]
         for i, total in enumerate(scores):   # each term is within the bound; their sum must be too
             terms = [f"{res.total[i]:g} (reward functions)"] + [
-                f"{w:g} x {components[k][i]:g} ({k.replace('_', ' ')})" for k, w in
-                (("reward_model", cfg.reward.model_coef), ("overlong_penalty", 1.0)) if k in components]
+                f"{w:g} x {components[k][i]:g} ({k.replace('_', ' ')})" for k, w, _ in added]
             check_total(total, " + ".join(terms), lambda i=i: sample_text(i, items[i]),
-                        "reward.model_coef or algo.overlong_penalty")
+                        " or ".join(["reward.weights"] + [fix for _, _, fix in added]))
         return Drawn(list(prompts), batch, scores, res.by_function, components)
 
     def score(self, exp: Experience, kl_coef: float) -> Experience:
@@ -444,18 +446,20 @@ class Trainer:
             failure = e
             if isinstance(e, Interrupted) and not e.elsewhere:
                 ranks.announce_stop(e.signal)
-        reports = ranks.gather(None if failure is None else
-                               (isinstance(failure, Interrupted), getattr(failure, "signal", None) or str(failure)))
+        report = None
+        if isinstance(failure, Interrupted):   # the signal, named with the rank it reached
+            report = (True, failure.signal if failure.elsewhere else f"{failure.signal} (to rank {self.rank})")
+        elif failure is not None:
+            report = (False, str(failure))
+        reports = ranks.gather(report)
         if all(r is None for r in reports):
             return out
         ranks.ended_together()
-        stopped = [(r, what) for r, (signalled, what) in enumerate(x or (False, "") for x in reports) if signalled]
-        if stopped:
+        signalled = [x[1] for x in reports if x is not None and x[0]]
+        if signalled:
             if isinstance(failure, Interrupted):
                 raise failure
-            r, what = stopped[0]
-            raise Interrupted(what if "(to rank" in what else f"{what} (to rank {r})", "another rank's reward",
-                              elsewhere=True)
+            raise Interrupted(signalled[0], "another rank's reward", elsewhere=True)
         r, what = next((r, x[1]) for r, x in enumerate(reports) if x is not None)
         raise RewardError(what + (f" (on rank {r} of {self.world})" if r else ""))
 
