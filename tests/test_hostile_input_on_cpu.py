@@ -61,7 +61,7 @@ PATH_OPTIONS = [
     (["train", "--reward"], "reward.functions", ":fn"),
     (["train", "--set", "model.tokenizer="], "model.tokenizer", ""),
     (["train", "--set", "run.out_dir="], "run.out_dir", ""),
-    (["plot"], "RUN_DIR", ""),
+    (["plot"], "RUN_DIRS", ""),
     (["plot", "runs/x", "--out"], "--out", ""),
     (["data", "check"], "data.path", ""),
     (["data", "check", "x.jsonl", "--tokenizer"], "--tokenizer", ""),
