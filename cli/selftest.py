@@ -50,8 +50,9 @@ def run(cfg, target, as_json: bool, out: Optional[Path], force: bool) -> None:
     st = run_selftest(plan, device, model_checks, emulation=emulation, log=show)
     write_report(st, path)
     code = 0 if st.ok else 1
-    if as_json:
+    if as_json:   # the JSON on stdout, where the report went on stderr: both stay readable
         typer.echo(json_text(st.to_dict(), indent=2, default=str))
+        err.print(f"wrote {escape(str(path))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code)
     c = st.counts()
     console.print(f"{c['pass']} passed, {c['fail']} failed, {c['skip']} skipped in {st.seconds:.0f} s",

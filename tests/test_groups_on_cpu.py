@@ -109,15 +109,19 @@ def test_dynamic_sampling_keeps_informative_groups(tiny_llama, tmp_path, mixed_r
 
 
 def test_overlong_mask_leaves_cut_responses_out_of_the_loss(tiny_llama, tmp_path):
+    notes: list[str] = []
     t = prepare_trainer(tiny_llama, tmp_path / "run", [*FAST, "train.steps=1", "train.prompts_per_step=2",
                                                        "rollout.stop_at_eos=false", "algo.overlong=mask",
-                                                       'reward.functions=["format"]', "algo.advantage=rloo"])
+                                                       'reward.functions=["format"]', "algo.advantage=rloo"],
+                        log=notes.append)
     before = _weights(t)
     t.run()
     (row,) = read_metrics(tmp_path / "run")
     assert row["response/truncated"] == 1.0 and row["batch/skipped_sequences"] == 8
     for k, v in _weights(t).items():   # every response was cut: nothing to learn from
         assert torch.equal(v, before[k]), k
+    said = [n for n in notes if n.startswith("step 1: all 8 responses were cut at rollout.max_new_tokens=8")]
+    assert len(said) == 1 and "this step learns nothing from its rollouts; raise rollout.max_new_tokens" in said[0]
 
 
 def test_soft_penalty_is_logged_and_added(tiny_llama, tmp_path):

@@ -133,6 +133,7 @@ def test_selftest_json_on_the_cpu_passes_and_lists_gpu_checks_as_skipped(cpu_sel
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out == {k: v for k, v in json.loads((folder / "selftest.json").read_text()).items() if k != "report"}
+    assert r.stderr.strip().endswith(f"wrote {folder / 'selftest.json'}")   # where the report went, beside the JSON
     checks = {c["name"]: c for c in out["checks"]}
     assert out["ok"] and out["counts"]["fail"] == 0
     ran = [n for n, c in checks.items() if c["status"] == "pass"]
@@ -175,6 +176,10 @@ def test_selftest_keeps_an_existing_report_unless_forced(tmp_path):
     r = selftest("--out", tmp_path)
     assert r.exit_code == 2 and "exists; pass --force" in r.output
     assert (tmp_path / "selftest.json").read_text() == "mine"
+    if Path("/dev/full").exists():   # a device is no file to write into, nor a name to write beside
+        r = selftest("--json", "--out", "/dev/full")
+        assert r.exit_code == 2 and "--out /dev/full is a character device, not a regular file" in r.output
+        assert not Path("/dev/full.json").exists()
     r = runner.invoke(app, ["doctor", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "--out and --force go with --selftest" in r.output
 

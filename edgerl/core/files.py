@@ -36,6 +36,7 @@ def output_file(out: Union[str, Path], suffixes: tuple[str, ...], *, option: str
     a wish for a new folder. An existing file is replaced only when `overwrite` is set.
     """
     p = Path(out).expanduser()
+    regular_input(p, option)   # /dev/full, a FIFO: not a file to write a report into (nor beside, as full.json)
     if p.is_dir():
         if default_name is None:
             raise ConfigError(f"{option} {out} is a folder; give a file path such as "

@@ -383,7 +383,14 @@ class Trainer:
         batch, scores, components = drawn.batch, drawn.scores, drawn.components
         exp = pad_batch(batch, self.tokenizer.pad_token_id, scores)
         if a.overlong == "mask":   # DAPO's overlong filtering: cut responses carry no loss
-            exp.response_mask[torch.tensor(batch.truncated, dtype=torch.bool)] = 0
+            cut = torch.tensor(batch.truncated, dtype=torch.bool)
+            exp.response_mask[cut] = 0
+            kept, total = ranks.sum_floats([float((~cut).sum()), float(len(cut))], self.device)
+            if kept == 0:   # silently useless otherwise: the step runs, and learns nothing from its rollouts
+                self.log(f"step {lp.step + 1}: all {total:.0f} responses were cut at rollout.max_new_tokens="
+                         f"{self.cfg.rollout.max_new_tokens}, and algo.overlong=\"mask\" leaves cut responses out "
+                         "of the loss, so no response carries a loss and this step learns nothing from its rollouts; "
+                         "raise rollout.max_new_tokens, or set algo.overlong=\"soft_penalty\"")
         self.engine.release()   # its memory serves scoring and the update
         kl_coef = lp.kl_ctl.value
         with phase("score"):
