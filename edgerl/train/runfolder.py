@@ -3,7 +3,9 @@ is overwritten, mixed with another, or lost.
 
     new run      --out DIR must be new, empty, or hold no edgerl run (an existing run is refused with
                  the command that continues it); a run that stopped before its first step (a model
-                 that did not load, say) left only its config: a new run may start there
+                 that did not load, say) left only its config: a new run may start there. The user's
+                 files stay beside the run's, but one named as a run's file (manifest.RUN_NAMES) and
+                 not in DIR's manifest refuses the run: edgerl never writes over it
     resume       --resume RUN (its latest checkpoint) or --resume RUN/checkpoints/step-N
                  in place: only from the latest checkpoint; metrics of steps after it (a crash
                  between checkpoints) are moved to a side file, not deleted
@@ -12,10 +14,11 @@ is overwritten, mixed with another, or lost.
     finished     resuming a run that reached train.steps and exported that step says so and writes
                  nothing
 
-    restart      --out DIR --restart: DIR's run (metrics without a checkpoint, say) is moved into
-                 DIR/earlier-run-N/, nothing deleted, and a new run starts there
+    restart      --out DIR --restart: DIR's run (metrics without a checkpoint, say), exactly what its
+                 manifest lists, is moved into DIR/earlier-run-N/, nothing deleted, and a new run
+                 starts there
 
-One process trains in a folder at a time (an exclusive lock). The folder is checked again once the lock
+One process trains in a folder at a time (an exclusive lock, edgerl.train.lock). The folder is checked again once the lock
 is held, so the check and the lock are one step: of two runs started together on one new folder, one
 trains and the other is refused before it writes anything. Temporary files of writes that were killed
 are removed once the lock is held and the checks have passed.
@@ -166,8 +169,9 @@ def _file_above(out: Path) -> Optional[Path]:
 
 def check_new(out: Path, history: Optional[str] = None, restart: bool = False) -> None:
     """`out` can receive a new run: absent, an empty folder, a folder holding no edgerl run, or one
-    where a run stopped before its first step (`never_stepped`; `history` for a branch). With
-    `restart`, a run there is no obstacle: its files are moved aside (`move_aside`) before writing."""
+    where a run stopped before its first step (`never_stepped`; `history` for a branch), and none of
+    the user's files there has a name a run writes (`foreign`). With `restart`, a run there is no
+    obstacle: its files are moved aside (`move_aside`) before writing."""
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} is a file; give a folder for the run (it is created if missing)")
     above = _file_above(out)
