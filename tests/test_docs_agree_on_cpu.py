@@ -111,3 +111,33 @@ def test_the_docs_state_the_memory_errors_the_tables_show():
         flat = " ".join((ROOT / doc).read_text().split())
         assert span in flat, f"{doc}: the memory estimates' errors in docs/benchmarks.md are {span}"
         assert not re.search(r"can be \d+-\d+% low", flat), f"{doc}: the tables show no estimate below its peak"
+
+
+def _layers_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("import_layers", ROOT / "scripts" / "import_layers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_design_states_the_import_layers():
+    """docs/design.md's layer line is the import graph's: every part one layer above the highest it imports, so no
+    import runs back up a layer; and no import circle between files, nor between parts."""
+    lay = _layers_module()
+    doc = (ROOT / "docs" / "design.md").read_text()
+    assert _block(doc, "layers") == lay.layer_line(), \
+        "docs/design.md's layers are stale: paste the output of `python scripts/import_layers.py`"
+    assert lay.circles(lay.file_graph()) == [] and lay.circles(lay.part_graph()) == []
+    order = {p: i for i, layer in enumerate(lay.layers(lay.part_graph())) for p in layer}
+    up = [(a, b) for a, bs in lay.part_graph().items() for b in bs if order[b] >= order[a]]
+    assert up == [], f"imports that run back up (or across) a layer: {up}"
+
+
+def test_the_import_check_sees_circles_and_layers():
+    lay = _layers_module()
+    assert lay.circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert lay.layers({"a": set(), "b": {"a"}, "c": {"a", "b"}, "d": {"a"}}) == [["a"], ["b", "d"], ["c"]]
+    graph = lay.file_graph()
+    assert "edgerl.plan.plan" in graph["edgerl.train.session"]     # an import at the top of a file
+    assert "edgerl.train.trainer" in graph["edgerl.train.api"]     # and one inside a function

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import stat
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -121,6 +122,14 @@ def json_text(obj: Any, **kwargs: Any) -> str:
 
 
 _TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp(\.[^.]*)?$")
+
+
+def remove_folder(folder: Path) -> None:
+    """Delete a folder by first renaming it to a temporary name: a kill during the deletion leaves a
+    temporary folder (removed by the next run) and never half a folder."""
+    doomed = folder.with_name(f".{folder.name}-old-{secrets.token_hex(4)}")
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def temporaries(folder: Path) -> list[Path]:

@@ -136,9 +136,7 @@ def next_moves(plan: Any, response_len: int) -> list[str]:
     out: list[str] = []
     if plan.micro_batch > 1:
         out.append(f"--set train.micro_batch={max(1, plan.micro_batch // 2)}")
-    mine = {"grad_checkpointing": plan.grad_checkpointing, "swap_models": plan.swap_models,
-            "optimizer_offload": plan.optimizer_offload, "param_offload": plan.param_offload,
-            "rollout_resident": plan.rollout_resident, "activation_offload": plan.activation_offload}
+    mine = {k: getattr(plan, k) for k in STAGES[0].knobs()}   # each knob is also the plan's decision of that name
     bf16 = plan.optimizer.startswith("adamw-bf16")
     stages = stages_for(None, True, bf16, True)
     later = False

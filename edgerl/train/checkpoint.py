@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from edgerl.core.errors import CheckpointError
-from edgerl.core.files import json_text, temporaries
+from edgerl.core.files import json_text, remove_folder, temporaries
 from edgerl.train.manifest import own
 
 _STEP = re.compile(r"^step-(\d{6,})$")
@@ -139,14 +139,6 @@ def stale_temporaries(run_dir: Path) -> list[Path]:
     return sorted(found)
 
 
-def remove(folder: Path) -> None:
-    """Delete a checkpoint folder by first renaming it to a temporary name: a kill during the
-    deletion leaves a temporary folder (removed by the next run) and never half a checkpoint."""
-    doomed = folder.with_name(f".{folder.name}-old-{secrets.token_hex(4)}")
-    os.replace(folder, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
 def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
          meta: dict[str, Any], keep_last: int, files: Optional[dict[str, bytes]] = None,
          keep_best: bool = False) -> Path:
@@ -189,7 +181,7 @@ def save(run_dir: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], 
             shutil.rmtree(tmp, ignore_errors=True)
     from edgerl.train.retention import doomed
     for old in doomed(checkpoints(run_dir), keep_last, keep_best):
-        remove(old)
+        remove_folder(old)
     return final
 
 

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from edgerl.core.files import json_text, write_atomically
+from edgerl.core.files import json_text, remove_folder, write_atomically
 from edgerl.plan.memory import fmt_bytes
 
 # the optimizer state in a checkpoint folder (train/state.py's names): what final_only drops from the best
@@ -92,7 +92,6 @@ def plan_line(weights: int, optimizer: int, save_every: int, keep_last: int, kee
 def finish(run_dir: Path, folders: list[Path], last_step: int, keep_best: bool, log: Callable[[str], None]) -> None:
     """run.final_only, once final/ holds step `last_step`: remove the checkpoints `folders`, keeping only
     the best one's weights (when it is not `last_step`)."""
-    from edgerl.train.checkpoint import remove
     best = best_step([(step_of(f), read_score(f)) for f in folders]) if keep_best else None
     freed = 0
     for folder in folders:
@@ -101,7 +100,7 @@ def finish(run_dir: Path, folders: list[Path], last_step: int, keep_best: bool, 
             freed += drop_optimizer(folder)
             log(f"kept {folder} (the best held-out score) without its optimizer state")
         else:
-            remove(folder)
+            remove_folder(folder)
             freed += size
     if folders:
         log(f"run.final_only: {len(folders)} checkpoint(s) reduced to the final model; {fmt_bytes(freed)} freed")
