@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -30,8 +30,8 @@ from .base import load_weights
 from .arch import UnsupportedModel
 from .decoder import DecodeKernelUnavailable, StaticDecoder
 from .sampling import sample
+from .static_mode import CHECK_EVERY, Mode as _Mode
 
-CHECK_EVERY = 16   # CUDA decode steps between looks at "all rows done" (each look is a device-to-host copy)
 # Rows that finished (EOS) leave the decode batch once no more than this share of it is still decoding: the
 # live rows move to the front (KV cache rows, state) and decode on as a smaller batch, with a graph captured
 # for that size. Halving keeps the captures to log2(rows) per rollout.
@@ -42,19 +42,6 @@ DROP_AT = 0.5
 # most SPANS equal spans of at least SPAN_MIN columns; eager steps widen it 16 columns at a time.
 SPAN_MIN = 512
 SPANS = 8
-
-
-@dataclass(frozen=True)
-class _Mode:
-    """What a captured step bakes in (shapes and branches); temperature and top-p are tensors instead."""
-    rows: int
-    full: int          # rows the chunk started with: a smaller `rows` means finished rows were dropped
-    greedy: bool
-    top_k: int
-    top_p: bool
-    eos: tuple[int, ...]
-    pad: int
-    span: int          # cache columns the step's attention reads (`span_for`)
 
 
 class _State:

@@ -27,11 +27,11 @@ from dataclasses import replace
 import torch
 
 from .base import SamplingParams, cut_at_eos
+from .static_mode import CHECK_EVERY, Mode
 
 
 def run_turns(eng, prompts: list[list[int]], params: SamplingParams, generator, driver) -> dict:
     """Every episode of `driver` on engine `eng` (a StaticCacheEngine), `max_batch` rows at a time."""
-    from .engine_static import _Mode
     for r, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {r} is empty; every prompt needs at least one token")
@@ -40,7 +40,7 @@ def run_turns(eng, prompts: list[list[int]], params: SamplingParams, generator, 
                              f"max_seq_len {eng.max_seq_len}")
     need, eos, info = eng._begin(len(prompts), params, generator)
     info.update(rounds=0, extend_s=0.0, logprobs=True)
-    mode = _Mode(rows=0, full=0, greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
+    mode = Mode(rows=0, full=0, greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
                  top_p=not params.greedy and params.top_p < 1.0, eos=eos, pad=params.pad_token_id,
                  span=eng.dec.cache_len)
     was_training = eng.model.training
@@ -104,7 +104,6 @@ def _chunk(eng, prompts: list[list[int]], rows: list[int], mode, driver, info: d
 def _decode_turn(eng, mode, order: list[int], limits: list[int], end: int, driver, info: dict) -> list[list[int]]:
     """Decode one turn for every row (token 0 already sampled); each row's turn goes to `driver.ended` as
     soon as it is seen to end (on CUDA every CHECK_EVERY steps, one look late). Returns the turns."""
-    from .engine_static import CHECK_EVERY
     s, cuda, m = eng._state, eng.device.type == "cuda", mode.rows
     t0 = time.perf_counter()
     graph = eng._captured(mode, info) if eng.cuda_graphs else None
