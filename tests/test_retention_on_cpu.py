@@ -144,3 +144,6 @@ def test_a_run_says_what_a_checkpoint_costs_and_final_only_leaves_the_final_mode
     assert (run / "final" / "config.json").exists()
     assert not list((run / "checkpoints").iterdir()), "run.final_only leaves the final model alone"
     assert any("run.final_only: 2 checkpoint(s) reduced to the final model" in s for s in said), said  # steps 1, 2
+    from edgerl.train.eval_run import load_eval_config
+    cfg, folder = load_eval_config(str(run), [])   # `edgerl eval RUN` evaluates final/ with the run's config
+    assert folder is None and cfg.model.path == str(run / "final") and cfg.rollout.max_new_tokens == 4

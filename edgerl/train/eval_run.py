@@ -32,6 +32,14 @@ def load_eval_config(target: str, sets: Sequence[SetItem], config: Optional[Path
     from edgerl.train import runfolder, session
     check_path(target, "edgerl eval")
     p = Path(target).expanduser()
+    from edgerl.train.checkpoint import checkpoints
+    if _is_run(p) and not checkpoints(p) and (p / "final" / "config.json").is_file() \
+            and (p / "config.toml").is_file():
+        # run.final_only left the final model alone: evaluate it with the run's config
+        from edgerl.config.load import quoted, read_toml
+        final = quoted(str(p / "final"))
+        return load_config(config, [*sets, (f"model.path={final}", f"edgerl eval {target}")],
+                           base=read_toml(p / "config.toml")), None
     if _is_run(p):
         point = runfolder.resume_point(p)
         _verify(point.checkpoint)
