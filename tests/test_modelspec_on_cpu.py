@@ -158,8 +158,10 @@ def test_the_plan_names_the_engine_and_why_per_architecture():
                   {"rollout_batch": gen.rollout_batch})
     per_row = {q.rollout_engine: q.memory.phases["rollout"]["KV cache"] / q.rollout_batch for q in (gen, static)}
     m = CATALOGUE["gemma-3-1b"]
-    # (the static engine's cache: columns rounded up to 16 and 12 bytes a column of token and log-prob buffers)
-    assert per_row == {"hf-generate": kv_cache_bytes(m, 1, 2048, 2, True), "static": kv_cache_bytes(m, 1, 2048, 2)}
+    # (the static engine's cache: columns rounded up to 16 and 12 bytes a column of token and log-prob buffers; fp32
+    # on a T4, where Gemma 3 would overflow fp16)
+    b = gen.dtype.compute_bytes
+    assert b == 4 and per_row == {"hf-generate": kv_cache_bytes(m, 1, 2048, b, True), "static": kv_cache_bytes(m, 1, 2048, b)}
     assert per_row["hf-generate"] < per_row["static"]
 
 

@@ -213,7 +213,8 @@ class TrainConfig:
     lr_schedule: Literal["constant", "cosine"] = F("constant", "learning-rate schedule after warm-up")
     min_lr_ratio: float = F(0.0, "cosine floor as a share of lr")
     max_grad_norm: float = F(1.0, "gradient clipping norm")
-    max_bad_steps: int = F(3, "abort after this many NaN/inf losses in a row (each skips its update)")
+    max_bad_steps: int = F(3, "stop after this many steps in a row that went NaN/inf (a loss or gradient norm: "
+                              "the update is skipped; a rollout's log-probs: nothing trains on it)")
     seed: int = F(0, "seed for data order, sampling and initialisation")
 
 

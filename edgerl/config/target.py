@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from edgerl.config.schema import Config
 from edgerl.device.device import Device, SpecError, device_from_spec
+from edgerl.plan.fp16 import read_cached
 from edgerl.plan.modelspec import ModelSpec, resolve
 from edgerl.plan.plan import Plan, Task, plan
 from edgerl.device.probe import ProbeResult, probe
@@ -88,7 +90,25 @@ def model_spec(cfg: Config) -> ModelSpec:
     return resolve(cfg.model.path)
 
 
+def weights_folder(path: str) -> Optional[Path]:
+    """The folder of `path`'s weights where they are on this machine already: a local folder, a Hugging Face
+    id in huggingface_hub's cache, the embedded model once converted. None otherwise; never downloads."""
+    from edgerl.core.hub import cached_folder, is_hub_id
+    from edgerl.models.embedded import converted_folder, is_embedded   # names and a cache path: no torch
+    if is_embedded(path):
+        return converted_folder(path)
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    return cached_folder(path) if is_hub_id(path) else None
+
+
 def plan_for(cfg: Config, target: Target, spec: Optional[ModelSpec] = None,
              prompt_len: Optional[int] = None, world_size: int = 1) -> Plan:
-    return plan(target.device, spec or model_spec(cfg), task_from_config(cfg, prompt_len, world_size),
+    """The plan for `cfg` on `target`, with the model's cached fp16 calibration where there is one
+    (plan/fp16.py): `doctor`, `recommend` and `train` then plan the same dtype for it."""
+    spec = spec or model_spec(cfg)
+    if spec.activations is None and (folder := weights_folder(cfg.model.path)) is not None:
+        spec = replace(spec, activations=read_cached(folder))
+    return plan(target.device, spec, task_from_config(cfg, prompt_len, world_size),
                 overrides_from_config(cfg, target.profile))

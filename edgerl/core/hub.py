@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from typing import Optional
 
 from edgerl.core.errors import ModelError, ModelSpecError
 
@@ -92,6 +93,14 @@ def config_file(repo_id: str) -> Path:
         return Path(hf_hub_download(repo_id, "config.json"))
     except Exception as e:   # network, authentication, a missing repository: all one line
         raise ModelSpecError(_missing(repo_id, "its config.json is", _why(e, repo_id))) from None
+
+
+def cached_folder(repo_id: str) -> Optional[Path]:
+    """The id's snapshot folder in huggingface_hub's cache where its config.json is there, else None (never
+    downloads)."""
+    from huggingface_hub import try_to_load_from_cache
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def _has_weights(folder: Path) -> bool:

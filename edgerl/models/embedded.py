@@ -86,6 +86,12 @@ def _converted(target: Path) -> bool:
     return (target / "config.json").exists() and any(target.glob("*.safetensors"))
 
 
+def converted_folder(name: str) -> Optional[Path]:
+    """The embedded model's HF folder once converted, else None (never converts)."""
+    target = cache_root() / name.strip().lower()
+    return target if _converted(target) else None
+
+
 def embedded_folder(name: str, say: Callable[[str], None] | None = None) -> Path:
     """The HF folder for an embedded model, converting it from GGUF on first use (once). The conversion
     is announced through `say` (default: standard error), with where it goes and its size, because it

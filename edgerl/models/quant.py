@@ -325,7 +325,9 @@ def _swap_linears(model: nn.Module, quant: str, compute_dtype: torch.dtype, only
     return swapped
 
 
-def _build_skeleton(config, dtype: torch.dtype, attention: str, trust_remote_code: bool) -> nn.Module:
+def build_skeleton(config, dtype: torch.dtype, attention: str, trust_remote_code: bool) -> nn.Module:
+    """The causal LM of `config` with every parameter on the meta device (its buffers real), for a loader
+    that reads the weights itself (here, and the fp16 calibration's edgerl/models/activations.py)."""
     from transformers import AutoModelForCausalLM
     with _parameters_on_meta():
         return with_dtype(AutoModelForCausalLM.from_config, config, dtype=dtype, attn_implementation=attention,
@@ -377,7 +379,7 @@ def load_quantized_lm(path: Union[str, Path], quant: str, compute_dtype: torch.d
     folder = _local_folder(path)
     files = checkpoint_files(folder)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    model = _build_skeleton(config, storage, attention, trust_remote_code)
+    model = build_skeleton(config, storage, attention, trust_remote_code)
     _swap_linears(model, quant, compute_dtype, modules, device)
     owners = {name: (module, leaf) for module_name, module in model.named_modules()
               for leaf, _ in module.named_parameters(recurse=False)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from edgerl.device.device import GiB, MiB, Device
 from edgerl.plan.dtypes import nbytes
+from edgerl.plan.fp16 import overflow
 from edgerl.core.errors import PlanError
 from edgerl.plan.memory import packed_tokens
 from edgerl.plan.modelspec import ModelSpec
@@ -131,8 +132,30 @@ def pick_dtype(dev: Device, forced: Optional[str]) -> tuple[DtypePolicy, str]:
 @fact
 def compute(c: "Ctx") -> tuple["DtypePolicy", str]:
     """The compute dtype (with fp32 master weights) the memory search plans with; the `dtype` decision
-    adds what the optimizer does to the weights."""
+    adds what the optimizer does to the weights. fp32 where fp16 would overflow this model (plan/fp16.py)."""
+    policy, reason = device_dtype(c)
+    why = fp16_overflow(c)
+    if why is None:
+        return policy, reason
+    if c.forced("dtype") == "fp16":
+        raise PlanError(f"plan.dtype=fp16 would overflow {c.model.name}: {why}; fp16 turns it into inf, then NaN. "
+                        "Leave plan.dtype unset (the plan computes in fp32 then) or set --set plan.dtype=fp32")
+    return FP32, f"{why}: fp32 compute, not the fp16 that {c.device.sm} would otherwise use"
+
+
+@fact
+def device_dtype(c: "Ctx") -> tuple["DtypePolicy", str]:
+    """The compute dtype the GPU (or plan.dtype) asks for, before the model's own range is considered."""
     return pick_dtype(c.device, c.forced("dtype"))
+
+
+@fact
+def fp16_overflow(c: "Ctx") -> Optional[str]:
+    """Why this model must not compute in fp16 where the device asks for it (None: it may, or fp16 is not
+    asked for). A forced plan.dtype=fp16 yields only to a measured record, not to the architecture's name."""
+    if device_dtype(c)[0].compute != "fp16":
+        return None
+    return overflow(c.model.model_type, c.model.activations, measured_only=c.forced("dtype") == "fp16")
 
 
 def pick_base_dtype(dev: Device, dtype: DtypePolicy, forced: Optional[str]) -> tuple[str, str]:

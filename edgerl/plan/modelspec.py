@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 from edgerl.core.errors import ModelSpecError
 from edgerl.core.hub import config_file, is_hub_id
+from edgerl.plan.fp16 import ActivationRecord
 
 
 
@@ -43,6 +44,7 @@ class ModelSpec:
     sandwich_norms: bool = False    # Gemma: (1 + weight) RMS norms, also after attention and after the MLP
     mlp: str = "gated"              # "gated": down(act(gate(x)) * up(x)); "plain": down(act(up(x))) (GPT-NeoX)
     final_softcap: Optional[float] = None   # logits = cap * tanh(logits / cap) (Gemma's final_logit_softcapping)
+    activations: Optional[ActivationRecord] = None   # the weights' calibrated largest activations (plan/fp16.py)
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and not self.sliding_layers:

@@ -16,7 +16,7 @@ from edgerl.core.errors import PlanError
 from edgerl.device.device import GiB, Device
 from edgerl.plan import table
 from edgerl.plan.ctx import Ctx, NoFit
-from edgerl.plan.decisions import quant_support
+from edgerl.plan.decisions import fp16_overflow, quant_support
 from edgerl.plan.memory import DEFAULT_CALIBRATION, Calibration, MemoryEstimate, fmt_bytes
 from edgerl.plan.modelspec import ModelSpec
 from edgerl.plan.moves import TASK_MOVES
@@ -167,6 +167,11 @@ def no_fit_message(c: Ctx, budget: int, attempts: list) -> str:
                 break
     if not found_any:
         lines.append("  - nothing close: a smaller model")
+    why = fp16_overflow(c)
+    if why is not None:   # fp32 was forced by the model's own range: that comes first, in one line
+        return (f"{model.name} must compute in fp32 on {device.describe()}: {why}; in fp32 it does not fit this "
+                f"task (budget {fmt_bytes(budget)}). What would fit: "
+                + "; ".join(line.strip().removeprefix("- ") for line in lines[2:]))
     return "\n".join(lines)
 
 

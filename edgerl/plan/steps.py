@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from edgerl.core.errors import ModelSpecError, PlanError
 from edgerl.device.device import GiB
 from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, activation_offload_reason,
-                                   bf16_state_support, bnb_support, pick_attention_chunk,
-                                   choose_logprob_chunk, compute, fact, logit_bytes, lora_targets, optimizer_reason,
+                                   bf16_state_support, bnb_support, pick_attention_chunk, choose_logprob_chunk,
+                                   compute, device_dtype, fact, logit_bytes, lora_targets, optimizer_reason,
                                    pick_attention, pick_base_dtype, pick_env, pick_headroom, pick_kernels,
                                    pick_reward_model_dtype, pick_share_prompts, quant_support, share_blocker,
                                    transfer_note)
 from edgerl.plan.engines import engine_choice, rollout_share_reason
 from edgerl.plan.dtypes import nbytes
+from edgerl.plan.fp16 import check
 from edgerl.plan.memory import OPTIMIZERS, MemoryEstimate, Setting, estimate, fmt_bytes
 from edgerl.plan.ctx import NoFit
 from edgerl.plan.moves import STAGE_COST, STAGES, stages_for
@@ -275,6 +276,12 @@ def dtype(c: "Ctx") -> tuple[DtypePolicy, str]:
     if OPTIMIZERS[opt].param_dtype == "bf16":
         return BF16_PARAMS, f"{reason}; {opt}: bf16 weights and AdamW state (no fp32 master copy)"
     return policy, reason
+
+
+def fp16_check(c: "Ctx") -> tuple[Optional[str], str]:
+    """What `edgerl train` does about fp16 overflow: calibrate the weights at start, read the cached
+    calibration, or nothing (no fp16 asked for)."""
+    return check(c.model.model_type, c.model.activations, device_dtype(c)[0].compute, compute(c)[0].compute)
 
 
 def attention(c: "Ctx") -> tuple[str, str]:

@@ -118,6 +118,7 @@ TABLE: tuple[Decision, ...] = (
              verl=lambda p: [f"actor_rollout_ref.rollout.dtype={_hf(p.dtype.compute)}"]
              + ([f"+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={_hf(p.dtype.compute)}"]
                 if p.dtype.compute != "bf16" else [])),
+    Decision("fp16_check", "fp16 overflow check", steps.fp16_check),
     Decision("attention", "attention", steps.attention, "attention kernel", ("eager", "sdpa", "flash_attention_2"),
              pin=True, verl=lambda p: [f"+actor_rollout_ref.model.override_config.attn_implementation={p.attention}"]),
     Decision("attention_chunk", "attention chunk", steps.attention_chunk,

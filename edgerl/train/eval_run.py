@@ -136,10 +136,10 @@ def run_eval(cfg: Config, checkpoint_folder: Optional[Path], log: Callable[[str]
     with contextlib.ExitStack() as stack:
         if toolbox is not None:
             stack.callback(toolbox.close)
-        return _run(cfg, checkpoint_folder, plan, device, tokenizer, toolbox, fmt, log)
+        return _run(cfg, checkpoint_folder, target, plan, device, tokenizer, toolbox, fmt, log)
 
 
-def _run(cfg: Config, checkpoint_folder: Optional[Path], plan, device, tokenizer, toolbox, fmt,
+def _run(cfg: Config, checkpoint_folder: Optional[Path], target, plan, device, tokenizer, toolbox, fmt,
          log: Callable[[str], None]) -> dict[str, Any]:
     import torch
     from edgerl.data.heldout import load_eval_prompts
@@ -155,6 +155,8 @@ def _run(cfg: Config, checkpoint_folder: Optional[Path], plan, device, tokenizer
     train = load_prompts(cfg.data, tokenizer, seed=0, log=None, tools=schemas)[0] \
         if cfg.eval.data.startswith("builtin:") else []
     prompts, _ = load_eval_prompts(cfg, tokenizer, train, log, schemas)
+    from edgerl.train.overflow import calibrated   # an fp16 plan first measures the model's activations
+    plan = calibrated(cfg, target, plan, prompts, device, log)
     functions = _reward_functions(cfg, prompts, log)
     torch.manual_seed(cfg.train.seed)
     actor = build_actor(m.path, plan, device, m.trust_remote_code, cfg.lora.dropout)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from edgerl.train import ranks
+from edgerl.train import overflow, ranks
 from edgerl.train import runfolder
 from edgerl.train import resume as resume_changes
 from edgerl.config.schema import Config, ConfigError, to_toml
@@ -229,6 +229,14 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
         schemas = toolbox.schemas if toolbox is not None and toolbox.schemas else None
         # the generated task is seeded apart from train.seed: every run trains on the same problems
         prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log, tools=schemas)
+        # a plan that would compute in fp16 first measures the model's activations (edgerl/train/overflow.py)
+        calibrated = overflow.calibrated(cfg, target, plan, prompts, device, log)
+        if calibrated is not plan:
+            plan = calibrated
+            if rank.world > 1:
+                check_ranks_agree(ranks.gather(rank_view(cfg, plan, resume)))
+            apply_switches(plan, device)
+            check_at_start(plan, device)
         if resume is not None:   # what the checkpoint cannot follow is refused before anything is written
             ranks.agree(lambda: resume_changes.check(resume, cfg, plan, len(prompts), rank.world), rank.main)
         eval_prompts = _eval_prompts(cfg, tokenizer, prompts, rank.world, log, schemas)
@@ -373,8 +381,10 @@ def rank_view(cfg: Config, plan: Plan, resume: Optional[runfolder.ResumePoint] =
         files = [resume.checkpoint / "meta.json", *resume.checkpoint.glob("*.safetensors"), *resume.checkpoint.glob("*.pt")]
         unreadable = next((str(f) for f in files if not os.access(f, os.R_OK)), None) if resume.checkpoint.is_dir() \
             else str(resume.checkpoint)
-    return {"config": to_toml(cfg), "plan": json.dumps(plan.decisions(), sort_keys=True, default=str),
-            "decisions": {k: json.dumps(v, sort_keys=True, default=str) for k, v in plan.decisions().items()},
+    # whether the fp16 calibration is cached may differ between machines: the plans are compared again after it
+    decisions = {k: v for k, v in plan.decisions().items() if k != "fp16_check"}
+    return {"config": to_toml(cfg), "plan": json.dumps(decisions, sort_keys=True, default=str),
+            "decisions": {k: json.dumps(v, sort_keys=True, default=str) for k, v in decisions.items()},
             "device": plan.device.describe(), "unreadable": unreadable}
 
 

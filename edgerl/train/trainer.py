@@ -22,7 +22,7 @@ import torch.distributed as dist
 from edgerl import algos, correction
 from edgerl.train import ranks
 from edgerl.train import resume as resume_changes
-from edgerl.train import state
+from edgerl.train import overflow, state
 from edgerl.models import lora as lora_io
 from edgerl.config.schema import Config, to_dict
 from edgerl.data.prompts import Prompt, PromptSampler
@@ -193,7 +193,12 @@ class Trainer:
     def rollout(self, prompts: list[Prompt]) -> RolloutBatch:
         """n samples per prompt from the current policy (the engine holds a synced copy or the weights); with
         tools or an environment, n episodes of several turns."""
-        return self.generate(prompts, self.cfg.rollout.n_samples, self.sampling, self.state.loop.gen)
+        try:
+            return self.generate(prompts, self.cfg.rollout.n_samples, self.sampling, self.state.loop.gen)
+        except RuntimeError as e:   # transformers' generate refuses to sample from a NaN distribution
+            if overflow.sampler_failed(e):
+                raise overflow.sampling_stopped(self, [list(p.input_ids) for p in prompts]) from None
+            raise
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, gen: Optional[torch.Generator]
                  ) -> RolloutBatch:
@@ -340,14 +345,12 @@ class Trainer:
         skipped = loss_bad + norm_bad
         what = " and ".join(w for w, n in (("the loss", loss_bad), ("the gradient norm", norm_bad)) if n)
         lp.skipped_total += skipped
-        lp.bad_in_a_row = lp.bad_in_a_row + 1 if skipped else 0
+        if lp.scaler is not None:   # the fp16 scaler's own skips (it then lowers the scale); not a bad step
+            out["actor/scaler_skips"] = float(res.scaler_skipped)
         if skipped:
-            self.log(f"step {lp.step + 1}: {what} was NaN or infinite; {skipped} update(s) skipped "
-                     f"({lp.bad_in_a_row} step(s) in a row, the run stops at {cfg.train.max_bad_steps})")
-        if lp.bad_in_a_row >= cfg.train.max_bad_steps:
-            raise TrainingError(f"{what} was NaN or infinite in {lp.bad_in_a_row} steps in a row (updates "
-                                f"skipped); lower train.lr (now {cfg.train.lr}), check the rewards, or use fp32 "
-                                f"(--set plan.dtype=fp32) if fp16 overflows")
+            overflow.bad_step(self, f"{what} was", f"{skipped} update(s) skipped", exp, [], rollout=False)
+        else:
+            lp.bad_in_a_row = 0
         return out
 
     def step_once(self) -> dict[str, Any]:
@@ -393,11 +396,19 @@ class Trainer:
                          "raise rollout.max_new_tokens, or set algo.overlong=\"soft_penalty\"")
         self.engine.release()   # its memory serves scoring and the update
         kl_coef = lp.kl_ctl.value
-        with phase("score"):
-            exp = self.score(exp, kl_coef)
-        exp = advantages(exp, self.cfg.algo, self.cfg.rollout.n_samples, kl_coef, ranks.tensor_sum(self.device))
-        with phase("update"):
-            stats = self.update(exp, kl_coef)
+        bad = overflow.nonfinite_rows(batch)
+        nonfinite = ranks.sum_floats([float(len(bad))], self.device)[0]
+        if nonfinite:   # samples drawn from a NaN distribution: nothing trains on this rollout
+            lp.skipped_total += 1
+            overflow.bad_step(self, "the rollout's log-probs were", f"in {nonfinite:.0f} row(s): the step trains on "
+                              "nothing", exp, bad, rollout=True)
+            stats = {}
+        else:
+            with phase("score"):
+                exp = self.score(exp, kl_coef)
+            exp = advantages(exp, self.cfg.algo, self.cfg.rollout.n_samples, kl_coef, ranks.tensor_sum(self.device))
+            with phase("update"):
+                stats = self.update(exp, kl_coef)
         for ln in (self.state.actor, self.state.critic):
             if ln is not None:
                 ln.sched.step()
@@ -406,7 +417,7 @@ class Trainer:
         if "actor/kl" in stats:
             lp.kl_ctl.update(stats["actor/kl"], len(exp))
         extra = {"actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
-                 "train/bad_steps_in_a_row": lp.bad_in_a_row, **drew,
+                 "train/bad_steps_in_a_row": lp.bad_in_a_row, "rollout/nonfinite_rows": nonfinite, **drew,
                  "batch/uniform_groups": ranks.sum_floats([float(sum(uniform_groups(scores, n)))], self.device)[0],
                  **episode_metrics(batch)}
         self._samples = self._sample_rows(drawn)

@@ -47,6 +47,8 @@ class UpdateResult:
     grad_norms: list[float] = field(default_factory=list)
     skipped: int = 0                                          # mini-batches whose loss was not finite
     skipped_norm: int = 0                                     # ... whose gradient norm was not finite
+    scaler_skipped: int = 0                                   # optimizer steps the fp16 scaler skipped (its
+                                                              # scaled gradients overflowed; it lowered the scale)
 
 
 LossFn = Callable[[Experience, int], tuple[torch.Tensor, dict[str, float]]]
@@ -162,6 +164,8 @@ def run_update(learner: Learner, exp: Experience, loss_fn: LossFn, *, mini: int,
             continue
         if math.isfinite(norm):
             out.grad_norms.append(norm)
+        else:   # optimizer_step leaves an overflow at a scale above 1 to the scaler, which skipped the step
+            out.scaler_skipped += 1
         stepped += 1
         weights += acc.pop("", 0.0)
         for k, v in acc.items():
