@@ -59,6 +59,9 @@
 #   decode-gemm 240 bench_decode_gemm.py --triton (the fused Triton projections against cuBLAS; GEMM_ARGS=--sweep
 #                   adds a grid of tiles)
 #   tests-layers 120 the CUDA tests of the Triton decode layers and their kernel
+#   fp16-overflow 200 tests/test_fp16_overflow_cuda.py: a Gemma-3-shaped model with a layer past fp16's range under
+#                   the t4 profile (the calibration on the GPU, fp32 around the layer, fp16 for the unscaled model,
+#                   the stop that names the layer)
 #   layer 150       bench_decode_layer: one decode layer's five Triton kernels, each one's GPU time (LAYER_ARGS=--sweep
 #                   adds the attention kernel at other configurations)
 #   long 560       bench_long --parallel --tf32: the long-response rows (1.5B full at 512-8K under a P40's memory, 7B NF4
@@ -147,6 +150,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         decode-gemm) echo "python3 bench/bench_decode_gemm.py --triton ${GEMM_ARGS:-} --out $OUT/bench_decode_gemm$x.json" ;;
         layer) echo "python3 bench/bench_decode_layer.py ${LAYER_ARGS:-} --budget-s $(( b - 20 )) --out $OUT/bench_decode_layer$x.json" ;;
         tests-layers) echo "python3 -m pytest -q -p no:cacheprovider tests/test_rollout_cuda.py -k 'triton or decode_linear'" ;;
+        fp16-overflow) echo "python3 -m pytest -q -p no:cacheprovider --timeout 180 tests/test_fp16_overflow_cuda.py 2>&1 | tee $OUT/tests_fp16_overflow$x.log | tail -30" ;;
         fp16-decode) echo "timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cuda_kernels_cuda.py tests/test_nf4_kernel_cuda.py 'tests/test_rollout_cuda.py::test_spans_in_graphs_give_the_whole_caches_rollout' 2>&1 | tee $OUT/tests_fp16$x.log | tail -20;
               timeout -k 5 100 python3 bench/bench_decode_cuda_attention.py --dtype fp16 --cols 256,2048,4096,8192 --splits 256,512 --out $OUT/bench_decode_cuda_attention_fp16$x.json;
               timeout -k 5 150 python3 bench/bench_nf4_decode.py --shape llama8b --compute fp16 --rows 8 --layers 8 --row-sweep 8 --out $OUT/bench_nf4_decode_fp16$x.json;
@@ -184,7 +188,7 @@ limit_of() {
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
-        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; selftest-fp16) echo 300 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
+        checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; fp16-overflow) echo 200 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; selftest-fp16) echo 300 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
         fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; learning) echo 560 ;; tests-real) echo 200 ;; *) echo 560 ;;
     esac
 }

@@ -129,7 +129,7 @@ def check(model_type: str, record: Optional[ActivationRecord], device_choice: st
            "records each layer's largest activation (cached per model, so later runs skip it); ")
     if compute == "fp16":
         return "calibrate at start", how + (f"a site past {safe} makes the run compute in fp32, or stop in one "
-                                            "line naming it where fp32 does not fit")
+                                            "line naming it where fp32 does not fit or plan.dtype=fp16 is forced")
     return "calibrate at start", how + f"it computes in fp16 only if every site stays below {safe}"
 
 
