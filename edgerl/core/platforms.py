@@ -1,8 +1,9 @@
 """Where edgerl trains: Linux, and on Windows inside WSL2. Native Windows plans (`doctor`, `recommend`,
-`profiles`, `config`, `data`) but does not train: a run relies on POSIX facilities Windows lacks (the
-run folder's lock through fcntl, interval timers that stop a reward function that overruns, a reward
-worker that dies with the trainer) and has never run there, so `train` stops at its start with one
-line instead of failing halfway through a run.
+`profiles`, `config`, `data`) but does not train: a run relies on POSIX facilities Windows lacks
+(interval timers, SIGALRM, that stop a reward function or a tool that overruns; a reward worker that
+dies with the trainer) and has never run there, so `train` stops at its start with one line instead of
+failing, or running without those limits, halfway through a run. (The run folder's lock is portable:
+edgerl/train/lock.py.)
 """
 
 from __future__ import annotations
