@@ -142,6 +142,9 @@ def test_a_run_says_what_a_checkpoint_costs_and_final_only_leaves_the_final_mode
     assert re.search(rf"checkpoint: {re.escape(str(folder))} \(\d+ MiB\)", said[-1]), said
     t.run()
     assert (run / "final" / "config.json").exists()
+    from edgerl.train.state import export_bytes
+    written = sum(f.stat().st_size for f in (run / "final").glob("*.safetensors"))
+    assert abs(written - export_bytes(t.actor.lm)) < 0.01 * written   # the start line's final/ size
     assert not list((run / "checkpoints").iterdir()), "run.final_only leaves the final model alone"
     assert any("run.final_only: 2 checkpoint(s) reduced to the final model" in s for s in said), said  # steps 1, 2
     from edgerl.train.eval_run import load_eval_config

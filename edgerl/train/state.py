@@ -109,17 +109,9 @@ def save(run_dir: Path, st: TrainState, keep_last: int, is_writer: bool, log: Ca
     return folder
 
 
-def export_bytes(model: torch.nn.Module) -> int:
-    """The bytes of `model`'s weights as an HF folder stores them: tied weights once."""
-    sizes: dict[Any, int] = {}
-    for t in model.state_dict().values():
-        if isinstance(t, torch.Tensor):
-            try:
-                key: Any = t.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):   # a sharded tensor: no storage of its own here
-                key = id(t)
-            sizes[key] = t.numel() * t.element_size()
-    return sum(sizes.values())
+def export_bytes(lm: torch.nn.Module) -> int:
+    """The bytes of `lm`'s weights as an HF folder stores them (tied weights once, as parameters() lists them)."""
+    return sum(p.numel() * p.element_size() for p in lm.parameters())
 
 
 def checkpoint_bytes(st: TrainState, optimizer: str) -> tuple[int, int]:

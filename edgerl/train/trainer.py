@@ -130,7 +130,7 @@ class Trainer:
             loop=loop, lora=self.lora, meta={"config": to_dict(cfg), "plan": plan.decisions()})
         self._scores: dict[int, float] = {}   # step -> held-out score, for run.keep_best
         weights, optim_bytes = state.checkpoint_bytes(self.state, plan.optimizer)
-        final = None if self.lora else state.export_bytes(self.actor)
+        final = None if self.lora else state.export_bytes(self.actor.lm)
         r = cfg.run
         self.log(retention.plan_line(weights, optim_bytes, r.save_every, r.keep_last, r.keep_best,
                                      bool(self.eval_prompts), r.final_only, final))
