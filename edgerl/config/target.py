@@ -93,14 +93,12 @@ def model_spec(cfg: Config) -> ModelSpec:
 def weights_folder(path: str) -> Optional[Path]:
     """The folder of `path`'s weights where they are on this machine already: a local folder, a Hugging Face
     id in huggingface_hub's cache, the embedded model once converted. None otherwise; never downloads."""
+    from edgerl.core.files import converted_folder
     from edgerl.core.hub import cached_folder, is_hub_id
-    from edgerl.models.embedded import converted_folder, is_embedded   # names and a cache path: no torch
-    if is_embedded(path):
-        return converted_folder(path)
     folder = Path(path).expanduser()
     if folder.is_dir():
         return folder
-    return cached_folder(path) if is_hub_id(path) else None
+    return cached_folder(path) if is_hub_id(path) else converted_folder(path)
 
 
 def plan_for(cfg: Config, target: Target, spec: Optional[ModelSpec] = None,

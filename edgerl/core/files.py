@@ -195,3 +195,15 @@ def regular_input(path: Path, what: str, error: type = ConfigError) -> None:
 def cache_root() -> Path:
     """Where edgerl keeps what it converts or measures once per machine (EDGERL_CACHE overrides)."""
     return Path(os.environ.get("EDGERL_CACHE", Path.home() / ".cache" / "edgerl"))
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether `folder` holds a complete converted HF model (its config and safetensors weights)."""
+    return (folder / "config.json").exists() and any(folder.glob("*.safetensors"))
+
+
+def converted_folder(name: str) -> Optional[Path]:
+    """The HF folder a model named `name` was converted into in the cache (the embedded model,
+    edgerl/models/embedded.py), if the conversion is complete there; never converts."""
+    target = cache_root() / name.strip().lower()
+    return target if is_converted(target) else None

