@@ -12,7 +12,7 @@ grad should stay finite there. A row with no valid token never produces NaN. Imp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -507,12 +507,27 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     return aggregate(_weighted(loss_mat, weights), m, agg), stats
 
 
+class LossSettings(Protocol):
+    """What a policy loss reads from the config's algo section (edgerl.config.schema.AlgoConfig has it all): the
+    clip range and the aggregation in effect (the ones set, else the loss's own from its registration), the dual
+    clip. A loss that needs a setting of its own reads a field it adds to AlgoConfig."""
+    dual_clip: float | None
+
+    def clip_range(self) -> tuple[float, float]: ...
+
+    def loss_agg_mode(self) -> str: ...
+
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
-    """A policy loss: fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, weights) ->
-    (loss, stats), with the clip ranges it uses when the config leaves them unset."""
+    """A registered policy loss: fn(logp, old_logp, advantages, mask, algo, weights) -> (loss, stats), `algo` the
+    config's algo section (`LossSettings`), `weights` the rollout correction's (B, T) or None; with the clip range
+    it uses when the config leaves it unset."""
     name: str
-    fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    fn: LossFn
     clip_low: float
     clip_high: float
     agg: str | None        # the aggregation the loss needs; None: any (algo.loss_agg, token-mean by default)
@@ -521,22 +536,51 @@ class PolicyLoss:
     paper: str
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "ppo": PolicyLoss("ppo", policy_loss, 0.2, 0.2, None, True, "vanilla", "Schulman et al. 2017"),
-    "gspo": PolicyLoss("gspo", gspo_loss, 3e-4, 4e-4, "seq-mean-token-mean", False, "gspo",
-                       "Zheng et al. 2025, arXiv:2507.18071"),
-    "cispo": PolicyLoss("cispo", cispo_loss, 1.0, 0.2, None, False, "cispo", "MiniMax 2025, arXiv:2506.13585"),
-}
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_loss(name: str, *, clip_low: float, clip_high: float, paper: str, agg: str | None = None,
+                  dual_clip: bool = False, verl_name: str | None = None) -> Callable[[LossFn], LossFn]:
+    """Register a policy loss under `name` (the value of algo.policy_loss), as verl's register_policy_loss does.
+    Adding one is this decorator on a function of (logp, old_logp, advantages, mask, algo, weights), its test
+    against a slow reference, and its row in docs/policy-losses.md; the config's choices, its defaults and
+    checks, the trainer and the verl export read the registry."""
+    def register(fn: LossFn) -> LossFn:
+        POLICY_LOSSES[name] = PolicyLoss(name, fn, clip_low, clip_high, agg, dual_clip, verl_name or name, paper)
+        return fn
+    return register
+
+
+@register_loss("ppo", clip_low=0.2, clip_high=0.2, dual_clip=True, verl_name="vanilla", paper="Schulman et al. 2017")
+def _ppo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+         algo: LossSettings, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    lo, hi = algo.clip_range()
+    return policy_loss(logp, old_logp, advantages, mask, lo, hi, algo.dual_clip, algo.loss_agg_mode(), weights)
+
+
+@register_loss("gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean",
+               paper="Zheng et al. 2025, arXiv:2507.18071")
+def _gspo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+          algo: LossSettings, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    lo, hi = algo.clip_range()
+    return gspo_loss(logp, old_logp, advantages, mask, lo, hi, algo.dual_clip, algo.loss_agg_mode(), weights)
+
+
+@register_loss("cispo", clip_low=1.0, clip_high=0.2, paper="MiniMax 2025, arXiv:2506.13585")
+def _cispo(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+           algo: LossSettings, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    lo, hi = algo.clip_range()
+    return cispo_loss(logp, old_logp, advantages, mask, lo, hi, algo.dual_clip, algo.loss_agg_mode(), weights)
 
 
 def compute_policy_loss(name: str, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, clip_low: float, clip_high: float, dual_clip: float | None,
-                        agg: str, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The registered policy loss `name` ('ppo', 'gspo', 'cispo'), each token's loss multiplied by `weights`
-    (the rollout correction) when given. Returns (loss, stats)."""
+                        mask: torch.Tensor, algo: LossSettings, weights: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The registered policy loss `name` with the settings of `algo` (the config's algo section), each token's
+    loss multiplied by `weights` (the rollout correction) when given. Returns (loss, stats)."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; choose one of {', '.join(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name].fn(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip, agg, weights)
+    return POLICY_LOSSES[name].fn(logp, old_logp, advantages, mask, algo, weights)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -239,11 +239,12 @@ def test_ppo_equals_verl_vanilla(seed, mode, clips):
     lo, hi, dc = clips
     logp, old, adv, mask = case(seed)
     cfg = SimpleNamespace(clip_ratio_low=lo, clip_ratio_high=hi, clip_ratio_c=dc or VERL_NO_DUAL_CLIP)
-    ours = grads(lambda lp: algos.compute_policy_loss("ppo", lp, old, adv, mask, lo, hi, dc, mode), logp)
+    algo = settings("ppo", lo, hi, dc, mode)
+    ours = grads(lambda lp: algos.compute_policy_loss("ppo", lp, old, adv, mask, algo), logp)
     theirs = grads(lambda lp: verl_policy_loss_vanilla(old, lp, adv, mask, mode, cfg), logp)
     close(ours[0], theirs[0], VERL_TOL)
     close(ours[1], theirs[1], VERL_TOL)
-    _, stats = algos.compute_policy_loss("ppo", logp, old, adv, mask, lo, hi, dc, mode)
+    _, stats = algos.compute_policy_loss("ppo", logp, old, adv, mask, algo)
     _, clipfrac, lower = verl_policy_loss_vanilla(old, logp, adv, mask, mode, cfg)
     close(stats["clip_frac"], clipfrac)
     close(stats["dual_clip_frac"], lower)
@@ -349,17 +350,22 @@ def test_on_policy_gradients_agree():
     close(g_ppo, g_gspo)
 
 
-def test_policy_loss_registry_and_bad_arguments():
+def settings(loss, clip_low=None, clip_high=None, dual_clip=None, agg=None):
+    """The config's algo section a loss reads its settings from."""
+    from edgerl.config.schema import AlgoConfig
+    return AlgoConfig(policy_loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, loss_agg=agg)
+
+
+def test_policy_loss_bad_arguments():
     logp, old, adv, mask = case(0)
-    assert set(algos.POLICY_LOSSES) == {"ppo", "gspo", "cispo"}
     with pytest.raises(ValueError, match="gspo has no dual clip"):
-        algos.compute_policy_loss("gspo", logp, old, adv, mask, 3e-4, 4e-4, 3.0, "seq-mean-token-mean")
+        algos.compute_policy_loss("gspo", logp, old, adv, mask, settings("gspo", dual_clip=3.0))
     with pytest.raises(ValueError, match="agg must be 'seq-mean-token-mean'"):
-        algos.compute_policy_loss("gspo", logp, old, adv, mask, 3e-4, 4e-4, None, "token-mean")
+        algos.compute_policy_loss("gspo", logp, old, adv, mask, settings("gspo", agg="token-mean"))
     with pytest.raises(ValueError, match="cispo has no dual clip"):
-        algos.compute_policy_loss("cispo", logp, old, adv, mask, 1.0, 0.2, 3.0, "token-mean")
-    with pytest.raises(ValueError, match="choose one of ppo, gspo, cispo"):
-        algos.compute_policy_loss("grpo", logp, old, adv, mask, 0.2, 0.2, None, "token-mean")
+        algos.compute_policy_loss("cispo", logp, old, adv, mask, settings("cispo", dual_clip=3.0))
+    with pytest.raises(ValueError, match=f"choose one of {', '.join(algos.POLICY_LOSSES)}"):
+        algos.compute_policy_loss("grpo", logp, old, adv, mask, settings("ppo"))
 
 
 # --- rollout correction ---------------------------------------------------------------------------------
@@ -399,7 +405,7 @@ def test_rollout_correction_weights_equal_verls(seed, mode, level, cap):
     close(algos.masked_mean(correction.k3(trainer, rollout, mask), mask), verl_k3_kl(trainer, rollout, mask))
 
 
-@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])   # the losses verl has
 @pytest.mark.parametrize("mode, level", [("tis", "token"), ("tis", "sequence"), ("mis", "token"), ("mis", "sequence")])
 def test_policy_losses_weighted_by_the_correction_equal_verls(loss, mode, level):
     """Values and gradients of each loss with the weights, against verl's `pg_losses * rollout_is_weights`."""
@@ -414,11 +420,11 @@ def test_policy_losses_weighted_by_the_correction_equal_verls(loss, mode, level)
     verl = {"ppo": lambda lp, m: verl_policy_loss_vanilla(old, lp, adv, m, agg, cfg, theirs_w),
             "gspo": lambda lp, m: verl_policy_loss_gspo(old, lp, adv, m, cfg, theirs_w),
             "cispo": lambda lp, m: verl_policy_loss_cispo(old, lp, adv, m, agg, cfg, theirs_w)}[loss]
-    ours = grads(lambda lp: algos.compute_policy_loss(loss, lp, old, adv, mask, lo, hi, None, agg, w), logp)
+    ours = grads(lambda lp: algos.compute_policy_loss(loss, lp, old, adv, mask, settings(loss), w), logp)
     theirs = grads(lambda lp: verl(lp, mask), logp)
     close(ours[0], theirs[0], VERL_TOL)
     close(ours[1], theirs[1], VERL_TOL)
-    unweighted = algos.compute_policy_loss(loss, logp, old, adv, mask, lo, hi, None, agg)[0]
+    unweighted = algos.compute_policy_loss(loss, logp, old, adv, mask, settings(loss))[0]
     assert abs(float(ours[0] - unweighted)) > 1e-6   # the weights change the loss
     if mode == "mis" and agg == "token-mean":
         # verl's rejection shrinks the response mask, edgerl's keeps the rejected tokens at weight 0: with
@@ -596,3 +602,62 @@ def test_policy_losses_train_in_the_loop(tiny_llama, tmp_path, loss):
     for key in ("actor/pg_loss", "actor/clip_frac", "actor/approx_kl", "actor/ratio_mean", "actor/grad_norm"):
         assert math.isfinite(row[key]), (key, row[key])
     assert row["actor/approx_kl"] > 0  # the second epoch saw moved log-probs
+
+
+# --- the registry -------------------------------------------------------------------------------------
+
+def _reinforce_slow(logp, adv, mask, agg):
+    """-A * logp aggregated, in plain loops: token-mean over every valid token, or the mean over rows of each
+    row's token mean (rows without a valid token left out)."""
+    rows = []
+    for b in range(logp.shape[0]):
+        terms = [-adv[b, t] * logp[b, t] for t in range(logp.shape[1]) if mask[b, t]]
+        rows.append(terms)
+    if agg == "token-mean":
+        flat = [x for r in rows for x in r]
+        return sum(flat) / max(1, len(flat))
+    assert agg == "seq-mean-token-mean", agg
+    means = [sum(r) / len(r) for r in rows if r]
+    return sum(means) / max(1, len(means))
+
+
+@pytest.mark.parametrize("loss", sorted(algos.POLICY_LOSSES))
+def test_every_registered_loss_is_the_policy_gradient_on_policy_and_documented(loss):
+    """At ratio 1 (the log-probs the samples were drawn with) every policy loss's gradient is REINFORCE's under
+    its aggregation, whatever it does once the policy moves; and docs/policy-losses.md has its row."""
+    logp, _, adv, mask = case(2)
+    algo = settings(loss)
+    ours = grads(lambda lp: algos.compute_policy_loss(loss, lp, lp.detach(), adv, mask, algo), logp)[1]
+    ref = grads(lambda lp: _reinforce_slow(lp, adv, mask, algo.loss_agg_mode()), logp)[1]
+    close(ours, ref)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "policy-losses.md").read_text()
+    assert f"| `{loss}`" in doc, f"docs/policy-losses.md has no row for the policy loss {loss}"
+
+
+def test_a_registered_loss_is_a_config_choice_and_trains_with_its_settings(tiny_llama, tmp_path, monkeypatch):
+    """A new loss is its function under register_loss: the config accepts its name (and lists it when another is
+    wrong), the trainer hands it the algo section, and a run trains with it."""
+    from conftest import prepare_trainer
+    from edgerl.config.schema import ConfigError
+    from edgerl.train.metrics import read_metrics
+    monkeypatch.setattr(algos, "POLICY_LOSSES", dict(algos.POLICY_LOSSES))
+    seen = []
+
+    @algos.register_loss("reinforce-test", clip_low=0.0, clip_high=0.0, paper="a test")
+    def reinforce(logp, old_logp, advantages, mask, algo, weights=None):
+        seen.append((algo.clip_range(), algo.loss_agg_mode(), algo.entropy_coef))
+        return algos.aggregate(-advantages * logp, mask, algo.loss_agg_mode()), {}
+
+    cfg = load_config(None, ["algo.policy_loss=reinforce-test", "algo.clip_high=0.5"])
+    assert cfg.algo.clip_range() == (0.0, 0.5) and cfg.algo.loss_agg_mode() == "token-mean"
+    with pytest.raises(ConfigError, match="algo.policy_loss: 'reinforce-tst' is not one of .*'reinforce-test'.*"
+                                          "did you mean 'reinforce-test'"):
+        load_config(None, ["algo.policy_loss=reinforce-tst"])
+    t = prepare_trainer(tiny_llama, tmp_path / "run", [
+        'run.profile="cpu"', "rollout.max_new_tokens=8", "train.prompts_per_step=2", "rollout.n_samples=4",
+        "run.tensorboard=false", "data.num_examples=64", "train.steps=1", "run.save_every=0",
+        "run.export_final=false", "algo.policy_loss=reinforce-test", "algo.clip_high=0.5", "algo.entropy_coef=0.01",
+        f'reward.function="{Path(__file__).with_name("reward_fns.py")}:vowel_share"'])
+    t.run()
+    assert seen and set(seen) == {((0.0, 0.5), "token-mean", 0.01)}
+    assert math.isfinite(read_metrics(tmp_path / "run")[-1]["actor/pg_loss"])

@@ -144,15 +144,14 @@ class AlgoConfig:
                                          "from the token rewards (classic PPO)")
     kl_target: Optional[float] = F(None, "adaptive KL: the target KL per token; None keeps kl_coef fixed")
     kl_horizon: int = F(10000, "adaptive KL controller horizon")
-    policy_loss: Literal["ppo", "gspo", "cispo"] = F(
-        "ppo", "policy loss: PPO's clipped surrogate per token; gspo: the same on one importance ratio per "
-        "sequence (Zheng et al. 2025), averaged per sequence; cispo: REINFORCE weighted by the clipped "
-        "importance ratio, with no gradient through the weight (MiniMax-M1)")
+    policy_loss: str = F("ppo", "policy loss, one of edgerl.algos.POLICY_LOSSES (docs/policy-losses.md has a row "
+                         "for each): 'ppo' is PPO's clipped surrogate per token")
     clip_low: Optional[float] = F(None, "ratio clip below 1 (the ratio is clipped at 1 - clip_low); None: the "
-                                  "policy loss's own, 0.2 for ppo, 3e-4 for gspo, none for cispo")
-    clip_high: Optional[float] = F(None, "ratio clip above 1 (at 1 + clip_high); None: the policy loss's own, "
-                                   "0.2 for ppo (DAPO's clip-higher uses 0.28), 4e-4 for gspo, 0.2 for cispo")
-    dual_clip: Optional[float] = F(None, "ppo's dual-clip bound c > 1 for negative advantages; None disables")
+                                  "policy loss's own (0.2 for ppo; docs/policy-losses.md)")
+    clip_high: Optional[float] = F(None, "ratio clip above 1 (at 1 + clip_high); None: the policy loss's own "
+                                   "(0.2 for ppo, and DAPO's clip-higher uses 0.28; docs/policy-losses.md)")
+    dual_clip: Optional[float] = F(None, "the dual-clip bound c > 1 for negative advantages, for a policy loss "
+                                   "that takes one (ppo); None disables")
     value_clip: float = F(0.2, "critic value clip")
     entropy_coef: float = F(0.0, "entropy bonus coefficient")
     loss_agg: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -323,7 +322,7 @@ class Config:
     def validate(self) -> "Config":
         """Every number in its range (`RANGES`), then the cross-field rules; raises ConfigError
         naming the keys and the fix."""
-        from edgerl.algos import ESTIMATORS  # the registry says which estimators exist and what they need
+        from edgerl.algos import ESTIMATORS, POLICY_LOSSES  # the registries say what exists and what it needs
         a, r, t = self.algo, self.rollout, self.train
         _check_ranges(self)
         for key in PATH_KEYS:
@@ -335,11 +334,13 @@ class Config:
             if isinstance(spec, str) and ":" in spec:
                 check_path(spec.rsplit(":", 1)[0], "reward.functions")
         self._validate_episodes()
-        if a.advantage not in ESTIMATORS:
-            names = list(ESTIMATORS)
-            close = difflib.get_close_matches(a.advantage, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"algo.advantage: {a.advantage!r} is not one of {', '.join(map(repr, names))}{hint}")
+        for key, value, registry in (("algo.advantage", a.advantage, ESTIMATORS),
+                                     ("algo.policy_loss", a.policy_loss, POLICY_LOSSES)):
+            if value not in registry:
+                names = list(registry)
+                close = difflib.get_close_matches(value, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, names))}{hint}")
         if ESTIMATORS[a.advantage].groups and r.n_samples < 2:
             raise ConfigError(f"{a.advantage} needs rollout.n_samples >= 2 to form a group baseline; "
                               "set rollout.n_samples=4 or use algo.advantage=gae")
@@ -361,10 +362,10 @@ class Config:
         if t.micro_batch is not None and (t.micro_batch < 1 or mini % t.micro_batch):
             raise ConfigError(f"train.micro_batch={t.micro_batch} must divide the mini-batch of {mini}; "
                               f"try one of {_divisors(mini)}")
-        from edgerl.algos import POLICY_LOSSES
         own = POLICY_LOSSES[a.policy_loss]
         if a.dual_clip is not None and not own.dual_clip:
-            raise ConfigError(f"algo.dual_clip is ppo's; algo.policy_loss={a.policy_loss} has no dual clip: "
+            takes = ", ".join(n for n, loss in POLICY_LOSSES.items() if loss.dual_clip)
+            raise ConfigError(f"algo.dual_clip is {takes}'s; algo.policy_loss={a.policy_loss} has no dual clip: "
                               "leave algo.dual_clip unset")
         if own.agg is not None and a.loss_agg not in (None, own.agg):
             raise ConfigError(f"algo.policy_loss={a.policy_loss} averages per sequence ({own.agg}), its ratio "

@@ -274,7 +274,7 @@ class Trainer:
         """PPO epochs for the actor, then the critic; counts skipped (non-finite) updates. Rows whose loss is
         exactly 0 are not computed where skip_policy allows it."""
         cfg, a, lp = self.cfg, self.cfg.algo, self.state.loop
-        (clip_low, clip_high), agg = a.clip_range(), a.loss_agg_mode()
+        agg = a.loss_agg_mode()
         keep = rows_with_gradient(exp.advantages, exp.response_mask) if self.skip_rows else None
         epoch0: dict[str, list[torch.Tensor]] = {"logp": [], "ent": [], "mask": [], "ref": [], "old": [], "sampled": []}
         mode = self.plan.rollout_correction
@@ -290,8 +290,7 @@ class Trainer:
             mask = part.response_mask
             weights = None if mode == "none" else correction.weights(
                 old, part.sampled_logp, mask, mode, a.rollout_correction_level, a.rollout_correction_threshold)[0]
-            loss, st = algos.compute_policy_loss(a.policy_loss, logp, old, part.advantages, mask, clip_low,
-                                                 clip_high, a.dual_clip, agg, weights)
+            loss, st = algos.compute_policy_loss(a.policy_loss, logp, old, part.advantages, mask, a, weights)
             st["pg_loss"] = loss.detach()
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * algos.aggregate(ent, mask, agg)
