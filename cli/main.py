@@ -16,6 +16,7 @@ from edgerl.plan.plan import PlanError
 from edgerl.device.profiles import list_profiles
 from . import data as data_cmd
 from . import evaluate as eval_cmd
+from . import export as export_cmd
 from . import train as train_cmd
 from rich.markup import escape
 
@@ -230,6 +231,7 @@ def config_cmd(config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = S
 app.command()(train_cmd.train)
 app.command()(train_cmd.plot)
 app.command("eval")(eval_cmd.evaluate)
+app.command("export")(export_cmd.export)
 app.add_typer(data_cmd.app, name="data")
 
 

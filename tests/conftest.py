@@ -43,16 +43,25 @@ def need_shared_tokenizer() -> Path:
 
 def make_tiny_model(out: Path, arch: str = "llama", tied: bool = True, layers: int = 2, seed: int = 0,
                     **shape) -> Path:
-    """A random llama/qwen2-shape model with the real SmolLM2 tokenizer, saved as an HF folder (`shape`:
-    config fields that replace the tiny defaults)."""
+    """A random llama/qwen2/qwen3/mistral/gemma3-shape model with the real SmolLM2 tokenizer, saved as an HF
+    folder (`shape`: config fields that replace the tiny defaults)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
     common = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=tied,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, max_position_embeddings=1024) | shape
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, max_position_embeddings=1024)
+    if arch in ("qwen3", "gemma3"):   # their configs default to a head_dim of 128 or 256, not hidden / heads
+        common["head_dim"] = 16
+    if arch == "gemma3":   # attention scaled by 1/sqrt(head_dim), as in every Gemma 3 but the 27B
+        common["query_pre_attn_scalar"] = 16
+    common |= shape
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}[arch]
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
+    model = getattr(transformers, classes[1])(getattr(transformers, classes[0])(**common))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

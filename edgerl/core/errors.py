@@ -61,6 +61,10 @@ class OptimizerError(RuntimeError):
     """The optimizer the plan asks for cannot be built here; the message says what to do."""
 
 
+class ExportError(RuntimeError):
+    """An export that cannot be written or pushed where asked; the message says what was kept."""
+
+
 class TrainingError(RuntimeError):
     """Training cannot continue; the message says why and what to change."""
 
@@ -71,4 +75,4 @@ class PlatformError(RuntimeError):
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, SpecError, ProfileError, ModelSpecError, PlanError, DataError, RewardError, ToolError, CheckpointError,
-    RunDirError, ModelError, EmbeddedModelError, OptimizerError, TrainingError, PlatformError)
+    RunDirError, ModelError, EmbeddedModelError, OptimizerError, TrainingError, PlatformError, ExportError)
