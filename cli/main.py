@@ -229,6 +229,7 @@ def config_cmd(config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = S
 
 
 app.command()(train_cmd.train)
+app.command()(train_cmd.sft)
 app.command()(train_cmd.plot)
 app.command("eval")(eval_cmd.evaluate)
 app.command("export")(export_cmd.export)

@@ -30,14 +30,6 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
                                           "disk, but the run cannot be extended (run.final_only)"),
           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
-    from edgerl.core.platforms import check_can_train
-    check_can_train("edgerl train")   # native Windows: one line naming WSL2, before anything is imported or read
-    from edgerl.core.errors import RunDirError
-    from edgerl.rewards.contain import Interrupted
-    from edgerl.train import session
-    from edgerl.train.metrics import read_metrics, summary_line
-    from edgerl.train.trainer import Trainer
-    from .render import print_plan
     extra: list = []  # (key=value, the option as typed): an error names the option, not a --set
     for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
                             ("run.profile", profile, "--profile")):
@@ -50,7 +42,48 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         extra.append((f"train.steps={steps}", f"--steps {steps}"))
     if final_only:
         extra.append(("run.final_only=true", "--final-only"))
-    cfg, point = session.load(config, extra + list(sets or []), resume, out)
+    _train(extra + list(sets or []), config, resume, out, restart)
+
+
+@friendly
+def sft(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help="plan for (and emulate) this GPU profile"),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="HF id or folder (default: the embedded SmolLM2-135M-Instruct)"),
+        data: Optional[str] = typer.Option(None, "--data", "-d", help="chat rows ('messages') or prompt/response "
+                                           "pairs: a parquet/jsonl/json/csv file or an HF dataset name"),
+        steps: Optional[int] = typer.Option(None, "--steps", help="optimizer steps"),
+        out: Optional[Path] = typer.Option(None, "--out", "-o", help="run folder (a new one; with --resume: branch "
+                                           "into it from the checkpoint)"),
+        resume: Optional[Path] = typer.Option(None, "--resume", help="continue a run folder (or one checkpoint folder)"),
+        restart: bool = typer.Option(False, "--restart", help="start a new run in --out even though it holds "
+                                     "one: that run's files are moved into OUT/earlier-run-N/, nothing is deleted"),
+        final_only: bool = typer.Option(False, "--final-only", help="once final/ is written, remove the "
+                                        "checkpoints (run.final_only)"),
+        config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
+    """Supervised fine-tuning on written answers (assistant tokens only), on the same plan, LoRA and run folder
+    as train; then continue with RL: edgerl train --model RUN/final."""
+    extra: list = [("sft.enabled=true", "edgerl sft")]
+    for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
+                            ("run.profile", profile, "--profile")):
+        if value is not None:
+            extra.append((f"{key}={quoted(value)}", f"{opt} {value}"))
+    if steps is not None:
+        extra.append((f"train.steps={steps}", f"--steps {steps}"))
+    if final_only:
+        extra.append(("run.final_only=true", "--final-only"))
+    _train(extra + list(sets or []), config, resume, out, restart, "edgerl sft")
+
+
+def _train(extra: list, config: Optional[Path], resume: Optional[Path], out: Optional[Path], restart: bool,
+           command: str = "edgerl train") -> None:
+    from edgerl.core.platforms import check_can_train
+    check_can_train(command)   # native Windows: one line naming WSL2, before anything is imported or read
+    from edgerl.core.errors import RunDirError
+    from edgerl.rewards.contain import Interrupted
+    from edgerl.train import session
+    from edgerl.train.metrics import read_metrics, summary_line
+    from edgerl.train.sft import trainer_for
+    from .render import print_plan
+    cfg, point = session.load(config, extra, resume, out)
 
     def log(s: str) -> None:
         console.print(f"[dim]{escape(s)}[/]", highlight=False, soft_wrap=True)  # paths stay whole for copying
@@ -72,11 +105,12 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
         console.print(f"[bold]Run folder[/]: {escape(str(s.run_dir))}  (config.toml, plan.json, metrics.jsonl, "
                       "checkpoints/)", soft_wrap=True)
         try:
-            trainer = Trainer(s)
+            trainer = trainer_for(s)
         except Interrupted as e:  # a signal while the reward file was imported
             console.print(f"[yellow]stopped: {escape(str(e))}; no step was trained[/]", soft_wrap=True)
             raise typer.Exit(130) from None
-        log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.note}")
+        log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.note}" if trainer.engine is not None else
+            f"sft: the assistant tokens' cross-entropy, no rollout; {trainer.metrics.note}")
         with Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[line]}"), console=console, transient=False) as bar:
             task = bar.add_task("train", total=cfg.train.steps, completed=trainer.step, line="")
@@ -118,6 +152,9 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
                       "loss or gradient norm (metrics: actor/skipped_updates)[/]")
     console.print(f"[bold green]done[/]: {trainer.step} steps; run folder {escape(str(s.run_dir))}; plot with "
                   f"edgerl plot {escape(str(s.run_dir))}", soft_wrap=True)
+    if cfg.sft.enabled and (s.run_dir / "final").exists():
+        console.print(f"continue with RL from it: edgerl train --model {escape(str(s.run_dir / 'final'))} --out NEW_RUN",
+                      soft_wrap=True, highlight=False)
 
 
 @friendly

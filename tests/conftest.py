@@ -128,14 +128,15 @@ def char_model(tmp_path_factory) -> Path:
 
 def prepare_trainer(model_dir: Path, run_dir: Path, sets: list[str], resume: Path | None = None,
                     branch: bool = False, log=None):
-    """A Trainer built the way `edgerl train` builds it: session.load + session.prepare + Trainer.
+    """A Trainer built the way `edgerl train` builds it: session.load + session.prepare + trainer_for (the
+    supervised loop under sft.enabled).
     With `resume`, `run_dir` is the resumed run's folder, or with `branch` a new folder (--out); `log`
     receives what the run prints (default: nothing)."""
     from edgerl.train import session
-    from edgerl.train.trainer import Trainer
+    from edgerl.train.sft import trainer_for
     cfg, point = session.load(sets=[f'model.path="{model_dir}"', f'run.out_dir="{run_dir}"', *sets], resume=resume,
                               out=None if resume is not None and not branch else run_dir)
-    return Trainer(session.prepare(cfg, point, log=log or (lambda s: None)))
+    return trainer_for(session.prepare(cfg, point, log=log or (lambda s: None)))
 
 
 def require_interpreter(load) -> None:

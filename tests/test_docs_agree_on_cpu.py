@@ -140,4 +140,4 @@ def test_the_import_check_sees_circles_and_layers():
     assert lay.layers({"a": set(), "b": {"a"}, "c": {"a", "b"}, "d": {"a"}}) == [["a"], ["b", "d"], ["c"]]
     graph = lay.file_graph()
     assert "edgerl.plan.plan" in graph["edgerl.train.session"]     # an import at the top of a file
-    assert "edgerl.train.trainer" in graph["edgerl.train.api"]     # and one inside a function
+    assert "edgerl.train.sft" in graph["edgerl.train.api"]         # and one inside a function

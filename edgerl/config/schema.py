@@ -198,7 +198,8 @@ class AlgoConfig:
 @dataclass
 class TrainConfig:
     steps: int = F(20, "optimizer steps to run (each: one rollout batch, ppo_epochs passes)")
-    prompts_per_step: int = F(4, "prompts per step; sequences per step = prompts_per_step x n_samples")
+    prompts_per_step: int = F(4, "prompts per step; sequences per step = prompts_per_step x n_samples (sft: rows "
+                              "per step)")
     mini_batch: Optional[int] = F(None, "sequences per PPO update; None = all sequences of the step "
                                   "(one update per epoch)")
     micro_batch: Optional[int] = F(None, "sequences per forward/backward pass; None = chosen by the plan "
@@ -231,6 +232,20 @@ class LoraConfig:
     export_merged: bool = F(True, "also export the merged model (W + scale * B @ A) as a plain HF folder "
                             "<run>/final that transformers loads without peft; the adapter itself always goes "
                             "to <run>/final-adapter")
+
+
+@dataclass
+class SftConfig:
+    enabled: bool = F(False, "supervised fine-tuning instead of RL (`edgerl sft` sets it): data.path holds chat rows "
+                      "(sft.messages_key) or prompt/response pairs (data.prompt_key, sft.response_key), and the loss "
+                      "is the cross-entropy of the assistant tokens; the rollout, algo, reward and eval settings are "
+                      "not used. Its final/ model starts RL with edgerl train --model RUN/final")
+    messages_key: str = F("messages", "column holding a chat: a list of {'role': system|user|assistant, 'content': "
+                          "...}; every assistant message is learned")
+    response_key: str = F("response", "column holding the response of a prompt/response row (the prompt is "
+                          "data.prompt_key: a string or a chat list)")
+    max_len: int = F(1024, "tokens per row (the chat template rendered, prompt and answer); the plan sizes "
+                     "activations for it; longer rows follow data.on_too_long")
 
 
 def plan_overrides(rows) -> type:
@@ -299,13 +314,14 @@ class Config:
     algo: AlgoConfig = F(factory=AlgoConfig, doc="advantages, KL and losses")
     train: TrainConfig = F(factory=TrainConfig, doc="optimisation and batch sizes")
     lora: LoraConfig = F(factory=LoraConfig, doc="LoRA adapters")
+    sft: SftConfig = F(factory=SftConfig, doc="supervised fine-tuning (edgerl sft)")
     plan: PlanOverrides = F(factory=lambda: PlanOverrides(), doc="overrides of the hardware plan")
     eval: EvalConfig = F(factory=EvalConfig, doc="held-out evaluation while training")
     run: RunConfig = F(factory=RunConfig, doc="run folder, checkpoints, logging")
 
     @property
     def sequences_per_step(self) -> int:
-        return self.train.prompts_per_step * self.rollout.n_samples
+        return self.train.prompts_per_step * (1 if self.sft.enabled else self.rollout.n_samples)
 
     def effective_batch(self, planned_micro: Optional[int] = None) -> str:
         """The batch in one line, e.g. '4 prompts x 4 samples = 16 sequences per step; ...';
@@ -314,6 +330,10 @@ class Config:
         mini = self.train.mini_batch or seqs
         updates = (seqs // mini) * self.train.ppo_epochs
         micro = self.train.micro_batch
+        if self.sft.enabled:
+            micro_s = f"micro-batch {micro}" if micro else f"micro-batch {planned_micro} (plan)" if planned_micro \
+                else "micro-batch chosen by the plan"
+            return f"{seqs} rows per step; mini-batch {mini} -> {seqs // mini} update(s) per step; {micro_s}"
         micro_s = (f"micro-batch {micro}" if micro else f"micro-batch {planned_micro} (plan)" if planned_micro
                    else "micro-batch chosen by the plan")
         return (f"{self.train.prompts_per_step} prompts x {self.rollout.n_samples} samples = "
@@ -341,7 +361,7 @@ class Config:
                 close = difflib.get_close_matches(value, names, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, names))}{hint}")
-        if ESTIMATORS[a.advantage].groups and r.n_samples < 2:
+        if ESTIMATORS[a.advantage].groups and r.n_samples < 2 and not self.sft.enabled:
             raise ConfigError(f"{a.advantage} needs rollout.n_samples >= 2 to form a group baseline; "
                               "set rollout.n_samples=4 or use algo.advantage=gae")
         if self.run.final_only and not self.run.export_final:
@@ -382,6 +402,15 @@ class Config:
             raise ConfigError(f"algo.overlong_buffer={a.overlong_buffer} is longer than rollout.max_new_tokens="
                               f"{r.max_new_tokens}; the penalty starts that many tokens before the limit: lower it")
         e = self.eval
+        if self.sft.enabled and e.data is not None:
+            raise ConfigError("eval.data evaluates RL runs with generated answers; an sft run does not evaluate: "
+                              "leave eval.data unset (evaluate the result with edgerl eval RUN --data ...)")
+        if self.sft.enabled and r.episodes:
+            raise ConfigError("rollout.tools and rollout.environment run episodes in RL; an sft run learns from written "
+                              "conversations: leave them unset (edgerl train with them after the sft run)")
+        if self.sft.enabled and self.data.path.startswith("builtin:"):
+            raise ConfigError(f"sft learns from written answers; data.path={self.data.path} holds prompts only: give "
+                              "a .jsonl/.parquet/.json/.csv of chat rows (sft.messages_key) or prompt/response pairs")
         if e.data is None:
             for key, value, default in (("every", e.every, 0), ("samples", e.samples, 0),
                                         ("max_prompts", e.max_prompts, None), ("split", e.split, None)):
@@ -534,6 +563,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "eval.every": ("[0, 1000000000]", "0 evaluates before the first step and after the last only"),
     "eval.samples": ("[0, 1024]", "0 evaluates greedy answers only"),
     "eval.max_prompts": ("[1, 1000000]", "leave it unset to evaluate every prompt"),
+    "sft.max_len": ("[2, 1048576]", ""),
 }
 
 

@@ -62,6 +62,12 @@ def resolve_target(gpu: Optional[str] = None, gpu_spec: Optional[str] = None,
 def task_from_config(cfg: Config, prompt_len: Optional[int] = None, world_size: int = 1) -> Task:
     from edgerl.algos import ESTIMATORS
     from edgerl.plan.modelspec import classifier_params
+    if cfg.sft.enabled:   # one forward and backward over whole rows: no rollout, reference, critic or reward model
+        return Task(prompt_len=1, response_len=cfg.sft.max_len - 1, prompts_per_step=cfg.train.prompts_per_step,
+                    samples_per_prompt=1, mini_batch=cfg.train.mini_batch, algo="sft", critic=False, kl=False,
+                    lora=cfg.lora.enabled, lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
+                    lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.target_modules else None,
+                    world_size=world_size, sft=True)
     return Task(prompt_len=prompt_len or cfg.data.max_prompt_len, response_len=cfg.rollout.response_tokens(),
                 prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.rollout.n_samples,
                 mini_batch=cfg.train.mini_batch, algo=cfg.algo.advantage,

@@ -226,6 +226,7 @@ class Setting:
     kv_window: bool = False         # the rollout's KV cache keeps only the window of sliding-window layers
                                     # (transformers' generate does; the static engine keeps every token)
     mini_batch: int = 0             # rows per optimizer step on this rank (0: unknown; several micro-steps assumed)
+    sft: bool = False               # supervised fine-tuning: the update phase alone (no rollout, no scoring)
 
 
 @dataclass(frozen=True)
@@ -371,7 +372,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     # a resident engine keeps its weights, KV cache and the graphs' pool (about one sampling step's
     # temporaries) through scoring and the update
     kept = {"generation weights": gen_copy, "KV cache": kv, "graph pool": s.rollout_batch * m.vocab_size * 4} \
-        if s.rollout_resident else {}
+        if s.rollout_resident and not s.sft else {}
 
     score_tokens = packed_tokens(s.score_micro_batch, s.prompt_share, prompt_len, response_len)
     stream = 2 * layer_c + embed_c  # FSDP2 unshards one layer ahead in compute dtype
@@ -418,7 +419,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     update["optimizer step"] = max(0, step_extra + overlap - update["activations"] - update["backward workspace"]
                                    - update["log-prob pass"])
 
-    phases = {"rollout": rollout, "score": score, "update": update}
+    phases = {"update": update} if s.sft else {"rollout": rollout, "score": score, "update": update}
     for name, comps in phases.items():
         transient = sum(v for k, v in comps.items() if k in (
             "KV cache", "sampling logits", "prefill activations", "activations", "backward workspace",

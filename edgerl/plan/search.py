@@ -139,7 +139,7 @@ def fit_rollout_and_score(model: ModelSpec, task: Task, s: Setting, budget: int,
             cand = replace(s, **{key: v})
             mem = estimate(model, cand, task.prompt_len, task.response_len, budget, cal)
             phase = "rollout" if key == "rollout_batch" else "score"
-            if mem.phase_totals()[phase] <= budget or v == options[-1]:
+            if mem.phase_totals().get(phase, 0) <= budget or v == options[-1]:
                 s = cand
                 break
     return s

@@ -145,7 +145,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             attention_chunk=chunk_rows, kv_copies=kv_copies, expandable_segments=expandable,
             head_trains=not cand.lora, logprob_upcast=kernel_backend == "torch",
             # transformers' generate keeps only the window of sliding-window layers (the static engine every column)
-            kv_window=engine == "hf-generate" and not quant)
+            kv_window=engine == "hf-generate" and not quant, sft=task.sft)
 
     host = dev.host_memory if not dev.integrated else 0
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []
@@ -240,7 +240,7 @@ def memory_reasons(c: "Ctx") -> dict[str, str]:
         "off: the engine runs the actor's own weights; its KV cache is freed after generating")
     reasons["score_micro_batch"] = f"{s.score_micro_batch} sequences per no-grad log-prob pass"
     reasons["rollout_batch"] = (f"{s.rollout_batch} of {task.local_sequences} sequences generated at once "
-                                f"(KV cache {fmt_bytes(mem.phases['rollout'].get('KV cache', 0))})")
+                                f"(KV cache {fmt_bytes(mem.phases.get('rollout', {}).get('KV cache', 0))})")
     if cand.lora:
         full_tried = attempts[0][2][-1] if attempts[0][2] and not attempts[0][0].lora else ""
         why = ("asked for" if task.lora else f"full fine-tuning does not fit without streaming every weight "
@@ -370,7 +370,7 @@ def rollout_memory_share(c: "Ctx") -> tuple[float, str]:
         return float(forced), f"asked for with plan.rollout_memory_share={float(forced)}"
     # vLLM reads its share against the device's whole memory, not against a plan.memory_gib budget
     whole = c.device.total_memory
-    share = min(1.0, memory(c).phase_totals()["rollout"] / whole) if whole else 0.0
+    share = min(1.0, memory(c).phase_totals().get("rollout", 0) / whole) if whole else 0.0
     return round(share, 4), rollout_share_reason(c["rollout_engine"])
 
 

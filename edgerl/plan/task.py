@@ -27,6 +27,7 @@ class Task:
     rollout_correction: Optional[str] = None   # algo.rollout_correction: none | tis | mis; None: the plan decides
     rollout_correction_level: str = "token"
     rollout_correction_threshold: float = 2.0
+    sft: bool = False                      # supervised fine-tuning: the update alone (no rollout, no scoring)
 
     @property
     def sequences(self) -> int:
@@ -47,6 +48,8 @@ class Task:
 
     def effective_batch(self) -> str:
         updates = self.sequences // self.mini
+        if self.sft:
+            return f"{self.sequences} rows per step (sft); mini-batch {self.mini} -> {updates} update(s) per step"
         per_gpu = (f" over {self.world_size} GPUs: {self.local_sequences} sequences and a mini-batch of "
                    f"{self.local_mini} per GPU" if self.world_size > 1 else "")
         return (f"{self.prompts_per_step} prompts x {self.samples_per_prompt} samples = {self.sequences} "

@@ -66,12 +66,12 @@ class Run:
     def train(self, on_step: Optional[Callable[[int, dict], None]] = None) -> Path:
         """Train to train.steps (evaluating where eval.* says); `on_step(step, metrics)` after each step
         (and after the evaluation before the first). Returns the run folder."""
-        from edgerl.train.trainer import Trainer
+        from edgerl.train.sft import trainer_for
         if self.session.finished:
             self.close()
             return self.run_dir
         if self.trainer is None:
-            self.trainer = Trainer(self.session)   # refuses a run whose folder is no longer locked (closed)
+            self.trainer = trainer_for(self.session)   # refuses a run whose folder is no longer locked (closed)
         return self.trainer.run(on_step)
 
     def metrics(self) -> list[dict[str, Any]]:

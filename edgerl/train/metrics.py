@@ -23,7 +23,7 @@ from edgerl.train.manifest import MANIFEST, own, owned
 Log = Optional[Callable[[str], None]]
 
 # shown live in the progress bar, in this order
-KEY_METRICS = (("reward/mean", "reward", "{:.3f}"), ("response/length_mean", "len", "{:.0f}"),
+KEY_METRICS = (("reward/mean", "reward", "{:.3f}"), ("sft/loss", "loss", "{:.3f}"), ("response/length_mean", "len", "{:.0f}"),
                ("actor/kl", "kl", "{:.4f}"), ("actor/entropy", "ent", "{:.2f}"),
                ("perf/step_s", "s/step", "{:.1f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
                ("eval/accuracy", "eval acc", "{:.3f}"))

@@ -46,6 +46,8 @@ REFUSED = {
     "data.shuffle": "the prompt order continues from the checkpoint, which was made with the old setting",
     "lora.rank": "the checkpoint's adapter has the old rank's shapes",
     "lora.target_modules": "the checkpoint's adapter covers the old modules",
+    "sft.enabled": "the checkpoint's data position is over the other kind of rows (SFT conversations or RL prompts); "
+                   "go from SFT to RL in a new run from RUN/final",
 }
 # where the run lives, not how it trains
 IGNORED = ("run.out_dir",)

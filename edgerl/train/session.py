@@ -44,7 +44,7 @@ class Session:
     device: Any                          # torch.device
     run_dir: Path
     tokenizer: Any
-    prompts: list[Prompt]
+    prompts: list[Any]                   # data.Prompt; under sft.enabled data.sft.SftRow
     data_report: DataReport
     resume: Optional[runfolder.ResumePoint] = None
     eval_prompts: list[Prompt] = field(default_factory=list)   # eval.data's held-out prompts
@@ -227,8 +227,15 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
         toolbox, fmt = open_toolbox(cfg.rollout, tokenizer, m.path, cfg.data.chat_template, log)
     try:
         schemas = toolbox.schemas if toolbox is not None and toolbox.schemas else None
-        # the generated task is seeded apart from train.seed: every run trains on the same problems
-        prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log, tools=schemas)
+        if cfg.sft.enabled:   # written answers to learn from (edgerl.data.sft): no prompts, rewards or evaluation
+            from edgerl.data.sft import load_sft_rows
+            d = cfg.data
+            prompts = load_sft_rows(d.path, d.split, cfg.sft.messages_key, d.prompt_key, cfg.sft.response_key,
+                                    d.system_prompt, tokenizer, cfg.sft.max_len, d.on_too_long, log=log)
+            report = DataReport(d.path, len(prompts), len(prompts), {})
+        else:
+            # the generated task is seeded apart from train.seed: every run trains on the same problems
+            prompts, report = load_prompts(cfg.data, tokenizer, seed=0, log=log, tools=schemas)
         # a plan that would compute in fp16 first measures the model's activations (edgerl/train/overflow.py)
         calibrated = overflow.calibrated(cfg, target, plan, prompts, device, log)
         if calibrated is not plan:
@@ -240,7 +247,7 @@ def prepare(cfg: Config, resume: Optional[runfolder.ResumePoint] = None, *, log:
         if resume is not None:   # what the checkpoint cannot follow is refused before anything is written
             ranks.agree(lambda: resume_changes.check(resume, cfg, plan, len(prompts), rank.world), rank.main)
         eval_prompts = _eval_prompts(cfg, tokenizer, prompts, rank.world, log, schemas)
-        functions = _reward_functions(cfg, prompts + eval_prompts, log)
+        functions = [] if cfg.sft.enabled else _reward_functions(cfg, prompts + eval_prompts, log)
         check_installed(cfg.run.loggers if rank.main else [])
         finished = runfolder.finished(resume, run_dir, cfg.train.steps, _exports(cfg, plan))
         held: list[tuple[runfolder.RunLock, Optional[Callable[[], None]]]] = []   # the lock stays in this process

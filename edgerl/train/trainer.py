@@ -82,6 +82,8 @@ class Trainer:
             raise
 
     def _build(self, s: Session) -> None:
+        if s.cfg.sft.enabled:   # its rows are no prompts: the supervised loop is edgerl.train.sft's
+            raise TypeError("an sft run's session goes to the supervised loop: edgerl.train.sft.trainer_for(session)")
         cfg, plan, device = self.cfg, self.plan, self.device = s.cfg, s.plan, s.device
         self.run_dir, self.log, self.tokenizer, self.prompts = s.run_dir, s.log, s.tokenizer, s.prompts
         torch.manual_seed(cfg.train.seed)  # the same on every rank: every rank builds the same models
@@ -128,12 +130,6 @@ class Trainer:
             actor=self._learner("actor", self.actor, t.lr),
             critic=self._learner("critic", self.critic, t.critic_lr) if self.critic is not None else None,
             loop=loop, lora=self.lora, meta={"config": to_dict(cfg), "plan": plan.decisions()})
-        self._scores: dict[int, float] = {}   # step -> held-out score, for run.keep_best
-        weights, optim_bytes = state.checkpoint_bytes(self.state, plan.optimizer)
-        final = None if self.lora else state.export_bytes(self.actor.lm)
-        r = cfg.run
-        self.log(retention.plan_line(weights, optim_bytes, r.save_every, r.keep_last, r.keep_best,
-                                     bool(self.eval_prompts), r.final_only, final))
         # held-out prompts are no longer than data.max_prompt_len either: the plan's KV cache holds them
         max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.cache_tokens()
         if plan.rollout_engine == "vllm" and self.rank == 0:
@@ -145,9 +141,27 @@ class Trainer:
         self.toolbox = s.toolbox
         self.episodes = EpisodeRollout(self.engine, s.toolbox, s.tool_format, self.tokenizer, cfg.rollout) \
             if cfg.rollout.episodes else None
+        self._start(s)
+        self._sync()
+        eos = self.tokenizer.eos_token_id
+        r = cfg.rollout
+        self.sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            eos_token_ids=(eos,) if (r.stop_at_eos and eos is not None) else (),
+            pad_token_id=self.tokenizer.pad_token_id)
+
+    def _start(self, s: Session) -> None:
+        """Restore the checkpoint to resume from, write the run's config and plan, open the metrics."""
+        cfg, plan = self.cfg, self.plan
         self.stop_signal: Optional[str] = None
         self._samples: list[dict[str, Any]] = []
         self.phase = "setup"
+        self._scores: dict[int, float] = {}   # step -> held-out score, for run.keep_best
+        weights, optim_bytes = state.checkpoint_bytes(self.state, plan.optimizer)
+        final = None if self.lora else state.export_bytes(self.actor.lm)
+        r = cfg.run
+        self.log(retention.plan_line(weights, optim_bytes, r.save_every, r.keep_last, r.keep_best,
+                                     bool(self.eval_prompts), r.final_only, final))
         if s.resume is not None:
             saved = state.restore(s.resume.checkpoint, self.state, self.log, seed=cfg.train.seed)
             resume_changes.apply(self.state, cfg, saved.get("config"), self.log)
@@ -159,13 +173,6 @@ class Trainer:
             moved = self.metrics.archive_after(self.state.loop.step)
             if moved is not None:
                 self.log(f"metrics of the steps after {self.state.loop.step} (they are redone now) moved to {moved}")
-        self._sync()
-        eos = self.tokenizer.eos_token_id
-        r = cfg.rollout
-        self.sampling = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            eos_token_ids=(eos,) if (r.stop_at_eos and eos is not None) else (),
-            pad_token_id=self.tokenizer.pad_token_id)
 
     def _learner(self, name: str, model: torch.nn.Module, lr: float) -> Learner:
         p, t = self.plan, self.cfg.train
