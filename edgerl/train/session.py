@@ -32,7 +32,7 @@ from edgerl.plan.memory import DEFAULT_CALIBRATION
 from edgerl.plan.plan import Plan
 from edgerl.config.target import Target, model_spec, plan_for, resolve_target
 from edgerl.train.loggers import check_installed
-from edgerl.train.manifest import own
+from edgerl.train.manifest import forget, own
 from edgerl.doctor.kernel_checks import check_at_start
 
 
@@ -330,6 +330,8 @@ def _open(cfg: Config, plan: Plan, run_dir: Path, resume: Optional[runfolder.Res
                 runfolder.adopt(run_dir)
             if restart:
                 runfolder.move_aside(run_dir, log)
+            if not in_place:   # a new run's manifest is the folder's own, not what this process listed before
+                forget(run_dir)
             own(run_dir, "config.toml", "plan.json")
             _write_config(cfg, run_dir, not in_place, log)
             if branch:  # a branch starts with its trunk's history
