@@ -91,6 +91,16 @@ def test_bad_rows_are_one_line_errors_naming_file_row_and_field(tmp_path):
     assert len(rows) == 1 and any("1 of 2 rows dropped" in s for s in seen)
 
 
+def test_the_example_rows_load():
+    from transformers import AutoTokenizer
+    from edgerl.data.sft import load_sft_rows
+    tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    path = Path(__file__).resolve().parents[1] / "examples" / "sft" / "arithmetic-format.jsonl"
+    rows = load_sft_rows(str(path), "train", "messages", "prompt", "response", None, tok, 256, "error", log=None)
+    assert len(rows) == 64 and all("####" in tok.decode([t for t, m in zip(r.input_ids, r.loss_mask) if m])
+                                   for r in rows)
+
+
 def test_the_plan_of_an_sft_step_counts_the_update_alone():
     from edgerl.config.load import load_config
     from edgerl.config.target import plan_for, resolve_target

@@ -90,8 +90,10 @@ def tokenize_row(tokenizer: Any, messages: list[dict[str, str]]) -> SftRow:
 
 def load_sft_rows(path: str, split: str, messages_key: str, prompt_key: str, response_key: str,
                   system: Optional[str], tokenizer: Any, max_len: int, on_too_long: str,
-                  log: Callable[[str], None] = print) -> list[SftRow]:
-    """The file's rows, rendered and checked; DataError naming the file, row and field for a bad one."""
+                  log: Optional[Callable[[str], None]] = print) -> list[SftRow]:
+    """The file's rows, rendered and checked; DataError naming the file, row and field for a bad one. `log`
+    (None: silent) hears what was dropped and what is learned."""
+    log = log or (lambda s: None)
     table: RawTable = read_table(path, split)
     if not table.rows:
         raise DataError(f"{table.source} has no rows")
