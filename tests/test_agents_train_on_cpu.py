@@ -90,6 +90,8 @@ def test_two_grpo_steps_on_three_turn_episodes(tool_model, tmp_path):
     # the rollout correction (off on the CPU's plan) weighs the model's tokens only, against the engine's log-probs
     t = prepare_trainer(tool_model, tmp_path / "run", sets(tool_model, 'algo.rollout_correction="mis"'))
     assert t.engine.name == "static" and hasattr(t.engine, "generate_turns")   # the KV cache kept between turns
+    longest = max(len(p.input_ids) for p in t.prompts)   # the cache: prompt, budget and one turn (6) more
+    assert t.engine.engine.dec.cache_len == -(-(longest + 128 + 6) // 16) * 16
     batches = []
     real = t.rollout
 

@@ -77,7 +77,8 @@ def task_from_config(cfg: Config, prompt_len: Optional[int] = None, world_size: 
                 lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.target_modules else None,
                 world_size=world_size, rollout_correction=cfg.algo.rollout_correction,
                 rollout_correction_level=cfg.algo.rollout_correction_level,
-                rollout_correction_threshold=cfg.algo.rollout_correction_threshold)
+                rollout_correction_threshold=cfg.algo.rollout_correction_threshold,
+                turn_len=cfg.rollout.max_new_tokens if cfg.rollout.episodes else 0)
 
 
 def overrides_from_config(cfg: Config, profile: Optional[Profile] = None) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def static_engine_support(model: ModelSpec, max_len: int) -> tuple[bool, str]:
 
 
 def _static_support(c: "Ctx") -> tuple[bool, str]:
-    return static_engine_support(c.model, c.task.prompt_len + c.task.response_len)
+    return static_engine_support(c.model, c.task.prompt_len + c.task.response_len + c.task.turn_len)
 
 
 def _static_reason(c: "Ctx") -> str:

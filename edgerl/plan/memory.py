@@ -44,7 +44,8 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
                           gradient's cast back (N x h x (4 + b_c)); the head's own gradient (V x h x 4)
                           where the head trains. A 16-bit head is upcast a vocabulary tile at a time,
                           within the chunk's logits (gpu_kernels/chunked.py), never whole
-    KV cache              sequences x ceil(L / 16) x 16 x 2 x layers x kv x b_c, and the engine's
+    KV cache              sequences x ceil(L / 16) x 16 x 2 x layers x kv x b_c (episodes on the static engine:
+                          L + one turn, the rows aligning at the longest), and the engine's
                           per-row token and log-prob buffers (12 bytes a column); where a layer attends
                           through a sliding window of W tokens and the engine's cache keeps only the
                           window (transformers' generate), that layer counts min(L, W) tokens instead
@@ -223,6 +224,8 @@ class Setting:
     expandable_segments: bool = False       # the allocator's expandable segments are on (PYTORCH_CUDA_ALLOC_CONF)
     head_trains: bool = False       # the LM head is trained (full fine-tuning): its gradient passes through the kernel
     logprob_upcast: bool = False    # the torch log-prob path computes 16-bit inputs in fp32 (upcast copies)
+    kv_extra: int = 0               # columns the rollout's KV cache holds beyond prompt + response (episodes on the
+                                    # static engine: one turn, Task.turn_len)
     kv_window: bool = False         # the rollout's KV cache keeps only the window of sliding-window layers
                                     # (transformers' generate does; the static engine keeps every token)
     mini_batch: int = 0             # rows per optimizer step on this rank (0: unknown; several micro-steps assumed)
@@ -359,7 +362,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating
     # unless resident; none when the engine runs the actor's own (quantized) modules
     gen_copy = 0 if s.rollout_from_actor else P * b_c
-    kv = kv_cache_bytes(m, s.rollout_batch, L, b_c, windowed=s.kv_window)
+    kv = kv_cache_bytes(m, s.rollout_batch, L + s.kv_extra, b_c, windowed=s.kv_window)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
     prefill = packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0) * (
         4 * m.hidden_size + 3 * m.intermediate_size) * b_c

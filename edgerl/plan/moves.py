@@ -156,5 +156,5 @@ def next_moves(plan: Any, response_len: int) -> list[str]:
         out.append("--set plan.base_dtype=fp16")
     if not plan.lora:
         out.append("--set lora.enabled=true")
-    out.append(f"--set rollout.max_new_tokens={max(16, response_len // 2)}")
+    out.append(f"--set {plan.task.length_key}={max(16, response_len // 2)}")
     return out

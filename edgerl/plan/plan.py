@@ -122,7 +122,7 @@ def no_fit_message(c: Ctx, budget: int, attempts: list) -> str:
     device, model, task, o, cal = c.device, c.model, c.task, c.o, c.calibration
     _, _, tried = attempts[-1]
     lines = [f"{model.name} does not fit on {device.describe()} for this task "
-             f"({task.effective_batch()}; prompt {task.prompt_len} + response {task.response_len} tokens); "
+             f"({task.effective_batch()}; prompt {task.prompt_len} + {task.length_word} {task.response_len} tokens); "
              f"budget {fmt_bytes(budget)}. Most frugal setting tried: {tried[-1] if tried else 'none'}.",
              "What would fit:"]
     found_any = False
@@ -134,12 +134,14 @@ def no_fit_message(c: Ctx, budget: int, attempts: list) -> str:
               "train.prompts_per_step": "prompts_per_step"}
     longest, _ = longest_response(device, model, task, o, cal)
     if 0 < longest < task.response_len:
-        lines.append(f"  - the longest response that fits this task here: {longest} tokens "
-                     f"(--set rollout.max_new_tokens={longest})")
+        lines.append(f"  - the longest {task.length_word} that fits this task here: {longest} tokens "
+                     f"(--set {task.length_key}={longest})")
         found_any = True
     for label, key, smaller in TASK_MOVES:
         if key == "rollout.max_new_tokens" and longest:
             continue
+        if key == "rollout.max_new_tokens" and task.episodes:   # an episode's length is its budget
+            label, key, fields[task.length_key] = f"a shorter {task.length_word}", task.length_key, "response_len"
         value = smaller(task)
         if value is not None and fits(**{fields[key]: value}):
             lines.append(f"  - {label}: --set {key}={value}")
@@ -196,7 +198,7 @@ def longest_response(device: Device, model: ModelSpec, task: Task, overrides: Op
     """(the longest response length, a multiple of STEP, for which the plan finds a setting that fits this
     task here, 0 when not even STEP tokens fit; the model's context limit on the response, which caps it)."""
     o = {k: v for k, v in (overrides or {}).items() if v is not None}
-    context = max(STEP, model.max_position - task.prompt_len)
+    context = max(STEP, model.max_position - task.prompt_len - task.turn_len)
     lo, hi = 0, context // STEP        # lo fits (0: nothing tried yet), hi + 1 is past the context
 
     def fits(k: int) -> bool:
@@ -218,17 +220,20 @@ def longest_response(device: Device, model: ModelSpec, task: Task, overrides: Op
 
 def longest_line(device: Device, model: ModelSpec, task: Task, overrides: Optional[dict[str, Any]] = None,
                  cal: Calibration = DEFAULT_CALIBRATION) -> str:
-    """One line for `recommend`: the longest response that fits, with what caps it."""
+    """One line for `recommend`: the longest response (an episode's budget) that fits, with what caps it."""
     n, context = longest_response(device, model, task, overrides, cal)
+    what = f"longest {task.length_word} that fits"
+    if task.episodes:
+        what += f" (its turns of up to {task.turn_len} tokens and what comes between them)"
     if n == 0:
-        return f"longest response that fits: none (not even {STEP} tokens after a {task.prompt_len}-token prompt)"
+        return f"{what}: none (not even {STEP} tokens after a {task.prompt_len}-token prompt)"
     if n >= context - context % STEP:
-        return (f"longest response that fits: {n} tokens (the model's context of {model.max_position} tokens, less the "
-                f"{task.prompt_len}-token prompt, ends it before memory does)")
+        return (f"{what}: {n} tokens (the model's context of {model.max_position} tokens, less the "
+                f"{task.prompt_len}-token prompt{' and a turn' if task.episodes else ''}, ends it before memory does)")
     p = plan(device, model, replace(task, response_len=n), overrides, cal)
     how = ("full fine-tuning" if not p.lora else f"LoRA on a {p.base_dtype} base") + (
         f", micro-batch {p.micro_batch}, rollout batch {p.rollout_batch}"
         + (", checkpointing" if p.grad_checkpointing else "")
         + (" with the layer inputs in host memory" if p.activation_offload else ""))
-    return (f"longest response that fits: {n} tokens (after a {task.prompt_len}-token prompt, "
+    return (f"{what}: {n} tokens (after a {task.prompt_len}-token prompt, "
             f"{task.effective_batch().split(';')[0]}; at that length the plan trains with {how})")

@@ -145,7 +145,9 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             attention_chunk=chunk_rows, kv_copies=kv_copies, expandable_segments=expandable,
             head_trains=not cand.lora, logprob_upcast=kernel_backend == "torch",
             # transformers' generate keeps only the window of sliding-window layers (the static engine every column)
-            kv_window=engine == "hf-generate" and not quant, sft=task.sft)
+            kv_window=engine == "hf-generate" and not quant, sft=task.sft,
+            # an episode's rows align at the longest on the static engine: its cache holds one turn more
+            kv_extra=task.turn_len if engine == "static" or quant else 0)
 
     host = dev.host_memory if not dev.integrated else 0
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []

@@ -24,10 +24,27 @@ class Task:
     lora_alpha: float = 32.0
     lora_targets: Optional[tuple[str, ...]] = None
     world_size: int = 1                    # GPUs (processes) sharing the step; the plan is for one of them
+    # episodes of several turns (rollout.tools, rollout.environment): response_len is the episode's budget
+    # after the prompt and turn_len one model turn (rollout.max_new_tokens), which the static engine's KV
+    # cache holds beyond the budget (edgerl/rollout/turns_static.py); 0 for one response per prompt
+    turn_len: int = 0
     rollout_correction: Optional[str] = None   # algo.rollout_correction: none | tis | mis; None: the plan decides
     rollout_correction_level: str = "token"
     rollout_correction_threshold: float = 2.0
     sft: bool = False                      # supervised fine-tuning: the update alone (no rollout, no scoring)
+
+    @property
+    def episodes(self) -> bool:
+        return self.turn_len > 0
+
+    @property
+    def length_key(self) -> str:
+        """The config key that sets response_len."""
+        return "rollout.max_episode_tokens" if self.episodes else "rollout.max_new_tokens"
+
+    @property
+    def length_word(self) -> str:
+        return "episode" if self.episodes else "response"
 
     @property
     def sequences(self) -> int:

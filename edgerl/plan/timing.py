@@ -190,7 +190,10 @@ def estimate(plan: Any, r: Rates, prompt_len: Optional[int] = None) -> StepTime:
     if not lora and v["rollout_engine"] == "static":                 # the engine's copy of the new weights
         update_s += N * cbytes / bw
 
-    said = (f"every response runs to {R} tokens (EOS ends real ones sooner)", f"prompts of {P} tokens",
+    ran = (f"every episode fills its {R} tokens, all of them decoded (tools' results are prefilled, which is "
+           "faster; answers end sooner)" if task.episodes else f"every response runs to {R} tokens (EOS ends real "
+           "ones sooner)")
+    said = (ran, f"prompts of {P} tokens",
             "the GPU to itself", "edgerl's kernels at the share of the card's peak they reach on Hopper GPUs "
             "(docs/benchmarks.md, Step time estimate)")
     return StepTime(rollout_s, score_s, update_s, r, said)

@@ -33,7 +33,7 @@ def oom_record(plan: Any, step: int, phase: str, measured: dict[str, int], error
             "estimate_total_bytes": plan.memory.total, "estimate_peak_phase": plan.memory.peak_phase,
             "budget_bytes": plan.memory.budget, "measured": measured, "tried_to_allocate": tried_to_allocate(error),
             "torch_error": error[:2000], "device": plan.device.describe(), "model": plan.model.describe(),
-            "task": plan.task.effective_batch() + f"; prompt {plan.task.prompt_len} + response "
+            "task": plan.task.effective_batch() + f"; prompt {plan.task.prompt_len} + {plan.task.length_word} "
                                                    f"{plan.task.response_len} tokens",
             "plan": plan.decisions()}
 

@@ -584,7 +584,7 @@ class Trainer:
                 write_oom(self.run_dir, record, self.rank)
             except OSError as write_error:   # the report must not hide the out-of-memory error itself
                 self.log(f"could not write oom.json: {write_error}")
-            fixes = next_moves(p, self.cfg.rollout.max_new_tokens)
+            fixes = next_moves(p, self.cfg.rollout.response_tokens())
             return TrainingError(oom_message(record, self.run_dir) + f". {saved}. Try {fixes[0]}"
                                  + (f" (next: {fixes[1]})" if len(fixes) > 1 else "")
                                  + (f", or raise plan.memory_gib={self.cfg.plan.memory_gib:g} (the allocator is capped "
