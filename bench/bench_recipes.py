@@ -81,7 +81,8 @@ def main() -> None:
     from edgerl.config.load import load_config
     from edgerl.plan.modelspec import resolve
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = sorted(p.name for p in recipes.FOLDER.glob("*.toml"))
+    # the recipes of episodes with tools run in bench_agents.py (a steered stand-in: random weights call no tool)
+    names = sorted(p.name for p in recipes.FOLDER.glob("*.toml") if not load_config(p, []).rollout.episodes)
     ap.add_argument("--only", nargs="*", default=None, help=f"recipes (default all: {', '.join(names)})")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=500, help="seconds per recipe")

@@ -25,7 +25,8 @@ from edgerl.train.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "examples" / "recipes"
 NAMES = ("ppo-qwen2.5-0.5b-gsm8k-p40.toml", "grpo-qwen2.5-7b-qlora-gsm8k-p40.toml", "grpo-qwen3-4b-lora-t4.toml",
-         "grpo-qwen3-1.7b-full-rtx3090.toml", "grpo-qwen2.5-1.5b-2xp40.toml")
+         "grpo-qwen3-1.7b-full-rtx3090.toml", "grpo-qwen2.5-1.5b-2xp40.toml",
+         "grpo-qwen3-1.7b-tools-gsm8k-lora-t4.toml", "grpo-qwen3-1.7b-tools-gsm8k-full-rtx3090.toml")
 GPUS = {n: recipes.GPUS.get(n, 1) for n in NAMES}
 runner = CliRunner()
 
@@ -60,7 +61,8 @@ def test_the_recipe_plans_to_fit_its_card(name):
     assert r.exit_code == 0, r.output
     p = json.loads(r.stdout)
     assert p["memory"]["fits"] and p["memory"]["total_bytes"] <= p["memory"]["budget_bytes"], name
-    assert p["task"]["response_len"] == cfg.rollout.max_new_tokens and p["task"]["world_size"] == GPUS[name]
+    assert p["task"]["response_len"] == cfg.rollout.response_tokens() and p["task"]["world_size"] == GPUS[name]
+    assert p["task"]["turn_len"] == (cfg.rollout.max_new_tokens if cfg.rollout.tools else 0)
     assert p["device"]["name"] == resolve_target(cfg.run.profile).device.name
     text = runner.invoke(app, ["recommend", "--config", str(path), "--gpus", str(GPUS[name])])
     assert text.exit_code == 0 and ": fits" in text.stdout, text.output
@@ -72,11 +74,15 @@ def test_recommend_plans_for_the_configs_profile_unless_a_gpu_is_named():
     assert named.exit_code == 0 and json.loads(named.stdout)["device"]["name"] == "Tesla T4", named.output
 
 
-def tiny_of(arch: str, out: Path) -> Path:
-    """A random model of `arch`'s family at tiny widths (multiples of 64: bitsandbytes' CPU NF4 rows)."""
+def tiny_of(arch: str, out: Path, tools: bool = False) -> Path:
+    """A random model of `arch`'s family at tiny widths (multiples of 64: bitsandbytes' CPU NF4 rows); with
+    `tools`, its tokenizer has Qwen2.5's chat template (SmolLM2's cannot take tools)."""
     import torch
     import transformers as tf
     tok = tf.AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    if tools:
+        from agent_helpers import QWEN25_TEMPLATE
+        tok.chat_template = QWEN25_TEMPLATE
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, max_position_embeddings=1024)
@@ -112,7 +118,7 @@ CPU_SETS = ['run.profile="cpu"', "train.steps=2", "rollout.max_new_tokens=8", "e
 def test_the_recipe_trains_two_steps_on_the_cpu(name, tmp_path):
     cfg = load_config(RECIPES / name, [])
     arch = resolve(cfg.model.path).model_type
-    model = tiny_of(arch, tmp_path / "model")
+    model = tiny_of(arch, tmp_path / "model", tools=bool(cfg.rollout.tools))
     data = gsm8k_like(tmp_path / "gsm8k.parquet")
     run = tmp_path / "run"
     sets = CPU_SETS + [f'model.path="{model}"', f'data.path="{data}"', f'eval.data="{data}"', f'run.out_dir="{run}"']

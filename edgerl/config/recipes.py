@@ -50,6 +50,9 @@ def recipe_table(folder: Path = FOLDER) -> str:
         card = f"{gpus} x {p.device.name}" if gpus > 1 else p.device.name
         task = (f"{p.model.name}, {t.algo}, {t.prompts_per_step} x {t.samples_per_prompt}, "
                 f"{t.prompt_len} + {t.response_len} tokens")
+        if t.episodes:   # docs/agents.md
+            r = load_config(path, []).rollout
+            task += f" per episode of {r.turns()} turns with {', '.join(r.tools or [r.environment])}"
         lines.append(f"| [{path.name}](examples/recipes/{path.name}) | {card} | {task} | {_what(p)} | "
                      f"{p.memory.total / GiB:.1f} of {p.memory.budget / GiB:.1f} GiB |")
     return "\n".join(lines)
