@@ -87,6 +87,11 @@
 #                  that finds the cache folder already there (the machine still held) needs no GGUF
 #   tests-real 200 tests/test_real_weights_cuda.py: the static engine against HF on the same weights (GGUF as
 #                  for learning), every decode backend in fp32, fp16 and bf16, EOS on
+#   agents-recipes 560  bench_agents --only recipes: each tool recipe (examples/recipes, rollout.tools), 3 steps under its
+#                  card's memory, a scripted tool-calling stand-in at the model's real widths; memory against the estimate
+#   agents-trl 560 bench_agents --only trl: the multi-turn rollout at Qwen3-1.7B widths, edgerl's static engine and its
+#                  HF generate path beside TRL's GRPOTrainer tools loop, in one call (AGENT_STEPS: steps, default 3)
+#   tests-agents 120  tests/test_agents_cuda.py: the static engine's turns with CUDA graphs against a full recompute
 #   info, tests-train, tests, kernels-bf16, kernels-fp32, rollout, trl-1.7b, fit-full, fit: as before
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -178,6 +183,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json; wait" ;;
         long-check) echo "python3 bench/bench_long.py --offload-cost --out $OUT/bench_long$x.json; python3 bench/bench_long.py --check --tf32 --tokenizer $TOK --work $w --out $OUT/bench_long_check$x.json" ;;
         fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
+        agents-recipes) echo "python3 bench/bench_agents.py --only recipes --steps ${AGENT_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_agents$x.json" ;;
+        agents-trl) echo "python3 bench/bench_agents.py --only trl --steps ${AGENT_STEPS:-3} --timeout $(( b / 3 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_agents_trl$x.json" ;;
+        tests-agents) echo "python3 -m pytest -q -p no:cacheprovider tests/test_agents_cuda.py 2>&1 | tee $OUT/tests_agents$x.log | tail -20" ;;
         *) return 1 ;;
     esac
 }
@@ -189,7 +197,7 @@ limit_of() {
         trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; fp16-overflow) echo 200 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; selftest-fp16) echo 300 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
-        fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; learning) echo 560 ;; tests-real) echo 200 ;; *) echo 560 ;;
+        fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; learning) echo 560 ;; tests-real) echo 200 ;; tests-agents) echo 120 ;; *) echo 560 ;;
     esac
 }
 

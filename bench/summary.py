@@ -65,6 +65,12 @@ def multi(d: dict) -> list[str]:
     return [d.get("table", "(no table: the run was cut short; see the runs in the JSON)")]
 
 
+def agents(d: dict) -> list[str]:
+    ratio = d.get("trl_ratio")
+    return [str(d.get("table") or ""), str(d.get("trl_table") or ""),
+            f"TRL's rollout time / edgerl's static engine's: {ratio:.2f}x" if ratio else ""]
+
+
 def generic(d: dict) -> list[str]:
     return [str(d.get("table") or d.get("summary") or "")[:1500]]
 
@@ -86,7 +92,8 @@ def main() -> None:
                 parts.append(f"## {f.name}\n" + json.dumps({k: d[k] for k in list(d)[:12]}, default=str)[:1200])
             continue
         script = (d.get("meta") or {}).get("script", "")
-        fn = {"bench_vs_trl": vs_trl, "bench_memory": memory, "bench_multi": multi}.get(script, generic)
+        fn = {"bench_vs_trl": vs_trl, "bench_memory": memory, "bench_multi": multi, "bench_agents": agents}.get(script,
+                                                                                                           generic)
         parts.append(f"## {f.name} ({script}, {(d.get('meta') or {}).get('device', '')})\n"
                      + "\n".join(fn(d) + errors(d)))
     text = "\n\n".join(parts)

@@ -100,7 +100,8 @@ def test_frontier_items_and_the_resume_verdicts():
 def test_gpu_session_script_parses_and_names_every_stage():
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu_session.sh")]).returncode == 0
     text = (BENCH / "gpu_session.sh").read_text()
-    for stage in ("quick", "measure", "memory", "multi", "trl-core", "trl-qlora", "info", "tests", "fit", "rollout"):
+    for stage in ("quick", "measure", "memory", "multi", "trl-core", "trl-qlora", "info", "tests", "fit", "rollout",
+                  "agents-recipes", "agents-trl", "tests-agents"):
         assert f"        {stage})" in text, stage
     # a pair's suffix ($x, e.g. "_gpu1") glued to a variable of the stage's loop reads as one name ("$n_gpu1",
     # unset): every part's files would share one empty name
@@ -521,3 +522,19 @@ def test_bench_learning_smoke_trains_both_tools_and_plots_them_side_by_side(tmp_
     assert summary.returncode == 0 and "| trl | 1 |" in summary.stdout, summary.stdout + summary.stderr
     from edgerl.train.metrics import plot
     assert plot([Path(recs["edgerl"]["run_dir"]), Path(recs["trl"]["run_dir"])], tmp_path / "both.png").exists()
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_bench_agents_smoke_runs_a_tool_recipe_and_the_rollout_group(tmp_path):
+    """bench_agents' stand-in calls the calculator in every turn (random weights never would): the tool recipe
+    and the edgerl side of the rollout comparison run episodes of several turns; TRL's side where installed."""
+    d = _smoke("bench_agents.py", tmp_path)
+    runs = d["runs"]
+    recipe = next(r for name, r in runs.items() if name.endswith(".toml"))
+    assert recipe["status"] == "ok" and recipe["steps"] == "1/1" and recipe["stand_in_calls"] >= 1
+    for name in ("edgerl-static", "edgerl-hf-generate"):
+        assert runs[name]["status"] == "ok" and runs[name]["turns_mean"] > 1 and runs[name]["tool_calls_mean"] > 0
+        assert runs[name]["context_tokens_mean"] > 0 and runs[name]["rollout_s"] > 0
+    assert runs["edgerl-static"]["rounds"] > 1   # the KV cache kept between turns
+    assert runs["trl"]["status"].startswith(("ok", "not run: TRL is not installed")), runs["trl"]
