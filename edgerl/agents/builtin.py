@@ -63,6 +63,20 @@ _CHILD = ("import sys\nfrom edgerl.agents.guard import audit_writes\naudit_write
           "exec(compile(src, '<tool>', 'exec'), {'__name__': '__main__', '__builtins__': __builtins__})\n")
 
 
+def _bounded(seconds: float) -> None:
+    """In the program's process before it starts: killed when the worker dies (a worker stopped mid-call takes
+    its session's processes with it, and this one leads its own), and at a CPU time a little past the call's."""
+    import ctypes
+    import resource
+    import signal
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+    cpu = int(seconds) + 2
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+
+
 def python(code: str) -> str:
     """Run a Python program in a fresh interpreter and return what it prints (standard output and errors).
 
@@ -77,7 +91,7 @@ def python(code: str) -> str:
            "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.Popen([sys.executable, "-s", "-c", _CHILD, folder], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=folder, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: _bounded(limit))
     try:
         proc.stdin.write(str(code).encode("utf-8", "replace"))
         proc.stdin.close()
