@@ -33,7 +33,8 @@ def tool_model(tmp_path_factory):
 
 def sets(folder, *more):
     return ['run.profile="cpu"', f'data.path="{folder / "prompts.jsonl"}"', "train.steps=2",
-            "train.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6", "rollout.max_turns=3", "rollout.max_episode_tokens=128",
+            "train.prompts_per_step=2", "rollout.n_samples=2", "rollout.max_new_tokens=6", "rollout.max_turns=3",
+            "rollout.max_episode_tokens=128",
             f'rollout.tools=["{folder / "tools.py"}:calculator"]', "rollout.tool_workers=1",
             f'reward.functions=["{folder / "reward.py"}:score"]', "algo.kl_coef=0", "run.log_samples=4",
             "run.tensorboard=false", "run.export_final=false", "run.save_every=0", "train.lr=1e-4", *more]
@@ -179,3 +180,15 @@ def test_an_environment_rewards_each_turn(tool_model, tmp_path):
         assert s["reward"] == pytest.approx(digits[0] % 2 + 0.5 * (digits[1] % 2))
     row = read_metrics(tmp_path / "run")[-1]
     assert row["rollout/turns_mean"] == 2 and "reward/environment_mean" in row and "reward/turn_mean" in row
+
+
+def test_edgerl_eval_runs_the_same_episodes_greedily(tool_model):
+    from edgerl.train.eval_run import load_eval_config, run_eval
+    cfg, ckpt = load_eval_config(str(tool_model), [x for x in sets(tool_model) if not x.startswith("run.")] + [
+        f'eval.data="{tool_model / "prompts.jsonl"}"', 'run.profile="cpu"'])
+    res = run_eval(cfg, ckpt, log=lambda s: None)
+    assert res["metrics"]["eval/prompts"] == 4 and len(res["samples"]) == 4
+    for s in res["samples"]:
+        assert [m["role"] for m in s["conversation"]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+        digit = int(s["conversation"][0]["content"][len(OPEN)])
+        assert s["turns"] == 3 and s["tool_calls"] == 2 and s["reward"] == pytest.approx(digit / 9)

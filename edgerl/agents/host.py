@@ -175,7 +175,8 @@ def as_text(value: Any, max_chars: int) -> str:
         try:
             text = json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"the tool returned a value of type {type(value).__name__} that is not JSON data ({_short(str(e), 80)}); "
+            raise TypeError(f"the tool returned a value of type {type(value).__name__} that is not JSON data "
+                            f"({_short(str(e), 80)}); "
                             "return a string") from None
     else:
         raise TypeError(f"the tool returned a value of type {type(value).__name__}, not text; return a string")
