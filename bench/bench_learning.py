@@ -13,7 +13,8 @@ both runs' curves on one figure (TRL's run folder holds an edgerl-style metrics.
 
 The tasks (bench/learning_tasks.py): `arithmetic` is examples/demo-cpu.toml's run (8 prompts x 4 samples, 40 new
 tokens, lr 1e-5, 24 steps, 64 held-out problems scored before step 1, after 12 and after 24); `gsm8k` poses
-problems in GSM8K's format with verl's instruction and strict '#### <number>' scoring.
+problems in GSM8K's format with verl's instruction and strict '#### <number>' scoring (after one worked example,
+at temperature 0.7, 96 new tokens: the form in which SmolLM2-135M gets any reward at all).
 
 The settings, side by side (edgerl's --set / TRL's GRPOConfig; learning_trl.trl_config is TRL's side):
 
@@ -30,9 +31,9 @@ The settings, side by side (edgerl's --set / TRL's GRPOConfig; learning_trl.trl_
 | clip range | algo.clip_low = clip_high = 0.2 | epsilon = epsilon_high = 0.2 |
 | loss aggregation | algo.loss_agg="token-mean" (over the step's tokens) | loss_type="dapo" (its default: over the batch's tokens) |
 | advantages | grpo, norm_adv_by_std=true: (r - mean) / (std + 1e-6), unbiased std | scale_rewards="group": (r - mean) / (std + 1e-4), unbiased std |
-| sampling | temperature 1, top_p 1, top_k 0 | temperature=1.0, top_p=1.0, top_k=0 |
+| sampling | rollout.temperature = the task's (1; gsm8k 0.7), top_p 1, top_k 0 | temperature = the same, top_p=1.0, top_k=0 |
 | length, EOS | rollout.max_new_tokens, stop_at_eos (EOS kept in the loss) | max_completion_length, stops at EOS (kept in the loss); mask_truncated_completions=False |
-| rollout correction | algo.rollout_correction at its default (where this edgerl has it) | none (TRL corrects vLLM samples only) |
+| rollout correction | algo.rollout_correction at its default: none on the CPU (the engine decodes in fp32 through torch's ops), tis (per token, cap 2) on a GPU's bf16 plan | none (TRL corrects vLLM's samples only; its HF generate samples from the trained model itself) |
 | dtype | the plan's: fp32 on the CPU; on a GPU the card's (bf16 on an H100) | fp32 on the CPU; on a GPU its default, bf16=True (autocast over fp32 weights) |
 | held-out evaluation | eval.data = the held-out JSONL, greedy, the rollout engine | HF generate, greedy, on the same token ids, edgerl's scorer |
 | seed | train.seed=k (sampling; the prompt order is drawn for k) | seed=k |
@@ -111,7 +112,7 @@ def edgerl_sets(task: lt.Task, train: Path, heldout: Path, seed: int, device: st
     """The demo's settings (examples/demo-cpu.toml) on the task's files, every learning setting explicit."""
     sets = [f'data.path="{train}"', "data.shuffle=false", "data.max_prompt_len=256",
             f"rollout.n_samples={task.samples}", f"rollout.max_new_tokens={task.new_tokens}",
-            "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "rollout.stop_at_eos=true",
+            f"rollout.temperature={task.temperature}", "rollout.top_p=1.0", "rollout.top_k=0", "rollout.stop_at_eos=true",
             'algo.advantage="grpo"', "algo.norm_adv_by_std=true", "algo.kl_coef=0.0", 'algo.policy_loss="ppo"',
             "algo.clip_low=0.2", "algo.clip_high=0.2", 'algo.loss_agg="token-mean"', 'algo.overlong="none"',
             "algo.dynamic_sampling=false", "algo.entropy_coef=0.0",
@@ -127,13 +128,16 @@ def edgerl_sets(task: lt.Task, train: Path, heldout: Path, seed: int, device: st
 
 def edgerl_record(res: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """Per step and per evaluation, from the run folder's metrics.jsonl (what is there, even after a timeout)."""
-    rows = bl.read_run_folder(run_dir)["rows"]
+    folder = bl.read_run_folder(run_dir)
+    rows = folder["rows"]
+    plan = (folder.get("plan_json") or {}).get("plan", {})
     steps = [{"step": r["step"], "wall_s": r["perf/step_s"], "reward_mean": r.get("reward/mean"),
               "length_mean": r.get("response/length_mean")} for r in rows if r.get("step", 0) > 0 and "perf/step_s" in r]
     evals = [{"step": r["step"], "accuracy": r["eval/accuracy"], "eval_s": r.get("time/eval_s"),
               "response_length": r.get("eval/response_length")} for r in rows if "eval/accuracy" in r]
     keep = ("status", "error", "engine", "setup_s", "plan", "effective_batch")
-    return {**{k: res[k] for k in keep if k in res}, "steps": steps, "evals": evals}
+    return {**{k: res[k] for k in keep if k in res}, "steps": steps, "evals": evals,
+            "rollout_correction": plan.get("rollout_correction")}
 
 
 def run_one(tool: str, task: lt.Task, seed: int, args, model: Path, work: Path, timeout: float) -> dict[str, Any]:
@@ -156,7 +160,7 @@ def run_one(tool: str, task: lt.Task, seed: int, args, model: Path, work: Path, 
         spec = {"model": str(model), "train": str(train_p), "heldout": str(heldout_p), "run_dir": str(run_dir),
                 "out": str(out), "device": args.device, "seed": seed, "steps": task.steps, "every": task.every,
                 "prompts_per_step": task.prompts_per_step, "samples": task.samples, "new_tokens": task.new_tokens,
-                "lr": task.lr}
+                "lr": task.lr, "temperature": task.temperature}
         spec_path = work / f"{name}.spec.json"
         spec_path.write_text(json.dumps(spec))
         status, _, tail = bl.run_logged([sys.executable, str(Path(__file__).with_name("learning_trl.py")),

@@ -6,12 +6,14 @@ reads as its dataset, so the two see the same rows, in the same order, under the
                  training set generated with seed 0 and drawn in edgerl's sampler order for train.seed, the
                  held-out problems generated with edgerl's held-out seed less any training prompt, the first 64
     gsm8k        GSM8K's format: verl's instruction ('Let's think step by step and output the final answer after
-                 "####".') and verl's strict scoring (only '#### <number>' counts). The questions are the
-                 built-in level-2 arithmetic problems (two-digit sums and differences): SmolLM2-135M-Instruct
-                 scores 0 of 64 held-out GSM8K test problems at step 0 (docs/benchmarks.md, Learning against
-                 TRL), so real GSM8K shows no signal to compare at this size; `--gsm8k-questions real` uses
-                 GSM8K's own train and test problems instead (--gsm8k PATH: a folder with train.jsonl and
-                 test.jsonl)
+                 "####".') and verl's strict scoring (only '#### <number>' counts), on the built-in level-2
+                 problems (two-digit sums and differences), each after one worked example that ends as GSM8K's
+                 answers do, sampled at temperature 0.7, 96 new tokens. SmolLM2-135M-Instruct gives this task a
+                 signal where the plainer forms give none (docs/benchmarks.md, Learning against TRL): real GSM8K
+                 scores 0 of 64 held-out problems at step 0; level-2 problems with verl's instruction alone, 0 of
+                 64, and no sampled training response earns a reward, so GRPO's advantages are all 0 and neither
+                 tool would update. `--gsm8k-questions real` uses GSM8K's own problems instead (--gsm8k PATH: a
+                 folder with train.jsonl and test.jsonl), with the same instruction and no example
 """
 
 from __future__ import annotations
@@ -41,12 +43,15 @@ class Task:
     samples: int = 4
     lr: float = 1e-5
     eval_prompts: int = 64
+    temperature: float = 1.0     # sampling (the held-out answers are greedy)
+    shot: bool = False           # one worked example, in GSM8K's answer format, before each question
 
 
 TASKS = {
     "arithmetic": Task("arithmetic", 1, False, 40),
-    # verl's instruction asks for steps before the answer: 40 tokens cut most answers at step 0; 96 leave room
-    "gsm8k": Task("gsm8k", 2, True, 96),
+    # verl's instruction asks for steps before the answer: 40 tokens cut most answers; at temperature 1 no sampled
+    # response of 128 earned a reward at step 0, at 0.7 five did (4 of 32 groups held a reward difference)
+    "gsm8k": Task("gsm8k", 2, True, 96, temperature=0.7, shot=True),
 }
 
 
@@ -56,10 +61,17 @@ def smoke(task: Task) -> Task:
     return replace(task, new_tokens=8, steps=2, every=1, prompts_per_step=2, samples=2, eval_prompts=4)
 
 
-def _as_gsm8k(row: dict[str, Any]) -> dict[str, Any]:
-    """A built-in problem posed as GSM8K is: the question, a space, verl's instruction; scored strictly."""
+# a level-2 problem in neither the training nor the held-out set (a test checks), answered as GSM8K answers end
+SHOT = ("Question: A shop had 45 pencils. It sold 17 of them. How many pencils does the shop have left?\n"
+        "Answer: The shop had 45 pencils and sold 17, so it has 45 - 17 = 28 pencils left.\n#### 28\n\n")
+
+
+def _as_gsm8k(row: dict[str, Any], shot: bool) -> dict[str, Any]:
+    """A built-in problem posed as GSM8K is (the question, a space, verl's instruction), after the worked
+    example where `shot`; scored strictly."""
     q = row["extra_info"]["question"]
-    return {**row, "data_source": GSM8K_SOURCE, "prompt": [{"role": "user", "content": f"{q} {GSM8K_INSTRUCTION}"}]}
+    text = (f"{SHOT}Question: {q}" if shot else q) + f" {GSM8K_INSTRUCTION}"
+    return {**row, "data_source": GSM8K_SOURCE, "prompt": [{"role": "user", "content": text}]}
 
 
 def _read_gsm8k(path: Path, split: str) -> list[dict[str, Any]]:
@@ -87,7 +99,7 @@ def rows_of(task: Task, seed: int, gsm8k: Optional[Path] = None) -> tuple[list[d
         fresh = generate_arithmetic(2 * task.eval_prompts + 16, task.difficulty, HELDOUT_SEED)
         heldout = [r for r in fresh if json.dumps(r["prompt"]) not in seen][:task.eval_prompts]
         if task.gsm8k_format:
-            pool, heldout = [_as_gsm8k(r) for r in pool], [_as_gsm8k(r) for r in heldout]
+            pool, heldout = [_as_gsm8k(r, task.shot) for r in pool], [_as_gsm8k(r, task.shot) for r in heldout]
     sampler = PromptSampler(len(pool), task.prompts_per_step, seed=seed, shuffle=True, log=None)
     order = [i for _ in range(task.steps) for i in sampler.next_batch()]
     return [pool[i] for i in order], heldout

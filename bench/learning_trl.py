@@ -30,7 +30,7 @@ def trl_config(spec: dict[str, Any], cuda: bool) -> dict[str, Any]:
         # = all, ppo_epochs 1)
         per_device_train_batch_size=n, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         num_generations=spec["samples"], max_completion_length=spec["new_tokens"], max_steps=spec["steps"],
-        temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+        temperature=spec["temperature"], top_p=1.0, top_k=0, repetition_penalty=1.0,
         beta=0.0, epsilon=0.2, epsilon_high=0.2, importance_sampling_level="token",
         loss_type="dapo",           # token-level mean over the whole batch = edgerl's algo.loss_agg="token-mean"
         scale_rewards="group",      # (r - group mean) / (group std + eps) = edgerl's norm_adv_by_std=true

@@ -422,7 +422,8 @@ def test_bench_vs_trl_gives_trl_edgerls_allocator_settings():
 def test_learning_tasks_draw_edgerls_order_and_keep_the_heldout_problems_apart():
     """The training rows are edgerl's built-in problems in its sampler's order for the seed (so TRL, given them
     unshuffled, sees the same prompts in the same order); the held-out problems are edgerl's held-out set (another
-    seed, no training prompt); the gsm8k task asks with verl's instruction and scores '#### <number>' only."""
+    seed, no training prompt); the gsm8k task asks with verl's instruction after one worked example and scores
+    '#### <number>' only."""
     import learning_tasks as lt
     from edgerl.data.builtin import GSM8K_INSTRUCTION, generate_arithmetic
     from edgerl.data.sampler import PromptSampler
@@ -436,7 +437,10 @@ def test_learning_tasks_draw_edgerls_order_and_keep_the_heldout_problems_apart()
         {r["extra_info"]["question"] for r in pool}
     g_train, g_heldout = lt.rows_of(lt.TASKS["gsm8k"], 0)
     assert {r["data_source"] for r in g_train + g_heldout} == {"openai/gsm8k"}
-    assert g_train[0]["prompt"][0]["content"].endswith(" " + GSM8K_INSTRUCTION)
+    text = g_train[0]["prompt"][0]["content"]
+    assert text.startswith(lt.SHOT + "Question: ") and text.endswith(" " + GSM8K_INSTRUCTION)
+    example = lt.SHOT.split("\n")[0].removeprefix("Question: ")   # the worked example is no problem of either set
+    assert example not in {r["extra_info"]["question"] for r in generate_arithmetic(lt.TRAIN_PROBLEMS, 2, 0) + g_heldout}
     assert g_train[0]["extra_info"]["difficulty"] == lt.TASKS["gsm8k"].difficulty
     truth = g_train[0]["reward_model"]["ground_truth"]
     assert lt.reward("openai/gsm8k", f"so {truth}", truth) == 0.0 and lt.reward("openai/gsm8k", f"#### {truth}", truth) == 1.0
@@ -453,7 +457,7 @@ def test_trls_settings_are_edgerls():
     task = lt.TASKS["arithmetic"]
     cfg = load_config(None, b.edgerl_sets(task, Path("t.jsonl"), Path("h.jsonl"), 2, "cpu"))
     spec = {"prompts_per_step": task.prompts_per_step, "samples": task.samples, "new_tokens": task.new_tokens,
-            "steps": task.steps, "lr": task.lr, "seed": 2, "run_dir": "r"}
+            "steps": task.steps, "lr": task.lr, "seed": 2, "run_dir": "r", "temperature": task.temperature}
     t = trl_config(spec, cuda=False)
     r, a, tr = cfg.rollout, cfg.algo, cfg.train
     batch = tr.prompts_per_step * r.n_samples
