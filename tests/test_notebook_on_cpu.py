@@ -37,5 +37,6 @@ def test_the_t4_notebook_runs_on_the_cpu_with_a_tiny_model(tmp_path):
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
     assert (run / "final" / "config.json").exists() and (run / "curves.png").exists()
     assert not list((run / "checkpoints").iterdir())   # run.final_only
+    assert list((tmp_path / "run-gguf").glob("*.gguf")), "the export cell writes the GGUF file"
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, "the plot cell shows the curves"
