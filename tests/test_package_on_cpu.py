@@ -52,3 +52,17 @@ def test_no_test_reads_data_from_outside_the_repository():
     offenders = [p.name for p in (ROOT / "tests").glob("*.py") if p.name != "conftest.py"
                  and re.search(r"(SHARED|[\"']shared[\"']) / [\"']data", p.read_text())]
     assert not offenders, offenders
+
+
+def test_every_subpackage_is_in_the_wheel():
+    """pyproject.toml lists the packages by name (three folders are mapped into edgerl): a new subpackage left out
+    of the list installs nowhere, and only an installed wheel would notice."""
+    try:
+        import tomllib
+    except ImportError:   # Python 3.10
+        import tomli as tomllib
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"edgerl." + ".".join(p.parent.relative_to(root / "edgerl").parts)
+             for p in (root / "edgerl").rglob("__init__.py") if p.parent != root / "edgerl"} | {"edgerl"}
+    assert found - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"
