@@ -108,7 +108,8 @@ def main(spec_path: str) -> None:
             "max_grad_norm", "temperature", "top_p", "top_k", "max_completion_length", "bf16", "fp16",
             "gradient_checkpointing", "shuffle_dataset", "mask_truncated_completions", "seed", "optim")}
         res["versions"] = {"trl": trl.__version__, "torch": torch.__version__}
-        eos, pad = tok.eos_token_id, tok.pad_token_id
+        eos = tok.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos   # as TRL pads a tokenizer without a pad token
         rows: dict[int, dict[str, Any]] = {}
 
         def flush() -> None:
