@@ -258,7 +258,7 @@ def test_attention_over_spans_gives_the_whole_caches_rollout(arch, step):
         assert eng.span_step == 16   # eager: 16 columns a span
         eng.span_step = span         # 0: the whole cache at every step
         seen, attend = set(), eng.dec.backend.attend
-        eng.dec.backend.attend = lambda qkv, kv, *a, _f=attend, _s=seen: _s.add(kv.shape[3]) or _f(qkv, kv, *a)
+        eng.dec.backend.attend = lambda qkv, step, _f=attend, _s=seen: _s.add(step.kv.shape[3]) or _f(qkv, step)
         runs.append(eng.generate(prompts, 4, params, torch.Generator().manual_seed(11)))
         read.append(sorted(seen))
     ref, got = runs
@@ -277,6 +277,7 @@ def test_a_decode_step_over_a_span_equals_the_step_over_the_whole_cache(dtype):
     """One decode step of the torch backend (baddbmm in fp32, SDPA in 16 bits) over the first 32 cache
     columns against the same step over all 96, after a prefill of ragged prompts: the same logits, and
     the same cache column written."""
+    from edgerl.rollout.decode_backends import DECODE_BACKENDS
     from edgerl.rollout.decoder import StaticDecoder
     model = tiny_llama(seed=3).to(dtype)
     g = torch.Generator().manual_seed(0)
@@ -289,7 +290,7 @@ def test_a_decode_step_over_a_span_equals_the_step_over_the_whole_cache(dtype):
     tok = torch.randint(3, 500, (len(lens),), generator=g)
     out = []
     for span in (None, 32):
-        dec = StaticDecoder(model, 4, 96)
+        dec = StaticDecoder(model, 4, 96, backend=DECODE_BACKENDS["torch"])
         dec.allocate()
         dec.prefill(ids, start)
         for t in range(12):   # columns W .. W + 11 < 32

@@ -468,11 +468,22 @@ def test_qkv_parts_are_the_columns_of_qkv(projections):
     assert torch.equal(torch.cat(parts, -1), proj.qkv(h))
 
 
+def test_the_plans_engines_and_backends_are_the_rollouts():
+    """Every engine and decode backend the plan may pick is one the rollout can build, and the other way round:
+    the plan's dicts (edgerl/plan/engines.py) and the rollout's (ENGINES, DECODE_BACKENDS) name the same ones."""
+    from edgerl.plan import engines
+    from edgerl.rollout import ENGINES
+    from edgerl.rollout.decode_backends import DECODE_BACKENDS
+    assert set(engines.ENGINES) == set(ENGINES)
+    assert set(engines.DECODE_BACKENDS) == set(DECODE_BACKENDS)
+    assert all(cls.name == name for name, cls in DECODE_BACKENDS.items())
+
+
 def test_a_kernel_backend_off_cuda_is_refused_with_the_reason():
     from edgerl.rollout.decoder import DecodeKernelUnavailable
     with pytest.raises(DecodeKernelUnavailable, match="decode backend 'cuda-c' cannot run here: tensors are on cpu"):
         StaticCacheEngine(tiny_llama(), 2, 32, cuda_graphs=False, backend="cuda-c")
-    with pytest.raises(ValueError, match="no decode backend 'nvrtc'"):
+    with pytest.raises(ValueError, match="no decode backend 'nvrtc'; choose one of torch, triton-attention, triton-layers, cuda-c"):
         StaticCacheEngine(tiny_llama(), 2, 32, cuda_graphs=False, backend="nvrtc")
 
 

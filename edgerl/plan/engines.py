@@ -2,9 +2,11 @@
 (`plan.decode_backend`), when each can run here, and which the plan picks: the first of `ENGINES` and
 of `DECODE_BACKENDS` that can, in their order (fastest first), unless the user forces one.
 
-An engine `x-y` is implemented by edgerl/rollout/engine_x_y.py, a decode backend by
-edgerl/rollout/decode_x_y.py; adding one is that file and its `Path` here (the table's allowed values
-for the [plan] key come from these dicts). The figures behind the order are in docs/benchmarks.md.
+An engine is implemented by edgerl/rollout/engine_<name>.py and named in edgerl/rollout/__init__.py's
+`ENGINES`, a decode backend by edgerl/rollout/decode_<name>.py and named in edgerl/rollout/decode_backends.py's
+`DECODE_BACKENDS`; adding one is that file, its entry there and its `Path` here (the table's allowed values for
+the [plan] key come from these dicts; a test keeps each pair of dicts the same). The figures behind the order
+are in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -7,15 +7,16 @@
     "hf-generate"  transformers' `generate`, for models the static decoder does not implement
     "vllm"         a colocated vLLM engine
 
-Engine `x-y` lives in `engine_x_y.py` and is built by its `build(plan, ctx)`; adding one is that file
-and its entry in plan/engines.py (when the plan may pick it). The trainer only calls `build_engine` and
-the interface.
+`ENGINES` names each engine's `build(plan, ctx)`; adding one is its file, its entry there and its entry in
+plan/engines.py's ENGINES (when the plan may pick it; a test keeps the two lists the same). The trainer only
+calls `build_engine` and the interface.
 """
 
 from __future__ import annotations
 
-import importlib
+from typing import Callable
 
+from . import engine_hf_generate, engine_static, engine_vllm
 from .base import (ActorWeights, EngineContext, OwnWeights, RolloutBatch, RolloutEngine, SamplingParams, cut_at_eos,
                    load_weights)
 from .arch import SUPPORTED, UnsupportedModel
@@ -24,17 +25,21 @@ from .engine_static import StaticCacheEngine
 from .engine_vllm import vllm_share
 
 
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {
+    "static": engine_static.build,
+    "hf-generate": engine_hf_generate.build,
+    "vllm": engine_vllm.build,
+}
+
+
 def build_engine(plan, ctx: EngineContext) -> RolloutEngine:
-    """The engine the plan chose, ready for its first `sync_weights`."""
+    """The engine the plan chose (`plan.rollout_engine`), ready for its first `sync_weights`."""
     name = plan.rollout_engine
-    try:
-        module = importlib.import_module(f"{__name__}.engine_{name.replace('-', '_')}")
-    except ModuleNotFoundError:
-        raise ValueError(f"plan.rollout_engine={name!r}: no such engine (edgerl/rollout/engine_"
-                         f"{name.replace('-', '_')}.py)") from None
-    return module.build(plan, ctx)
+    if name not in ENGINES:
+        raise ValueError(f"plan.rollout_engine={name!r}: no such engine; choose one of {', '.join(ENGINES)}")
+    return ENGINES[name](plan, ctx)
 
 
 __all__ = ["RolloutBatch", "RolloutEngine", "SamplingParams", "cut_at_eos", "HFGenerateEngine", "load_weights",
            "StaticCacheEngine", "UnsupportedModel", "SUPPORTED", "EngineContext", "build_engine", "OwnWeights",
-           "ActorWeights", "vllm_share"]
+           "ActorWeights", "vllm_share", "ENGINES"]

@@ -20,7 +20,8 @@ import torch
 from edgerl.kernels.tiles import NF4_DECODE_ROWS
 
 from .decode_torch import Backend as TorchOps
-from .decoder import DecodeKernelUnavailable, StaticDecoder
+from .decode_step import DecodeKernelUnavailable, LayerStep
+from .decoder import StaticDecoder
 
 
 class Backend(TorchOps):
@@ -41,21 +42,22 @@ class Backend(TorchOps):
             self.note += f"; {n} NF4 layers through the fused kernel" + "".join(
                 f"; {k} left to bitsandbytes: {why}" for why, k in left.items())
 
-    def mask(self, start: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
-        return start   # rope_attend reads only the columns start[b] .. col of each row (a window: its first column)
+    def hide(self, first: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
+        return first   # rope_attend reads only the columns first[b] .. col of each row (a window: its first column)
 
-    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col, qk=None, post=None):
+    def layer(self, x: torch.Tensor, d: torch.Tensor | None, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and norm in one kernel, q, k and v straight from their projections into the
-        rotary + cache write + attention kernel, the second add and norm in one, SiLU * up in one. qk:
-        Qwen3's per-head q/k norms (torch's ops between the projections and the kernel) or None; post is
-        always None here (`StaticDecoder.fused_norms_reason`)."""
-        k, B, dec = self.kernels, x.shape[0], self.dec
-        x, h = k.add_rms_norm(x, d, ln1, eps1)
+        rotary + cache write + attention kernel, the second add and norm in one, SiLU * up in one. Qwen3's
+        per-head q/k norms, where `step.norms` has them, run as torch's ops between the projections and the
+        kernel; there are no post norms here (`StaticDecoder.fused_norms_reason`)."""
+        k, B, dec, proj, n, kv = self.kernels, x.shape[0], self.dec, step.proj, step.norms, step.kv
+        x, h = k.add_rms_norm(x, d, n.ln1, n.eps1)
         q, kk, v = proj.qkv_parts(h)
-        if qk is not None:   # before the kernel rotates
-            q = dec.norm(q.unflatten(-1, (dec.n_heads, dec.head_dim)), qk[0], qk[2]).flatten(-2)
-            kk = dec.norm(kk.unflatten(-1, (dec.n_kv, dec.head_dim)), qk[1], qk[2]).flatten(-2)
-        o = k.rope_attend(q, kk, v, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, dec.scaling)
-        x, h = k.add_rms_norm(x, proj.o(o), ln2, eps2)
+        if n.qk is not None:   # before the kernel rotates
+            q = dec.norm(q.unflatten(-1, (dec.n_heads, dec.head_dim)), n.qk[0], n.qk[2]).flatten(-2)
+            kk = dec.norm(kk.unflatten(-1, (dec.n_kv, dec.head_dim)), n.qk[1], n.qk[2]).flatten(-2)
+        o = k.rope_attend(q, kk, v, step.cos.view(B, -1), step.sin.view(B, -1), kv[0], kv[1], step.hide, step.col,
+                          dec.scaling)
+        x, h = k.add_rms_norm(x, proj.o(o), n.ln2, n.eps2)
         gate, up = proj.gate_up(h)
         return x, proj.down(k.silu_mul(gate, up) if dec.silu else dec.act(gate) * up)

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .decoder import StaticDecoder, sdpa
+from .decode_step import LayerStep, sdpa
+from .decoder import StaticDecoder
 
 
 class Backend:
@@ -29,46 +30,45 @@ class Backend:
         self.sdpa = dec.dtype != torch.float32   # else baddbmm, softmax and bmm
         self.note = f"torch ops ({'SDPA' if self.sdpa else 'baddbmm/softmax/bmm'} attention)"
 
-    def mask(self, start: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
-        """One additive mask for all layers of an attention span (columns start[b] .. col visible of the
+    def hide(self, first: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
+        """One additive mask for all layers of an attention span (columns first[b] .. col visible of the
         cache's first S columns), so each layer's scores are a single baddbmm: (B, 1, 1, S), or
         (B*KVH, 1, S) for baddbmm."""
-        dec, B = self.dec, start.shape[0]
+        dec, B = self.dec, first.shape[0]
         cols = dec.cols[:S]
-        hidden = (cols[None, :] < start[:, None]) | (cols[None, :] > col)               # (B, S)
-        zero = torch.zeros((), device=start.device, dtype=dec.dtype)
+        hidden = (cols[None, :] < first[:, None]) | (cols[None, :] > col)               # (B, S)
+        zero = torch.zeros((), device=first.device, dtype=dec.dtype)
         bias = torch.where(hidden, -math.inf, zero)[:, None, None, :]                   # (B, 1, 1, S)
         return bias if self.sdpa else bias.expand(B, dec.n_kv, 1, S).reshape(B * dec.n_kv, 1, S)
 
     def first(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return x, None
 
-    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, mask, col, qk=None, post=None):
+    def layer(self, x: torch.Tensor, d: torch.Tensor | None, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (B, hidden) residual stream; d: the previous layer's MLP output, not yet added (None for the
-        first layer). kv: this layer's cache (2, B, KVH, S, D); cos, sin: (B, 1, D); col: (1,). qk: the q/k
-        norms (Qwen3, Gemma 3) or None; post: Gemma's post-attention and post-MLP norms or None.
-        Returns (x, d)."""
-        dec = self.dec
+        first layer); the layer's q/k norms (Qwen3, Gemma 3) and Gemma's post-attention and post-MLP norms where
+        `step.norms` has them. Returns (x, d)."""
+        dec, proj, n = self.dec, step.proj, step.norms
         if d is not None:
             x = x + d
         B = x.shape[0]
-        qkv = proj.qkv(dec.norm(x, ln1, eps1))                                      # (B, N)
-        if qk is not None:
-            dec.qk_norm(qkv, qk)
-        o = proj.o(self.attend(qkv, kv, cos, sin, mask, col).reshape(B, dec.q_width))
-        x = x + (o if post is None else dec.norm(o, post[0], post[2]))
-        m = proj.down(dec.mlp_hidden(x, proj, ln2, eps2))
-        return x, (m if post is None else dec.norm(m, post[1], post[2]))
+        qkv = proj.qkv(dec.norm(x, n.ln1, n.eps1))                                  # (B, N)
+        if n.qk is not None:
+            dec.qk_norm(qkv, n.qk)
+        o = proj.o(self.attend(qkv, step).reshape(B, dec.q_width))
+        x = x + (o if n.post is None else dec.norm(o, n.post[0], n.post[2]))
+        m = proj.down(dec.mlp_hidden(x, proj, n.ln2, n.eps2))
+        return x, (m if n.post is None else dec.norm(m, n.post[1], n.post[2]))
 
     def last(self, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         return x + d
 
-    def attend(self, qkv, kv, cos, sin, mask, col):
-        """The new token's rotary embedding, its k and v written into cache column col, and attention over
-        the cache's columns kv holds (the first S: the engine passes the span it attends over). Returns the
+    def attend(self, qkv: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """The new token's rotary embedding, its k and v written into cache column step.col, and attention over
+        the cache's columns step.kv holds (the first S: the engine passes the span it attends over). Returns the
         output heads, (B, KVH, G, D) or (B*KVH, G, D)."""
-        dec, B = self.dec, qkv.shape[0]
-        dec.rotate(qkv, cos, sin)
+        dec, B, kv, mask, col = self.dec, qkv.shape[0], step.kv, step.hide, step.col
+        dec.rotate(qkv, step.cos, step.sin)
         # k and v sit side by side after q: one copy puts both in the cache column.
         kv.index_copy_(3, col, qkv[:, dec.q_width:].view(B, 2, dec.n_kv, 1, dec.head_dim).transpose(0, 1))
         if self.sdpa:   # q (B, KVH, G, D): each KV head attends for its G query heads

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from .decode_torch import Backend as TorchOps
-from .decoder import DecodeKernelUnavailable, StaticDecoder
+from .decode_step import DecodeKernelUnavailable, LayerStep
+from .decoder import StaticDecoder
 
 
 class Backend(TorchOps):
@@ -28,11 +29,11 @@ class Backend(TorchOps):
         self.rope_attend = attention_rope_op()
         self.note = "torch's projections around the rotary decode-attention kernel (Triton)"
 
-    def mask(self, start: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
-        return start   # the kernel reads only the columns start[b] .. col of each row (a window: its first column)
+    def hide(self, first: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
+        return first   # the kernel reads only the columns first[b] .. col of each row (a window: its first column)
 
-    def attend(self, qkv, kv, cos, sin, start, col):
+    def attend(self, qkv: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Rotary, the cache write and attention in one kernel. Returns (B, KVH, G, D)."""
-        B, dec = qkv.shape[0], self.dec
-        return self.rope_attend(qkv, cos.view(B, -1), sin.view(B, -1), kv[0], kv[1], start, col, dec.scaling,
-                                dec.group)
+        B, dec, kv = qkv.shape[0], self.dec, step.kv
+        return self.rope_attend(qkv, step.cos.view(B, -1), step.sin.view(B, -1), kv[0], kv[1], step.hide, step.col,
+                                dec.scaling, dec.group)

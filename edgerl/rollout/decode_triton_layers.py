@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from .decode_triton_attention import Backend as TritonAttention
-from .decoder import DecodeKernelUnavailable, StaticDecoder
+from .decode_step import DecodeKernelUnavailable, LayerStep
+from .decoder import StaticDecoder
 
 
 class Backend(TritonAttention):
@@ -36,18 +37,18 @@ class Backend(TritonAttention):
     def first(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x, x.float().square().sum(-1)[None]   # the first norm's sums of squares
 
-    def layer(self, x, d, proj, ln1, eps1, ln2, eps2, kv, cos, sin, start, col, qk=None, post=None):
+    def layer(self, x: torch.Tensor, d: torch.Tensor, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """d: x's rows' sums of squares as (P, B) fp32 partial sums, written by the product that added to
-        the residual stream last. qk: Qwen3's per-head q/k norms (torch's ops between the q/k/v product and
-        the attention kernel) or None; post is always None here (`StaticDecoder.fused_norms_reason`).
-        Returns (x, d) for the next layer."""
-        B, lin, dec = x.shape[0], self.linear, self.dec
-        qkv = lin(x, proj.qkv_w, norm=ln1, eps=eps1, bias=proj.qkv_b, sumsq=d)
-        if qk is not None:
-            dec.qk_norm(qkv, qk)
-        o = self.attend(qkv, kv, cos, sin, start, col)
+        the residual stream last. Qwen3's per-head q/k norms, where `step.norms` has them, run as torch's ops
+        between the q/k/v product and the attention kernel; there are no post norms here
+        (`StaticDecoder.fused_norms_reason`). Returns (x, d) for the next layer."""
+        B, lin, dec, proj, n = x.shape[0], self.linear, self.dec, step.proj, step.norms
+        qkv = lin(x, proj.qkv_w, norm=n.ln1, eps=n.eps1, bias=proj.qkv_b, sumsq=d)
+        if n.qk is not None:
+            dec.qk_norm(qkv, n.qk)
+        o = self.attend(qkv, step)
         x, ss = lin(o.view(B, dec.q_width), proj.o_w, bias=proj.o_b, residual=x, return_sumsq=True)
-        h = lin(x, proj.gu_w, norm=ln2, eps=eps2, bias=proj.gu_b, glu=True, sumsq=ss)
+        h = lin(x, proj.gu_w, norm=n.ln2, eps=n.eps2, bias=proj.gu_b, glu=True, sumsq=ss)
         return lin(h, proj.down_w, bias=proj.down_b, residual=x, return_sumsq=True)
 
     def last(self, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

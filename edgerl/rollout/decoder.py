@@ -11,8 +11,8 @@ A layer's projections go through a small object (`projections.py`): fused q/k/v 
 matmuls over plain weights, or the modules themselves (LoRA adapters, quantized layers). The decode
 step's layers run through a backend (`plan.decode_backend`), one file each beside this one:
 `decode_torch.py` (torch's ops), `decode_triton_attention.py`, `decode_triton_layers.py` and
-`decode_cuda_c.py`; backend `x-y` lives in `decode_x_y.py` and is its `Backend` class. The prefill is
-the same torch code for all of them.
+`decode_cuda_c.py`, named in decode_backends.py's `DECODE_BACKENDS`; what a backend is handed and provides is
+decode_step.py's `LayerStep` and `DecodeBackend`. The prefill is the same torch code for all of them.
 
 A decode step for a few rows is bound by the number of kernels, not by the weight reads, so the
 step avoids kernels that do no arithmetic HF would not do: rotary on q and k in one pass with the
@@ -25,57 +25,14 @@ sits at column `start[b]`, and its position ids count from there (`column - star
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 
 from .arch import UnsupportedModel, check_supported, describe
+from .decode_step import BackendClass, DecodeKernelUnavailable, LayerStep, sdpa
 from .projections import make_projections
 
-_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-_SDPA_GQA = _TORCH >= (2, 5)  # `enable_gqa=` of scaled_dot_product_attention
-
-
-def sdpa(q, k, v, mask, scale, gqa: bool):
-    """scaled_dot_product_attention with a mask; on CUDA on the memory-efficient or math backend only,
-    the kernels every dtype was checked on against HF's forward (bench/bench_rollout.py). (A bf16
-    mismatch once blamed on the backend choice was the rotary frequencies: see `model_inv_freq`.)"""
-    if q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa) if _SDPA_GQA \
-            else F.scaled_dot_product_attention(q, _repeat(k, q, gqa), _repeat(v, q, gqa), attn_mask=mask, scale=scale)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, _repeat(k, q, gqa), _repeat(v, q, gqa), attn_mask=mask, scale=scale)
-
-
-def _repeat(kv: torch.Tensor, q: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """K or V (B, KVH, S, D) repeated to q's heads (B, H, ., D): HF's repeat_kv."""
-    return kv.repeat_interleave(q.shape[1] // kv.shape[1], 1) if gqa and q.shape[1] != kv.shape[1] else kv
-
-
-class DecodeKernelUnavailable(ValueError):
-    """The decode backend asked for cannot run here (the message says why)."""
-
-
-def backend_class(name: str) -> type:
-    """The `Backend` class of decode backend `name` (`decode_<name with - as _>.py` beside this file).
-
-    A backend is built with the decoder (`Backend(dec)`, raising DecodeKernelUnavailable where it cannot
-    run) and runs one decode step's layers: `mask(first, col)` what the layers read to hide the columns a
-    row does not see, given each row's first visible column (B,) (an additive mask, or those columns for a
-    kernel that bounds its reads); `first(x)` -> (x, d) from the embedded tokens x (B, hidden); `layer(x, d,
-    proj, ln1, eps1, ln2, eps2, kv, cos, sin, mask, col, qk, post)` -> (x, d) for each layer (kv its cache
-    (2, B, KVH, S, D), cos and sin (B, 1, D); qk the layer's q/k norms and post its post-attention and
-    post-MLP norms, each None where the architecture has none: `arch.Layer`); `last(x, d)` the residual
-    stream the final norm reads. d is what a layer hands the next one (the MLP output not yet added, or
-    the rows' sums of squares). `name` and `note` describe it. A backend whose kernels cannot compute an
-    architecture's step raises DecodeKernelUnavailable naming it (the plan does not pick it there)."""
-    try:
-        module = importlib.import_module(f"{__package__}.decode_{name.replace('-', '_')}")
-    except ModuleNotFoundError:
-        raise ValueError(f"no decode backend {name!r} (edgerl/rollout/decode_{name.replace('-', '_')}.py)") from None
-    return module.Backend
+__all__ = ["StaticDecoder", "DecodeKernelUnavailable", "sdpa", "UnsupportedModel"]
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -91,15 +48,14 @@ class StaticDecoder:
     D head dim, N = (heads + 2 KVH) D the width of the q/k/v projection.
 
     projections: 'auto' (fused where every projection is a plain nn.Linear), 'fused' or 'modules'
-    (see `projections.py`). backend: the decode step's layers (`plan.decode_backend`): 'torch',
-    'triton-attention', 'triton-layers' or 'cuda-c' (`backend_class`); it raises
-    DecodeKernelUnavailable, saying why, where it cannot run."""
+    (see `projections.py`). backend: the class of the decode step's layers (decode_backends.DECODE_BACKENDS
+    holds one per value of `plan.decode_backend`), built on this decoder; it raises DecodeKernelUnavailable,
+    saying why, where it cannot run."""
 
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
-                 projections: str = "auto", backend: str = "torch") -> None:
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *, backend: BackendClass,
+                 projections: str = "auto") -> None:
         model = _unwrap(model)
         check_supported(model)
-        cls = backend_class(backend)
         cfg = model.config
         self.model = model
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
@@ -124,16 +80,13 @@ class StaticDecoder:
         self.embed, self.final_norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
         self.arch = describe(model, self.head_dim)
         self.norm = self.arch.norm   # the model's RMS norm (llama's, or Gemma's (1 + weight) form)
-        # per layer: (attention-input norm, eps, MLP-input norm, eps) and (q/k norms, post norms) or None each
-        self.norms = [(lay.ln1, lay.eps1, lay.ln2, lay.eps2) for lay in self.arch.layers]
-        self.extras = [(lay.qk, lay.post) for lay in self.arch.layers]
         self.proj, self.proj_note = make_projections(layers, projections)
         emb = self.embed.weight
         self.device, self.dtype = emb.device, emb.dtype
         self.ropes = [self._rope_table(inv, scale) for inv, scale in self.arch.ropes]   # [(cos, sin)] per table
         self.cols = torch.arange(self.cache_len, device=self.device)       # (S,)
         self.cache: torch.Tensor | None = None
-        self.backend = cls(self)
+        self.backend = backend(self)
 
     def _rope_table(self, inv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (max_seq_len, D) in the compute dtype: the same elementwise fp32 ops as the HF rotary
@@ -242,12 +195,10 @@ class StaticDecoder:
         for w in self.arch.windows:
             masks[w] = (allowed & ((cols[:, None] - cols[None, :] < w)[None] | own))[:, None]
         x = self.embed(ids)
-        for i, proj in enumerate(self.proj):
-            ln1, eps1, ln2, eps2 = self.norms[i]
-            (qk, post), lay = self.extras[i], self.arch.layers[i]
-            qkv = proj.qkv(self.norm(x, ln1, eps1))                              # (B, W, N)
-            if qk is not None:
-                self.qk_norm(qkv, qk)
+        for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
+            qkv = proj.qkv(self.norm(x, lay.ln1, lay.eps1))                      # (B, W, N)
+            if lay.qk is not None:
+                self.qk_norm(qkv, lay.qk)
             self.rotate(qkv, *tables[lay.rope])
             q = qkv[..., :self.q_width].view(B, W, H, D).transpose(1, 2)         # (B, H, W, D)
             kvn = qkv[..., self.q_width:].view(B, W, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, W, D)
@@ -255,9 +206,9 @@ class StaticDecoder:
             k, v = kvn[0], kvn[1]
             o = sdpa(q, k, v, masks[lay.window], self.scaling, self.group > 1)
             a = proj.o(o.transpose(1, 2).reshape(B, W, -1))
-            x = x + (a if post is None else self.norm(a, post[0], post[2]))
-            m = self._mlp_in(x, proj, ln2, eps2)
-            x = x + (m if post is None else self.norm(m, post[1], post[2]))
+            x = x + (a if lay.post is None else self.norm(a, lay.post[0], lay.post[2]))
+            m = self._mlp_in(x, proj, lay.ln2, lay.eps2)
+            x = x + (m if lay.post is None else self.norm(m, lay.post[1], lay.post[2]))
         return self._logits(x[:, -1])
 
     def extend(self, ids: torch.Tensor, start: torch.Tensor, col0: int, fresh: torch.Tensor) -> torch.Tensor:
@@ -281,12 +232,10 @@ class StaticDecoder:
             masks[w] = (allowed & ((cols[:, None] - keys[None, :] < w)[None] | own))[:, None]
         keep = fresh[None, :, None, :, None]                                      # (1, B, 1, M, 1)
         x = self.embed(ids)
-        for i, proj in enumerate(self.proj):
-            ln1, eps1, ln2, eps2 = self.norms[i]
-            (qk, post), lay = self.extras[i], self.arch.layers[i]
-            qkv = proj.qkv(self.norm(x, ln1, eps1))                              # (B, M, N)
-            if qk is not None:
-                self.qk_norm(qkv, qk)
+        for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
+            qkv = proj.qkv(self.norm(x, lay.ln1, lay.eps1))                      # (B, M, N)
+            if lay.qk is not None:
+                self.qk_norm(qkv, lay.qk)
             self.rotate(qkv, *tables[lay.rope])
             q = qkv[..., :self.q_width].view(B, M, H, D).transpose(1, 2)         # (B, H, M, D)
             kvn = qkv[..., self.q_width:].view(B, M, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, M, D)
@@ -295,9 +244,9 @@ class StaticDecoder:
             kv = self.cache[i, :, :B, :, :W]
             o = sdpa(q, kv[0], kv[1], masks[lay.window], self.scaling, self.group > 1)
             a = proj.o(o.transpose(1, 2).reshape(B, M, -1))
-            x = x + (a if post is None else self.norm(a, post[0], post[2]))
-            m = self._mlp_in(x, proj, ln2, eps2)
-            x = x + (m if post is None else self.norm(m, post[1], post[2]))
+            x = x + (a if lay.post is None else self.norm(a, lay.post[0], lay.post[2]))
+            m = self._mlp_in(x, proj, lay.ln2, lay.eps2)
+            x = x + (m if lay.post is None else self.norm(m, lay.post[1], lay.post[2]))
         return self._logits(x[:, -1])
 
     def move_columns(self, src: int, dst: int, first: int, n: int, to: int) -> None:
@@ -338,12 +287,11 @@ class StaticDecoder:
         tables = [(F.embedding(pos, c)[:, None], F.embedding(pos, s)[:, None]) for c, s in self.ropes]  # (B, 1, D)
         # what the layers read to hide the columns a row does not see: one per attention span, from each row's
         # first visible column (a sliding-window layer sees columns col - window + 1 .. col)
-        hide = {None: be.mask(start, col, S)}
+        hide = {None: be.hide(start, col, S)}
         for w in self.arch.windows:
-            hide[w] = be.mask(torch.maximum(start, col - (w - 1)), col, S)
+            hide[w] = be.hide(torch.maximum(start, col - (w - 1)), col, S)
         x, d = be.first(self.embed(tok))
-        for i, proj in enumerate(self.proj):
-            lay = self.arch.layers[i]
-            x, d = be.layer(x, d, proj, *self.norms[i], self.cache[i, :, :B, :, :S], *tables[lay.rope],
-                            hide[lay.window], col, *self.extras[i])
+        for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
+            x, d = be.layer(x, d, LayerStep(proj, lay, self.cache[i, :, :B, :, :S], *tables[lay.rope],
+                                            hide[lay.window], col))
         return self._logits(be.last(x, d))

@@ -28,6 +28,7 @@ from edgerl.core.errors import TrainingError
 from .base import ActorWeights, EngineContext, OwnWeights, RolloutBatch, SamplingParams, cut_at_eos, inference_copy
 from .base import load_weights
 from .arch import UnsupportedModel
+from .decode_backends import decode_backend
 from .decoder import DecodeKernelUnavailable, StaticDecoder
 from .sampling import sample
 from .static_mode import CHECK_EVERY, Mode as _Mode
@@ -102,8 +103,8 @@ class StaticCacheEngine:
     generated at once (the plan's rollout batch); max_seq_len: prompt + response tokens a row may
     reach. cuda_graphs: capture the decode step (CUDA only). projections: 'auto' | 'fused' | 'modules'
     (`projections.py`; 'fused' rebinds q/k/v and gate/up parameters as views of one fused weight
-    each). backend: the decode step's layers, `plan.decode_backend` ('torch', 'triton-attention',
-    'triton-layers', 'cuda-c'; decoder.py).
+    each). backend: the decode step's layers, `plan.decode_backend` (a name of decode_backends.DECODE_BACKENDS:
+    'torch', 'triton-attention', 'triton-layers', 'cuda-c').
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
     spans: where the backend reads a span of the cache (torch's ops), attend over the columns written so far,
     a span at a time (SPAN_MIN, SPANS); False: over the whole cache at every step.
@@ -124,7 +125,7 @@ class StaticCacheEngine:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
                              f"got max_batch={max_batch}, max_seq_len={max_seq_len}")
-        self.dec = StaticDecoder(model, max_batch, max_seq_len, projections=projections, backend=backend)
+        self.dec = StaticDecoder(model, max_batch, max_seq_len, projections=projections, backend=decode_backend(backend))
         self.device = self.dec.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}; "

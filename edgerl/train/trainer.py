@@ -130,8 +130,12 @@ class Trainer:
             actor=self._learner("actor", self.actor, t.lr),
             critic=self._learner("critic", self.critic, t.critic_lr) if self.critic is not None else None,
             loop=loop, lora=self.lora, meta={"config": to_dict(cfg), "plan": plan.decisions()})
-        # held-out prompts are no longer than data.max_prompt_len either: the plan's KV cache holds them
-        max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + cfg.rollout.cache_tokens()
+        # the tokens after a prompt are the plan's (plan.task.response_len: one response, or an episode's budget);
+        # the static engine's episodes hold one turn more (edgerl/rollout/turns_static.py). Held-out prompts are
+        # no longer than data.max_prompt_len either: the plan's KV cache holds them
+        self.response_len = plan.task.response_len
+        turn = cfg.rollout.max_new_tokens if cfg.rollout.episodes else 0
+        max_len = max(len(x.input_ids) for x in self.prompts + self.eval_prompts) + self.response_len + turn
         if plan.rollout_engine == "vllm" and self.rank == 0:
             own(self.run_dir, "rollout-model")   # vLLM loads the weights from a folder there
         self.engine = build_engine(plan, EngineContext(
@@ -146,7 +150,7 @@ class Trainer:
         eos = self.tokenizer.eos_token_id
         r = cfg.rollout
         self.sampling = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            max_new_tokens=self.response_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             eos_token_ids=(eos,) if (r.stop_at_eos and eos is not None) else (),
             pad_token_id=self.tokenizer.pad_token_id)
 
@@ -241,7 +245,7 @@ class Trainer:
             components["environment"] = env
             scores = [s + e for s, e in zip(scores, env)]
         if cfg.algo.overlong == "soft_penalty":
-            r = cfg.rollout.response_tokens()
+            r = self.response_len
             pen = overlong_penalty([len(x) for x in batch.response_ids], r, cfg.algo.overlong_buffer or max(1, r // 4),
                                    cfg.algo.overlong_penalty)
             components["overlong_penalty"] = pen
@@ -584,7 +588,7 @@ class Trainer:
                 write_oom(self.run_dir, record, self.rank)
             except OSError as write_error:   # the report must not hide the out-of-memory error itself
                 self.log(f"could not write oom.json: {write_error}")
-            fixes = next_moves(p, self.cfg.rollout.response_tokens())
+            fixes = next_moves(p, self.response_len)
             return TrainingError(oom_message(record, self.run_dir) + f". {saved}. Try {fixes[0]}"
                                  + (f" (next: {fixes[1]})" if len(fixes) > 1 else "")
                                  + (f", or raise plan.memory_gib={self.cfg.plan.memory_gib:g} (the allocator is capped "
