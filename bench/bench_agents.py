@@ -7,7 +7,8 @@ and vocabulary (edgerl's catalogue), with a few weights set so that sampling wri
 1 / (1 - think)), then a calculator call `<tool_call>{"name": "calculator", "arguments": {"expression":
 "D"}}</tool_call>` for a digit D, then the end of the turn. The steer sits in the embedding rows of those
 tokens, in one MLP unit per token of the last layer (a one-hot slot in, its successors' slot out) and in
-the output rows of the successors: the same parameter count, tied embeddings stay tied. The tokenizer is
+the output rows of the successors, and the random layers' output projections are scaled down (DAMP) so that
+their random writes do not drown the steered slots: the same parameter count, tied embeddings stay tied. The tokenizer is
 SmolLM2's with the three pieces added as tokens and, where TRL is installed, TRL's own Qwen3 chat template
 (so that TRL parses the calls with its Qwen3 schema), else a Qwen2.5-style one. The calculator is a
 stand-in too: it returns a text of `--result-tokens` words, so that episodes reach their budget.
@@ -55,6 +56,7 @@ QWEN25_LIKE = (  # Qwen2.5's tool turns (its tokenizer_config.json on the Huggin
     "{%- elif not (message.role == 'system' and loop.first) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+DAMP = 0.01   # the random layers' output projections are scaled by this (steer)
 TOOL = '''
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression.
@@ -77,10 +79,10 @@ def chat_template() -> tuple[str, str]:
 def steer(model, tok, think: float) -> dict[str, Any]:
     """Set the stand-in's scripted weights (the module docstring); returns what it set. Slot k of the hidden
     state is source token k itself (its embedding row); each set of successors has a slot of its own: MLP
-    unit k of the last layer reads slot k and writes its successors' slot ten times larger, and each
+    unit k of the last layer reads slot k and writes its successors' slot 30 times larger, and each
     successor's output row reads that slot. After the final norm the successors' slot is about sqrt(hidden),
-    the token's own a tenth of it: a successor's logit leads the token's own (a tied embedding reads its own
-    slot) by about 2 sqrt(hidden)."""
+    the token's own a thirtieth of it: a successor's logit (3 sqrt(hidden)) leads the token's own (a tied
+    embedding reads its own slot: 10 / 30 sqrt(hidden))."""
     import math
     import torch
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]   # noqa: E731
@@ -97,10 +99,15 @@ def steer(model, tok, think: float) -> dict[str, Any]:
     assert n + len(groups) <= h and n <= mlp.gate_proj.weight.shape[0], "the model is too narrow to steer"
     s = math.sqrt(h)
     alpha, beta = 10.0, 3.0
-    gate, down = 4.0 / s, 10.0 * alpha / (torch.nn.functional.silu(torch.tensor(4.0)).item() * s)
+    gate, down = 4.0 / s, 30.0 * alpha / (torch.nn.functional.silu(torch.tensor(4.0)).item() * s)
     slot = {src: k for k, src in enumerate(succ)}
     out_slot = {src: n + groups.index(tuple(succ[src])) for src in succ}
     with torch.no_grad():
+        # the random layers' writes into the residual stream, made small: through 28 random layers at their
+        # initial scale the stream grows to about 20 times the steered token's slot, which then no longer leads
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(DAMP)
+            layer.mlp.down_proj.weight.mul_(DAMP)
         for src, k in slot.items():
             emb[src] = 0
             emb[src, k] = alpha
@@ -156,10 +163,12 @@ def stand_in(spec, tokenizer: str, out: Path, smoke: bool, think: float) -> dict
     # the check: sampled turns of the stand-in call the calculator
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
                                      tokenize=False)
-    x = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
     torch.manual_seed(0)
-    gen = model.generate(x.repeat(4, 1), max_new_tokens=48, do_sample=True, top_k=0, temperature=1.0,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0)
+    gen = model.to(device).generate(x.repeat(4, 1), max_new_tokens=48 if smoke else 512, do_sample=True, top_k=0,
+                                    temperature=1.0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0)
+    model.cpu()
     texts = [tok.decode(g[x.shape[1]:], skip_special_tokens=False) for g in gen]
     info.update(template=template, check=texts, calls=sum(OPEN in t and CLOSE in t for t in texts))
     info_file.write_text(json.dumps(info))
