@@ -104,8 +104,8 @@ def test_gemma_refuses_the_decode_backends_that_fuse_llama_norms(backend):
     from edgerl.rollout.decoder import DecodeKernelUnavailable
     dec = engine(tiny_gemma3()).dec
     assert dec.arch.sandwich and dec.arch.windows == [6] and dec.arch.final_softcap == 3.0
-    with pytest.raises(DecodeKernelUnavailable, match=f"decode backend '{backend}' cannot run here: its kernels fuse "
-                       r"llama-style RMS norms, not Gemma3ForCausalLM's \(1 \+ weight\) norms"):
+    with pytest.raises(DecodeKernelUnavailable, match=f"decode backend '{backend}' cannot run here: gemma3_text's "
+                       r"\(1 \+ weight\) RMS norms around attention and the MLP are not the llama-style norms"):
         engine(tiny_gemma3(), backend=backend)
     qwen = engine(tiny_qwen3()).dec
     assert qwen.arch.qk_norm and not qwen.arch.sandwich and qwen.fused_norms_reason() == ""

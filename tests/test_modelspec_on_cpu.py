@@ -13,7 +13,8 @@ import torch
 
 from edgerl.core.errors import ModelError, ModelSpecError, PlanError
 from edgerl.device.device import GiB
-from edgerl.plan.decisions import LORA_TARGETS, lora_targets
+from edgerl.plan.archs import architecture
+from edgerl.plan.decisions import lora_targets
 from edgerl.plan.memory import Setting, estimate, kv_cache_bytes
 from edgerl.plan.modelspec import CATALOGUE, ModelSpec, from_hf_config, resolve
 from edgerl.plan.plan import Task, plan
@@ -87,7 +88,7 @@ def test_spec_counts_every_parameter_of_the_model_transformers_builds(kind, tmp_
     assert spec.fast_engine == (kind != "phi3")
     assert spec.lora_params(4, lora_targets(kind, None)) == 4 * sum(
         m.in_features + m.out_features for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS[kind])
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in architecture(kind).lora_targets)
 
 
 def test_any_decoder_config_is_read_with_its_own_key_names(tmp_path):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from edgerl.core.errors import ConfigError, ModelError
+from edgerl.plan.archs import ARCHITECTURES, Gguf, architecture
 
 # --quant -> (GGML type of the 2-D weights, llama.cpp's general.file_type)
 QUANTS = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
@@ -41,25 +42,18 @@ def check_quant(quant: str) -> str:
                       "llama.cpp's llama-quantize on the f16 file)")
 
 
-@dataclass(frozen=True)
-class Family:
-    arch: str                   # GGUF general.architecture
-    permute_qk: bool = False    # llama: HF's rotate-half rows to GGML's interleaved pairs
-    norm_plus_one: bool = False
-
-
-FAMILIES = {"LlamaForCausalLM": Family("llama", permute_qk=True), "MistralForCausalLM": Family("llama", permute_qk=True),
-            "Qwen2ForCausalLM": Family("qwen2"), "Qwen3ForCausalLM": Family("qwen3"),
-            "Gemma3ForCausalLM": Family("gemma3", norm_plus_one=True)}
+Family = Gguf   # how a model type is written (its row in plan/archs.py)
 
 
 def family_of(config: dict[str, Any], where: str) -> Family:
     archs = config.get("architectures") or []
     name = archs[0] if archs else config.get("model_type", "?")
-    if name not in FAMILIES:
-        raise ModelError(f"{where}: {name} cannot be written as GGUF by edgerl (it writes {', '.join(FAMILIES)}); "
+    row = architecture(str(config.get("model_type", "")))
+    if row.gguf is None or (archs and archs[0] != row.hf_class):
+        writes = ", ".join(a.hf_class for a in ARCHITECTURES.values() if a.gguf is not None)
+        raise ModelError(f"{where}: {name} cannot be written as GGUF by edgerl (it writes {writes}); "
                          "convert it with llama.cpp's convert_hf_to_gguf.py, or export --format hf")
-    return FAMILIES[name]
+    return row.gguf
 
 
 def permute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from edgerl.device.device import GiB, MiB, Device
+from edgerl.plan.archs import ARCHITECTURES, architecture, lora_defaults
 from edgerl.plan.dtypes import nbytes
 from edgerl.plan.fp16 import overflow
 from edgerl.core.errors import PlanError
@@ -57,22 +58,17 @@ BF16_MIXED = DtypePolicy("bf16-mixed", "fp32", "bf16", "fp32", False)
 BF16_PARAMS = DtypePolicy("bf16", "bf16", "bf16", "bf16", False)   # with the bf16 optimizers: no fp32 masters
 POLICIES = {"fp32": FP32, "fp16": FP16_MIXED, "bf16": BF16_MIXED}
 
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# All attention and MLP projections, not peft's q/v default: QLoRA (Dettmers et al., 2023) found adapters
-# on every linear layer of the block necessary to match full fine-tuning; at r=16 they stay ~1% of the base.
-LORA_TARGETS = {t: DEFAULT_LORA_TARGETS for t in ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma3")}
-LORA_TARGETS["phi3"] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # Phi-3 fuses q/k/v and gate/up
-
-
 def lora_targets(model_type: str, explicit: Optional[tuple[str, ...] | list[str]]) -> tuple[str, ...]:
-    """The modules LoRA adapts: `explicit`, else the architecture's attention and MLP projections."""
+    """The modules LoRA adapts: `explicit`, else the architecture's (plan/archs.py: its attention and MLP
+    projections)."""
     if explicit:
         return tuple(explicit)
-    if model_type not in LORA_TARGETS:
+    targets = architecture(model_type).lora_targets
+    if not targets:
         raise PlanError(f"LoRA has no default target modules for model_type {model_type!r} (defaults exist for "
-                        f"{', '.join(LORA_TARGETS)}); name its linear layers with lora.target_modules, e.g. "
+                        f"{', '.join(lora_defaults())}); name its linear layers with lora.target_modules, e.g. "
                         "--set 'lora.target_modules=[\"q_proj\", \"v_proj\"]'")
-    return LORA_TARGETS[model_type]
+    return targets
 
 
 # Measured fp16 matmul speed (fp16 inputs, fp32 accumulate, as torch runs it) over fp32 from which
@@ -327,7 +323,6 @@ def _asked(setting: str, forced: Optional[bool], impossible: str) -> Optional[tu
     return bool(forced), f"asked for with plan.{setting}={str(forced).lower()}"
 
 
-PACKED_TYPES = ("llama", "qwen2")   # decoders whose HF layers hand attention keywords on (tests/test_packing_on_cpu.py)
 # Below this width the packed attention's extra kernels cost more than the prompt tokens save (docs/benchmarks.md,
 # Shared prompts: slower at hidden 960, faster at 2048).
 PACK_MIN_HIDDEN = 2048
@@ -346,8 +341,9 @@ def share_blocker(attention: str, model: ModelSpec, forced: Optional[bool], task
     model and its decision both read this."""
     if attention != "sdpa":
         return f"attention {attention}: packing runs through SDPA"
-    if model.model_type not in PACKED_TYPES:
-        return f"{model.model_type} is not one of the checked decoders ({', '.join(PACKED_TYPES)})"
+    if not architecture(model.model_type).packed:   # its HF layers hand attention keywords on (plan/archs.py)
+        packed = [t for t, a in ARCHITECTURES.items() if a.packed]
+        return f"{model.model_type} is not one of the checked decoders ({', '.join(packed)})"
     if model.sliding_window:
         return "the model attends through a sliding window"
     if forced is False:

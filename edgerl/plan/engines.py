@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 from edgerl.core.errors import PlanError
 from edgerl.device.device import Device
 from edgerl.plan.decisions import QUANT_BASES, DtypePolicy, compute, fact
-from edgerl.plan.modelspec import FAST_TYPES, STATIC_ROPE, ModelSpec
+from edgerl.plan.archs import architecture, static_types
+from edgerl.plan.modelspec import STATIC_ROPE, ModelSpec
 
 if TYPE_CHECKING:
     from edgerl.plan.ctx import Ctx
@@ -83,12 +84,12 @@ def _vllm_asked(c: "Ctx") -> str:
 
 
 def static_engine_support(model: ModelSpec, max_len: int) -> tuple[bool, str]:
-    """Can edgerl's static-cache decoder (rollout/decoder.py) run this model? It implements the llama, qwen2,
-    mistral, qwen3 and gemma3_text forward (sliding-window layers included, rollout/arch.py) with rope tables
-    fixed at init (`modelspec.STATIC_ROPE`)."""
-    if not model.fast_engine:
+    """Can edgerl's static-cache decoder (rollout/decoder.py) run this model? It implements the architectures whose
+    row says `static` (plan/archs.py; sliding-window layers included, rollout/arch.py) with rope tables fixed at
+    init (`modelspec.STATIC_ROPE`). The decoder reads the same row when it loads the model."""
+    if not architecture(model.model_type).static:
         return False, (f"edgerl's static-cache decoder does not implement the {model.model_type} architecture "
-                       f"(it implements {', '.join(FAST_TYPES)}), so transformers' generate runs the rollout")
+                       f"(it implements {', '.join(static_types())}), so transformers' generate runs the rollout")
     if model.rope_type not in STATIC_ROPE:
         return False, (f"rope_type {model.rope_type!r} changes its frequencies with the sequence length; the static "
                        f"engine implements {', '.join(STATIC_ROPE)}")
@@ -187,12 +188,9 @@ def _triton_layers(c: "Ctx") -> str:
 
 
 def _fused_norms(c: "Ctx") -> str:
-    """Why layer kernels that fuse llama's RMS norms cannot compute this model's layers (the decoder says
-    the same of the loaded model: `StaticDecoder.fused_norms_reason`)."""
-    if c.model.sandwich_norms:
-        return (f"{c.model.model_type}'s (1 + weight) RMS norms around attention and the MLP are not the llama-style "
-                "norms the kernels fuse")
-    return ""
+    """Why layer kernels that fuse llama's RMS norms cannot compute this model's layers: its row's (plan/archs.py),
+    which the decoder reads for the loaded model too (`StaticDecoder.fused_norms_reason`)."""
+    return architecture(c.model.model_type).fused_norms_reason()
 
 
 def _cuda_c_refused(c: "Ctx") -> str:

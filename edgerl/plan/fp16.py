@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgerl.core.files import cache_root
+from edgerl.plan.archs import architecture
 
 FP16_MAX = 65504.0
 # A layer computes in fp16 only while its largest calibrated activation stays below fp16's maximum over
@@ -33,9 +34,6 @@ LIMIT = FP16_MAX / MARGIN
 CALIBRATION_PROMPTS = 8         # training prompts the calibration forward runs
 FORMAT_VERSION = 1              # bump when the record's fields change meaning: older cache files are ignored
 
-# Architectures whose released weights are known to overflow fp16 (docs/hardware.md, fp16 overflow): their
-# plans compute in fp32 on fp16 GPUs until a calibration of the model's own weights shows otherwise.
-KNOWN_OVERFLOW = {"gemma3": "Gemma 3", "gemma3_text": "Gemma 3", "gemma4": "Gemma 4", "gemma4_text": "Gemma 4"}
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 log = logging.getLogger(__name__)
 
@@ -105,7 +103,9 @@ def overflow(model_type: str, record: Optional[ActivationRecord], measured_only:
         more = f" ({len(over) - 1} more site(s) past it)" if len(over) > 1 else ""
         return (f"{p.describe()} reaches {p.value:.3g} in these weights (a calibration in fp32 on {record.prompts} "
                 f"training prompts), past fp16's safe range of {LIMIT:.0f} (its maximum {FP16_MAX:.0f} / {MARGIN:g}){more}")
-    family = KNOWN_OVERFLOW.get(model_type)
+    # architectures whose released weights are known to overflow fp16 (plan/archs.py's fp16_overflow; docs/hardware.md,
+    # fp16 overflow) compute in fp32 on fp16 GPUs until a calibration of the model's own weights shows otherwise
+    family = architecture(model_type).fp16_overflow
     if family is None or measured_only:
         return None
     return f"{family}'s activations are known to exceed fp16's maximum of {FP16_MAX:.0f}"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 from edgerl.core.errors import ModelSpecError
 from edgerl.core.hub import config_file, is_hub_id
+from edgerl.plan.archs import LAYOUTS, architecture
 from edgerl.plan.fp16 import ActivationRecord
 
 
@@ -40,13 +41,19 @@ class ModelSpec:
     sliding_window: Optional[int] = None   # set only where the model really uses windowed attention
     hidden_act: str = "silu"        # the MLP's activation (config.json's hidden_act)
     sliding_layers: int = 0         # layers that attend through the window (the others attend to every token)
-    qk_norm: bool = False           # an RMS norm on each query and key head (Qwen3, Gemma 3)
-    sandwich_norms: bool = False    # Gemma: (1 + weight) RMS norms, also after attention and after the MLP
-    mlp: str = "gated"              # "gated": down(act(gate(x)) * up(x)); "plain": down(act(up(x))) (GPT-NeoX)
+    # the architecture's (plan/archs.py) where None: q/k norms; Gemma's norms also after attention and the MLP;
+    # "gated": down(act(gate(x)) * up(x)), "plain": down(act(up(x))) (GPT-NeoX)
+    qk_norm: Optional[bool] = None
+    sandwich_norms: Optional[bool] = None
+    mlp: Optional[str] = None
     final_softcap: Optional[float] = None   # logits = cap * tanh(logits / cap) (Gemma's final_logit_softcapping)
     activations: Optional[ActivationRecord] = None   # the weights' calibrated largest activations (plan/fp16.py)
 
     def __post_init__(self) -> None:
+        arch = architecture(self.model_type)
+        for name, value in (("qk_norm", arch.qk_norm), ("sandwich_norms", arch.sandwich_norms), ("mlp", arch.mlp)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.sliding_window is not None and not self.sliding_layers:
             object.__setattr__(self, "sliding_layers", self.num_layers)   # a window on every layer (Mistral)
 
@@ -64,21 +71,13 @@ class ModelSpec:
 
     @property
     def fast_engine(self) -> bool:
-        """Whether edgerl's static-cache decoder implements this architecture (edgerl/rollout/decoder.py)."""
-        return self.model_type in FAST_TYPES
+        """Whether edgerl's static-cache decoder implements this architecture (plan/archs.py's `static`)."""
+        return architecture(self.model_type).static
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer of one decoder layer, by its HF module name."""
-        h, i = self.hidden_size, self.intermediate_size
-        if self.model_type == "gpt_neox":
-            return {"query_key_value": (h, self.q_dim + 2 * self.kv_dim), "dense": (self.q_dim, h),
-                    "dense_h_to_4h": (h, i), "dense_4h_to_h": (i, h)}
-        if self.model_type == "phi3":
-            return {"qkv_proj": (h, self.q_dim + 2 * self.kv_dim), "o_proj": (self.q_dim, h),
-                    "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
-        mlp = {"gate_proj": (h, i), "up_proj": (h, i)} if self.mlp == "gated" else {"up_proj": (h, i)}
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), **mlp, "down_proj": (i, h)}
+        layout = LAYOUTS[architecture(self.model_type).layout]
+        return layout(self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim, self.mlp == "gated")
 
     def layer_params(self) -> int:
         linear = sum(a * b for a, b in self.module_shapes().values())
@@ -139,18 +138,15 @@ CATALOGUE: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("qwen2.5-1.5b", "qwen2", 151936, 1536, 28, 12, 2, 8960, True, qkv_bias=True, max_position=32768),
     ModelSpec("qwen2.5-3b", "qwen2", 151936, 2048, 36, 16, 2, 11008, True, qkv_bias=True, max_position=32768),
     ModelSpec("qwen2.5-7b", "qwen2", 152064, 3584, 28, 28, 4, 18944, False, qkv_bias=True, max_position=32768),
-    ModelSpec("qwen3-0.6b", "qwen3", 151936, 1024, 28, 16, 8, 3072, True, head_dim=128, max_position=40960, qk_norm=True),
-    ModelSpec("qwen3-1.7b", "qwen3", 151936, 2048, 28, 16, 8, 6144, True, head_dim=128, max_position=40960, qk_norm=True),
-    ModelSpec("qwen3-4b", "qwen3", 151936, 2560, 36, 32, 8, 9728, True, head_dim=128, max_position=40960, qk_norm=True),
-    ModelSpec("qwen3-8b", "qwen3", 151936, 4096, 36, 32, 8, 12288, False, head_dim=128, max_position=40960,
-              qk_norm=True),
+    ModelSpec("qwen3-0.6b", "qwen3", 151936, 1024, 28, 16, 8, 3072, True, head_dim=128, max_position=40960),
+    ModelSpec("qwen3-1.7b", "qwen3", 151936, 2048, 28, 16, 8, 6144, True, head_dim=128, max_position=40960),
+    ModelSpec("qwen3-4b", "qwen3", 151936, 2560, 36, 32, 8, 9728, True, head_dim=128, max_position=40960),
+    ModelSpec("qwen3-8b", "qwen3", 151936, 4096, 36, 32, 8, 12288, False, head_dim=128, max_position=40960),
     # every 6th layer attends to all tokens, the others through the window (sliding_window_pattern 6)
     ModelSpec("gemma-3-1b", "gemma3_text", 262144, 1152, 26, 4, 1, 6912, True, head_dim=256, max_position=32768,
-              sliding_window=512, sliding_layers=22, hidden_act="gelu_pytorch_tanh", qk_norm=True,
-              sandwich_norms=True),
+              sliding_window=512, sliding_layers=22, hidden_act="gelu_pytorch_tanh"),
     ModelSpec("gemma-3-4b", "gemma3", 262208, 2560, 34, 8, 4, 10240, True, head_dim=256, max_position=131072,
-              rope_type="linear", sliding_window=1024, sliding_layers=29, hidden_act="gelu_pytorch_tanh",
-              qk_norm=True, sandwich_norms=True),
+              rope_type="linear", sliding_window=1024, sliding_layers=29, hidden_act="gelu_pytorch_tanh"),
     ModelSpec("llama-3.2-1b", "llama", 128256, 2048, 16, 32, 8, 8192, True, head_dim=64, max_position=131072, rope_type="llama3"),
     ModelSpec("llama-3.2-3b", "llama", 128256, 3072, 28, 24, 8, 8192, True, head_dim=128, max_position=131072, rope_type="llama3"),
     ModelSpec("llama-3.1-8b", "llama", 128256, 4096, 32, 32, 8, 14336, False, head_dim=128, max_position=131072, rope_type="llama3"),
@@ -190,14 +186,6 @@ HF_IDS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5
           "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B", "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
-# The architectures edgerl's static-cache rollout engine implements (edgerl/rollout/decoder.py); every other
-# decoder-only model transformers loads as a causal LM trains with transformers' generate for its rollouts.
-FAST_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
-# MLPs without a gate (down(act(up(x)))); any other architecture is counted with a gated one
-PLAIN_MLP = ("gpt_neox", "gpt2", "gptj", "gpt_neo", "opt", "falcon", "phi", "bloom", "mpt", "gpt_bigcode",
-             "starcoder2", "codegen")
-# How many consecutive layers hold one full-attention layer, where a config predates `layer_types`
-SLIDING_PATTERN = {"gemma3_text": 6, "gemma2": 2}
 # Config keys of the same quantity across architectures (GPT-2 and GPT-NeoX name them their own way)
 _KEYS = {"hidden": ("hidden_size", "n_embd", "d_model"), "layers": ("num_hidden_layers", "n_layer", "num_layers"),
          "heads": ("num_attention_heads", "n_head", "num_heads"),
@@ -237,7 +225,8 @@ def _window(text_cfg: dict[str, Any], layers: int) -> tuple[Optional[int], int]:
     types = text_cfg.get("layer_types") or []
     if types:
         n = sum(t == "sliding_attention" for t in types)
-    elif (pattern := text_cfg.get("sliding_window_pattern") or SLIDING_PATTERN.get(text_cfg.get("model_type"))):
+    elif (pattern := text_cfg.get("sliding_window_pattern")
+                     or architecture(str(text_cfg.get("model_type", ""))).sliding_pattern):
         n = sum(1 for i in range(layers) if (i + 1) % int(pattern))
     else:
         n = layers if text_cfg.get("use_sliding_window", True) else 0
@@ -297,18 +286,16 @@ def from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
         hidden, layers, heads = int(_get(text_cfg, "hidden")), int(_get(text_cfg, "layers")), int(_get(text_cfg, "heads"))
         window, sliding = _window(text_cfg, layers)
         kv = _get(text_cfg, "kv_heads") or (1 if text_cfg.get("multi_query") else heads)
-        gemma = model_type.startswith(("gemma2", "gemma3"))
+        arch = architecture(model_type)
         return ModelSpec(
             name=name, model_type=model_type, rope_type=_rope(text_cfg), sliding_window=window, sliding_layers=sliding,
             vocab_size=int(text_cfg["vocab_size"]), hidden_size=hidden, num_layers=layers, num_heads=heads,
             num_kv_heads=int(kv), intermediate_size=int(_get(text_cfg, "inter") or 4 * hidden),
             tie_embeddings=bool(text_cfg.get("tie_word_embeddings", False)),
             head_dim=int(text_cfg.get("head_dim") or 0),
-            qkv_bias=bool(text_cfg.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=bool(text_cfg.get("attention_bias", arch.qkv_bias)),
             max_position=int(_get(text_cfg, "positions", 4096)),
             hidden_act=str(_get(text_cfg, "act", "silu")), source=source,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"), sandwich_norms=gemma,
-            mlp="plain" if model_type in PLAIN_MLP else "gated",
             final_softcap=text_cfg.get("final_logit_softcapping"))
     except KeyError as e:
         raise ModelSpecError(f"{source}: config.json lacks {e.args[0]!r}; edgerl plans for decoder-only "

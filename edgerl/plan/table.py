@@ -81,7 +81,7 @@ def _lora_pin(v: Any) -> dict[str, Any]:
 def _lora_verl(p: Any) -> list[str]:
     if not p.lora:
         return []
-    from edgerl.plan.decisions import DEFAULT_LORA_TARGETS
+    from edgerl.plan.archs import DEFAULT_LORA_TARGETS
     targets = p.lora["targets"]
     return [f"actor_rollout_ref.model.lora_rank={p.lora['rank']}", f"actor_rollout_ref.model.lora_alpha={p.lora['alpha']:g}",
             "actor_rollout_ref.model.target_modules=" + ("all-linear" if tuple(targets) == DEFAULT_LORA_TARGETS  # the 7

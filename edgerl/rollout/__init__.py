@@ -19,7 +19,7 @@ from typing import Callable
 from . import engine_hf_generate, engine_static, engine_vllm
 from .base import (ActorWeights, EngineContext, OwnWeights, RolloutBatch, RolloutEngine, SamplingParams, cut_at_eos,
                    load_weights)
-from .arch import SUPPORTED, UnsupportedModel
+from .arch import UnsupportedModel
 from .engine_hf_generate import HFGenerateEngine
 from .engine_static import StaticCacheEngine
 from .engine_vllm import vllm_share
@@ -41,5 +41,5 @@ def build_engine(plan, ctx: EngineContext) -> RolloutEngine:
 
 
 __all__ = ["RolloutBatch", "RolloutEngine", "SamplingParams", "cut_at_eos", "HFGenerateEngine", "load_weights",
-           "StaticCacheEngine", "UnsupportedModel", "SUPPORTED", "EngineContext", "build_engine", "OwnWeights",
+           "StaticCacheEngine", "UnsupportedModel", "EngineContext", "build_engine", "OwnWeights",
            "ActorWeights", "vllm_share", "ENGINES"]

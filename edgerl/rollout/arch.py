@@ -1,4 +1,6 @@
-"""What the static decoder needs to know about an HF model's forward, read from the model itself.
+"""What the static decoder needs to know about an HF model's forward: its architecture's row (plan/archs.py,
+by config.json's model_type: whether the decoder runs it, the modules it reads, its norm, q/k norms and
+post-norms), and the rest read from the model itself (weights, windows, rotary tables, soft-capping).
 
 The decoder implements one layer shape, `x + attn(norm(x))` then `x + mlp(norm(x))` with rotary
 grouped-query attention, and these variations, each as `modeling_<arch>.py` computes it:
@@ -28,11 +30,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from edgerl.plan.archs import ARCHITECTURES, Architecture, architecture
 from edgerl.plan.modelspec import STATIC_ROPE
-
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
-GEMMA = ("Gemma3ForCausalLM",)
-QK_NORM = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
 
 
 class UnsupportedModel(ValueError):
@@ -54,6 +53,9 @@ def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return (out * (1.0 + weight.float())).type_as(x)
 
 
+NORMS = {"rms": rms_norm, "gemma": gemma_norm}   # plan/archs.py's `norm`
+
+
 @dataclass
 class Layer:
     """One decoder layer's norms and attention variant. ln1 normalises the attention's input and ln2 the
@@ -73,6 +75,7 @@ class Layer:
 class Arch:
     """The model's variant of the layer shape (see the module docstring), read by `describe`."""
     name: str
+    row: Architecture                         # its architecture's row (plan/archs.py)
     norm: Callable
     layers: list[Layer]
     ropes: list[tuple[torch.Tensor, float]]   # (inverse frequencies fp32 on the CPU, cos/sin scale) per table
@@ -109,20 +112,17 @@ def layer_windows(config, n: int) -> list[Optional[int]]:
     return [int(window) if getattr(config, "use_sliding_window", True) else None] * n
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Raise UnsupportedModel naming what is wrong and what is supported."""
+def check_supported(model: torch.nn.Module) -> Architecture:
+    """The model's architecture row where the static decoder runs it (the row's `static`, as the plan read it,
+    and the class the row names); else raise UnsupportedModel naming what is wrong and what is supported."""
     arch = type(model).__name__
-    if arch not in SUPPORTED:
+    row = architecture(str(getattr(model.config, "model_type", "")))
+    if not row.static or arch != row.hf_class:
+        supported = ", ".join(a.hf_class for a in ARCHITECTURES.values() if a.static)
         raise UnsupportedModel(f"{arch} is not an architecture the static engine implements "
-                               f"(supported: {', '.join(SUPPORTED)} and fine-tunes of them such as SmolLM2)")
-    need = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
-    if arch in QK_NORM:
-        need += ["self_attn.q_norm", "self_attn.k_norm"]
-    if arch in GEMMA:
-        need += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+                               f"(supported: {supported} and fine-tunes of them such as SmolLM2)")
     for i, layer in enumerate(model.model.layers):
-        for path in need:
+        for path in row.layer_modules():
             obj = layer
             for part in path.split("."):
                 obj = getattr(obj, part, None)
@@ -134,6 +134,7 @@ def check_supported(model: torch.nn.Module) -> None:
         raise UnsupportedModel(f"{arch} has pretraining_tp={cfg.pretraining_tp}; only 1 is implemented")
     if getattr(cfg, "use_bidirectional_attention", False):
         raise UnsupportedModel(f"{arch} with use_bidirectional_attention: the static engine decodes causally")
+    return row
 
 
 def rope_parameters(config, layer_type: Optional[str] = None) -> tuple[str, dict]:
@@ -197,10 +198,10 @@ def model_inv_freq(model: torch.nn.Module, head_dim: int, layer_type: Optional[s
 
 
 def describe(model: torch.nn.Module, head_dim: int) -> Arch:
-    """The model's layers as the decoder runs them (call `check_supported` first)."""
+    """The model's layers as the decoder runs them (`check_supported` first: it returns the row read here)."""
     name = type(model).__name__
     cfg, layers = model.config, model.model.layers
-    gemma = name in GEMMA
+    row = architecture(str(getattr(cfg, "model_type", "")))
     n = len(layers)
     types, windows = layer_types(cfg, n), layer_windows(cfg, n)
     kinds = sorted(set(types)) if per_type_rope(cfg) else [None]
@@ -208,15 +209,15 @@ def describe(model: torch.nn.Module, head_dim: int) -> Arch:
     out = []
     for i, layer in enumerate(layers):
         ln1, eps1 = _weight(layer.input_layernorm)
-        ln2, eps2 = _weight(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
+        ln2, eps2 = _weight(layer.pre_feedforward_layernorm if row.sandwich_norms else layer.post_attention_layernorm)
         qk = post = None
-        if name in QK_NORM:
+        if row.qk_norm:
             (qw, qe), (kw, _) = _weight(layer.self_attn.q_norm), _weight(layer.self_attn.k_norm)
             qk = (qw, kw, qe)
-        if gemma:
+        if row.sandwich_norms:
             (pa, pe), (pf, _) = _weight(layer.post_attention_layernorm), _weight(layer.post_feedforward_layernorm)
             post = (pa, pf, pe)
         rope = kinds.index(types[i]) if kinds != [None] else 0
         out.append(Layer(ln1, eps1, ln2, eps2, qk, post, windows[i], rope))
     cap = getattr(cfg, "final_logit_softcapping", None)
-    return Arch(name, gemma_norm if gemma else rms_norm, out, ropes, float(cap) if cap else None, gemma)
+    return Arch(name, row, NORMS[row.norm], out, ropes, float(cap) if cap else None, row.sandwich_norms)

@@ -140,11 +140,8 @@ class StaticDecoder:
 
     def fused_norms_reason(self) -> str:
         """Why layer kernels that fuse llama's RMS norms (triton-layers, cuda-c) cannot run this model's
-        layers, or "" (the plan reads the same fact from the config: `ModelSpec.sandwich_norms`)."""
-        if self.arch.sandwich:
-            return (f"its kernels fuse llama-style RMS norms, not {self.arch.name}'s (1 + weight) norms around "
-                    "attention and the MLP")
-        return ""
+        layers, or "": its architecture's row (plan/archs.py), which the plan reads too."""
+        return self.arch.row.fused_norms_reason()
 
     # ---- pieces of a layer the backends share --------------------------------------------------------------------------------
 

@@ -96,7 +96,8 @@ def _engine(plan, model: torch.nn.Module, max_seq_len: int, cuda: bool, **kw) ->
 
 
 class StaticCacheEngine:
-    """`RolloutEngine` over an HF model the static decoder implements (`arch.SUPPORTED`), plain or peft-wrapped.
+    """`RolloutEngine` over an HF model the static decoder implements (plan/archs.py's `static`), plain or
+    peft-wrapped.
 
     model: the engine's inference copy (compute dtype, on its device; weights are read in place, so
     never replace its parameters, only copy into them: `sync_weights` does). max_batch: rows

@@ -74,7 +74,7 @@ def save_small_model(spec: ModelSpec, folder: Path) -> Path:
                                head_dim=spec.hd, tie_word_embeddings=spec.tie_embeddings, hidden_act=spec.hidden_act,
                                max_position_embeddings=spec.max_position, initializer_range=0.05,
                                bos_token_id=1, eos_token_id=2, pad_token_id=0, use_sliding_window=False)
-    if spec.model_type == "llama":
+    if hasattr(cfg, "attention_bias"):   # where the architecture's config says it (its q/k/v biases)
         cfg.attention_bias = spec.qkv_bias
     g = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
