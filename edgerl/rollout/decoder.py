@@ -180,7 +180,6 @@ class StaticDecoder:
         B, W = ids.shape
         assert self.cache is not None and B <= self.max_batch and W <= self.max_seq_len
         dst = slice(0, B) if rows is None else rows
-        H, KVH, D = self.n_heads, self.n_kv, self.head_dim
         cols = self.cols[:W]
         pos = (cols[None, :] - start[:, None]).clamp(min=0)                     # (B, W)
         tables = [(F.embedding(pos, c)[:, :, None], F.embedding(pos, s)[:, :, None]) for c, s in self.ropes]
@@ -193,20 +192,29 @@ class StaticDecoder:
             masks[w] = (allowed & ((cols[:, None] - cols[None, :] < w)[None] | own))[:, None]
         x = self.embed(ids)
         for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
-            qkv = proj.qkv(self.norm(x, lay.ln1, lay.eps1))                      # (B, W, N)
-            if lay.qk is not None:
-                self.qk_norm(qkv, lay.qk)
-            self.rotate(qkv, *tables[lay.rope])
-            q = qkv[..., :self.q_width].view(B, W, H, D).transpose(1, 2)         # (B, H, W, D)
-            kvn = qkv[..., self.q_width:].view(B, W, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, W, D)
-            self.cache[i, :, dst, :, :W] = kvn
-            k, v = kvn[0], kvn[1]
-            o = sdpa(q, k, v, masks[lay.window], self.scaling, self.group > 1)
-            a = proj.o(o.transpose(1, 2).reshape(B, W, -1))
-            x = x + (a if lay.post is None else self.norm(a, lay.post[0], lay.post[2]))
-            m = self._mlp_in(x, proj, lay.ln2, lay.eps2)
-            x = x + (m if lay.post is None else self.norm(m, lay.post[1], lay.post[2]))
+            def cached(kvn, i=i):   # the prompt's K and V go to the cache; its queries attend to them
+                self.cache[i, :, dst, :, :W] = kvn
+                return kvn
+            x = self._eager_layer(x, proj, lay, tables, masks, cached)
         return self._logits(x[:, -1])
+
+    def _eager_layer(self, x: torch.Tensor, proj, lay, tables, masks, cached) -> torch.Tensor:
+        """One layer over M new columns of B rows (x: (B, M, hidden)), eagerly, for the prefill and `extend`:
+        `cached(kvn)` puts their K and V (2, B, KVH, M, D) in the cache and returns the K and V the new columns
+        attend over."""
+        B, M = x.shape[:2]
+        qkv = proj.qkv(self.norm(x, lay.ln1, lay.eps1))                          # (B, M, N)
+        if lay.qk is not None:
+            self.qk_norm(qkv, lay.qk)
+        self.rotate(qkv, *tables[lay.rope])
+        q = qkv[..., :self.q_width].view(B, M, self.n_heads, self.head_dim).transpose(1, 2)    # (B, H, M, D)
+        kvn = qkv[..., self.q_width:].view(B, M, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
+        kv = cached(kvn)
+        o = sdpa(q, kv[0], kv[1], masks[lay.window], self.scaling, self.group > 1)
+        a = proj.o(o.transpose(1, 2).reshape(B, M, -1))
+        x = x + (a if lay.post is None else self.norm(a, lay.post[0], lay.post[2]))
+        m = self._mlp_in(x, proj, lay.ln2, lay.eps2)
+        return x + (m if lay.post is None else self.norm(m, lay.post[1], lay.post[2]))
 
     def extend(self, ids: torch.Tensor, start: torch.Tensor, col0: int, fresh: torch.Tensor) -> torch.Tensor:
         """Append tokens to rows [0, B) of the cache: ids (B, M) go to columns [col0, col0 + M), where fresh
@@ -218,7 +226,6 @@ class StaticDecoder:
         B, M = ids.shape
         W = col0 + M
         assert self.cache is not None and B <= self.cache.shape[2] and W <= self.cache_len
-        H, KVH, D = self.n_heads, self.n_kv, self.head_dim
         cols, keys = self.cols[col0:W], self.cols[:W]
         pos = (cols[None, :] - start[:, None]).clamp(min=0)                     # (B, M)
         tables = [(F.embedding(pos, c)[:, :, None], F.embedding(pos, s)[:, :, None]) for c, s in self.ropes]
@@ -230,20 +237,11 @@ class StaticDecoder:
         keep = fresh[None, :, None, :, None]                                      # (1, B, 1, M, 1)
         x = self.embed(ids)
         for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
-            qkv = proj.qkv(self.norm(x, lay.ln1, lay.eps1))                      # (B, M, N)
-            if lay.qk is not None:
-                self.qk_norm(qkv, lay.qk)
-            self.rotate(qkv, *tables[lay.rope])
-            q = qkv[..., :self.q_width].view(B, M, H, D).transpose(1, 2)         # (B, H, M, D)
-            kvn = qkv[..., self.q_width:].view(B, M, 2, KVH, D).permute(2, 0, 3, 1, 4)   # (2, B, KVH, M, D)
-            window = self.cache[i, :, :B, :, col0:W]
-            window.copy_(torch.where(keep, kvn, window))
-            kv = self.cache[i, :, :B, :, :W]
-            o = sdpa(q, kv[0], kv[1], masks[lay.window], self.scaling, self.group > 1)
-            a = proj.o(o.transpose(1, 2).reshape(B, M, -1))
-            x = x + (a if lay.post is None else self.norm(a, lay.post[0], lay.post[2]))
-            m = self._mlp_in(x, proj, lay.ln2, lay.eps2)
-            x = x + (m if lay.post is None else self.norm(m, lay.post[1], lay.post[2]))
+            def cached(kvn, i=i):   # fresh columns written, the others kept; the new tokens attend to [0, W)
+                window = self.cache[i, :, :B, :, col0:W]
+                window.copy_(torch.where(keep, kvn, window))
+                return self.cache[i, :, :B, :, :W]
+            x = self._eager_layer(x, proj, lay, tables, masks, cached)
         return self._logits(x[:, -1])
 
     def move_columns(self, src: int, dst: int, first: int, n: int, to: int) -> None:
