@@ -94,10 +94,13 @@ def test_gguf_round_trips_through_transformers_and_gguf_reader(arch, tmp_path):
 @pytest.mark.parametrize("arch", ["gemma3"])
 def test_gguf_of_gemma3_loads_in_transformers(arch, tmp_path):
     """Gemma 3's norms (+1), checked exactly against the rounded HF model (Mistral is written as llama: the llama
-    round trip covers it; tests/test_export_llama_cpp_on_cpu.py runs it in llama.cpp)."""
+    round trip covers it; tests/test_export_llama_cpp_on_cpu.py runs it in llama.cpp). The heads are 256 wide,
+    as in Gemma 3 1B/4B/12B: transformers' GGUF loader reads no attention scale and takes Gemma 3's default
+    query_pre_attn_scalar (256), so a narrower head would load with another scale than llama.cpp runs it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from edgerl.export import export
-    model_dir = make_tiny_model(tmp_path / f"tiny-{arch[:2]}", arch=arch, initializer_range=0.1)
+    model_dir = make_tiny_model(tmp_path / f"tiny-{arch[:2]}", arch=arch, initializer_range=0.1,
+                                head_dim=256, query_pre_attn_scalar=256)
     out = export(str(model_dir), "gguf", ["f16"], tmp_path / "out", log=lambda s: None)
     ids = AutoTokenizer.from_pretrained(model_dir)(TEXTS[1], return_tensors="pt").input_ids
     got = _logits(AutoModelForCausalLM.from_pretrained(out, gguf_file=f"tiny-{arch[:2]}-f16.gguf",
