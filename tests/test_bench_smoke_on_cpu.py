@@ -503,6 +503,24 @@ def test_learning_summary_finds_when_each_tool_reaches_trls_final_accuracy(tmp_p
     assert "not reached" in b.table(b.summarise(worse))
 
 
+def test_learning_records_name_the_commit_and_whether_the_code_differed_from_it(tmp_path, monkeypatch):
+    """A result's commit is the code that ran: the checkout's HEAD, '+changes' when a tracked file was edited."""
+    import bench_learning as b
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.setattr(b.bl, "REPO", tmp_path)
+    (tmp_path / "untracked.json").write_text("{}")
+    assert b.commit() == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert b.commit() == head + "+changes"
+
+
 @pytest.mark.slow
 @needs_tokenizer
 def test_bench_learning_smoke_trains_both_tools_and_plots_them_side_by_side(tmp_path):
