@@ -192,3 +192,49 @@ def test_edgerl_eval_runs_the_same_episodes_greedily(tool_model):
         assert [m["role"] for m in s["conversation"]] == ["assistant", "tool", "assistant", "tool", "assistant"]
         digit = int(s["conversation"][0]["content"][len(OPEN)])
         assert s["turns"] == 3 and s["tool_calls"] == 2 and s["reward"] == pytest.approx(digit / 9)
+
+
+def _episode_stats_by_hand(episodes, infos) -> dict:
+    """The whole batch's episode statistics, one loop over every episode and every rank's report."""
+    n = len(episodes)
+    rewards = []
+    for e in episodes:
+        rewards.extend(e.turn_rewards)
+    out = {"rollout/turns_mean": sum(e.turns for e in episodes) / n,
+           "rollout/turns_max": max(e.turns for e in episodes),
+           "rollout/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+           "rollout/tool_errors": sum(e.tool_errors for e in episodes),
+           "rollout/tool_timeouts": sum(i["timeouts"] for i in infos),
+           "rollout/tool_restarts": sum(i["restarts"] for i in infos),
+           "rollout/model_tokens_mean": sum(e.model_tokens for e in episodes) / n,
+           "rollout/context_tokens_mean": sum(e.context_tokens for e in episodes) / n,
+           "rollout/tool_s": sum(i["seconds"] for i in infos),
+           "time/tool_wait_s": max(i["tool_wait_s"] for i in infos),
+           "rollout/rounds": max(i["rounds"] for i in infos), "rollout/extend_s": max(i["extend_s"] for i in infos),
+           "reward/turn_mean": sum(rewards) / len(rewards)}
+    for why in ("answer", "environment", "max_turns", "truncated", "budget"):
+        out[f"rollout/ended_{why}"] = sum(e.ended_by == why for e in episodes) / n
+    return out
+
+
+@pytest.mark.slow
+def test_episode_statistics_under_torchrun_are_the_whole_batchs(tmp_path):
+    """Two ranks holding different episodes (5 and 3) log what one loop over all 8 gives: means over every
+    episode, counts and tool seconds summed, the longest wait and turn loop of either rank."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    import two_ranks_episode_metrics as m
+    want = _episode_stats_by_hand([m.episode(i) for r in (0, 1) for i in m.EPISODES[r]], [m.INFO[0], m.INFO[1]])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(here / "two_ranks_episode_metrics.py"), str(tmp_path / "got.json")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads((tmp_path / "got.json").read_text())
+    assert got == pytest.approx(want)
+    alone = m.episode_metrics(m.batch(0))       # one process: its own episodes only
+    assert alone["rollout/turns_mean"] == pytest.approx(sum(1 + i % 4 for i in m.EPISODES[0]) / 5)
+    assert alone["rollout/tool_timeouts"] == 1 and got["rollout/tool_timeouts"] == 3

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -99,28 +99,48 @@ class EpisodeRollout:
         return batch
 
 
-def episode_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """This process's episode statistics (rollout/...): turns, tool calls and their errors and timeouts,
-    tokens by source, how episodes ended, the time spent waiting on tools."""
-    eps = batch.episodes or []
-    if not eps:
+ENDINGS = ("answer", "environment", "max_turns", "truncated", "budget")
+
+
+def episode_metrics(batch: RolloutBatch, sum_ranks: Optional[Callable[[list[float]], list[float]]] = None,
+                    max_ranks: Optional[Callable[[list[float]], list[float]]] = None) -> dict[str, float]:
+    """The step's episode statistics (rollout/...): turns, tool calls and their errors and timeouts, tokens by
+    source, how episodes ended, the time spent waiting on tools. Under torchrun `sum_ranks` and `max_ranks`
+    (element-wise over ranks; every rank calls both, in this order, whenever its batch has episodes) make
+    them the whole batch's: means over every rank's episodes, counts and tool seconds summed, the longest
+    episode, wait and turn loop of any rank."""
+    eps = batch.episodes
+    if eps is None:
         return {}
-    n, info = len(eps), batch.info
-    out = {"rollout/turns_mean": sum(e.turns for e in eps) / n, "rollout/turns_max": max(e.turns for e in eps),
-           "rollout/tool_calls_mean": sum(e.tool_calls for e in eps) / n,
-           "rollout/tool_errors": float(sum(e.tool_errors for e in eps)),
-           "rollout/tool_timeouts": float(info.get("timeouts", 0)), "rollout/tool_restarts": float(info.get("restarts", 0)),
-           "rollout/model_tokens_mean": sum(e.model_tokens for e in eps) / n,
-           "rollout/context_tokens_mean": sum(e.context_tokens for e in eps) / n,
-           "rollout/tool_s": float(info.get("seconds", 0.0)), "time/tool_wait_s": float(info.get("tool_wait_s", 0.0))}
-    for key in ("rounds", "extend_s"):   # the static engine's turn loop: rounds of turns, prefill of what follows
-        if key in info:
-            out[f"rollout/{key}"] = float(info[key])
-    for why in ("answer", "environment", "max_turns", "truncated", "budget"):
-        out[f"rollout/ended_{why}"] = sum(e.ended_by == why for e in eps) / n
+    info = batch.info
     rewards = [r for e in eps for r in e.turn_rewards]
-    if rewards:
-        out["reward/turn_mean"] = sum(rewards) / len(rewards)
+    sums = [float(len(eps)), sum(e.turns for e in eps), sum(e.tool_calls for e in eps),
+            sum(e.tool_errors for e in eps), info.get("timeouts", 0), info.get("restarts", 0),
+            sum(e.model_tokens for e in eps), sum(e.context_tokens for e in eps), info.get("seconds", 0.0),
+            sum(rewards), len(rewards), *(sum(e.ended_by == why for e in eps) for why in ENDINGS)]
+    # the static engine's turn loop (rounds of turns, prefill of what follows a turn); -1 where it did not run
+    maxes = [max((e.turns for e in eps), default=0), info.get("tool_wait_s", 0.0),
+             *(info.get(k, -1.0) for k in ("rounds", "extend_s"))]
+    sums = [float(v) for v in sums]
+    maxes = [float(v) for v in maxes]
+    if sum_ranks is not None:
+        sums = sum_ranks(sums)
+    if max_ranks is not None:
+        maxes = max_ranks(maxes)
+    n, turns, calls, errors, timeouts, restarts, model, context, tool_s, reward_sum, reward_n = sums[:11]
+    if not n:
+        return {}
+    out = {"rollout/turns_mean": turns / n, "rollout/turns_max": maxes[0], "rollout/tool_calls_mean": calls / n,
+           "rollout/tool_errors": errors, "rollout/tool_timeouts": timeouts, "rollout/tool_restarts": restarts,
+           "rollout/model_tokens_mean": model / n, "rollout/context_tokens_mean": context / n,
+           "rollout/tool_s": tool_s, "time/tool_wait_s": maxes[1]}
+    for key, value in zip(("rounds", "extend_s"), maxes[2:]):
+        if value >= 0:
+            out[f"rollout/{key}"] = value
+    for why, count in zip(ENDINGS, sums[11:]):
+        out[f"rollout/ended_{why}"] = count / n
+    if reward_n:
+        out["reward/turn_mean"] = reward_sum / reward_n
     return out
 
 

@@ -429,7 +429,8 @@ class Trainer:
         extra = {"actor/lr": self.state.actor.sched.get_last_lr()[0], "actor/kl_coef": kl_coef,
                  "train/bad_steps_in_a_row": lp.bad_in_a_row, "rollout/nonfinite_rows": nonfinite, **drew,
                  "batch/uniform_groups": ranks.sum_floats([float(sum(uniform_groups(scores, n)))], self.device)[0],
-                 **episode_metrics(batch)}
+                 **episode_metrics(batch, lambda v: ranks.sum_floats(v, self.device),
+                                   lambda v: ranks.max_floats(v, self.device))}
         self._samples = self._sample_rows(drawn)
         return step_metrics(batch, scores, components, {**stats, **extra}, times, time.perf_counter() - t0,
                             self.device, drawn.by_function)
