@@ -1,4 +1,4 @@
-"""The decode step's attention at long lengths, in fp32 or fp16 (--dtype): gpu_kernels/decode_cuda.py's
+"""The decode step's attention at long lengths, in fp32 or fp16 (--dtype): edgerl/kernels/decode_cuda.py's
 rope_attend, one block per row and KV head against split into slices of columns (split-K, merged by a second
 kernel), beside the `torch` decode backend's ops over the masked cache (fp32: baddbmm, softmax and bmm; fp16:
 SDPA, as a Volta or Turing plan decodes), and beside the layer's four matmuls at the same rows, so that the

@@ -2,7 +2,7 @@
 calls) against the same product with the operands swapped (W x^T, the result read transposed) and with
 the weight stored transposed, and split-K as a batched product with fp32 partials, each over as many weight copies as the model has layers (so L2 holds none),
 timed in a CUDA graph. Prints microseconds per call and the share of the bandwidth bound.
-`--triton` adds gpu_kernels/decode_linear.py's fused projections as the Triton decode layer calls them (q/k/v and
+`--triton` adds edgerl/kernels/decode_linear.py's fused projections as the Triton decode layer calls them (q/k/v and
 gate/up with the RMS norm as prologue, gate/up with SiLU * up as epilogue, o and down with the residual add)
 with their default tiles, and `--sweep` times a grid of tiles around them."""
 import argparse

@@ -1,5 +1,5 @@
 """One decode layer of the Triton layers at 16 rows in bf16 on the GPU: the five kernels (q/k/v, rotary
-attention, o, gate/up, down; gpu_kernels/decode_linear.py and decode_attention.py) over as many weight and cache
+attention, o, gate/up, down; edgerl/kernels/decode_linear.py and decode_attention.py) over as many weight and cache
 copies as the model has layers (so L2 holds none), timed in a CUDA graph, with each kernel's own GPU time
 from the profiler, and beside them the floor of five kernels that read and write one row each; with --sweep
 the rotary attention kernel alone at other column blocks, pipeline depths and warp counts; with --tiles-from

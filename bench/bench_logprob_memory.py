@@ -4,7 +4,7 @@ Pascal, Volta and Turing run), 16-bit inputs, with the LM head frozen (LoRA) and
     python bench/bench_logprob_memory.py [--tokens 1024] [--vocab 151936] [--hidden 2048] [--chunk 128]
         [--dtype bf16|fp16] [--tree CHECKOUT] [--out FILE]
 
---tree imports gpu_kernels from another checkout (e.g. `git worktree add /tmp/old REV`), to compare two
+--tree imports the kernels (edgerl/kernels/, or gpu_kernels/ in older checkouts) from another checkout (e.g. `git worktree add /tmp/old REV`), to compare two
 versions of the path in one way. Memory: on the CPU glibc's bytes in use (mallinfo2), read after every aten
 op, above what was in use before (the inputs); on a GPU torch.cuda.max_memory_allocated above the inputs.
 Gradients count in both (the second call of each measures them allocated anew: its first call's gradients
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    ap.add_argument("--tree", default=str(REPO), help="the checkout whose gpu_kernels to import")
+    ap.add_argument("--tree", default=str(REPO), help="the checkout whose kernels to import")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if min(args.tokens, args.vocab, args.hidden, args.chunk) < 1:
@@ -59,11 +59,18 @@ def main(argv=None) -> None:
     if args.out and not Path(args.out).parent.is_dir():
         ap.error(f"--out {args.out}: no folder {Path(args.out).parent} to write it in")
     tree = Path(args.tree)
-    if not (tree / "gpu_kernels" / "logprobs.py").is_file():
-        ap.error(f"--tree {tree}: no gpu_kernels/logprobs.py there")
-    sys.path.insert(0, str(tree))
+    kernels = next((d for d in (tree / "edgerl" / "kernels", tree / "gpu_kernels") if (d / "logprobs.py").is_file()), None)
+    if kernels is None:
+        ap.error(f"--tree {tree}: no edgerl/kernels/logprobs.py there")
+    import importlib.util
     import torch
-    from gpu_kernels.logprobs import token_logprobs_and_entropy
+    # the checkout's kernels under a name of their own, beside (not instead of) the installed edgerl
+    spec = importlib.util.spec_from_file_location("tree_kernels", kernels / "__init__.py",
+                                                  submodule_search_locations=[str(kernels)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tree_kernels"] = module
+    spec.loader.exec_module(module)
+    token_logprobs_and_entropy = module.token_logprobs_and_entropy
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)

@@ -49,9 +49,9 @@ from edgerl.core.files import write_atomically  # noqa: E402
 
 try:
     from edgerl.kernels import choose_tiles, make_tiles, naive_logprobs_and_entropy, token_logprobs_and_entropy
-except ImportError:  # a checkout that is not pip-installed (the GPU machine): load gpu_kernels/ by path
+except ImportError:  # a checkout that is not pip-installed (the GPU machine): load edgerl/kernels/ by path
     import importlib.util
-    _dir = Path(__file__).resolve().parents[1] / "gpu_kernels"
+    _dir = Path(__file__).resolve().parents[1] / "edgerl" / "kernels"
     _spec = importlib.util.spec_from_file_location("edgerl_kernels", _dir / "__init__.py",
                                                    submodule_search_locations=[str(_dir)])
     _mod = importlib.util.module_from_spec(_spec)

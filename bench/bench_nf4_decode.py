@@ -13,7 +13,7 @@ P40 plan runs). It reports, per layer of one decode step of `--rows` rows:
   (`edgerl.models.quant_decode`), its agreement with bitsandbytes, and both timed inside CUDA graphs over
   `--row-sweep` rows on four projections;
 - with `--cuda-layer` (default on, fp32 and fp16): the fused-kernel step again with decode backend `cuda-c` (the
-  layer kernels of `gpu_kernels/decode_cuda.py`) against torch's ops, its greedy tokens against theirs (in fp16
+  layer kernels of `edgerl/kernels/decode_cuda.py`) against torch's ops, its greedy tokens against theirs (in fp16
   what `plan.decode_backend=cuda-c` runs on a T4 or V100 plan).
 
     python bench/bench_nf4_decode.py [--shape qwen7b] [--layers 4] [--rows 16] [--compute fp32] [--out F]
@@ -235,7 +235,7 @@ def main(argv=None) -> int:
         fused["row_sweep"] = row_sweep(model, args, compute)
         result["fused_kernel"] = fused
         del fengine
-        if args.compute in ("fp32", "fp16") and args.cuda_layer == "on":   # gpu_kernels/decode_cuda.py
+        if args.compute in ("fp32", "fp16") and args.cuda_layer == "on":   # edgerl/kernels/decode_cuda.py
             layer = engine_step(model, args, ids, params, "cuda-c")
             lengine, ltokens = layer.pop("engine"), layer.pop("tokens")
             layer["greedy_tokens_equal_share_vs_bmm"] = equal_share(ftokens, ltokens)

@@ -13,7 +13,7 @@ catalogue, vocabulary 49152), `prompts x samples` rows, greedy, `--new-tokens` t
     graph_torch_whole         graph_torch over the whole cache at every step (one graph)
     graph_triton_attention    decode backend triton-attention: edgerl's rotary decode-attention kernel (only
                               the columns each row sees) between torch's projections (16 bits, CC >= 8.0)
-    graph_triton_layers       decode backend triton-layers: that kernel between gpu_kernels/decode_linear.py's
+    graph_triton_layers       decode backend triton-layers: that kernel between edgerl/kernels/decode_linear.py's
                               projections (the norms, SiLU * up and residual adds inside them), the plan's
                               choice in 16 bits
     graph_cuda_c              decode backend cuda-c: the CUDA C layer kernels (the plan's choice in fp32, and in
@@ -333,7 +333,7 @@ def check(args, rec, model, ids, toks, outputs, key, dt) -> None:
 
 def table(results, note: str) -> str:
     lines = [note, "", "| model | dtype | variant | ms/step | decode tok/s | of bound | of datasheet bound "
-             "| gpu_kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync "
+             "| edgerl/kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync "
              "| checks |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:

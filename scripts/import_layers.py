@@ -4,8 +4,8 @@ imports), and any import circle between files.
 
     python scripts/import_layers.py          # the layer line of docs/design.md, then any circle
 
-A part is one subpackage of edgerl (`edgerl/plan/`), one of its top-level modules (`edgerl/algos.py`), or an
-installed folder (`gpu_kernels/` as `kernels`, `cli/`). tests/test_docs_agree_on_cpu.py checks design.md's line
+A part is one subpackage of edgerl (`edgerl/plan/`, `edgerl/kernels/` as `kernels`) or one of its top-level
+modules (`edgerl/algos.py`). tests/test_docs_agree_on_cpu.py checks design.md's line
 against it and that there are no circles.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # folder -> the module name it is installed as
-INSTALLED = {"edgerl": "edgerl", "gpu_kernels": "edgerl.kernels", "cli": "edgerl.cli"}
+INSTALLED = {"edgerl": "edgerl"}
 
 
 def _modules() -> dict[str, Path]:

@@ -1,7 +1,7 @@
 """bf16 AdamW (edgerl/adamw_bf16.py) against slow references: the rounding bit by bit, one step
 against the formula in float64, 2000 steps against fp32 AdamW (where torch's AdamW on bf16
 parameters stalls), FSDP2 shards, DCP state dicts and offloaded state in one gloo process, and
-uneven shards in two (torchrun). The fused Triton step (gpu_kernels/_triton_adamw.py) runs the same
+uneven shards in two (torchrun). The fused Triton step (edgerl/kernels/_triton_adamw.py) runs the same
 checks in Triton's CPU interpreter: its cases (all named *fused*) run in a child pytest process
 started with TRITON_INTERPRET=1 by test_fused_cases_run_under_the_interpreter (the interpreter must
 be chosen before triton is first imported); in the parent they skip with that reason."""

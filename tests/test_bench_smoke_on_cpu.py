@@ -384,7 +384,7 @@ def test_logprob_memory_bench_measures_the_torch_path(tmp_path):
     assert rec["frozen"]["logp_sum"] == rec["trained"]["logp_sum"]
     bad = subprocess.run([sys.executable, str(BENCH / "bench_logprob_memory.py"), "--tree", str(tmp_path)],
                          capture_output=True, text=True, env=ENV, timeout=300)
-    assert bad.returncode == 2 and "no gpu_kernels/logprobs.py there" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "no edgerl/kernels/logprobs.py there" in bad.stderr and "Traceback" not in bad.stderr
     nowhere = subprocess.run([sys.executable, str(BENCH / "bench_logprob_memory.py"), "--out",
                               str(tmp_path / "none" / "lp.json")], capture_output=True, text=True, env=ENV, timeout=300)
     assert nowhere.returncode == 2 and "no folder" in nowhere.stderr and "Traceback" not in nowhere.stderr

@@ -1,4 +1,4 @@
-"""The decode-step attention kernel (gpu_kernels/decode_attention.py) in Triton's CPU interpreter, against
+"""The decode-step attention kernel (edgerl/kernels/decode_attention.py) in Triton's CPU interpreter, against
 a float64 reference, and the static engine running it (decode backend triton-attention) against its
 torch backend. The cases run in a child
 process with TRITON_INTERPRET=1 (see conftest.run_cases_under_triton_interpreter); the same kernel on

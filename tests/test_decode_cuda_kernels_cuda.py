@@ -1,4 +1,4 @@
-"""The decode-layer kernels (gpu_kernels/decode_cuda.py, NVRTC) in fp32 and fp16 against float64 references, and
+"""The decode-layer kernels (edgerl/kernels/decode_cuda.py, NVRTC) in fp32 and fp16 against float64 references, and
 the static engine through them against HF and against its own torch path, on a CUDA GPU."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The decode-layer kernels' references (gpu_kernels/decode_cuda.py) against the rollout tests' own float64
+"""The decode-layer kernels' references (edgerl/kernels/decode_cuda.py) against the rollout tests' own float64
 attention and rotary helpers, and the decoder's 'cuda' layer wired to those references against its bmm
 layer, on the CPU (the kernels themselves need CUDA: tests/test_decode_cuda_kernels_cuda.py)."""
 

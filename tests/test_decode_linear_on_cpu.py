@@ -1,4 +1,4 @@
-"""The decode step's projection kernel (gpu_kernels/decode_linear.py) in Triton's CPU interpreter, against
+"""The decode step's projection kernel (edgerl/kernels/decode_linear.py) in Triton's CPU interpreter, against
 the torch ops it replaces (HF's RMS norm, F.linear, SiLU * up, the residual add), and the static engine
 running its Triton layer against its torch layer. The cases run in a child process with
 TRITON_INTERPRET=1 (see conftest.run_cases_under_triton_interpreter); the same kernel on a GPU:

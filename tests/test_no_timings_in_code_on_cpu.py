@@ -11,7 +11,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("edgerl", "gpu_kernels", "cli")
+PACKAGES = ("edgerl",)
 _NUM = r"\d+(?:\.\d+)?(?:\s*(?:-|to)\s*\d+(?:\.\d+)?)?"
 # A time (12.9 ms, 4.8 us, 0.95 s, 2.1 seconds; not a setting: "every 0.5 s", "a 30 s timeout"), a measured
 # speed-up (1.35x, 1.4-3.2x, 72x faster), a share of a measured step (13% of a decode step) or a figure said to

@@ -1,4 +1,4 @@
-"""edgerl's CUDA C kernels (gpu_kernels/decode_cuda.py, gpu_kernels/nf4.py) compiled with NVRTC for each GPU
+"""edgerl's CUDA C kernels (edgerl/kernels/decode_cuda.py, edgerl/kernels/nf4.py) compiled with NVRTC for each GPU
 architecture the plan may run them on, without a GPU: a source that does not compile for a card fails here, not
 at the start of a user's run. NVRTC is a library: a CUDA build of torch brings it; on a CPU build, the
 nvidia-cuda-nvrtc-cu12 wheel (scripts/setup.sh installs it when torch has no CUDA)."""

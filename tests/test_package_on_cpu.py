@@ -55,8 +55,10 @@ def test_no_test_reads_data_from_outside_the_repository():
 
 
 def test_every_subpackage_is_in_the_wheel():
-    """pyproject.toml lists the packages by name (three folders are mapped into edgerl): a new subpackage left out
-    of the list installs nowhere, and only an installed wheel would notice."""
+    """pyproject.toml lists the packages by name: a new subpackage left out of the list installs nowhere, and only
+    an installed wheel would notice. Each listed package is the folder its name spells from the clone's root, the
+    layout for which setuptools' editable install is a plain path entry (with folders mapped elsewhere it installs
+    an import hook and warns about it)."""
     try:
         import tomllib
     except ImportError:   # Python 3.10
@@ -66,3 +68,5 @@ def test_every_subpackage_is_in_the_wheel():
     found = {"edgerl." + ".".join(p.parent.relative_to(root / "edgerl").parts)
              for p in (root / "edgerl").rglob("__init__.py") if p.parent != root / "edgerl"} | {"edgerl"}
     assert found - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"
+    assert listed - found == set(), f"listed in pyproject.toml but not a folder under edgerl/: {sorted(listed - found)}"
+    assert tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"] == {"": "."}

@@ -1,4 +1,4 @@
-"""profiles/*.toml: memory as NVML reports it, names matched exactly, aliases that resolve, loud errors."""
+"""edgerl/profile_data/*.toml: memory as NVML reports it, names matched exactly, aliases that resolve, loud errors."""
 
 import dataclasses
 import importlib.resources

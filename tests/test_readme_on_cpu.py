@@ -11,7 +11,7 @@ DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").gl
 # What a clone of the repository cannot follow: files outside it, a reference document's section numbers
 # (renumbered as it grows). Cite docs/hardware.md or docs/benchmarks.md by heading instead.
 OUTSIDE = re.compile(r"shared/|hardware\.md §|§[0-9]|[Ss]ections? [0-9]+")
-CITING = ("edgerl", "gpu_kernels", "cli", "profiles", "bench")
+CITING = ("edgerl", "bench")
 
 
 def _block(text: str, name: str) -> str:

@@ -23,7 +23,7 @@ VOCAB = (49152, 151936)
 def test_tiles_module_imports_neither_torch_nor_triton():
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('tiles', {str(REPO / 'gpu_kernels' / 'tiles.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('tiles', {str(REPO / 'edgerl' / 'kernels' / 'tiles.py')!r})\n"
         "m = importlib.util.module_from_spec(spec); sys.modules['tiles'] = m; spec.loader.exec_module(m)\n"
         "m.choose_tiles(49152, 'bf16', 896, 151936)\n"
         "bad = [n for n in ('torch', 'triton') if n in sys.modules]\n"

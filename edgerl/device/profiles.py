@@ -1,4 +1,4 @@
-"""GPU profiles: data files (`profiles/*.toml`, installed as `edgerl.profile_data`) describing GPUs
+"""GPU profiles: data files (`edgerl/profile_data/*.toml`) describing GPUs
 you may not have, so that `recommend --gpu p40` and `train --profile p40` can plan for them.
 
 Each file holds the hardware facts with their sources in comments, plan overrides known to work

@@ -108,7 +108,7 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
 
 
 def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> Optional[Check]:
-    """Whether NVRTC compiles the decode-layer kernels (gpu_kernels/decode_cuda.py) this plan's rollout uses, in
+    """Whether NVRTC compiles the decode-layer kernels (edgerl/kernels/decode_cuda.py) this plan's rollout uses, in
     its compute dtype."""
     if plan is None or plan.decode_backend != "cuda-c" or not dev.is_cuda or simulated:
         return None

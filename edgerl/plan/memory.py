@@ -43,7 +43,7 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
                           the torch path with 16-bit inputs the backward's fp32 copy of them and the
                           gradient's cast back (N x h x (4 + b_c)); the head's own gradient (V x h x 4)
                           where the head trains. A 16-bit head is upcast a vocabulary tile at a time,
-                          within the chunk's logits (gpu_kernels/chunked.py), never whole
+                          within the chunk's logits (edgerl/kernels/chunked.py), never whole
     KV cache              sequences x ceil(L / 16) x 16 x 2 x layers x kv x b_c (episodes on the static engine:
                           L + one turn, the rows aligning at the longest), and the engine's
                           per-row token and log-prob buffers (12 bytes a column); where a layer attends

@@ -5,7 +5,7 @@ its memory time (bytes at the card's bandwidth), each divided by an efficiency: 
 edgerl's kernels reach in that phase, calibrated once on the GPUs edgerl has run on (`DECODE`, `MATMUL`,
 docs/benchmarks.md, Step time estimate), plus fixed per-step costs (kernel launches, the optimizer's
 pass over its state, PCIe transfers of offloaded state). The card's rates are its `edgerl doctor --bench`
-measurements when cached, else its datasheet rates (`profiles/*.toml`, docs/hardware.md, Datasheet
+measurements when cached, else its datasheet rates (`edgerl/profile_data/*.toml`, docs/hardware.md, Datasheet
 rates). Pure: it reads a `Plan` and touches no hardware.
 
 What it assumes, and `recommend` says: every response runs to `rollout.max_new_tokens` (EOS at random

@@ -1,7 +1,7 @@
 """Decode backend `cuda-c`: fp32 or fp16 decode layers through edgerl's CUDA C kernels (NVRTC), on any CUDA GPU.
 
 Pascal has no Triton and no torch.compile, and in fp32 a decode layer of torch's ops is about 18 small
-kernels besides its matmuls. `gpu_kernels/decode_cuda.py` does that work in three per layer: the residual
+kernels besides its matmuls. `edgerl/kernels/decode_cuda.py` does that work in three per layer: the residual
 add with the RMS norm, the rotary embedding with the cache write and attention over the columns each
 row sees, and SiLU * up. Over an NF4 base (QLoRA) the projections' matmuls of up to `NF4_DECODE_ROWS`
 rows also go through edgerl's fused NF4 kernel (`models/quant_decode.py`: it reads the 4-bit codes once,

@@ -1,6 +1,6 @@
 """Decode backend `triton-attention`: torch's projections around edgerl's rotary decode-attention kernel.
 
-`gpu_kernels/decode_attention.py`'s rotary kernel rotates q and k, writes the new cache column and attends
+`edgerl/kernels/decode_attention.py`'s rotary kernel rotates q and k, writes the new cache column and attends
 over only the columns each row sees (SDPA's kernels read every column of the static cache, masked), in
 one kernel per layer. The plan picks it in 16 bits from CC 8.0 with triton where the Triton layers
 cannot run: a quantized base, whose projections are bitsandbytes modules, or an MLP that is not SiLU.

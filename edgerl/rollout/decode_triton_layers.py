@@ -2,7 +2,7 @@
 
 The RMS norm fused into the q/k/v product, the rotary decode-attention kernel, the o product with the
 residual add, the norm fused into the gate/up product with SiLU(gate) * up as its epilogue, and the
-down product with the residual add (`gpu_kernels/decode_linear.py`), each rounded where HF's ops round.
+down product with the residual add (`edgerl/kernels/decode_linear.py`), each rounded where HF's ops round.
 The products that add to the residual stream also write the new rows' sums of squares, which the next
 norm reads instead of the rows. The plan picks it in 16 bits from CC 8.0 with triton, for fused
 projections and a SiLU MLP. It was the fastest 16-bit decode step measured, ahead of the torch.compile'd

@@ -34,7 +34,7 @@ local shard, and the state stays DTensor so DCP's full state dict gathers it as 
 Every state tensor is bf16, the parameter's dtype, which is also what Optimizer.load_state_dict
 casts floating-point state to (fp32 moments would come back from a checkpoint as bf16).
 
-On a CUDA device with triton the step is one fused kernel per parameter (gpu_kernels/_triton_adamw.py:
+On a CUDA device with triton the step is one fused kernel per parameter (edgerl/kernels/_triton_adamw.py:
 loads, fp32 arithmetic, Philox random bits and rounded stores in one pass, no temporaries). Elsewhere
 it is eager torch, which runs wherever torch does: it walks each local shard in chunks of CHUNK
 elements so its fp32 temporaries stay under WORKSPACE_BYTES however large the largest parameter is (a
@@ -192,7 +192,7 @@ class AdamWBF16(torch.optim.Optimizer):
     compensation buffer (kahan=True, 6 bytes of state per parameter) or stochastic rounding of the
     weights (kahan=False, 4 bytes). Steps FSDP2 DTensor parameters on their local shards.
 
-    fused: the step as one Triton kernel per parameter (gpu_kernels/_triton_adamw.py) instead of eager
+    fused: the step as one Triton kernel per parameter (edgerl/kernels/_triton_adamw.py) instead of eager
     chunks. None: fused for tensors on a CUDA device where triton imports, eager elsewhere; True: fused
     or an error saying why not (on the CPU only under TRITON_INTERPRET=1); False: eager.
     step_device: where shards held in host memory (FSDP2's parameter offload) are stepped. They are

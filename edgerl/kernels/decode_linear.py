@@ -1,4 +1,4 @@
-"""Launcher for the decode step's projection kernel (gpu_kernels/_triton_decode_linear.py); triton is
+"""Launcher for the decode step's projection kernel (edgerl/kernels/_triton_decode_linear.py); triton is
 imported only here. Called straight from the decode layer (no torch.compile), which a CUDA graph
 captures."""
 from __future__ import annotations

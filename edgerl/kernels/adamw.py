@@ -1,4 +1,4 @@
-"""Launcher for the fused bf16 AdamW step (gpu_kernels/_triton_adamw.py); triton is imported only here."""
+"""Launcher for the fused bf16 AdamW step (edgerl/kernels/_triton_adamw.py); triton is imported only here."""
 from __future__ import annotations
 
 import importlib

@@ -165,7 +165,7 @@ def choose_chunk(n_tokens: int, vocab: int, budget_bytes: int, *, bytes_per_logi
     return max(1, min(n_tokens, budget_bytes // (vocab * bytes_per_logit)))
 
 
-# ---- the decode-step attention kernel (gpu_kernels/_triton_decode_attention.py) ---------------------------------
+# ---- the decode-step attention kernel (edgerl/kernels/_triton_decode_attention.py) ---------------------------------
 
 DECODE_BLOCK_S = 64   # cache columns per loop iteration
 
@@ -203,7 +203,7 @@ def group_pad(group: int) -> int:
     return max(16, _next_pow2(group))
 
 
-# gpu_kernels/decode_cuda.py (the fp32 decode layer in CUDA C): 256 threads share a head's columns in the
+# edgerl/kernels/decode_cuda.py (the fp32 decode layer in CUDA C): 256 threads share a head's columns in the
 # P V product (256 / D of them per dimension), and the softmax gives each query head of a KV head a warp.
 DECODE_CUDA_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_CUDA_MAX_GROUP = 8
@@ -215,7 +215,7 @@ DECODE_CUDA_MAX_GROUP = 8
 DECODE_CUDA_SPLIT_COLUMNS = 512
 
 
-# The fused NF4 decode kernel (gpu_kernels/nf4.py) takes a decode step's rows up to this many: per projection
+# The fused NF4 decode kernel (edgerl/kernels/nf4.py) takes a decode step's rows up to this many: per projection
 # in fp32 it beat bitsandbytes' dequantize-then-GEMM at 32 rows and matched it at 64 (docs/benchmarks.md, Fused
 # NF4 decode kernel); more rows go to bitsandbytes.
 NF4_DECODE_ROWS = 32
@@ -230,7 +230,7 @@ def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
     return None
 
 
-# gpu_kernels/_triton_decode_linear.py (the decode step's projections with their elementwise work fused):
+# edgerl/kernels/_triton_decode_linear.py (the decode step's projections with their elementwise work fused):
 # each program walks the inner dimension (or a slice of it) for BN output columns, so the programs' count
 # is what spreads the weight's bytes over the SMs, and the bytes each has in flight (BK x BN x stages) what
 # hides the memory's latency. The blocks come from a sweep at 16 rows over the 360M and 1.7B

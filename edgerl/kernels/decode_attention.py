@@ -1,4 +1,4 @@
-"""Launcher for the decode-step attention kernel (gpu_kernels/_triton_decode_attention.py); triton is
+"""Launcher for the decode-step attention kernel (edgerl/kernels/_triton_decode_attention.py); triton is
 imported only here. The kernel is registered as a torch custom op, so a torch.compile'd decoder layer
 calls it as one opaque kernel and a CUDA graph captures it."""
 from __future__ import annotations
