@@ -412,3 +412,12 @@ def test_a_full_disk_under_torch_save_or_safetensors_is_one_line_and_the_last_ch
     with pytest.raises(RunDirError, match=r"writing final failed \(Error while serializing: .*StorageFull"):
         t._write(lambda: t.export(run / "final"))
     assert not (run / "final").exists() and not list(run.glob(".final*"))
+
+
+def test_a_log_file_gets_one_line_per_step_and_no_progress_bar(tiny_llama, tmp_path):
+    """Written to a file or a pipe (not a terminal), `edgerl train` prints each step's line once; the live
+    progress bar, which only a terminal can redraw, would leave its last frame in the log."""
+    r = train("--steps", 2, "--out", tmp_path / "run", model=tiny_llama)
+    assert r.exit_code == 0, r.output
+    steps = [ln for ln in r.output.splitlines() if ln.startswith("step ")]
+    assert [ln.split()[1] for ln in steps] == ["1", "2"], r.output   # the bar's frame reads "step 2/2 ━━━" or "step …"

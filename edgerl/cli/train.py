@@ -111,8 +111,11 @@ def _train(extra: list, config: Optional[Path], resume: Optional[Path], out: Opt
             raise typer.Exit(130) from None
         log(f"rollout: {trainer.engine.describe()}; {trainer.metrics.note}" if trainer.engine is not None else
             f"sft: the assistant tokens' cross-entropy, no rollout; {trainer.metrics.note}")
+        # the bar lives on a terminal only, and goes when training ends: each step's line is printed anyway (a log
+        # file or a pipe would otherwise keep the bar's last frame)
         with Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.fields[line]}"), console=console, transient=False) as bar:
+                      TextColumn("{task.fields[line]}"), console=console, transient=True,
+                      disable=not console.is_terminal) as bar:
             task = bar.add_task("train", total=cfg.train.steps, completed=trainer.step, line="")
 
             def on_step(step: int, stats: dict) -> None:
