@@ -333,7 +333,7 @@ def check(args, rec, model, ids, toks, outputs, key, dt) -> None:
 
 def table(results, note: str) -> str:
     lines = [note, "", "| model | dtype | variant | ms/step | decode tok/s | of bound | of datasheet bound "
-             "| edgerl/kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync "
+             "| gpu_kernels/step | capture s | first call s | graph pool MiB (greedy, +top-p) | graph kept over sync "
              "| checks |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
