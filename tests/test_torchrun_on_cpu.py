@@ -95,7 +95,7 @@ def test_a_batch_that_does_not_split_is_refused_before_training(tiny_llama, tmp_
 def _no_edgerl_traceback(stderr: str) -> None:
     """torchrun prints its own summary (and a traceback of its own) when a rank exits non-zero; no rank
     of edgerl's may print one."""
-    assert "/edgerl/" not in stderr and "/cli/" not in stderr, stderr[-3000:]
+    assert "/edgerl/" not in stderr, stderr[-3000:]   # the package, its command line included
 
 
 @pytest.mark.slow
