@@ -191,7 +191,7 @@ def test_lora_merge_equals_peft_merge_and_unload(tiny_llama, tmp_path):
 
 
 def _cli(*args: str):
-    from cli.main import app
+    from edgerl.cli.main import app
     return CliRunner().invoke(app, ["export", *args])
 
 

@@ -116,7 +116,7 @@ def test_the_plan_of_an_sft_step_counts_the_update_alone():
 
 
 def test_a_tiny_sft_run_saves_final_and_rl_starts_from_it(tiny_llama, tmp_path):
-    from cli.main import app
+    from edgerl.cli.main import app
     from edgerl.train.metrics import read_metrics
     run = tmp_path / "sft"
     res = CliRunner().invoke(app, ["sft", "--model", str(tiny_llama), "--data", str(_rows(tmp_path / "rows.jsonl")),
@@ -137,7 +137,7 @@ def test_a_tiny_sft_run_saves_final_and_rl_starts_from_it(tiny_llama, tmp_path):
 
 
 def test_sft_refuses_the_builtin_prompts_and_eval_in_one_line(tiny_llama, tmp_path):
-    from cli.main import app
+    from edgerl.cli.main import app
     for extra, words in (([], "sft learns from written answers"),
                          (["--data", str(_rows(tmp_path / "r.jsonl")), "--set", 'eval.data="builtin:arithmetic"'],
                           "an sft run does not evaluate")):
