@@ -30,18 +30,10 @@ def train(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help
                                           "disk, but the run cannot be extended (run.final_only)"),
           config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Train with PPO/GRPO on the plan for this GPU (or an emulated one). No arguments: the embedded demo."""
-    extra: list = []  # (key=value, the option as typed): an error names the option, not a --set
-    for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
-                            ("run.profile", profile, "--profile")):
-        if value is not None:
-            extra.append((f"{key}={quoted(value)}", f"{opt} {value}"))
+    extra = _options(model, data, profile, steps, final_only)
     if reward is not None:   # the run's reward from now on: it replaces reward.functions (a resumed run's too)
         extra += [(f"reward.functions=[{quoted(reward)}]", f"--reward {reward}"),
                   ("reward.weights=none", f"--reward {reward}")]
-    if steps is not None:
-        extra.append((f"train.steps={steps}", f"--steps {steps}"))
-    if final_only:
-        extra.append(("run.final_only=true", "--final-only"))
     _train(extra + list(sets or []), config, resume, out, restart)
 
 
@@ -61,16 +53,22 @@ def sft(profile: Optional[str] = typer.Option(None, "--profile", "--gpu", help="
         config: Optional[Path] = ConfigOpt, sets: Optional[List[str]] = SetOpt) -> None:
     """Supervised fine-tuning on written answers (assistant tokens only), on the same plan, LoRA and run folder
     as train; then continue with RL: edgerl train --model RUN/final."""
-    extra: list = [("sft.enabled=true", "edgerl sft")]
-    for key, value, opt in (("model.path", model, "--model"), ("data.path", data, "--data"),
-                            ("run.profile", profile, "--profile")):
-        if value is not None:
-            extra.append((f"{key}={quoted(value)}", f"{opt} {value}"))
+    extra = [("sft.enabled=true", "edgerl sft"), *_options(model, data, profile, steps, final_only)]
+    _train(extra + list(sets or []), config, resume, out, restart, "edgerl sft")
+
+
+def _options(model: Optional[str], data: Optional[str], profile: Optional[str], steps: Optional[int],
+             final_only: bool) -> list:
+    """The options train and sft share as (key=value, the option as typed): an error names the option, not a
+    --set."""
+    extra = [(f"{key}={quoted(value)}", f"{opt} {value}") for key, value, opt in
+             (("model.path", model, "--model"), ("data.path", data, "--data"), ("run.profile", profile, "--profile"))
+             if value is not None]
     if steps is not None:
         extra.append((f"train.steps={steps}", f"--steps {steps}"))
     if final_only:
         extra.append(("run.final_only=true", "--final-only"))
-    _train(extra + list(sets or []), config, resume, out, restart, "edgerl sft")
+    return extra
 
 
 def _train(extra: list, config: Optional[Path], resume: Optional[Path], out: Optional[Path], restart: bool,
