@@ -66,16 +66,8 @@ TOOLS = ("edgerl", "trl")
 def commit() -> Optional[str]:
     """The checkout's commit, '+changes' after it where tracked files differ from it (the code that ran is not that
     commit's), or $EDGERL_COMMIT where the code is a copy without its git folder."""
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", str(bl.REPO), *args], capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    out = git("rev-parse", "--short", "HEAD")
-    if out and git("status", "--porcelain", "--untracked-files=no"):
-        out += "+changes"
-    return out or os.environ.get("EDGERL_COMMIT") or None
+    from edgerl.core.version import git_commit
+    return git_commit(bl.REPO) or os.environ.get("EDGERL_COMMIT") or None
 
 
 def model_folder(arg: Optional[str], smoke: bool, work: Path, tokenizer: str) -> Path:

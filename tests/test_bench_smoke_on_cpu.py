@@ -510,9 +510,10 @@ def test_learning_records_name_the_commit_and_whether_the_code_differed_from_it(
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
     git("init", "-q")
     (tmp_path / "a.py").write_text("x = 1\n")
-    git("add", "a.py")
+    (tmp_path / "pyproject.toml").write_text("")
+    git("add", "a.py", "pyproject.toml")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True,
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short=10", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     monkeypatch.setattr(b.bl, "REPO", tmp_path)
     (tmp_path / "untracked.json").write_text("{}")
