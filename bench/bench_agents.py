@@ -227,6 +227,23 @@ def run_recipe(name: str, args, work: Path, data: Path, tokenizer: str, clock, r
 TRL_TASK = dict(prompts=2, samples=8, turns=4, turn=256, budget=1024)
 
 
+def episode_reward(completions, **_) -> list[float]:
+    """TRL's side of the reward: benchlib's vowel share, on the episode's text after the prompt (the model's
+    turns, their tool calls and the tool results), as edgerl scores the decoded episode. Both sides learn the
+    same way on the stand-in (fewer thinking tokens), so their episodes stay comparable from step to step."""
+    texts = []
+    for c in completions:
+        if isinstance(c, str):
+            texts.append(c)
+            continue
+        parts = []
+        for m in c:
+            parts.append(str(m.get("content") or ""))
+            parts += [json.dumps(call.get("function", call)) for call in m.get("tool_calls") or []]
+        texts.append("".join(parts))
+    return [bl.reward(solution_str=t) for t in texts]
+
+
 def trl_child(spec_path: str) -> None:
     """TRL's GRPOTrainer with tools on the stand-in; writes the result JSON: per step its wall time and its
     generation's (the tool loop included)."""
@@ -267,7 +284,7 @@ def trl_child(spec_path: str) -> None:
                 steps.append({"step_s": time.perf_counter() - self.t, "generate_s": sum(gen_s)})
                 gen_s.clear()
 
-        trainer = GRPOTrainer(model=spec["model"], reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        trainer = GRPOTrainer(model=spec["model"], reward_funcs=[episode_reward],
                               args=args, train_dataset=ds, processing_class=tok, tools=[mod.calculator],
                               callbacks=[Clock()])
         inner = trainer._generate   # the rollout: the first turn, then the tool loop (HF generate each turn)

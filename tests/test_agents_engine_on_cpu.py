@@ -26,8 +26,9 @@ class Script:
     after each turn but its last receives conts[r][k] (its own tokens; the engine treats them as any
     context). A turn cut at its limit continues as well, so both ways a turn ends are exercised."""
 
-    def __init__(self, n: int, seed: int, vocab: int) -> None:
+    def __init__(self, n: int, seed: int, vocab: int, turn_tokens: int = 7) -> None:
         rnd = random.Random(seed)
+        self.turn_tokens = turn_tokens   # the longest turn: the engine's prefill between turns holds rows x this
         self.turns = [rnd.randint(1, 3) for _ in range(n)]
         self.limits = [[rnd.randint(1, 7) for _ in range(t)] for t in self.turns]
         self.conts = [[[rnd.randrange(3, vocab) for _ in range(rnd.randint(1, 9))] for _ in range(t)]
@@ -76,18 +77,22 @@ def stop_tokens(model, prompts) -> tuple[int, ...]:
     return tuple(sorted(set(firsts)))[:2]
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_turns_from_the_kv_cache_equal_a_full_recompute(name):
+@pytest.mark.parametrize("name, turn_tokens", [(n, 7) for n in sorted(MODELS)] + [("llama", 1), ("gemma3", 1)])
+def test_turns_from_the_kv_cache_equal_a_full_recompute(name, turn_tokens):
+    """turn_tokens 1: what follows each turn is prefilled one row at a time (a group of rows holds at most
+    rows x turn_tokens tokens), into rows past the first as well."""
     model = MODELS[name]()
     prompts = [p for p in PROMPTS for _ in range(2)]   # 8 rows, decoded 3 at a time
     vocab = model.config.vocab_size
     eos = stop_tokens(model, PROMPTS)
-    script = Script(len(prompts), seed=sum(map(ord, name)), vocab=min(vocab, 500))
+    script = Script(len(prompts), seed=sum(map(ord, name)), vocab=min(vocab, 500), turn_tokens=turn_tokens)
     # the budget (3 turns of 7 and 2 continuations of 9) and one turn more: the sizing the trainer gives it
     eng = StaticCacheEngine(model, 3, max(map(len, prompts)) + 3 * 7 + 2 * 9 + 7, cuda_graphs=False)
     params = SamplingParams(max_new_tokens=7, greedy=True, eos_token_ids=eos, pad_token_id=0)
     info = eng.generate_turns(prompts, params, None, script)
     assert info["rounds"] >= 3 and info["chunks"] == 3
+    repacks = info["rounds"] - info["chunks"]   # each chunk's last round ends its episodes: no prefill after it
+    assert info["extend_groups"] >= repacks and (turn_tokens > 1 or info["extend_groups"] > repacks)
     stopped = truncated = 0
     for r, p in enumerate(prompts):
         turns, lps = reference(model, p, script, r, eos)

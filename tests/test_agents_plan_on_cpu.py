@@ -43,6 +43,24 @@ def test_the_kv_cache_holds_the_budget_and_on_the_static_engine_one_turn_more(en
         want - kv_cache_bytes(model, p.rollout_batch, 1280, b_c, windowed=engine == "hf-generate")
 
 
+@pytest.mark.parametrize("engine", ["static", "hf-generate"])
+def test_the_rollout_counts_the_prefill_between_turns(engine):
+    """Between turns the static engine prefills what follows each turn in groups of rows of at most rows x one
+    turn tokens (a row alone may bring up to the budget); transformers' generate prefills every row's whole
+    conversation again. The rollout's prefill activations are the larger of that and the prompts' prefill,
+    at (4h + 3I) compute-dtype values a token."""
+    dev = fake_probe("T4").primary
+    model = CATALOGUE["qwen3-1.7b"]
+    task = Task(prompt_len=256, response_len=1024, prompts_per_step=2, samples_per_prompt=4, lora=True, turn_len=256)
+    p = plan(dev, model, task, {"rollout_engine": engine})
+    rows, per_token = p.rollout_batch, (4 * model.hidden_size + 3 * model.intermediate_size) * 2   # fp16 on a T4
+    prompts = (rows // 4 if engine == "static" else rows) * 256   # the static engine prefills a prompt once
+    between = max(rows * 256, 1024) if engine == "static" else rows * (256 + 1024)
+    assert p.memory.phases["rollout"]["prefill activations"] == max(prompts, between) * per_token
+    single = plan(dev, model, dataclasses.replace(task, turn_len=0), {"rollout_engine": engine})
+    assert single.memory.phases["rollout"]["prefill activations"] == prompts * per_token
+
+
 def test_recommend_names_the_longest_episode_that_fits():
     dev = fake_probe("T4").primary
     model = CATALOGUE["qwen3-4b"]   # LoRA on a T4: memory ends the episode before the model's context does

@@ -561,3 +561,22 @@ def test_bench_agents_smoke_runs_a_tool_recipe_and_the_rollout_group(tmp_path):
         assert runs[name]["context_tokens_mean"] > 0 and runs[name]["rollout_s"] > 0
     assert runs["edgerl-static"]["rounds"] > 1   # the KV cache kept between turns
     assert runs["trl"]["status"].startswith(("ok", "not run: TRL is not installed")), runs["trl"]
+
+
+def test_bench_agents_gives_trl_the_reward_edgerl_gets():
+    """TRL's side of bench_agents scores an episode (its messages: the model's turns, their tool calls, the
+    tool results) with the vowel share edgerl's side computes on the decoded episode: with a zero reward on
+    one side only, that side's policy would keep its thinking length while the other's shrinks, and their
+    later steps would not roll out the same work."""
+    import bench_agents
+    import benchlib
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3"}}}
+    thinking = [{"role": "assistant", "content": " hmm hmm hmm", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": "x y z"}]
+    brief = [{"role": "assistant", "content": " aha", "tool_calls": [call]},
+             {"role": "tool", "name": "calculator", "content": "a e i"}]
+    scores = bench_agents.episode_reward([thinking, brief, "plain aeiou text"])
+    assert scores[0] < scores[1]
+    assert scores[2] == benchlib.reward(solution_str="plain aeiou text")
+    text = " hmm hmm hmm" + json.dumps(call["function"]) + "x y z"
+    assert scores[0] == pytest.approx(benchlib.reward(solution_str=text))

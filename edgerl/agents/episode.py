@@ -99,6 +99,12 @@ class EpisodeDriver:
     def _used(self, ep: Episode) -> int:
         return len(ep.tokens) + ep.observation_tokens
 
+    @property
+    def turn_tokens(self) -> int:
+        """The longest turn (rollout.max_new_tokens): the static engine prefills what follows turns in
+        groups of rows of at most rows x this many tokens, as the plan's memory model counts."""
+        return self.s.max_new_tokens
+
     def limit(self, r: int) -> int:
         """Tokens the row's next turn may take (0: it takes none)."""
         ep = self.episodes[r]

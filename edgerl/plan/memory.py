@@ -49,6 +49,9 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
                           per-row token and log-prob buffers (12 bytes a column); where a layer attends
                           through a sliding window of W tokens and the engine's cache keeps only the
                           window (transformers' generate), that layer counts min(L, W) tokens instead
+    prefill activations   tokens x (4h + 3I) x b_c: the prompts' prefill (once per prompt on the static
+                          engine) or, in episodes, the prefill between turns where larger
+                          (`turn_prefill_tokens`)
     sampling logits       sequences x V x 4 x 3 (fp32 logits, softmax, top-p sort)
     library workspaces    cuBLAS workspaces inside torch's allocator (a constant)
     CUDA context          a constant per process, outside torch's allocator
@@ -226,6 +229,9 @@ class Setting:
     logprob_upcast: bool = False    # the torch log-prob path computes 16-bit inputs in fp32 (upcast copies)
     kv_extra: int = 0               # columns the rollout's KV cache holds beyond prompt + response (episodes on the
                                     # static engine: one turn, Task.turn_len)
+    episode_turn: int = 0           # episodes: one model turn's tokens (Task.turn_len); 0 for one response a prompt
+    episode_reprefill: bool = False # episodes on an engine that prefills the whole conversation again each turn
+                                    # (hf-generate); the static engine prefills only what follows a turn
     kv_window: bool = False         # the rollout's KV cache keeps only the window of sliding-window layers
                                     # (transformers' generate does; the static engine keeps every token)
     mini_batch: int = 0             # rows per optimizer step on this rank (0: unknown; several micro-steps assumed)
@@ -299,6 +305,18 @@ def kv_cache_bytes(m: ModelSpec, rows: int, seq_len: int, b_c: int, windowed: bo
     return rows * m.kv_bytes(cols, b_c, windowed) + rows * seq_len * 12
 
 
+def turn_prefill_tokens(s: Setting, prompt_len: int, response_len: int) -> int:
+    """Tokens one prefill between an episode's turns holds at once: on the static engine what follows a turn
+    (the tools' results, the next turn's header), which it prefills in groups of rows of at most rows x one
+    turn tokens (edgerl/rollout/turns_static.py; one row alone may bring up to the episode's budget); on an
+    engine that prefills the conversation again each turn, every row's prompt and episode so far."""
+    if not s.episode_turn:
+        return 0
+    if s.episode_reprefill:
+        return s.rollout_batch * (prompt_len + response_len)
+    return max(s.rollout_batch * s.episode_turn, response_len)
+
+
 def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budget: int,
              cal: Calibration = DEFAULT_CALIBRATION) -> MemoryEstimate:
     """Bytes by phase and component for one step under setting `s`."""
@@ -364,8 +382,8 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     gen_copy = 0 if s.rollout_from_actor else P * b_c
     kv = kv_cache_bytes(m, s.rollout_batch, L + s.kv_extra, b_c, windowed=s.kv_window)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
-    prefill = packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0) * (
-        4 * m.hidden_size + 3 * m.intermediate_size) * b_c
+    prefill = max(packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0),
+                  turn_prefill_tokens(s, prompt_len, response_len)) * (4 * m.hidden_size + 3 * m.intermediate_size) * b_c
     # only the frozen reference moves between phases; the critic (FSDP2-wrapped, trained) and a
     # reward model stay on the device
     resident_off = (0 if s.swap_models else ref) + critic_state + rm

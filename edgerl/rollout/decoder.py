@@ -216,8 +216,9 @@ class StaticDecoder:
         m = self._mlp_in(x, proj, lay.ln2, lay.eps2)
         return x + (m if lay.post is None else self.norm(m, lay.post[1], lay.post[2]))
 
-    def extend(self, ids: torch.Tensor, start: torch.Tensor, col0: int, fresh: torch.Tensor) -> torch.Tensor:
-        """Append tokens to rows [0, B) of the cache: ids (B, M) go to columns [col0, col0 + M), where fresh
+    def extend(self, ids: torch.Tensor, start: torch.Tensor, col0: int, fresh: torch.Tensor,
+               row0: int = 0) -> torch.Tensor:
+        """Append tokens to rows [row0, row0 + B) of the cache: ids (B, M) go to columns [col0, col0 + M), where fresh
         (B, M) bool is True; elsewhere the window holds what the row already has (its cached K and V stay,
         and its ids there are ignored). start: (B,) each row's first real column. The new tokens attend to
         the row's columns [start, their own]; returns the fp32 logits of column col0 + M - 1 (B, vocab).
@@ -225,7 +226,8 @@ class StaticDecoder:
         prefill of the whole conversation would. Runs eagerly."""
         B, M = ids.shape
         W = col0 + M
-        assert self.cache is not None and B <= self.cache.shape[2] and W <= self.cache_len
+        assert self.cache is not None and row0 + B <= self.cache.shape[2] and W <= self.cache_len
+        rows = slice(row0, row0 + B)
         cols, keys = self.cols[col0:W], self.cols[:W]
         pos = (cols[None, :] - start[:, None]).clamp(min=0)                     # (B, M)
         tables = [(F.embedding(pos, c)[:, :, None], F.embedding(pos, s)[:, :, None]) for c, s in self.ropes]
@@ -238,9 +240,9 @@ class StaticDecoder:
         x = self.embed(ids)
         for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
             def cached(kvn, i=i):   # fresh columns written, the others kept; the new tokens attend to [0, W)
-                window = self.cache[i, :, :B, :, col0:W]
+                window = self.cache[i, :, rows, :, col0:W]
                 window.copy_(torch.where(keep, kvn, window))
-                return self.cache[i, :, :B, :, :W]
+                return self.cache[i, :, rows, :, :W]
             x = self._eager_layer(x, proj, lay, tables, masks, cached)
         return self._logits(x[:, -1])
 

@@ -39,7 +39,7 @@ def run_turns(eng, prompts: list[list[int]], params: SamplingParams, generator, 
             raise ValueError(f"prompt {r} has {len(p)} tokens + a turn of {driver.limit(r)} > the engine's "
                              f"max_seq_len {eng.max_seq_len}")
     need, eos, info = eng._begin(len(prompts), params, generator)
-    info.update(rounds=0, extend_s=0.0, logprobs=True)
+    info.update(rounds=0, extend_s=0.0, extend_groups=0, logprobs=True)
     mode = Mode(rows=0, full=0, greedy=params.greedy, top_k=0 if params.greedy else params.top_k,
                  top_p=not params.greedy and params.top_p < 1.0, eos=eos, pad=params.pad_token_id,
                  span=eng.dec.cache_len)
@@ -50,18 +50,19 @@ def run_turns(eng, prompts: list[list[int]], params: SamplingParams, generator, 
             rows = list(range(first, min(len(prompts), first + need)))
             if eng.device.type == "cuda":
                 with torch.cuda.device(eng.device):
-                    _chunk(eng, prompts, rows, mode, driver, info)
+                    _chunk(eng, prompts, rows, mode, driver, info, driver.turn_tokens)
             else:
-                _chunk(eng, prompts, rows, mode, driver, info)
+                _chunk(eng, prompts, rows, mode, driver, info, driver.turn_tokens)
             info["chunks"] += 1
     finally:
         eng.model.train(was_training)
     return info
 
 
-def _chunk(eng, prompts: list[list[int]], rows: list[int], mode, driver, info: dict) -> None:
+def _chunk(eng, prompts: list[list[int]], rows: list[int], mode, driver, info: dict, turn: int) -> None:
     s, dec, cuda = eng._state, eng.dec, eng.device.type == "cuda"
     B = len(rows)
+    cap = B * turn   # tokens a prefill between turns holds at once: the rows' share of one turn each
     chunk = [list(prompts[r]) for r in rows]
     mode = replace(mode, rows=B, full=B)
     t0 = time.perf_counter()
@@ -94,7 +95,8 @@ def _chunk(eng, prompts: list[list[int]], rows: list[int], mode, driver, info: d
         if not live:
             return
         t0 = time.perf_counter()
-        mode, end = _repack(eng, mode, live, turns, after, end)
+        mode, end, groups = _repack(eng, mode, live, turns, after, end, cap)
+        info["extend_groups"] += groups
         if cuda:
             torch.cuda.synchronize(eng.device)
         order = [order[i] for i in live]
@@ -155,9 +157,9 @@ def _decode_turn(eng, mode, order: list[int], limits: list[int], end: int, drive
     return turns
 
 
-def _repack(eng, mode, live: list[int], turns: list[list[int]], after: list, end: int):
-    """Move the live rows to the front, each ending at one column E; prefill what follows each turn; sample
-    the next turn's token 0. Returns (mode, E)."""
+def _repack(eng, mode, live: list[int], turns: list[list[int]], after: list, end: int, cap: int):
+    """Move the live rows to the front, each ending at one column E; prefill what follows each turn (`cap`:
+    tokens one prefill holds at most); sample the next turn's token 0. Returns (mode, E, the prefills run)."""
     s, dec = eng._state, eng.dec
     starts = s.start[:mode.rows].tolist()
     kept, add = [], []
@@ -179,10 +181,16 @@ def _repack(eng, mode, live: list[int], turns: list[list[int]], after: list, end
     for j, a in enumerate(add):
         ids[j, M - len(a):] = torch.tensor(a, dtype=torch.long)
         fresh[j, M - len(a):] = True
-    logits = dec.extend(ids.to(eng.device), s.start[:n], E - M, fresh.to(eng.device))
+    # in groups of rows of at most `cap` tokens together (the plan's memory model counts that much:
+    # edgerl/plan/memory.py, turn_prefill_tokens); a row longer than that goes alone
+    per = max(1, cap // M)
+    ids, fresh = ids.to(eng.device), fresh.to(eng.device)
+    parts = [dec.extend(ids[r:r + per], s.start[r:min(n, r + per)], E - M, fresh[r:r + per], row0=r)
+             for r in range(0, n, per)]
+    logits = parts[0] if len(parts) == 1 else torch.cat(parts)
     mode = replace(mode, rows=n, span=eng._span(E))
     s.done.fill_(False)
     s.step.zero_()
     eng._emit(logits, mode)
     s.col.fill_(E)
-    return mode, E
+    return mode, E, len(parts)
