@@ -101,6 +101,7 @@ OUT=${OUT:-/tmp/edgerl-out}; mkdir -p "$OUT"
 LOGS=/tmp/edgerl-logs; mkdir -p "$LOGS"
 WORK=${WORK:-/tmp/edgerl-bench}
 export OUT PYTHONUNBUFFERED=1 EDGERL_SHARED=${EDGERL_SHARED:-$PWD/.cache/shared} EDGERL_CACHE=/tmp/edgerl-cache
+REAL_MODEL_AT=/tmp/edgerl-real-model.txt   # the folder GGUF was converted into (a later call on the machine still held reads it)
 export NCCL_NVLS_ENABLE=0 TOK=${EDGERL_SHARED:-$PWD/.cache/shared}/data/smollm2-tokenizer
 if [ -z "${SKIP_INSTALL:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -175,9 +176,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               i=0; IFS=';' read -ra jobs <<< \"\${VS_JOBS:-}\"; for j in \"\${jobs[@]}\"; do i=\$((i + 1)); mkdir -p $w-vs\$i; ln -sfn $w/models $w-vs\$i/models;
                   timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left --shared-gpu \$j --out $OUT/bench_vs_trl_long\${i}$x.json > $LOGS/vs\${i}$x.log 2>&1 & done;
               ${LONG_ROWS:+python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} --only $LONG_ROWS ${LONG_ARGS:-} --timeout \$(( left - 30 )) --budget-s \$left --tokenizer $TOK --work $w --out $OUT/bench_long$x.json;} wait" ;;
-        learning) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF &&} python3 bench/bench_learning.py --task ${TASK:-arithmetic} --seeds ${SEEDS:-0 1 2} --device cuda --budget-s $(( b - 15 )) --work $w-learning --out $w-learning/results;
+        learning) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF > $REAL_MODEL_AT &&} python3 bench/bench_learning.py --task ${TASK:-arithmetic} --seeds ${SEEDS:-0 1 2} --device cuda --model \$(tail -1 $REAL_MODEL_AT) --budget-s $(( b - 15 )) --work $w-learning --out $w-learning/results;
               mkdir -p $OUT/learning; cp $w-learning/results/*.json $OUT/learning/; python3 bench/bench_learning.py --summary $OUT/learning --plot $OUT/learning" ;;
-        tests-real) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF &&} python3 -m pytest -q -p no:cacheprovider -rs tests/test_real_weights_cuda.py 2>&1 | tee $OUT/tests_real$x.log | tail -30" ;;
+        tests-real) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF > $REAL_MODEL_AT &&} EDGERL_REAL_MODEL=\$(tail -1 $REAL_MODEL_AT) python3 -m pytest -q -p no:cacheprovider -rs tests/test_real_weights_cuda.py 2>&1 | tee $OUT/tests_real$x.log | tail -30" ;;
         archs) echo "python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json" ;;
         recipes-archs) echo "timeout -k 5 200 python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json > $LOGS/archs$x.log 2>&1 &
               python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json; wait" ;;
