@@ -421,3 +421,18 @@ def test_a_log_file_gets_one_line_per_step_and_no_progress_bar(tiny_llama, tmp_p
     assert r.exit_code == 0, r.output
     steps = [ln for ln in r.output.splitlines() if ln.startswith("step ")]
     assert [ln.split()[1] for ln in steps] == ["1", "2"], r.output   # the bar's frame reads "step 2/2 ━━━" or "step …"
+
+
+def test_a_log_file_gets_no_library_progress_bars(tiny_llama, tmp_path, monkeypatch):
+    """transformers' own bars ("Loading weights", "Writing model shards") would leave every frame in a log
+    file; off where stderr is not a terminal (CliRunner's is not)."""
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    from transformers.utils import logging as hf_logging
+    hf_logging.enable_progress_bar()
+    try:
+        r = train("--steps", 1, "--out", tmp_path / "run", model=tiny_llama)
+        assert r.exit_code == 0, r.output
+        assert "Loading weights" not in r.output and "it/s]" not in r.output, r.output
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()

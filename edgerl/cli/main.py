@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -34,7 +36,19 @@ def _version(value: bool) -> None:
 def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
                                           help="print edgerl's version and commit, torch's and CUDA's, and exit")
              ) -> None:
-    pass
+    quiet_library_bars()
+
+
+def quiet_library_bars() -> None:
+    """transformers' and the Hub's progress bars (loading weights, writing shards) redraw one line on a
+    terminal; in a log file or a pipe every frame would stay. Off there unless HF_HUB_DISABLE_PROGRESS_BARS
+    says otherwise."""
+    if sys.stderr.isatty() or os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") is not None:
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"   # read when the Hub's library is first imported
+    if "transformers" in sys.modules:                  # already imported (the Python entry, tests)
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
 
 
 @app.command()
