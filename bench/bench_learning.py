@@ -5,6 +5,9 @@ task, and both are scored on the same held-out prompts at the same steps. Time-t
                                    [--device cpu|cuda] [--budget-s S] [--out DIR] [--work DIR] [--gsm8k PATH]
     python bench/bench_learning.py --summary DIR_OR_JSON... [--plot DIR]   # the docs' table, and the curves
     python bench/bench_learning.py --smoke --out DIR                      # a tiny random model, 2 steps each
+    python bench/bench_learning.py --tools edgerl --variant NAME --edgerl-set KEY=VALUE... [as above]
+                                   # edgerl with other settings (e.g. plan.rollout_engine="hf-generate"), a row
+                                   # of its own in the summary: which setting moves the learning
 
 Each run is its own process (one at a time: on a GPU each has it alone) and writes DIR/<task>_<tool>_seed<k>.json
 atomically when it ends; TRL's run also writes it after every step. A later invocation with the same --out skips
@@ -49,6 +52,7 @@ import argparse
 import json
 import os
 import shutil
+import re
 import sys
 import time
 from pathlib import Path
@@ -60,6 +64,18 @@ import learning_tasks as lt  # noqa: E402
 from learning_trl import write_json  # noqa: E402
 
 TOOLS = ("edgerl", "trl")
+
+
+def label(rec: dict[str, Any]) -> str:
+    """A result's row: its tool, or "edgerl:VARIANT" for a run with --variant (its --edgerl-set settings)."""
+    return f"{rec['tool']}:{rec['variant']}" if rec.get("variant") else rec["tool"]
+
+
+def labels_in_order(names) -> list[str]:
+    """edgerl first, then its variants (sorted), then TRL."""
+    names = set(names)
+    return [n for n in ("edgerl",) if n in names] + sorted(n for n in names if n.startswith("edgerl:")) + \
+        [n for n in ("trl",) if n in names]
 
 
 def commit() -> Optional[str]:
@@ -137,7 +153,7 @@ def edgerl_record(res: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 
 def run_one(tool: str, task: lt.Task, seed: int, args, model: Path, work: Path, timeout: float) -> dict[str, Any]:
-    name = f"{task.name}_{tool}_seed{seed}"
+    name = f"{task.name}_{tool}{'-' + args.variant if args.variant else ''}_seed{seed}"
     train, heldout = lt.rows_of(task, seed, Path(args.gsm8k) if args.gsm8k_questions == "real" else None)
     data = work / "data"
     train_p = lt.write_jsonl(data / f"{task.name}_seed{seed}_train.jsonl", train)
@@ -146,7 +162,7 @@ def run_one(tool: str, task: lt.Task, seed: int, args, model: Path, work: Path, 
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.time()
     if tool == "edgerl":
-        sets = edgerl_sets(task, train_p, heldout_p, seed, args.device)
+        sets = edgerl_sets(task, train_p, heldout_p, seed, args.device) + list(args.edgerl_set)
         spec = bl.edgerl_spec(model, sets, run_dir, work / f"{name}.child.json")
         res = bl.run_edgerl(name, spec, work, timeout)
         rec = {**edgerl_record(res, run_dir), "settings": sets}
@@ -164,7 +180,7 @@ def run_one(tool: str, task: lt.Task, seed: int, args, model: Path, work: Path, 
         rec = json.loads(out.read_text()) if out.exists() else {"status": status, "error": tail[-1500:]}
         if status != "ok" and rec.get("status") in (None, "ok", "running"):
             rec["status"] = f"{status} after {len(rec.get('steps', []))} step(s)"
-    rec.update(task=task.name, tool=tool, seed=seed, device=args.device, machine=bl.device_name(),
+    rec.update(task=task.name, tool=tool, variant=args.variant, seed=seed, device=args.device, machine=bl.device_name(),
                model=str(model), run_dir=str(run_dir), total_s=time.time() - t0, commit=commit(),
                versions=bl.versions(), date=time.strftime("%Y-%m-%d"), task_settings=task.__dict__,
                train_s=sum(s["wall_s"] for s in rec.get("steps", [])))
@@ -185,6 +201,13 @@ def load_records(paths: list[str]) -> list[dict[str, Any]]:
     return recs
 
 
+def _last_quarter(rec: dict[str, Any]) -> float:
+    """The training reward's mean over the run's last quarter of steps (the samples' reward, temperature on)."""
+    steps = sorted(rec["steps"], key=lambda s: s["step"])
+    last = steps[len(steps) - max(1, len(steps) // 4):]
+    return sum(s["reward_mean"] or 0 for s in last) / len(last)
+
+
 def _cum(rec: dict[str, Any], step: int) -> float:
     return sum(s["wall_s"] for s in rec["steps"] if s["step"] <= step)
 
@@ -195,10 +218,8 @@ def summarise(recs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for task in sorted({r["task"] for r in recs}):
         by_tool: dict[str, Any] = {}
-        for tool in TOOLS:
-            rs = [r for r in recs if r["task"] == task and r["tool"] == tool]
-            if not rs:
-                continue
+        for tool in labels_in_order(label(r) for r in recs if r["task"] == task):
+            rs = [r for r in recs if r["task"] == task and label(r) == tool]
             steps = sorted(set.intersection(*[{e["step"] for e in r["evals"]} for r in rs]))
             acc = {s: [next(e["accuracy"] for e in r["evals"] if e["step"] == s) for r in rs] for s in steps}
             per_step = [s["wall_s"] for r in rs for s in r["steps"]]
@@ -207,7 +228,8 @@ def summarise(recs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                              "acc": {s: (sum(v) / len(v), min(v), max(v)) for s, v in acc.items()},
                              "step_s": sum(per_step) / len(per_step),
                              "to_step_s": {s: sum(_cum(r, s) for r in rs) / len(rs) for s in steps},
-                             "reward": [sum(s["reward_mean"] or 0 for s in r["steps"]) / len(r["steps"]) for r in rs]}
+                             "reward": [sum(s["reward_mean"] or 0 for s in r["steps"]) / len(r["steps"]) for r in rs],
+                             "reward_last": [_last_quarter(r) for r in rs]}
         if "trl" in by_tool:
             target = by_tool["trl"]["acc"][max(by_tool["trl"]["acc"])][0]
             for tool, t in by_tool.items():
@@ -221,10 +243,10 @@ def summarise(recs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def table(summary: dict[str, dict[str, Any]]) -> str:
     lines = []
     for task, by_tool in summary.items():
-        tools = [t for t in TOOLS if t in by_tool]
+        tools = [t for t in by_tool if t != "target"]
         steps = sorted({s for t in tools for s in by_tool[t]["acc"]})
-        head = ["tool", "seeds"] + [f"acc @ {s}" for s in steps] + ["s / step", "train s (all steps)",
-                                                                   "reaches TRL's final acc"]
+        head = ["tool", "seeds"] + [f"acc @ {s}" for s in steps] + ["train reward, last quarter", "s / step",
+                                                                   "train s (all steps)", "reaches TRL's final acc"]
         rows = []
         for tool in tools:
             t = by_tool[tool]
@@ -233,7 +255,8 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
                 m = t["acc"].get(s)
                 cells.append(f"{m[0]:.3f} ({m[1]:.3f}-{m[2]:.3f})" if m else "-")
             reach = t.get("reach")
-            cells += [f"{t['step_s']:.2f}", f"{t['to_step_s'][max(t['to_step_s'])]:.0f}",
+            last = t["reward_last"]
+            cells += [f"{sum(last) / len(last):.3f} ({min(last):.3f}-{max(last):.3f})", f"{t['step_s']:.2f}", f"{t['to_step_s'][max(t['to_step_s'])]:.0f}",
                       (f"step {reach[0]}, {reach[1]:.0f} s" if reach else "not reached") if "target" in by_tool
                       else "-"]
             rows.append(cells)
@@ -252,8 +275,12 @@ def plot(recs: list[dict[str, Any]], folder: Path) -> list[Path]:
     written = []
     for task in sorted({r["task"] for r in recs}):
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-        for tool, colour in zip(TOOLS, ("tab:blue", "tab:orange")):
-            for i, r in enumerate(rr for rr in recs if rr["task"] == task and rr["tool"] == tool):
+        names = labels_in_order(label(r) for r in recs if r["task"] == task)
+        colours = {n: c for n, c in zip(names, ("tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown"))}
+        colours["trl"] = "tab:orange"
+        for tool in names:
+            colour = colours.get(tool, "tab:gray")
+            for i, r in enumerate(rr for rr in recs if rr["task"] == task and label(rr) == tool):
                 ev = sorted(r["evals"], key=lambda e: e["step"])
                 label = tool if i == 0 else None
                 axes[0].plot([e["step"] for e in ev], [e["accuracy"] for e in ev], "o-", color=colour, alpha=.7,
@@ -289,11 +316,22 @@ def main() -> None:
     ap.add_argument("--gsm8k-questions", choices=("arithmetic", "real"), default="arithmetic",
                     help="the gsm8k task's questions: level-2 arithmetic problems (default) or GSM8K's own")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    ap.add_argument("--edgerl-set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="more settings for edgerl's runs (after the bench's own); needs --variant")
+    ap.add_argument("--variant", default=None, help="a name for those settings: the results are "
+                    "TASK_edgerl-VARIANT_seedN.json, a row of their own in the summary (edgerl's runs only)")
     ap.add_argument("--summary", nargs="+", default=None, help="result JSONs or folders: print the table")
     ap.add_argument("--plot", default=None, help="with --summary: write learning_<task>.png here")
     bl.add_run_args(ap, budget_s=1e9, min_run_s=60, smoke="a tiny random model, 2 steps of each tool (CPU)",
                     skip_done=False)
     args = ap.parse_args()
+    if args.edgerl_set and not args.variant:
+        ap.error("--edgerl-set needs --variant NAME: the results of other settings need a name of their own")
+    if args.variant:
+        if not re.fullmatch(r"[A-Za-z0-9.-]+", args.variant):
+            ap.error(f"--variant {args.variant!r}: use letters, digits, '.' and '-' (it names the result files)")
+        if args.tools != ["edgerl"]:
+            ap.error("--variant applies to edgerl's runs: add --tools edgerl")
     if args.summary:
         recs = load_records(args.summary)
         if not recs:
@@ -313,7 +351,7 @@ def main() -> None:
     model = model_folder(args.model, args.smoke, work, args.tokenizer)
     for seed in args.seeds:           # seed by seed: a budget that runs out leaves both tools with equal seeds
         for tool in args.tools:
-            path = out_dir / f"{task.name}_{tool}_seed{seed}.json"
+            path = out_dir / f"{task.name}_{tool}{'-' + args.variant if args.variant else ''}_seed{seed}.json"
             if path.exists() and json.loads(path.read_text()).get("status") == "ok":
                 print(f"{path.name}: there already", flush=True)
                 continue

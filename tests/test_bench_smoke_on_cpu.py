@@ -497,8 +497,8 @@ def test_learning_summary_finds_when_each_tool_reaches_trls_final_accuracy(tmp_p
     assert s["edgerl"]["acc"][12] == (pytest.approx(0.85), 0.8, 0.9) and s["edgerl"]["seeds"] == [0, 1]
     assert s["edgerl"]["reach"] == (12, 24.0) and s["trl"]["reach"] == (24, 240.0)
     text = b.table({"arithmetic": s})
-    assert "| edgerl | 2 | 0.500 (0.500-0.500) | 0.850 (0.800-0.900) | 0.900 (0.900-0.900) | 2.00 | 48 | step 12, 24 s |" \
-        in text
+    assert "| edgerl | 2 | 0.500 (0.500-0.500) | 0.850 (0.800-0.900) | 0.900 (0.900-0.900) | 0.500 (0.500-0.500) | 2.00 | 48 " \
+        "| step 12, 24 s |" in text
     worse = [_learning_record("edgerl", 0, (0.5, 0.6, 0.7), 2.0)] + recs[:2]
     assert "not reached" in b.table(b.summarise(worse))
 
@@ -580,3 +580,23 @@ def test_bench_agents_gives_trl_the_reward_edgerl_gets():
     assert scores[2] == benchlib.reward(solution_str="plain aeiou text")
     text = " hmm hmm hmm" + json.dumps(call["function"]) + "x y z"
     assert scores[0] == pytest.approx(benchlib.reward(solution_str=text))
+
+
+def test_bench_learning_summarises_an_edgerl_variant_in_a_row_of_its_own():
+    """--variant NAME --edgerl-set ...: edgerl with other settings, a row of its own between edgerl and TRL,
+    with the training reward over the last quarter of the steps (the mean over seeds, min-max)."""
+    import bench_learning as b
+
+    def rec(tool, seed, rewards, acc, variant=None):
+        steps = [{"step": i + 1, "wall_s": 0.5, "reward_mean": r} for i, r in enumerate(rewards)]
+        return {"task": "arithmetic", "tool": tool, "variant": variant, "seed": seed, "device": "cpu",
+                "machine": "cpu", "steps": steps, "evals": [{"step": 0, "accuracy": 0.5}, {"step": 4, "accuracy": acc}]}
+
+    recs = [rec("edgerl", 0, [0, 0, 0.2, 0.4], 0.75), rec("trl", 0, [0, 0, 0, 0.6], 0.8),
+            rec("edgerl", 0, [0, 0, 0, 1.0], 0.9, variant="hf"), rec("edgerl", 1, [0, 0, 0, 0.0], 0.7, variant="hf")]
+    summary = b.summarise(recs)["arithmetic"]
+    assert [k for k in summary if k != "target"] == ["edgerl", "edgerl:hf", "trl"]
+    assert summary["edgerl:hf"]["reward_last"] == [1.0, 0.0] and summary["edgerl"]["reward_last"] == [0.4]
+    assert summary["edgerl:hf"]["reach"] == (4, 2.0) and summary["edgerl"]["reach"] is None
+    rows = [ln for ln in b.table(b.summarise(recs)).splitlines() if ln.startswith("| edgerl:hf")]
+    assert rows and "| 2 |" in rows[0] and "0.500 (0.000-1.000)" in rows[0], rows
