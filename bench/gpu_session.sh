@@ -82,7 +82,8 @@
 #   learning 560   bench_learning: edgerl against TRL's GRPOTrainer on SmolLM2-135M-Instruct's real weights, TASK
 #                  (arithmetic or gsm8k; one task a call), SEEDS (default 0 1 2), each run alone on the GPU, then
 #                  the table (--summary) and the curves in $OUT/learning/; runs finished in an earlier call on the
-#                  machine still held are kept (the budget cut the rest: call again). The weights: GGUF, the path of
+#                  machine still held are kept (the budget cut the rest: call again); LEARNING_ARGS: more options (e.g.
+#                  "--tools edgerl --variant hf --edgerl-set plan.rollout_engine=hf-generate"). The weights: GGUF, the path of
 #                  SmolLM2-135M-Instruct.Q4_1.gguf carried to the machine (converted once into the cache); a call
 #                  that finds the cache folder already there (the machine still held) needs no GGUF
 #   tests-real 200 tests/test_real_weights_cuda.py: the static engine against HF on the same weights (GGUF as
@@ -176,7 +177,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               i=0; IFS=';' read -ra jobs <<< \"\${VS_JOBS:-}\"; for j in \"\${jobs[@]}\"; do i=\$((i + 1)); mkdir -p $w-vs\$i; ln -sfn $w/models $w-vs\$i/models;
                   timeout -k 5 \$(( left + 10 )) python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w-vs\$i --budget-s \$left --shared-gpu \$j --out $OUT/bench_vs_trl_long\${i}$x.json > $LOGS/vs\${i}$x.log 2>&1 & done;
               ${LONG_ROWS:+python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} --only $LONG_ROWS ${LONG_ARGS:-} --timeout \$(( left - 30 )) --budget-s \$left --tokenizer $TOK --work $w --out $OUT/bench_long$x.json;} wait" ;;
-        learning) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF > $REAL_MODEL_AT &&} python3 bench/bench_learning.py --task ${TASK:-arithmetic} --seeds ${SEEDS:-0 1 2} --device cuda --model \$(tail -1 $REAL_MODEL_AT) --budget-s $(( b - 15 )) --work $w-learning --out $w-learning/results;
+        learning) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF > $REAL_MODEL_AT &&} python3 bench/bench_learning.py --task ${TASK:-arithmetic} --seeds ${SEEDS:-0 1 2} --device cuda --model \$(tail -1 $REAL_MODEL_AT) ${LEARNING_ARGS:-} --budget-s $(( b - 15 )) --work $w-learning --out $w-learning/results;
               mkdir -p $OUT/learning; cp $w-learning/results/*.json $OUT/learning/; python3 bench/bench_learning.py --summary $OUT/learning --plot $OUT/learning" ;;
         tests-real) echo "${GGUF:+python3 -m edgerl.models.embedded $GGUF > $REAL_MODEL_AT &&} EDGERL_REAL_MODEL=\$(tail -1 $REAL_MODEL_AT) python3 -m pytest -q -p no:cacheprovider -rs tests/test_real_weights_cuda.py 2>&1 | tee $OUT/tests_real$x.log | tail -30" ;;
         archs) echo "python3 bench/bench_architectures.py --out $OUT/bench_architectures$x.json" ;;
