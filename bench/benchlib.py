@@ -13,6 +13,7 @@
     python bench/benchlib.py build SHAPE TOKENIZER OUT [DTYPE]     # one model folder
     python bench/benchlib.py ensure WORK TOKENIZER SHAPE            # WORK/models/SHAPE-bf16 unless it is there
     python bench/benchlib.py edgerl SPEC.json                        # one edgerl run (a child)
+    python bench/benchlib.py statuses RESULT.json                    # "ok (N runs)", or the first run that failed
 """
 
 from __future__ import annotations
@@ -941,6 +942,20 @@ def versions() -> dict[str, str]:
     return out
 
 
+def run_statuses(path: Path) -> str:
+    """One line for a bench's result JSON: "ok (N runs)" when every run in it ended ok, else the first run that
+    did not, with its status (a shell loop stops on it)."""
+    if not path.exists():
+        return f"no result file {path}"
+    runs = json.loads(path.read_text()).get("runs") or {}
+    if not runs:
+        return f"no run in {path}"
+    for name, row in runs.items():
+        if not str(row.get("status", "")).startswith("ok"):
+            return f"{name}: {row.get('status')}"
+    return f"ok ({len(runs)} runs)"
+
+
 def main() -> None:
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "build":
@@ -952,6 +967,8 @@ def main() -> None:
         ensure_model(Path(work), shape, tokenizer, timeout=900)
     elif cmd == "edgerl":
         edgerl_child(sys.argv[2])
+    elif cmd == "statuses":
+        print(run_statuses(Path(sys.argv[2])))
     else:
         raise SystemExit(__doc__)
 

@@ -29,6 +29,9 @@
 #   trl-17b 300     bench_vs_trl 1.7b-bf16;   trl-p40 360: 362m-p40 and 1.7b-p40
 #   trl-qwen7b 330, trl-llama8b 360, trl-llama8b-p40 360, trl-qwen14b 240: the QLoRA groups; trl-qlora 560: all three
 #   trl-core 560, trl 560: several groups at once (more than one call holds; the budget stops them)
+#   trl-longest 560 TRL's longest response: bench_vs_trl --only LONGEST_GROUP:trl (default qwen7b-p40, under its
+#                   card's cap, edgerl's allocator settings; VS_ARGS=--trl-default-alloc adds torch's) for 2 steps at
+#                   each of LONGEST_TOKENS (default 512 1024 2048 4096 8192) new tokens, doubling until a run fails
 #   memory 400      bench_memory;   multi 480: bench_multi (two GPUs)
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
 #                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
@@ -139,6 +142,10 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               timeout -k 5 120 python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s 110 --only 1.7b-bf16-lora 1.7b-bf16-nf4 362m-bf16-grpo 1.7b-bf16-adamw-bf16 --out $OUT/bench_memory$x.json" ;;
         trl) echo "$vs --out $OUT/bench_vs_trl$x.json" ;;
         trl-1.7b) echo "$vs --only 1.7b-p40 --steps 3 --timeout 140 --out $OUT/bench_vs_trl_17b$x.json" ;;
+        trl-longest) echo "for n in ${LONGEST_TOKENS:-512 1024 2048 4096 8192}; do left=\$(( $t - 20 - SECONDS )); [ \$left -lt 60 ] && { echo \"TRL at \$n: not run, \$left s left\"; break; };
+                  timeout -k 5 \$left python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w --budget-s \$left --only ${LONGEST_GROUP:-qwen7b-p40}:trl --new-tokens \$n --steps 2 ${VS_ARGS:-} --out $OUT/trl_longest_\${n}$x.json > $LOGS/trl_longest_\${n}$x.log 2>&1;
+                  st=\$(python3 bench/benchlib.py statuses $OUT/trl_longest_\${n}$x.json); echo \"TRL at \$n new tokens: \$st\";
+                  case \$st in ok*) ;; *) break ;; esac; done" ;;
         optim) echo "python3 bench/bench_adamw_bf16.py --device cuda --params ${OPTIM_PARAMS:-1700} --host-params 362 --reps 5 --out $OUT/bench_adamw_bf16$x.json" ;;
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
@@ -196,7 +203,7 @@ limit_of() {
     case $1 in
         info) echo 60 ;; quick) echo 200 ;; measure) echo 90 ;; trl-frontier) echo 480 ;; trl-17b) echo 300 ;;
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
-        trl-1.7b) echo 150 ;; memory) echo 400 ;; optim) echo 120 ;;
+        trl-1.7b) echo 150 ;; trl-longest) echo 560 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; fp16-overflow) echo 200 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; selftest-fp16) echo 300 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
         fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; learning) echo 560 ;; tests-real) echo 200 ;; tests-agents) echo 120 ;; *) echo 560 ;;

@@ -600,3 +600,34 @@ def test_bench_learning_summarises_an_edgerl_variant_in_a_row_of_its_own():
     assert summary["edgerl:hf"]["reach"] == (4, 2.0) and summary["edgerl"]["reach"] is None
     rows = [ln for ln in b.table(b.summarise(recs)).splitlines() if ln.startswith("| edgerl:hf")]
     assert rows and "| 2 |" in rows[0] and "0.500 (0.000-1.000)" in rows[0], rows
+
+
+FAKE_VS_TRL = '''import json, sys
+args = sys.argv[1:]
+n, out = int(args[args.index("--new-tokens") + 1]), args[args.index("--out") + 1]
+status = "ok" if n < 2048 else "out of memory (CUDA): tried to allocate 2.00 GiB"
+open(out, "w").write(json.dumps({"meta": {}, "runs": {"qwen7b-p40/trl": {"status": status}}}))
+open(out + ".argv", "w").write(" ".join(args))
+'''
+
+
+def test_gpu_session_trl_longest_doubles_until_trl_fails(tmp_path):
+    """The trl-longest stage runs TRL's side at each length in turn and stops at the first that fails: what it
+    prints is the longest TRL trains at under the card's cap (here a stand-in for bench_vs_trl fails at 2048)."""
+    (tmp_path / "bench").mkdir()
+    for name in ("gpu_session.sh", "benchlib.py"):
+        (tmp_path / "bench" / name).write_text((BENCH / name).read_text())
+    (tmp_path / "bench" / "bench_vs_trl.py").write_text(FAKE_VS_TRL)
+    out = tmp_path / "out"
+    env = {**os.environ, "SKIP_INSTALL": "1", "OUT": str(out), "SESSION_BUDGET_S": "300",
+           "LONGEST_TOKENS": "512 1024 2048 4096", "WORK": str(tmp_path / "work")}
+    res = subprocess.run(["bash", str(tmp_path / "bench" / "gpu_session.sh"), "trl-longest"], env=env,
+                         capture_output=True, text=True, timeout=240)
+    log = (out / "session.log").read_text()
+    assert "TRL at 512 new tokens: ok (1 runs)" in log and "TRL at 1024 new tokens: ok (1 runs)" in log, log
+    assert "TRL at 2048 new tokens: qwen7b-p40/trl: out of memory" in log, log
+    assert "4096" not in log.split("TRL at 2048")[1] and not (out / "trl_longest_4096.json").exists()
+    argv = (out / "trl_longest_1024.json.argv").read_text()
+    assert "--only qwen7b-p40:trl --new-tokens 1024 --steps 2" in argv, argv
+    from benchlib import run_statuses
+    assert run_statuses(tmp_path / "missing.json").startswith("no result file")
