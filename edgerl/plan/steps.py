@@ -148,7 +148,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             kv_window=engine == "hf-generate" and not quant, sft=task.sft,
             # an episode's rows align at the longest on the static engine: its cache holds one turn more
             kv_extra=task.turn_len if engine == "static" or quant else 0,
-            episode_turn=task.turn_len, episode_reprefill=task.episodes and engine != "static" and not quant)
+            episode_turn=task.turn_len, episode_reprefill=task.episodes and engine == "hf-generate" and not quant)
 
     host = dev.host_memory if not dev.integrated else 0
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []
