@@ -23,8 +23,10 @@ recipes   each examples/recipes file with rollout.tools, 3 steps under its card'
 trl       the same GRPO step at Qwen3-1.7B widths on the whole GPU, bf16, 2 prompts x 8 episodes of up to 4
           turns of 256 tokens within 1024: edgerl's static engine (the KV cache kept between turns), edgerl
           on HF generate (each turn from the whole conversation: TRL's loop) and TRL's GRPOTrainer with
-          tools=[calculator] (HF generate), in one invocation; the rollout's seconds per step and the model's
-          tokens per second (TRL: its generation's wall time, read around its _generate)
+          tools=[calculator] (HF generate), in one invocation, the same reward on both sides; the rollout's
+          seconds per step and the model's tokens per second of rollout (TRL: its generation's wall time, read
+          around its _generate), at step 1 (the same weights on every side) and the median of the later steps
+          (each side's update changes its policy, and so its episodes' lengths)
 """
 
 from __future__ import annotations
@@ -311,6 +313,16 @@ def trl_child(spec_path: str) -> None:
     out.write_text(json.dumps(res, default=str))
 
 
+def tokens_per_s(per_step: list[dict[str, Any]], episodes: int) -> dict[str, Any]:
+    """The model's tokens a second of rollout: step 1's, and the median over the later steps (all steps where
+    there is one)."""
+    rates = [r["model_tokens_mean"] * episodes / r["rollout_s"] if r.get("rollout_s") and
+             r.get("model_tokens_mean") is not None else None for r in per_step]
+    first = per_step[0] if per_step else {}
+    return {"model_tokens_per_s": bl.med(rates[1:] or rates), "step1_rollout_s": first.get("rollout_s"),
+            "step1_model_tokens": first.get("model_tokens_mean"), "step1_model_tokens_per_s": rates[0] if rates else None}
+
+
 def run_trl_group(args, work: Path, data: Path, tokenizer: str, clock, results, log) -> None:
     from edgerl.plan.modelspec import CATALOGUE
     spec = CATALOGUE["qwen3-1.7b"]
@@ -339,10 +351,11 @@ def run_trl_group(args, work: Path, data: Path, tokenizer: str, clock, results, 
         res = bl.run_edgerl(name, bl.edgerl_spec(model, sets, run_dir, work / f"{name}.json"), work,
                             max(10, min(args.timeout, clock.left() - 5)))
         ep = episode_columns(res)
-        model_tokens = (ep.get("model_tokens_mean") or 0) * t["prompts"] * t["samples"]
+        per_step = [{"rollout_s": r["time/rollout_s"], "model_tokens_mean": r.get("rollout/model_tokens_mean")}
+                    for r in bl.read_run_folder(run_dir).get("rows", []) if r.get("step", 0) > 0 and "time/rollout_s" in r]
         rows[name] = {"run": name, "status": res.get("status"), "steps": res.get("steps_done"),
                       "rollout_s": res.get("median_rollout_s"), "step_s": res.get("median_step_s"),
-                      "model_tokens_per_s": model_tokens / res["median_rollout_s"] if res.get("median_rollout_s") else None,
+                      **tokens_per_s(per_step, t["prompts"] * t["samples"]), "per_step": per_step,
                       **ep, "plan": res.get("plan"), "message": str(res.get("error", ""))[:600]}
         results.put(name, rows[name])
         log(f"{name}: {rows[name]['status']}, rollout {bl.fmt(rows[name]['rollout_s'])} s/step, turns "
@@ -369,18 +382,28 @@ def run_trl_group(args, work: Path, data: Path, tokenizer: str, clock, results, 
         timed = srows[1:] or srows
         gen = bl.med([r.get("generate_s") for r in timed])
         length = bl.med([r.get("completions/mean_length") for r in timed])
+        # with tools, TRL's completions/mean_length counts the model's tokens only (its tool_mask)
+        per_step = [{"rollout_s": r.get("generate_s"), "model_tokens_mean": r.get("completions/mean_length")} for r in srows]
         rows["trl"] = {"run": f"trl {version}", "status": res.get("status"), "steps": len(srows), "rollout_s": gen,
                        "step_s": bl.med([r.get("step_s") for r in timed]), "completion_length_mean": length,
+                       "model_tokens_mean": length, **tokens_per_s(per_step, t["prompts"] * t["samples"]),
                        "step_rows": srows, "message": str(res.get("error", ""))[:600]}
         results.put("trl", rows["trl"])
         log(f"trl: {res.get('status')}, generation {bl.fmt(gen)} s/step, completion length {bl.fmt(length)}")
+    # > 1: edgerl's rollout makes the model's tokens faster. Step 1 samples from the same weights on both sides;
+    # later steps from what each side's update made of them (their episodes' lengths can part)
     ours, theirs = rows.get("edgerl-static", {}), rows.get("trl", {})
-    if ours.get("rollout_s") and theirs.get("rollout_s"):
-        results.data["trl_ratio"] = theirs["rollout_s"] / ours["rollout_s"]   # > 1: edgerl's rollout is faster
+    for key in ("model_tokens_per_s", "step1_model_tokens_per_s"):
+        if ours.get(key) and theirs.get(key):
+            results.data["trl_ratio" + ("_step1" if key.startswith("step1") else "")] = ours[key] / theirs[key]
     results.data["trl_table"] = bl.table(
-        ["run", "status", "rollout s/step", "step s", "turns", "model tokens/episode", "context tokens/episode"],
+        ["run", "status", "rollout s/step", "step s", "turns", "model tokens/episode", "context tokens/episode",
+         "model tokens/s", "step 1: rollout s, model tokens/episode, tokens/s"],
         [[r["run"], str(r["status"])[:40], bl.fmt(r.get("rollout_s")), bl.fmt(r.get("step_s")), bl.fmt(r.get("turns_mean")),
-          bl.fmt(r.get("model_tokens_mean"), "{:.0f}"), bl.fmt(r.get("context_tokens_mean"), "{:.0f}")]
+          bl.fmt(r.get("model_tokens_mean"), "{:.0f}"), bl.fmt(r.get("context_tokens_mean"), "{:.0f}"),
+          bl.fmt(r.get("model_tokens_per_s"), "{:.0f}"),
+          f"{bl.fmt(r.get('step1_rollout_s'))}, {bl.fmt(r.get('step1_model_tokens'), '{:.0f}')}, "
+          f"{bl.fmt(r.get('step1_model_tokens_per_s'), '{:.0f}')}"]
          for r in rows.values()])
     results.data["stand_in"] = info
     results.save()

@@ -560,6 +560,7 @@ def test_bench_agents_smoke_runs_a_tool_recipe_and_the_rollout_group(tmp_path):
         assert runs[name]["status"] == "ok" and runs[name]["turns_mean"] > 1 and runs[name]["tool_calls_mean"] > 0
         assert runs[name]["context_tokens_mean"] > 0 and runs[name]["rollout_s"] > 0
     assert runs["edgerl-static"]["rounds"] > 1   # the KV cache kept between turns
+    assert runs["edgerl-static"]["step1_model_tokens_per_s"] > 0 and runs["edgerl-static"]["per_step"]
     assert runs["trl"]["status"].startswith(("ok", "not run: TRL is not installed")), runs["trl"]
 
 
@@ -631,3 +632,18 @@ def test_gpu_session_trl_longest_doubles_until_trl_fails(tmp_path):
     assert "--only qwen7b-p40:trl --new-tokens 1024 --steps 2" in argv, argv
     from benchlib import run_statuses
     assert run_statuses(tmp_path / "missing.json").startswith("no result file")
+
+
+def test_bench_agents_compares_the_models_tokens_a_second_at_step_1_and_after():
+    """The rollout is compared by the model's tokens a second (episodes' lengths part after step 1, where each
+    side's update changes its policy): step 1's rate on its own, the later steps' median beside it."""
+    import bench_agents
+    per_step = [{"rollout_s": 3.27, "model_tokens_mean": 188.875}, {"rollout_s": 0.94, "model_tokens_mean": 44.875},
+                {"rollout_s": 0.74, "model_tokens_mean": 25.625}]
+    got = bench_agents.tokens_per_s(per_step, 16)
+    assert got["step1_model_tokens_per_s"] == pytest.approx(188.875 * 16 / 3.27)
+    assert got["model_tokens_per_s"] == pytest.approx((44.875 * 16 / 0.94 + 25.625 * 16 / 0.74) / 2)
+    assert (got["step1_rollout_s"], got["step1_model_tokens"]) == (3.27, 188.875)
+    one = bench_agents.tokens_per_s(per_step[:1], 16)
+    assert one["model_tokens_per_s"] == one["step1_model_tokens_per_s"]
+    assert bench_agents.tokens_per_s([{"rollout_s": None, "model_tokens_mean": 5}], 16)["model_tokens_per_s"] is None
