@@ -282,11 +282,11 @@ def plot(recs: list[dict[str, Any]], folder: Path) -> list[Path]:
             colour = colours.get(tool, "tab:gray")
             for i, r in enumerate(rr for rr in recs if rr["task"] == task and label(rr) == tool):
                 ev = sorted(r["evals"], key=lambda e: e["step"])
-                label = tool if i == 0 else None
+                legend = tool if i == 0 else None
                 axes[0].plot([e["step"] for e in ev], [e["accuracy"] for e in ev], "o-", color=colour, alpha=.7,
-                             label=label)
+                             label=legend)
                 axes[1].plot([_cum(r, e["step"]) for e in ev], [e["accuracy"] for e in ev], "o-", color=colour,
-                             alpha=.7, label=label)
+                             alpha=.7, label=legend)
         for ax, xl in zip(axes, ("step", "training seconds (evaluation and setup left out)")):
             ax.set_xlabel(xl)
             ax.set_ylabel("held-out accuracy (greedy)")

@@ -583,7 +583,7 @@ def test_bench_agents_gives_trl_the_reward_edgerl_gets():
     assert scores[0] == pytest.approx(benchlib.reward(solution_str=text))
 
 
-def test_bench_learning_summarises_an_edgerl_variant_in_a_row_of_its_own():
+def test_bench_learning_summarises_an_edgerl_variant_in_a_row_of_its_own(tmp_path):
     """--variant NAME --edgerl-set ...: edgerl with other settings, a row of its own between edgerl and TRL,
     with the training reward over the last quarter of the steps (the mean over seeds, min-max)."""
     import bench_learning as b
@@ -591,7 +591,8 @@ def test_bench_learning_summarises_an_edgerl_variant_in_a_row_of_its_own():
     def rec(tool, seed, rewards, acc, variant=None):
         steps = [{"step": i + 1, "wall_s": 0.5, "reward_mean": r} for i, r in enumerate(rewards)]
         return {"task": "arithmetic", "tool": tool, "variant": variant, "seed": seed, "device": "cpu",
-                "machine": "cpu", "steps": steps, "evals": [{"step": 0, "accuracy": 0.5}, {"step": 4, "accuracy": acc}]}
+                "machine": "cpu", "versions": {"trl": "1.16.0"}, "steps": steps,
+                "evals": [{"step": 0, "accuracy": 0.5}, {"step": 4, "accuracy": acc}]}
 
     recs = [rec("edgerl", 0, [0, 0, 0.2, 0.4], 0.75), rec("trl", 0, [0, 0, 0, 0.6], 0.8),
             rec("edgerl", 0, [0, 0, 0, 1.0], 0.9, variant="hf"), rec("edgerl", 1, [0, 0, 0, 0.0], 0.7, variant="hf")]
@@ -601,6 +602,7 @@ def test_bench_learning_summarises_an_edgerl_variant_in_a_row_of_its_own():
     assert summary["edgerl:hf"]["reach"] == (4, 2.0) and summary["edgerl"]["reach"] is None
     rows = [ln for ln in b.table(b.summarise(recs)).splitlines() if ln.startswith("| edgerl:hf")]
     assert rows and "| 2 |" in rows[0] and "0.500 (0.000-1.000)" in rows[0], rows
+    assert [p.name for p in b.plot(recs, tmp_path)] == ["learning_arithmetic.png"]   # a line per run, each row its colour
 
 
 FAKE_VS_TRL = '''import json, sys
