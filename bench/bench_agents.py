@@ -231,8 +231,9 @@ TRL_TASK = dict(prompts=2, samples=8, turns=4, turn=256, budget=1024)
 
 def episode_reward(completions, **_) -> list[float]:
     """TRL's side of the reward: benchlib's vowel share, on the episode's text after the prompt (the model's
-    turns, their tool calls and the tool results), as edgerl scores the decoded episode. Both sides learn the
-    same way on the stand-in (fewer thinking tokens), so their episodes stay comparable from step to step."""
+    turns, their tool calls and the tool results), as edgerl scores the decoded episode: both sides optimise the
+    same reward (on the stand-in, fewer thinking tokens). Their updates still differ, so only step 1 samples
+    from the same weights on both sides."""
     texts = []
     for c in completions:
         if isinstance(c, str):
