@@ -50,19 +50,19 @@ def run_turns(eng, prompts: list[list[int]], params: SamplingParams, generator, 
             rows = list(range(first, min(len(prompts), first + need)))
             if eng.device.type == "cuda":
                 with torch.cuda.device(eng.device):
-                    _chunk(eng, prompts, rows, mode, driver, info, driver.turn_tokens)
+                    _chunk(eng, prompts, rows, mode, driver, info)
             else:
-                _chunk(eng, prompts, rows, mode, driver, info, driver.turn_tokens)
+                _chunk(eng, prompts, rows, mode, driver, info)
             info["chunks"] += 1
     finally:
         eng.model.train(was_training)
     return info
 
 
-def _chunk(eng, prompts: list[list[int]], rows: list[int], mode, driver, info: dict, turn: int) -> None:
+def _chunk(eng, prompts: list[list[int]], rows: list[int], mode, driver, info: dict) -> None:
     s, dec, cuda = eng._state, eng.dec, eng.device.type == "cuda"
     B = len(rows)
-    cap = B * turn   # tokens a prefill between turns holds at once: the rows' share of one turn each
+    cap = B * driver.turn_tokens   # tokens a prefill between turns holds at once: one turn for each row
     chunk = [list(prompts[r]) for r in rows]
     mode = replace(mode, rows=B, full=B)
     t0 = time.perf_counter()
