@@ -78,6 +78,11 @@ def labels_in_order(names) -> list[str]:
         [n for n in ("trl",) if n in names]
 
 
+def run_name(task: str, tool: str, variant: Optional[str], seed: int) -> str:
+    """A run's name: its work folder's and, with .json, its result file's."""
+    return f"{task}_{tool}{'-' + variant if variant else ''}_seed{seed}"
+
+
 def commit() -> Optional[str]:
     """The checkout's commit, '+changes' after it where tracked files differ from it (the code that ran is not that
     commit's), or $EDGERL_COMMIT where the code is a copy without its git folder."""
@@ -153,7 +158,7 @@ def edgerl_record(res: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 
 
 def run_one(tool: str, task: lt.Task, seed: int, args, model: Path, work: Path, timeout: float) -> dict[str, Any]:
-    name = f"{task.name}_{tool}{'-' + args.variant if args.variant else ''}_seed{seed}"
+    name = run_name(task.name, tool, args.variant, seed)
     train, heldout = lt.rows_of(task, seed, Path(args.gsm8k) if args.gsm8k_questions == "real" else None)
     data = work / "data"
     train_p = lt.write_jsonl(data / f"{task.name}_seed{seed}_train.jsonl", train)
@@ -351,7 +356,7 @@ def main() -> None:
     model = model_folder(args.model, args.smoke, work, args.tokenizer)
     for seed in args.seeds:           # seed by seed: a budget that runs out leaves both tools with equal seeds
         for tool in args.tools:
-            path = out_dir / f"{task.name}_{tool}{'-' + args.variant if args.variant else ''}_seed{seed}.json"
+            path = out_dir / f"{run_name(task.name, tool, args.variant, seed)}.json"
             if path.exists() and json.loads(path.read_text()).get("status") == "ok":
                 print(f"{path.name}: there already", flush=True)
                 continue
