@@ -352,8 +352,8 @@ def run_trl_group(args, work: Path, data: Path, tokenizer: str, clock, results, 
         res = bl.run_edgerl(name, bl.edgerl_spec(model, sets, run_dir, work / f"{name}.json"), work,
                             max(10, min(args.timeout, clock.left() - 5)))
         ep = episode_columns(res)
-        per_step = [{"rollout_s": r["time/rollout_s"], "model_tokens_mean": r.get("rollout/model_tokens_mean")}
-                    for r in bl.read_run_folder(run_dir).get("rows", []) if r.get("step", 0) > 0 and "time/rollout_s" in r]
+        per_step = [{"rollout_s": s, "model_tokens_mean": r.get("rollout/model_tokens_mean")}
+                    for s, r in zip(res.get("rollout_s_steps") or [], res.get("metrics") or [])]
         rows[name] = {"run": name, "status": res.get("status"), "steps": res.get("steps_done"),
                       "rollout_s": res.get("median_rollout_s"), "step_s": res.get("median_step_s"),
                       **tokens_per_s(per_step, t["prompts"] * t["samples"]), "per_step": per_step,

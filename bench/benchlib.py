@@ -735,6 +735,7 @@ def summarise_edgerl(res: dict[str, Any], plan_json: Optional[dict[str, Any]], p
     out = {k: v for k, v in res.items() if k not in ("logs",)}
     out["steps_done"] = len(rows)
     out["step_s"] = [r.get("perf/step_s") for r in rows]
+    out["rollout_s_steps"] = [r.get("time/rollout_s") for r in rows]   # beside out["metrics"], row for row
     timed = [r for i, r in enumerate(rows[1:], start=2) if i != profiled] or rows[1:] or rows
     if profiled:
         out["profiled_step"] = f"step {profiled}: left out of the medians (the profiler slows it)"
