@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -67,6 +68,7 @@ class Trl:
     qlora: bool = False
     tag: str = "trl"
     alloc: str = "edgerl"           # "edgerl": the allocator settings edgerl sets for itself; "default": torch's own
+    tool: str = "trl"               # "unsloth": Unsloth's GRPO (its loader and patched GRPOTrainer), see UNSLOTH
 
 
 def alloc_env(alloc: str) -> dict[str, Optional[str]]:
@@ -109,6 +111,18 @@ GROUPS: dict[str, Group] = {
                          frontier=("trl",)),
     "qwen14b-p40": Group("qwen14b", "p40", tuple(QLORA), None, steps=3),
 }
+# Unsloth's GRPO beside TRL and edgerl (--unsloth): on the 1.7B row its full fine-tuning in bf16, on the T4 row its
+# QLoRA in fp16 (what it computes in on a T4, which has no bf16), each with what its GRPO notebooks turn on to save
+# memory: gradient checkpointing "unsloth" (activations in host memory) and 8-bit AdamW; no vLLM
+# (fast_inference=False: vLLM is not on the GPU machine), so its rollout is transformers' generate as patched by
+# Unsloth. Not on the P40 rows: Unsloth's Triton kernels need compute capability 7.0 and a P40 is 6.1.
+UNSLOTH: dict[str, Trl] = {
+    "1.7b-bf16": Trl("bf16", tag="unsloth", tool="unsloth"),
+    "llama8b-t4": Trl("fp16", cap="t4", qlora=True, tag="unsloth", tool="unsloth"),
+}
+UNSLOTH_OPTIM = "adamw_8bit"
+PEERS = {"trl": "TRL", "unsloth": "Unsloth"}   # a run's side -> the peer's name
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMOKE_DEFAULT = ["362m-bf16", "qwen7b-p40"]
 SMOKE_FRONTIER = ("2", "trl")   # a GPU run refuses a budget under its CUDA context (880 MiB)
 
@@ -116,7 +130,8 @@ SMOKE_FRONTIER = ("2", "trl")   # a GPU run refuses a budget under its CUDA cont
 # ------------------------------------------------------------------------------------- TRL's side
 
 def trl_child(spec_path: str) -> None:
-    """TRL's GRPOTrainer on the spec's model; writes the result JSON, and OUT.partial after each step."""
+    """TRL's GRPOTrainer on the spec's model (or Unsloth's, where the spec's tool is "unsloth"); writes the
+    result JSON, and OUT.partial after each step."""
     spec = json.loads(Path(spec_path).read_text())
     mem = bl.DeviceMemory()
     out = Path(spec["out"])
@@ -129,6 +144,10 @@ def trl_child(spec_path: str) -> None:
         if spec["cap"] and cuda:
             from edgerl.train.session import cap_memory
             res["emulation"] = cap_memory(spec["cap"])
+        unsloth = spec.get("tool") == "unsloth"
+        if unsloth:
+            import unsloth as unsloth_pkg  # first, as its docs say: it patches transformers and TRL on import
+            res["unsloth_version"] = getattr(unsloth_pkg, "__version__", None)
         from datasets import Dataset
         from transformers import AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
@@ -136,7 +155,12 @@ def trl_child(spec_path: str) -> None:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[prec]
         tok = AutoTokenizer.from_pretrained(spec["model"])
         kwargs: dict[str, Any] = {}
-        if spec["qlora"]:
+        model: Any = spec["model"]
+        extra: dict[str, Any] = {"model_init_kwargs": {"dtype": dtype, "attn_implementation": spec["attention"]}}
+        if unsloth:
+            model, tok = unsloth_model(spec, dtype)
+            extra = {"optim": UNSLOTH_OPTIM}
+        elif spec["qlora"]:
             from peft import LoraConfig
             from transformers import BitsAndBytesConfig
             kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -150,9 +174,8 @@ def trl_child(spec_path: str) -> None:
                           num_generations=8, max_completion_length=spec["new_tokens"], beta=0.04, learning_rate=1e-6,
                           max_steps=n, logging_steps=1, save_strategy="no", report_to=[], bf16=prec == "bf16",
                           fp16=prec == "fp16", temperature=1.0, use_cpu=not cuda, gradient_accumulation_steps=1,
-                          use_vllm=False, seed=0, model_init_kwargs={"dtype": dtype,
-                                                                     "attn_implementation": spec["attention"]})
-        res["config"] = {"gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16,
+                          use_vllm=False, seed=0, **extra)
+        res["config"] = {"tool": spec.get("tool", "trl"), "optim": str(args.optim), "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16,
                          "fp16": args.fp16, "generation_batch_size": args.generation_batch_size,
                          "num_generations": args.num_generations, "loss_type": args.loss_type,
                          "attention": spec["attention"], "model_dtype": str(dtype), "qlora": spec["qlora"]}
@@ -176,7 +199,7 @@ def trl_child(spec_path: str) -> None:
                 steps.append({"step_s": time.perf_counter() - self.t, **row})
                 partial()
 
-        trainer = GRPOTrainer(model=spec["model"], reward_funcs=[trl_reward], args=args, train_dataset=ds,
+        trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward], args=args, train_dataset=ds,
                               processing_class=tok, callbacks=[Clock()], **kwargs)
         res["trainable_params"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         res["setup_s"] = time.time() - start
@@ -198,6 +221,22 @@ def trl_child(spec_path: str) -> None:
     res["step_rows"] = steps
     res["wall_s"] = time.time() - start
     out.write_text(json.dumps(res, default=str))
+
+
+def unsloth_model(spec: dict, dtype: Any) -> tuple[Any, Any]:
+    """The model and tokenizer as Unsloth's GRPO notebooks load them, without vLLM: its loader (4-bit NF4 for
+    QLoRA, else full fine-tuning), gradient checkpointing "unsloth", and for QLoRA its LoRA on the seven
+    projections with the same rank and alpha as the other sides."""
+    from unsloth import FastLanguageModel
+    model, tok = FastLanguageModel.from_pretrained(
+        model_name=spec["model"], max_seq_length=1024 + spec["new_tokens"], dtype=dtype, load_in_4bit=spec["qlora"],
+        full_finetuning=not spec["qlora"], fast_inference=False, use_gradient_checkpointing="unsloth",
+        random_state=0)
+    if spec["qlora"]:
+        model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0, bias="none",
+                                                 target_modules=LORA_TARGETS, use_gradient_checkpointing="unsloth",
+                                                 random_state=0)
+    return model, tok
 
 
 def trl_reward(completions, **_):
@@ -222,8 +261,10 @@ def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: P
             shared_gpu: bool = False) -> dict:
     out = work / f"{name.replace('/', '_')}.json"
     env = alloc_env(t.alloc)
+    if t.tool == "unsloth":
+        env.update(unsloth_env())
     spec = {"model": str(model), "precision": t.precision, "cap": t.cap, "qlora": t.qlora, "steps": steps,
-            "new_tokens": new_tokens, "attention": "sdpa", "out": str(out), "alloc_env": env}
+            "new_tokens": new_tokens, "attention": "sdpa", "out": str(out), "alloc_env": env, "tool": t.tool}
     spec_path = work / f"{name.replace('/', '_')}.spec.json"
     spec_path.write_text(json.dumps(spec))
     for p in (out, Path(str(out) + ".partial")):
@@ -262,6 +303,17 @@ def run_trl(name: str, model: Path, t: Trl, steps: int, new_tokens: int, work: P
     return res
 
 
+def unsloth_env() -> dict[str, Optional[str]]:
+    """Unsloth's child process: $EDGERL_UNSLOTH_PATH (site folders holding Unsloth and the TRL and datasets versions
+    it requires, which differ from TRL's side) ahead of the Python path; no network (the GPU machine has none, and
+    Unsloth would otherwise fetch a file from the Hub for its usage statistics)."""
+    env: dict[str, Optional[str]] = {"HF_HUB_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1"}
+    extra = os.environ.get("EDGERL_UNSLOTH_PATH")
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 # ------------------------------------------------------------------------------------- the groups
 
 def budget_for(item: str, trl: Optional[dict]) -> tuple[Optional[float], Optional[str], str]:
@@ -277,14 +329,16 @@ def budget_for(item: str, trl: Optional[dict]) -> tuple[Optional[float], Optiona
 
 
 def runs_of(gname: str, g: Group, frontier: tuple[str, ...], edgerl_only: bool = False,
-            trl_only: bool = False, trl_default: bool = False) -> list[tuple[str, Any]]:
+            trl_only: bool = False, trl_default: bool = False, unsloth: bool = False) -> list[tuple[str, Any]]:
     """The group's runs in order, each (name, what): TRL's main run (a Trl), edgerl with its own plan (None),
     edgerl at each frontier budget (the item), TRL's other runs. edgerl_only (GROUP:edgerl): no TRL run, nor a
     budget taken from TRL's memory; trl_only (GROUP:trl): TRL's main run alone; trl_default: TRL once more with
-    torch's own allocator settings (its main run has edgerl's), after TRL's main run."""
+    torch's own allocator settings (its main run has edgerl's), after TRL's main run; unsloth: Unsloth's run
+    (UNSLOTH, where the group has one) after TRL's."""
     main = [(f"{gname}/{g.trl.tag}", g.trl)] if g.trl and not edgerl_only else []
     default = [(f"{gname}/{g.trl.tag}-default-alloc", replace(g.trl, alloc="default", tag=f"{g.trl.tag}-default-alloc"))
                ] if g.trl and trl_default and not edgerl_only else []
+    main += [(f"{gname}/unsloth", UNSLOTH[gname])] if unsloth and gname in UNSLOTH and not edgerl_only else []
     if trl_only:
         return main + default
     runs: list[tuple[str, Any]] = main + default
@@ -310,7 +364,8 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
             frontier = SMOKE_FRONTIER
     if g.shape in QLORA_SHAPES and args.frontier_qlora is not None:
         frontier = tuple(b for b in args.frontier_qlora.split(",") if b)
-    plan_runs = runs_of(gname, g, frontier, gname in args.edgerl_only, gname in args.trl_only, args.trl_default_alloc)
+    plan_runs = runs_of(gname, g, frontier, gname in args.edgerl_only, gname in args.trl_only, args.trl_default_alloc,
+                        args.unsloth)
     todo = [(n, w) for n, w in plan_runs if n not in args.skip
             and not (args.skip_done and results.runs.get(n, {}).get("status") == "ok")]
     if not todo:
@@ -342,7 +397,7 @@ def run_group(gname: str, g: Group, args, work: Path, results: bl.Results, clock
                 "speed_on": args.device + (f": a {profile}'s memory, not its speed" if cuda and g.profile else "")}
         if isinstance(what, Trl):
             res = run_trl(name, model, what, steps, new_tokens, work, timeout, args.shared_gpu)
-            res["side"] = "trl"
+            res["side"] = what.tool
             if what is g.trl:
                 trl_main = res
         else:
@@ -390,8 +445,8 @@ def checks(runs: dict[str, dict], args) -> list[str]:
             bad.append(f"{name}: {r.get('steps_done')} steps done, {r.get('steps')} asked")
         if r.get("side") == "edgerl" and r.get("sequences_per_step") not in (None, 16):
             bad.append(f"{name}: {r.get('sequences_per_step')} sequences per step, not 16")
-        if r.get("side") == "trl" and (r.get("config") or {}).get("generation_batch_size") != 16:
-            bad.append(f"{name}: TRL generated {(r.get('config') or {}).get('generation_batch_size')} per step, not 16")
+        if r.get("side") in PEERS and (r.get("config") or {}).get("generation_batch_size") != 16:
+            bad.append(f"{name}: {PEERS[r['side']]} generated {(r.get('config') or {}).get('generation_batch_size')} per step, not 16")
         if r.get("within_budget") is False:
             bad.append(f"{name}: used {r['measured_gib']:.2f} GiB of device memory, over its plan budget "
                        f"{r['memory_gib']} GiB")
@@ -405,39 +460,48 @@ def checks(runs: dict[str, dict], args) -> list[str]:
         models = {json.dumps(r.get("model"), sort_keys=True) for r in rs if r.get("model")}
         if len(models) > 1:
             bad.append(f"{g}: the runs used different model folders: {models}")
-        trl = runs.get(f"{g}/trl") or {}
         edge = runs.get(f"{g}/edgerl") or {}
-        if trl.get("trainable_params") and edge.get("plan"):
-            lora = (edge["plan"] or {}).get("lora")
-            mine = lora["params"] if lora else edge.get("model_params")
-            if mine != trl["trainable_params"]:
-                bad.append(f"{g}: edgerl trains {mine:,} parameters, TRL {trl['trainable_params']:,}: not the same "
-                           f"{'adapter' if lora else 'model'}")
+        for side, who in PEERS.items():
+            peer = runs.get(f"{g}/{side}") or {}
+            if peer.get("trainable_params") and edge.get("plan"):
+                lora = (edge["plan"] or {}).get("lora")
+                mine = lora["params"] if lora else edge.get("model_params")
+                if mine != peer["trainable_params"]:
+                    bad.append(f"{g}: edgerl trains {mine:,} parameters, {who} {peer['trainable_params']:,}: not the "
+                               f"same {'adapter' if lora else 'model'}")
     return bad
+
+
+def ratio(r: dict, peer: dict, key: str) -> str:
+    """r's figure over the peer's, for a run that is not the peer's own main run."""
+    return f"{r[key] / peer[key]:.2f}x" if r is not peer and r.get(key) and peer.get(key) else "-"
 
 
 def report(runs: dict[str, dict]) -> str:
     rows = []
+    unsloth = any(r.get("side") == "unsloth" for r in runs.values())
     for name, r in runs.items():
         trl = runs.get(f"{r.get('group')}/trl") or {}
-        ratio = (f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x" if r.get("side") == "edgerl"
-                 and r.get("tokens_per_s") and trl.get("tokens_per_s") else "-")
-        mem_ratio = (f"{r['measured_gib'] / trl['measured_gib']:.2f}x" if r.get("side") == "edgerl"
-                     and r.get("measured_gib") and trl.get("measured_gib") else "-")
+        uns = runs.get(f"{r.get('group')}/unsloth") or {}
+        mine = r.get("side") in ("edgerl", "unsloth")
+        vs_trl = ratio(r, trl, "tokens_per_s") if mine else "-"
+        mem_ratio = ratio(r, trl, "measured_gib") if mine else "-"
+        vs_uns = [ratio(r, uns, "tokens_per_s") if r.get("side") == "edgerl" else "-"] if unsloth else []
         p = r.get("plan") or {}
         plan = (f"{(p.get('dtype') or {}).get('compute', '?')} {p.get('optimizer')}"
                 + (" lora" if p.get("lora") else "") + (f" base {p.get('base_dtype')}" if p.get("base_dtype") else "")
                 + (" ckpt" if p.get("grad_checkpointing") else "") + f" mb{p.get('micro_batch')}"
                 + (" swap" if p.get("swap_models") else "") + (" opt-off" if p.get("optimizer_offload") else "")
                 + (" param-off" if p.get("param_offload") else "")) if p else (
-            f"TRL {(r.get('config') or {}).get('model_dtype', '')}" if r.get("side") == "trl" else "-")
+            f"{PEERS[r['side']]} {(r.get('config') or {}).get('model_dtype', '')}" if r.get("side") in PEERS else "-")
         est = (f"{r['estimate_gib']:.2f} ({bl.fmt(r.get('estimate_error'), '{:+.0%}')})"
                if r.get("estimate_gib") is not None else "-")
         rows.append([name, r.get("status", "-")[:40], bl.fmt(r.get("median_step_s")),
-                     bl.fmt(r.get("tokens_per_s"), "{:.0f}"), ratio, bl.fmt(r.get("peak_allocated_gib")),
+                     bl.fmt(r.get("tokens_per_s"), "{:.0f}"), vs_trl, *vs_uns, bl.fmt(r.get("peak_allocated_gib")),
                      bl.fmt(r.get("peak_reserved_gib")), bl.fmt(r.get("measured_gib")), mem_ratio,
                      bl.fmt(r.get("memory_gib"), "{:g}"), est, plan, r.get("speed_on", "-")])
-    return bl.table(["run", "status", "s/step", "tok/s", "tok/s vs TRL", "peak alloc GiB", "peak reserved GiB",
+    return bl.table(["run", "status", "s/step", "tok/s", "tok/s vs TRL", *(["vs Unsloth"] if unsloth else []),
+                     "peak alloc GiB", "peak reserved GiB",
                      "device GiB", "device vs TRL", "plan budget GiB", "estimate GiB (error)", "plan",
                      "speed measured on"], rows)
 
@@ -461,6 +525,9 @@ def main() -> None:
     ap.add_argument("--trl-default-alloc", action="store_true",
                     help="also run TRL with torch's own allocator settings (its main run has the ones edgerl sets "
                          "for itself: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    ap.add_argument("--unsloth", action="store_true",
+                    help="also run Unsloth's GRPO where a group has it (1.7b-bf16, llama8b-t4), from the Python path "
+                         "plus $EDGERL_UNSLOTH_PATH (Unsloth wants TRL <= 1.15 and datasets < 5)")
     ap.add_argument("--skip", nargs="*", default=[], help="runs not to start, by name (llama8b-t4/trl-fp16)")
     ap.add_argument("--edgerl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more --set for every edgerl run (e.g. run.profile_step=3: that step's profile "

@@ -14,6 +14,7 @@
     python bench/benchlib.py ensure WORK TOKENIZER SHAPE            # WORK/models/SHAPE-bf16 unless it is there
     python bench/benchlib.py edgerl SPEC.json                        # one edgerl run (a child)
     python bench/benchlib.py statuses RESULT.json                    # "ok (N runs)", or the first run that failed
+    python bench/benchlib.py drop-from-wheel WHEEL OUTDIR PREFIX...  # the wheel without the files under PREFIX
 """
 
 from __future__ import annotations
@@ -957,6 +958,26 @@ def run_statuses(path: Path) -> str:
     return f"ok ({len(runs)} runs)"
 
 
+def drop_from_wheel(wheel: Path, out: Path, prefixes: list[str]) -> str:
+    """A copy of `wheel` in folder `out` without the files under `prefixes` (and their RECORD lines): Unsloth's wheel
+    carries its Studio web UI (studio/, 25 MiB of its 27), which the library never imports, and a GPU call carries
+    64 MiB in all. Everything else is copied byte for byte."""
+    import zipfile
+    out.mkdir(parents=True, exist_ok=True)
+    dropped = 0
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out / wheel.name, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if info.filename.startswith(tuple(prefixes)):
+                dropped += 1
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(ln for ln in data.splitlines(keepends=True)
+                                if not ln.decode().startswith(tuple(prefixes)))
+            dst.writestr(info, data)
+    return f"{out / wheel.name}: {dropped} files under {', '.join(prefixes)} left out"
+
+
 def main() -> None:
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "build":
@@ -970,6 +991,8 @@ def main() -> None:
         edgerl_child(sys.argv[2])
     elif cmd == "statuses":
         print(run_statuses(Path(sys.argv[2])))
+    elif cmd == "drop-from-wheel":
+        print(drop_from_wheel(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]))
     else:
         raise SystemExit(__doc__)
 

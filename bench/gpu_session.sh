@@ -32,6 +32,12 @@
 #   trl-longest 560 TRL's longest response: bench_vs_trl --only LONGEST_GROUP:trl (default qwen7b-p40, under its
 #                   card's cap, edgerl's allocator settings; VS_ARGS=--trl-default-alloc adds torch's) for 2 steps at
 #                   each of LONGEST_TOKENS (default 512 1024 2048 4096 8192) new tokens, doubling until a run fails
+#   unsloth 560     Unsloth's GRPO beside TRL and edgerl (bench_vs_trl --unsloth; UNSLOTH_GROUPS, default 1.7b-bf16
+#                   llama8b-t4, GROUP:trl for the peers alone) in an environment of its own (/tmp/site-unsloth ahead of
+#                   the path: Unsloth 2026.10.9 wants TRL <= 1.15 and datasets < 5), from the wheels in .carry/unsloth*/
+#                   (unsloth without its Studio web UI, unsloth_zoo, trl 1.15.0, datasets 4.8.5, xformers, torchao,
+#                   cut_cross_entropy, msgspec, tyro, structlog, json5; bitsandbytes from .whl): more than one call
+#                   carries, so a call on the machine still held gathers what an earlier one brought (/tmp/unsloth-wheels)
 #   memory 400      bench_memory;   multi 480: bench_multi (two GPUs)
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
 #                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
@@ -115,6 +121,8 @@ fi
 if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: edgerl is installed already (a check of this script elsewhere)
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
 fi
+UNSLOTH_WHEELS=/tmp/unsloth-wheels   # wheels for Unsloth's environment, gathered from every call (.carry/unsloth*/)
+for d in .carry/unsloth*/; do [ -d "$d" ] && mkdir -p $UNSLOTH_WHEELS && cp "$d"*.whl $UNSLOTH_WHEELS/ 2>/dev/null; done
 STATUS="$LOGS/stages.tsv"; : >"$STATUS"
 
 stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's command line
@@ -142,6 +150,9 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               timeout -k 5 120 python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s 110 --only 1.7b-bf16-lora 1.7b-bf16-nf4 362m-bf16-grpo 1.7b-bf16-adamw-bf16 --out $OUT/bench_memory$x.json" ;;
         trl) echo "$vs --out $OUT/bench_vs_trl$x.json" ;;
         trl-1.7b) echo "$vs --only 1.7b-p40 --steps 3 --timeout 140 --out $OUT/bench_vs_trl_17b$x.json" ;;
+        unsloth) echo "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-unsloth $UNSLOTH_WHEELS/*.whl > $LOGS/install_unsloth$x.log 2>&1 || { tail -20 $LOGS/install_unsloth$x.log; exit 1; };
+                  PYTHONPATH=/tmp/site-unsloth:\${PYTHONPATH:-} HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 python3 -c 'import unsloth, trl, datasets; print(\"unsloth\", unsloth.__version__, \"trl\", trl.__version__, \"datasets\", datasets.__version__)' 2>&1 | tail -25;
+                  EDGERL_UNSLOTH_PATH=/tmp/site-unsloth $vs --unsloth --only ${UNSLOTH_GROUPS:-1.7b-bf16 llama8b-t4} --out $OUT/bench_vs_trl_unsloth$x.json" ;;
         trl-longest) echo "for n in ${LONGEST_TOKENS:-512 1024 2048 4096 8192}; do left=\$(( $t - 20 - SECONDS )); [ \$left -lt 60 ] && { echo \"TRL at \$n: not run, \$left s left\"; break; };
                   timeout -k 5 \$left python3 bench/bench_vs_trl.py --tokenizer $TOK --work $w --budget-s \$left --only ${LONGEST_GROUP:-qwen7b-p40}:trl --new-tokens \$n --steps 2 ${VS_ARGS:-} --out $OUT/trl_longest_\${n}$x.json > $LOGS/trl_longest_\${n}$x.log 2>&1;
                   st=\$(python3 bench/benchlib.py statuses $OUT/trl_longest_\${n}$x.json); echo \"TRL at \$n new tokens: \$st\";

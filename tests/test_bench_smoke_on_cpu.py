@@ -653,3 +653,102 @@ def test_bench_agents_compares_the_models_tokens_a_second_at_step_1_and_after():
     one = bench_agents.tokens_per_s(per_step[:1], 16)
     assert one["model_tokens_per_s"] == one["step1_model_tokens_per_s"]
     assert bench_agents.tokens_per_s([{"rollout_s": None, "model_tokens_mean": 5}], 16)["model_tokens_per_s"] is None
+
+
+def test_bench_vs_trl_runs_unsloth_after_trl_where_a_group_has_it():
+    """--unsloth adds Unsloth's run after TRL's main run on the 1.7B and T4 rows only (no P40 row: Unsloth needs
+    compute capability 7.0); its child gets $EDGERL_UNSLOTH_PATH ahead of the path and no network."""
+    import bench_vs_trl as vs
+    g = vs.GROUPS["1.7b-bf16"]
+    names = [n for n, _ in vs.runs_of("1.7b-bf16", g, ("trl",), unsloth=True)]
+    assert names == ["1.7b-bf16/trl", "1.7b-bf16/unsloth", "1.7b-bf16/edgerl", "1.7b-bf16/edgerl@trl"]
+    assert [n for n, _ in vs.runs_of("1.7b-bf16", g, ("trl",))] == [
+        "1.7b-bf16/trl", "1.7b-bf16/edgerl", "1.7b-bf16/edgerl@trl"]
+    t4 = dict(vs.runs_of("llama8b-t4", vs.GROUPS["llama8b-t4"], (), trl_only=True, unsloth=True))
+    assert list(t4) == ["llama8b-t4/trl", "llama8b-t4/unsloth"]
+    assert t4["llama8b-t4/unsloth"].precision == "fp16" and t4["llama8b-t4/unsloth"].cap == "t4"
+    assert [n for n, _ in vs.runs_of("qwen7b-p40", vs.GROUPS["qwen7b-p40"], (), unsloth=True)] == [
+        "qwen7b-p40/trl", "qwen7b-p40/edgerl"]
+    old = os.environ.get("EDGERL_UNSLOTH_PATH"), os.environ.get("PYTHONPATH")
+    os.environ["EDGERL_UNSLOTH_PATH"], os.environ["PYTHONPATH"] = "/u", "/site"
+    try:
+        env = vs.unsloth_env()
+    finally:
+        for k, v in zip(("EDGERL_UNSLOTH_PATH", "PYTHONPATH"), old):
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert env["PYTHONPATH"] == os.pathsep.join(["/u", "/site"])
+    assert env["HF_HUB_OFFLINE"] == "1" and env["UNSLOTH_DISABLE_STATISTICS"] == "1"
+
+
+def test_bench_vs_trl_report_sets_edgerl_beside_each_peer():
+    """With an Unsloth run the table gains a column of edgerl's tokens/s over Unsloth's; Unsloth's own row has its
+    ratio to TRL and none to itself."""
+    import bench_vs_trl as vs
+    runs = {"g/trl": {"group": "g", "side": "trl", "tokens_per_s": 100.0, "measured_gib": 10.0, "status": "ok"},
+            "g/unsloth": {"group": "g", "side": "unsloth", "tokens_per_s": 200.0, "measured_gib": 5.0, "status": "ok"},
+            "g/edgerl": {"group": "g", "side": "edgerl", "tokens_per_s": 800.0, "measured_gib": 8.0, "status": "ok"}}
+    lines = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]]
+             for ln in vs.report(runs).splitlines() if ln.startswith("| g/")}
+    assert lines["g/unsloth"][4:6] == ["2.00x", "-"]
+    assert lines["g/edgerl"][4:6] == ["8.00x", "4.00x"]
+    assert lines["g/trl"][4:6] == ["-", "-"]
+    assert "vs Unsloth" not in vs.report({k: v for k, v in runs.items() if k != "g/unsloth"})
+
+
+FAKE_UNSLOTH = '''
+"""A stand-in for Unsloth's loader on the CPU: transformers' model and peft's LoRA, with its arguments checked."""
+__version__ = "stand-in"
+
+
+class FastLanguageModel:
+    @staticmethod
+    def from_pretrained(model_name, max_seq_length, dtype, load_in_4bit, full_finetuning, fast_inference,
+                        use_gradient_checkpointing, random_state):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        assert fast_inference is False and use_gradient_checkpointing == "unsloth" and full_finetuning != load_in_4bit
+        return AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype), AutoTokenizer.from_pretrained(model_name)
+
+    @staticmethod
+    def get_peft_model(model, r, lora_alpha, target_modules, **_):
+        from peft import LoraConfig, get_peft_model
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules,
+                                                task_type="CAUSAL_LM"))
+'''
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_bench_vs_trl_smoke_runs_unsloths_side_from_its_own_path(tmp_path):
+    """The Unsloth side end to end with a stand-in for Unsloth's loader on $EDGERL_UNSLOTH_PATH: its child imports
+    `unsloth` from there, hands the loaded model to GRPOTrainer, and the checks compare its trainable parameters
+    with edgerl's."""
+    pytest.importorskip("trl")
+    (tmp_path / "fake" / "unsloth").mkdir(parents=True)
+    (tmp_path / "fake" / "unsloth" / "__init__.py").write_text(FAKE_UNSLOTH)
+    out = tmp_path / "out.json"
+    res = subprocess.run([sys.executable, str(BENCH / "bench_vs_trl.py"), "--smoke", "--work", str(tmp_path / "work"),
+                          "--tokenizer", str(TOKENIZER), "--out", str(out), "--only", "1.7b-bf16:trl", "--unsloth",
+                          "--skip", "1.7b-bf16/trl"],
+                         capture_output=True, text=True, timeout=600,
+                         env={**ENV, "EDGERL_UNSLOTH_PATH": str(tmp_path / "fake")})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    r = json.loads(out.read_text())["runs"]["1.7b-bf16/unsloth"]
+    assert r["status"] == "ok", r.get("error")
+    assert r["side"] == "unsloth" and r["unsloth_version"] == "stand-in" and r["steps_done"] == 2
+    assert r["config"]["tool"] == "unsloth" and r["config"]["generation_batch_size"] == 16
+
+
+def test_drop_from_wheel_leaves_out_a_folder_and_its_record_lines_only(tmp_path):
+    import zipfile
+    whl = tmp_path / "pkg-1.0-py3-none-any.whl"
+    record = "pkg/__init__.py,sha256=a,1\nstudio/ui.js,sha256=b,2\npkg-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("pkg/__init__.py", "x = 1\n")
+        z.writestr("studio/ui.js", "big")
+        z.writestr("pkg-1.0.dist-info/RECORD", record)
+    msg = bl.drop_from_wheel(whl, tmp_path / "out", ["studio/"])
+    assert "1 files under studio/ left out" in msg
+    with zipfile.ZipFile(tmp_path / "out" / whl.name) as z:
+        assert sorted(z.namelist()) == ["pkg-1.0.dist-info/RECORD", "pkg/__init__.py"]
+        assert z.read("pkg/__init__.py") == b"x = 1\n"
+        assert z.read("pkg-1.0.dist-info/RECORD").decode() == "pkg/__init__.py,sha256=a,1\npkg-1.0.dist-info/RECORD,,\n"
