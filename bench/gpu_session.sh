@@ -35,9 +35,10 @@
 #   unsloth 560     Unsloth's GRPO beside TRL and edgerl (bench_vs_trl --unsloth; UNSLOTH_GROUPS, default 1.7b-bf16
 #                   llama8b-t4, GROUP:trl for the peers alone) in an environment of its own (/tmp/site-unsloth ahead of
 #                   the path: Unsloth 2026.10.9 wants TRL <= 1.15 and datasets < 5), from the wheels in .carry/unsloth*/
-#                   (unsloth without its Studio web UI, unsloth_zoo, trl 1.15.0, datasets 4.8.5, xformers, torchao,
-#                   cut_cross_entropy, msgspec, tyro, structlog, json5; bitsandbytes from .whl): more than one call
-#                   carries, so a call on the machine still held gathers what an earlier one brought (/tmp/unsloth-wheels)
+#                   (unsloth without its Studio web UI: benchlib.py drop-from-wheel WHEEL DIR studio/; unsloth_zoo,
+#                   trl 1.15.0, datasets 4.8.5, xformers, torchao, cut_cross_entropy, msgspec; bitsandbytes from .whl;
+#                   the machine has torchvision, sentencepiece, protobuf, accelerate and peft); a call on the machine
+#                   still held keeps what an earlier one brought (/tmp/unsloth-wheels), for carries over 64 MiB
 #   memory 400      bench_memory;   multi 480: bench_multi (two GPUs)
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
 #                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
