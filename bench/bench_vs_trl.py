@@ -175,7 +175,8 @@ def trl_child(spec_path: str) -> None:
                           max_steps=n, logging_steps=1, save_strategy="no", report_to=[], bf16=prec == "bf16",
                           fp16=prec == "fp16", temperature=1.0, use_cpu=not cuda, gradient_accumulation_steps=1,
                           use_vllm=False, seed=0, **extra)
-        res["config"] = {"tool": spec.get("tool", "trl"), "optim": str(args.optim), "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16,
+        res["config"] = {"tool": spec.get("tool", "trl"), "optim": str(getattr(args.optim, "value", args.optim)),
+                         "gradient_checkpointing": args.gradient_checkpointing, "bf16": args.bf16,
                          "fp16": args.fp16, "generation_batch_size": args.generation_batch_size,
                          "num_generations": args.num_generations, "loss_type": args.loss_type,
                          "attention": spec["attention"], "model_dtype": str(dtype), "qlora": spec["qlora"]}
