@@ -141,13 +141,13 @@ def trl_child(spec_path: str) -> None:
     try:
         import torch
         cuda = torch.cuda.is_available()
+        unsloth = spec.get("tool") == "unsloth"
+        if unsloth:   # before transformers and TRL (edgerl's cap below imports transformers), as its docs say:
+            import unsloth as unsloth_pkg   # it patches both on import
+            res["unsloth_version"] = getattr(unsloth_pkg, "__version__", None)
         if spec["cap"] and cuda:
             from edgerl.train.session import cap_memory
             res["emulation"] = cap_memory(spec["cap"])
-        unsloth = spec.get("tool") == "unsloth"
-        if unsloth:
-            import unsloth as unsloth_pkg  # first, as its docs say: it patches transformers and TRL on import
-            res["unsloth_version"] = getattr(unsloth_pkg, "__version__", None)
         from datasets import Dataset
         from transformers import AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
