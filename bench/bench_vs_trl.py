@@ -115,7 +115,8 @@ GROUPS: dict[str, Group] = {
 # QLoRA in fp16 (what it computes in on a T4, which has no bf16), each with what its GRPO notebooks turn on to save
 # memory: gradient checkpointing "unsloth" (activations in host memory) and 8-bit AdamW; no vLLM
 # (fast_inference=False: vLLM is not on the GPU machine), so its rollout is transformers' generate as patched by
-# Unsloth. Not on the P40 rows: Unsloth's Triton kernels need compute capability 7.0 and a P40 is 6.1.
+# Unsloth. Not on the P40 rows: Unsloth documents compute capability 7.0 as its minimum (a P40 is 6.1), and under a
+# P40's memory on a Hopper GPU it would compute on bf16 tensor cores that a P40 does not have.
 UNSLOTH: dict[str, Trl] = {
     "1.7b-bf16": Trl("bf16", tag="unsloth", tool="unsloth"),
     "llama8b-t4": Trl("fp16", cap="t4", qlora=True, tag="unsloth", tool="unsloth"),
