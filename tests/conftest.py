@@ -21,15 +21,15 @@ def _tokenizer_folder() -> Path:
     except EmbeddedModelError as e:
         global _TOKENIZER_MISSING
         _TOKENIZER_MISSING = str(e)
-        return DATA / "no-smollm2-tokenizer"   # holds no tokenizer.json: need_shared_tokenizer() skips
+        return DATA / "no-smollm2-tokenizer"   # holds no tokenizer.json: need_tokenizer() skips
 
 
 _TOKENIZER_MISSING = ""
 TOKENIZER = _tokenizer_folder()   # a folder for AutoTokenizer.from_pretrained
 
 
-def need_shared_tokenizer() -> Path:
-    """The SmolLM2 tokenizer's folder (the name is older than its source: it no longer needs ../shared)."""
+def need_tokenizer() -> Path:
+    """The SmolLM2 tokenizer's folder; the test is skipped where the embedded package is not installed."""
     if not (TOKENIZER / "tokenizer.json").exists():
         pytest.skip(f"needs the SmolLM2 tokenizer: {_TOKENIZER_MISSING} (scripts/setup.sh installs it)")
     return TOKENIZER
@@ -42,7 +42,7 @@ def make_tiny_model(out: Path, arch: str = "llama", tied: bool = True, layers: i
     import torch
     import transformers
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    tok = AutoTokenizer.from_pretrained(need_tokenizer())
     common = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=tied,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, max_position_embeddings=1024)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from agent_helpers import HOSTILE_TOOLS, LLAMA3_LIKE_TEMPLATE, QWEN25_TEMPLATE, QWEN3_LIKE_TEMPLATE, tool_tokenizer
-from conftest import need_shared_tokenizer
+from conftest import need_tokenizer
 from edgerl.agents.builtin import calculator
 from edgerl.agents.calls import Continuations, ToolCall, parse_calls, tool_format, tool_messages
 from edgerl.agents.host import as_text
@@ -62,7 +62,7 @@ def test_llama3_calls_are_parsed():
 def smol():
     """SmolLM2's tokenizer; a test may set its chat_template (it is put back after)."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    tok = AutoTokenizer.from_pretrained(need_tokenizer())
     own = tok.chat_template
     yield tok
     tok.chat_template = own
@@ -83,7 +83,7 @@ def test_a_template_without_tool_support_is_refused_in_one_line(smol):
 
 def test_a_tool_capable_tokenizer_is_saved_with_its_template(tmp_path):
     from transformers import AutoTokenizer
-    tool_tokenizer(need_shared_tokenizer(), tmp_path)
+    tool_tokenizer(need_tokenizer(), tmp_path)
     assert tool_format(AutoTokenizer.from_pretrained(tmp_path), "tiny") == "hermes"
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from agent_helpers import CALCULATOR, CLOSE, DIGIT_REWARD, OPEN, make_tool_model
-from conftest import make_tiny_model, need_shared_tokenizer, prepare_trainer
+from conftest import make_tiny_model, need_tokenizer, prepare_trainer
 from edgerl.agents.calls import Continuations
 from edgerl.core.errors import ToolError
 from edgerl.train.experience import pad_batch
@@ -22,7 +22,7 @@ from edgerl.train.metrics import read_metrics
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-    folder = make_tool_model(tmp_path_factory.mktemp("tool-model"), need_shared_tokenizer())
+    folder = make_tool_model(tmp_path_factory.mktemp("tool-model"), need_tokenizer())
     rows = [{"prompt": q, "data_source": "calc", "reward_model": {"ground_truth": "0"}}
             for q in ("What is 2 + 3?", "What is 7 * 6?", "What is 9 - 4?", "What is 8 / 2?")]
     (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -94,9 +94,9 @@ def test_without_its_row_the_decoder_refuses_it(monkeypatch):
 
 def test_a_new_row_trains(fakellama, tmp_path):
     from transformers import AutoTokenizer
-    from conftest import need_shared_tokenizer, prepare_trainer
+    from conftest import need_tokenizer, prepare_trainer
     from edgerl.train.metrics import read_metrics
-    tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    tok = AutoTokenizer.from_pretrained(need_tokenizer())
     folder = tmp_path / "model"
     _model(fakellama, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
            pad_token_id=None).save_pretrained(folder)

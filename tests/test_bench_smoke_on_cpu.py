@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GSM8K, TOKENIZER, need_shared_tokenizer
+from conftest import GSM8K, TOKENIZER, need_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
@@ -25,15 +25,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 @pytest.fixture
 def tokenizer():
-    need_shared_tokenizer()
+    need_tokenizer()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def shared_folder(tmp_path_factory):
+def bench_data_folder(tmp_path_factory):
     """The benchmarks read the tokenizer and GSM8K from $EDGERL_SHARED/data (on a GPU machine, a copy of the
     full data): here a folder of links to the tests' own, for the benchmarks this file runs as processes and
     for the bench code it imports (whose default is the folder beside the clone)."""
-    data = tmp_path_factory.mktemp("shared") / "data"
+    data = tmp_path_factory.mktemp("bench-data") / "data"
     data.mkdir()
     (data / "smollm2-tokenizer").symlink_to(TOKENIZER, target_is_directory=True)
     (data / "gsm8k").symlink_to(GSM8K, target_is_directory=True)

@@ -15,13 +15,13 @@ from edgerl.config.schema import DataConfig
 from edgerl.data.prompts import DataError, check_data, load_prompts
 from edgerl.rewards.rules import default_compute_score, score_batch, RewardItem
 
-from conftest import need_shared_tokenizer
+from conftest import need_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(need_shared_tokenizer()))
+    return AutoTokenizer.from_pretrained(str(need_tokenizer()))
 
 
 def cfg(path, **kw) -> DataConfig:

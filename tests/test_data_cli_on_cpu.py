@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from edgerl.cli.data import app
 
-from conftest import GSM8K, need_shared_tokenizer  # noqa: E402
+from conftest import GSM8K, need_tokenizer  # noqa: E402
 GSM8K_TEST = GSM8K / "test.jsonl"
 
 runner = CliRunner()
@@ -19,7 +19,7 @@ runner = CliRunner()
 
 @pytest.fixture
 def tokenizer_path():
-    return str(need_shared_tokenizer())
+    return str(need_tokenizer())
 
 
 def write_jsonl(path: Path, rows) -> Path:

@@ -15,14 +15,14 @@ from edgerl.config.schema import DataConfig
 from edgerl.data.prompts import DataError, check_data, load_prompts, prepare_gsm8k
 from edgerl.data.builtin import GSM8K_INSTRUCTION, generate_arithmetic
 
-from conftest import GSM8K, need_shared_tokenizer  # noqa: E402
+from conftest import GSM8K, need_tokenizer  # noqa: E402
 GSM8K_TRAIN = GSM8K / "train.jsonl"
 
 
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(need_shared_tokenizer()))
+    return AutoTokenizer.from_pretrained(str(need_tokenizer()))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import need_shared_tokenizer
+from conftest import need_tokenizer
 from edgerl.cli.main import app
 from edgerl.config import recipes
 from edgerl.config.load import load_config
@@ -79,7 +79,7 @@ def tiny_of(arch: str, out: Path, tools: bool = False) -> Path:
     `tools`, its tokenizer has Qwen2.5's chat template (SmolLM2's cannot take tools)."""
     import torch
     import transformers as tf
-    tok = tf.AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    tok = tf.AutoTokenizer.from_pretrained(need_tokenizer())
     if tools:
         from agent_helpers import QWEN25_TEMPLATE
         tok.chat_template = QWEN25_TEMPLATE

@@ -11,7 +11,7 @@ from edgerl.rewards.rules import (RewardError, RewardItem, arithmetic_score, che
                             default_compute_score, ground_truth_problem, gsm8k_extract, gsm8k_score,
                             load_reward_function, math_score, parse_number, score_batch)
 
-from conftest import need_shared_tokenizer  # noqa: E402
+from conftest import need_tokenizer  # noqa: E402
 
 
 # --- gsm8k: verl's exact behaviour ------------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_rule_rewards_need_a_ground_truth():
 
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
-    tokenizer = need_shared_tokenizer()
+    tokenizer = need_tokenizer()
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import need_shared_tokenizer, prepare_trainer
+from conftest import need_tokenizer, prepare_trainer
 
 CHAT = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2 + 3 = 5\n#### 5"},
         {"role": "user", "content": "and 1+1?"}, {"role": "assistant", "content": "#### 2"}]
@@ -30,7 +30,7 @@ def _rows(path: Path, n: int = 12) -> Path:
 def test_the_loss_covers_each_assistant_turn_and_its_end_token():
     from transformers import AutoTokenizer
     from edgerl.data.sft import tokenize_row
-    tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    tok = AutoTokenizer.from_pretrained(need_tokenizer())
     row = tokenize_row(tok, CHAT)
     assert tok.decode(list(row.input_ids)) == tok.apply_chat_template(CHAT, tokenize=False)
     learned = "".join(tok.decode([i]) for i, m in zip(row.input_ids, row.loss_mask) if m)
@@ -69,7 +69,7 @@ def test_bad_rows_are_one_line_errors_naming_file_row_and_field(tmp_path):
     from transformers import AutoTokenizer
     from edgerl.core.errors import DataError
     from edgerl.data.sft import load_sft_rows
-    tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    tok = AutoTokenizer.from_pretrained(need_tokenizer())
     good = {"prompt": "hi", "response": "hello"}
     cases = [({"messages": [{"role": "bot", "content": "x"}]}, "field 'messages'[0]"),
              ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
@@ -94,7 +94,7 @@ def test_bad_rows_are_one_line_errors_naming_file_row_and_field(tmp_path):
 def test_the_example_rows_load():
     from transformers import AutoTokenizer
     from edgerl.data.sft import load_sft_rows
-    tok = AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    tok = AutoTokenizer.from_pretrained(need_tokenizer())
     path = Path(__file__).resolve().parents[1] / "examples" / "sft" / "arithmetic-format.jsonl"
     rows = load_sft_rows(str(path), "train", "messages", "prompt", "response", None, tok, 256, "error", log=None)
     assert len(rows) == 64 and all("####" in tok.decode([t for t, m in zip(r.input_ids, r.loss_mask) if m])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from conftest import need_shared_tokenizer
+from conftest import need_tokenizer
 from edgerl.cli.main import app
 from edgerl.train.metrics import read_metrics
 from test_modelspec_on_cpu import fake_hub, offline_hub  # noqa: F401  (fixture)
@@ -22,7 +22,7 @@ FAST = ['run.profile="cpu"', "rollout.max_new_tokens=8", "train.prompts_per_step
 def tiny_folder(out: Path, kind: str) -> Path:
     import torch
     import transformers as tf
-    tok = tf.AutoTokenizer.from_pretrained(need_shared_tokenizer())
+    tok = tf.AutoTokenizer.from_pretrained(need_tokenizer())
     common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   max_position_embeddings=1024)
