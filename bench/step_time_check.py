@@ -28,6 +28,18 @@ ROWS: dict[str, tuple[Any, ...]] = {
     "T4, 8B NF4, 512": ("h100", "t4", None, "llama8b", 512, "nf4", False, (6.97, 0.40, 1.77), "Long responses; 2026-12-05, 739fe6b"),
     "T4, 8B NF4, 4K": ("h100", "t4", None, "llama8b", 4096, "nf4", False, (88.0, 2.9, 14.5), "Long responses; 2026-12-05, 739fe6b"),
 }
+# What a row ran where the card's plan is another today (the search by estimated step time replaced it: a faster
+# estimate, not yet measured): the estimate checks the setting that ran, and the table names today's beside it
+RAN: dict[str, dict[str, Any]] = {
+    "P40, 1.5B full, 8K": {"grad_checkpointing": True, "swap_models": True, "optimizer_offload": False,
+                           "activation_offload": True, "optimizer": "adamw8bit", "micro_batch": 2, "rollout_batch": 8,
+                           "score_micro_batch": 4},
+    "T4, 8B NF4, 4K": {"grad_checkpointing": True, "swap_models": False, "optimizer_offload": False,
+                       "activation_offload": True, "optimizer": "adamw", "micro_batch": 4, "rollout_batch": 8,
+                       "score_micro_batch": 8},
+}
+KNOBS = ("grad_checkpointing", "swap_models", "optimizer_offload", "activation_offload", "optimizer", "micro_batch",
+         "rollout_batch", "score_micro_batch")
 # (hidden, layers, heads, KV heads, MLP, tied embeddings): bench/benchlib.py's SHAPES
 SHAPES = {"1.7b": (2048, 24, 32, 32, 8192, True), "1.5b": (1536, 28, 12, 2, 8960, True),
           "qwen7b": (3584, 28, 28, 4, 18944, False), "llama8b": (4096, 32, 32, 8, 14336, False)}
@@ -51,22 +63,38 @@ def estimates() -> list[dict[str, Any]]:
         o: dict[str, Any] = {"memory_gib": cap} if cap else {}
         if base:
             o["base_dtype"] = base
-        p = plan(device_from_profile(get_profile(card), sw, 128 << 30), model, task, o)
+        dev = device_from_profile(get_profile(card), sw, 128 << 30)
+        today = plan(dev, model, task, o)
+        p = plan(dev, model, task, {**o, **RAN.get(name, {})})
         ran_on = device_from_profile(get_profile(gpu), sw, 128 << 30)
-        t = timing.estimate(p, timing.rates(ran_on, p.dtype.compute, tf32=tf32))
+        r = timing.rates(ran_on, p.dtype.compute, tf32=tf32)
+        t = timing.estimate(p, r)
+        changed = {k: getattr(today, k) for k in KNOBS if getattr(today, k) != getattr(p, k)}
         out.append({"row": name, "gpu": ran_on.name, "where": where, "measured": measured,
-                    "estimate": (t.rollout_s, t.score_s, t.update_s), "decode": p.decode_backend})
+                    "estimate": (t.rollout_s, t.score_s, t.update_s), "decode": p.decode_backend,
+                    "today": (timing.estimate(today, r).total_s, changed) if changed else None})
     return out
 
 
+def today(t: Any, ran: float) -> str:
+    """Today's plan for the row where it is not the one that ran: its estimate on the same GPU and what differs."""
+    if t is None:
+        return "the same"
+    secs, changed = t
+    what = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in changed.items())
+    return f"{secs:.2f} ({secs / ran - 1:+.0%}; {what}); not measured"
+
+
 def table() -> str:
-    lines = ["| row | ran on | measured s/step (rollout / scoring / update) | estimate | error | measured (table; date, commit) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| row | ran on | measured s/step (rollout / scoring / update) | estimate | error | measured (table; date, commit) "
+             "| today's plan: estimate |",
+             "|---|---|---|---|---|---|---|"]
     for r in estimates():
         m, e = r["measured"], r["estimate"]
         err = sum(e) / sum(m) - 1
         lines.append(f"| {r['row']} | {r['gpu']} | {sum(m):.2f} ({' / '.join(f'{x:g}' for x in m)}) | "
-                     f"{sum(e):.2f} ({' / '.join(f'{x:.2f}' for x in e)}) | {err:+.0%} | {r['where']} |")
+                     f"{sum(e):.2f} ({' / '.join(f'{x:.2f}' for x in e)}) | {err:+.0%} | {r['where']} | "
+                     f"{today(r['today'], sum(e))} |")
     return "\n".join(lines)
 
 

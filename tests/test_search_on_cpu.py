@@ -116,3 +116,103 @@ def test_forced_fp32_keeps_fp32_weights_under_a_tight_budget():
     forced = plan(dev, m, small, {"memory_gib": 4, "dtype": "fp32"})
     assert forced.dtype.param == "fp32" and forced.dtype.compute == "fp32"
     assert not forced.optimizer.startswith("adamw-bf16")
+
+
+# --- the search by estimated step time (plan/timing.py), where the card's rates are known ----------------------
+
+
+
+def _p40_15b_8k():
+    from edgerl.plan.modelspec import ModelSpec
+    model = ModelSpec("1.5b", "llama", 49152, 1536, 28, 12, 2, 8960, True, max_position=32768)
+    task = Task(prompt_len=64, response_len=8192, prompts_per_step=2, samples_per_prompt=8, kl=True, lora=False)
+    return model, task
+
+
+def _captured_search(monkeypatch, device, model, task, overrides=None):
+    """plan() on `device`, recording what its search was given (the arguments of each call)."""
+    import edgerl.plan.steps as steps
+    calls = []
+    real = steps.search
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(steps, "search", spy)
+    p = plan(device, model, task, overrides or {})
+    return p, calls
+
+
+def _every_fit_by_brute_force(args):
+    """Each (stage, micro-batch) of the search's list that fits, with its weighed seconds: the slow reference."""
+    from edgerl.plan.memory import estimate
+    from edgerl.plan.search import HOST_USABLE, divisors_desc, fit_rollout_and_score
+    model, task, base, budget, forced, cal, host, stages, _micro, seconds = args
+    out = []
+    for st in stages:
+        for mb in divisors_desc(task.local_mini):
+            s = dataclasses.replace(base, micro_batch=mb, optimizer=st.optimizer, **st.knobs())
+            s = fit_rollout_and_score(model, task, s, budget, forced, cal)
+            mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
+            if mem.fits and mem.host_needed * task.world_size <= host * HOST_USABLE:
+                out.append((seconds(s) * (1 + STAGE_COST[st.optimizer]), st.name, mb, s))
+    return out
+
+
+def test_the_timed_search_finds_the_fastest_setting_that_fits_as_brute_force_does(monkeypatch):
+    """The P40 1.5B 8K row: the search weighs every setting that fits by its estimated step time and stops early
+    on a lower bound; every setting that fits, weighed one by one, finds the same fastest, and it is over the
+    margin faster than the fixed order's first fit (8-bit AdamW and 8 rows a rollout pass, as the row ran), so it
+    is taken: fp32 AdamW state in host memory, all 16 rows in one pass."""
+    from edgerl.plan.search import TIMED_MARGIN
+    model, task = _p40_15b_8k()
+    p, calls = _captured_search(monkeypatch, _device("p40"), model, task)
+    args, _ = calls[0]
+    found, _ = __import__("edgerl.plan.search", fromlist=["search"]).search(*args)
+    every = _every_fit_by_brute_force(args)
+    assert len(every) >= 5
+    fastest = min(every, key=lambda e: e[0])
+    assert found.timed.fastest[2] == pytest.approx(fastest[0])
+    assert found.timed.taken and found.timed.fastest[2] < (1 - TIMED_MARGIN) * found.timed.first[2]
+    assert found.timed.first[:2] == ("+ 8-bit AdamW state (bitsandbytes) on the GPU", 2)
+    assert (p.optimizer, p.optimizer_offload, p.rollout_batch) == ("adamw", True, 16)
+    assert "the fastest setting that fits by the step time estimate" in p.reasons["micro_batch"]
+
+
+def _fake_search(seconds_of):
+    """search() over two stages of a small task with seconds given per stage name (no card model)."""
+    from edgerl.plan.memory import DEFAULT_CALIBRATION, Setting
+    from edgerl.plan.search import search
+    stages = stages_for(None, False, False, False)[1:3]      # the rollout copy freed; gradient checkpointing
+    model = CATALOGUE["qwen2.5-0.5b"]
+    task = Task(prompt_len=64, response_len=64, prompts_per_step=1, samples_per_prompt=4, lora=False)
+    base = Setting(compute_bytes=4, base_bytes=4, grad_checkpointing=False, swap_models=False, optimizer_offload=False,
+                   param_offload=False, micro_batch=1, score_micro_batch=1, rollout_batch=1, logprob_chunk=1024,
+                   logit_bytes=8, eager_attention=False, mini_batch=4)
+
+    def seconds(s):
+        return seconds_of["ckpt" if s.grad_checkpointing else "plain"] * (1 + 0.01 * (4 // s.micro_batch - 1))
+    found, _ = search(model, task, base, 64 * GiB, {}, DEFAULT_CALIBRATION, 64 * GiB, stages, None, seconds)
+    return found
+
+
+def test_a_setting_replaces_the_first_fit_only_past_the_margin():
+    from edgerl.plan.search import TIMED_MARGIN
+    first = _fake_search({"plain": 10.0, "ckpt": 12.0})          # the first fit is also the fastest
+    assert not first.setting.grad_checkpointing and first.setting.micro_batch == 4 and not first.timed.taken
+    close = _fake_search({"plain": 10.0, "ckpt": 10.0 * (1 - TIMED_MARGIN) + 0.01})
+    assert not close.setting.grad_checkpointing and not close.timed.taken
+    assert close.timed.fastest[0] == "gradient checkpointing"
+    far = _fake_search({"plain": 10.0, "ckpt": 10.0 * (1 - TIMED_MARGIN) - 0.01})
+    assert far.setting.grad_checkpointing and far.timed.taken and far.setting.micro_batch == 4
+
+
+def test_without_the_cards_rates_the_search_keeps_the_fixed_order(monkeypatch):
+    """A GPU whose bandwidth and matmul rate are not known (no profile matches it, no `doctor --bench`) gets no step
+    time estimate, and so no weighing: the fixed order's first fit, as the row ran."""
+    import edgerl.plan.timing as timing
+    model, task = _p40_15b_8k()
+    monkeypatch.setattr(timing, "rates", lambda *a, **k: None)
+    p = plan(_device("p40"), model, task)
+    assert (p.optimizer, p.rollout_batch, p.micro_batch) == ("adamw8bit", 8, 2)
+    assert "step time estimate" not in p.reasons["micro_batch"]

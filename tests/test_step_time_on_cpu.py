@@ -68,7 +68,7 @@ def test_decode_reads_weights_and_cache_once_per_step():
     N = timing.matmul_params(m)
     expect = (N * 4 / (r.bandwidth_gbs * 1e9 * w) + rows * m.kv_bytes_per_token(4) * cached / (r.bandwidth_gbs * 1e9 * kv)
               + 2 * N * rows / (r.fp32_tflops * 1e12 * f) + timing.GRAPH_STEP_S + timing.GRAPH_LAYER_S * m.num_layers)
-    assert timing.decode_step_s(p, r, rows, cached) == pytest.approx(expect)
+    assert timing.decode_step_s(p.model, p.values, r, rows, cached) == pytest.approx(expect)
 
 
 def test_unknown_rates_and_the_cpu_say_so():
@@ -89,3 +89,31 @@ def test_recommend_prints_the_step_time(tmp_path):
     res = CliRunner().invoke(app, ["recommend", "--gpu", "t4", "--model", "qwen2.5-0.5b", "--format", "json"])
     doc = json.loads(res.output)
     assert doc["step_time"]["total_s"] > 0 and doc["step_time"]["card"] == "Tesla T4"
+
+
+def test_the_terms_the_search_weighs_by_hand():
+    """What moving checkpointed inputs to host memory, freeing the decode graphs and a micro-batch that leaves SMs
+    idle add, against the formulas written out."""
+    p = _plan("p40", model="qwen2.5-1.5b", response_len=512, prompts_per_step=2, samples_per_prompt=8)
+    m, task = p.model, p.task
+    r = timing.rates(p.device, "fp32")
+    v = dict(p.values, grad_checkpointing=True, activation_offload=False, rollout_resident=True, rollout_engine="static",
+             micro_batch=16)
+    base = timing.phases(m, task, v, r)
+    # activation offload: 2 copies of tokens x layers x hidden x 4 bytes over PCIe, less what the matmuls hide
+    tokens = task.local_sequences * (task.prompt_len + task.response_len)
+    moved = 2 * tokens * m.num_layers * m.hidden_size * 4 / (r.pcie_gbs * 1e9)
+    N = timing.matmul_params(m)
+    matmuls = (3 + 1) * 2 * N * tokens / (r.matmul_tflops * 1e12 * timing.MATMUL)
+    off = timing.phases(m, task, dict(v, activation_offload=True), r)
+    assert off[2] - base[2] == pytest.approx(max(0.0, moved - matmuls))
+    slow = replace(r, pcie_gbs=0.01)              # a link too slow to hide: the copies show
+    assert timing.phases(m, task, dict(v, activation_offload=True), slow)[2] > timing.phases(m, task, v, slow)[2]
+    # freeing the engine between steps: each pass captures its graph again (two warm-up steps and the capture)
+    freed = timing.phases(m, task, dict(v, rollout_resident=False), r)
+    passes = -(-task.local_sequences // v["rollout_batch"])
+    assert freed[0] - base[0] == pytest.approx(passes * 3 * timing.EAGER_LAYER_S * m.num_layers)
+    # a micro-batch of one short sequence fills fewer output tiles than the card has SMs: they wait
+    assert timing.under_filled(64, 1536, r.sm_count) == pytest.approx(r.sm_count / (1 * 12))
+    assert timing.under_filled(16 * 576, 1536, r.sm_count) == 1.0
+    assert timing.under_filled(64, 1536, 0) == 1.0

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from edgerl.plan.decisions import QUANT_BASES, quant_support
 from edgerl.device.device import Device
 from edgerl.plan.memory import Calibration, MemoryEstimate, Setting, estimate, fmt_bytes
 from edgerl.plan.modelspec import ModelSpec
-from edgerl.plan.moves import MICRO_HALVING_COST, Stage
+from edgerl.plan.moves import MICRO_HALVING_COST, STAGE_COST, Stage
 from edgerl.plan.task import Task
 
 
@@ -30,22 +30,36 @@ class Found:
     memory: MemoryEstimate
     stage: str
     micro: Optional["MicroCost"] = None    # how micro-batches were costed (None: per halving)
+    timed: Optional["Timed"] = None        # the search by estimated step time (None: by the fixed costs)
+
+
+@dataclass(frozen=True)
+class Timed:
+    """How the search by estimated step time (plan/timing.py) weighed the settings that fit: the seconds per step
+    of the fixed order's first fit and of the fastest, each times one plus its optimizer's precision cost
+    (moves.STAGE_COST), and which of the two was taken."""
+    first: tuple[str, int, float]        # (stage, micro-batch, weighed seconds): the fixed order's first fit
+    fastest: tuple[str, int, float]      # the same for the smallest weighed estimate
+    taken: bool                          # the fastest replaced the first fit (over TIMED_MARGIN faster, or an earlier
+                                         # stage of the list, fewer memory moves, at no more estimated time and no
+                                         # smaller micro-batch)
 
 
 def candidates(stages: list[Stage], mini: int, forced_mb: Optional[int],
-               micro: Optional["MicroCost"] = None) -> list[tuple[Stage, int, bool]]:
+               micro: Optional["MicroCost"] = None, every: bool = False) -> list[tuple[Stage, int, bool]]:
     """(stage, micro-batch, last resort) in order of their estimated slowdown (moves.STAGE_COST): the
     first that fits is the fastest setting that fits. Without `micro` each halving of the micro-batch
     costs MICRO_HALVING_COST and micro-batches below 4 sequences, which leave the GPU idle, are tried
     only in the most frugal stage. With it (an fp32 update on a card whose rates are known) a
-    micro-batch costs its extra micro-steps' fixed time, and any that fills the GPU may come first."""
+    micro-batch costs its extra micro-steps' fixed time, and any that fills the GPU may come first. `every`: no
+    micro-batch is left out (the search by estimated time weighs them all)."""
     small = min(mini, 4)
     out = []
     for i, st in enumerate(stages):
         last = i == len(stages) - 1
         for mb in ([forced_mb] if forced_mb else divisors_desc(mini)):
             idle = mb < small and not (micro and micro.fills(mb))
-            if idle and not last and not forced_mb:
+            if idle and not last and not forced_mb and not every:
                 break
             slower = micro.cost(mini, mb) if micro else MICRO_HALVING_COST * math.log2(mini / mb)
             out.append((st.cost() + slower + (1.0 if idle else 0.0), i, mb, st))
@@ -106,27 +120,84 @@ def micro_cost(device: Device, model: ModelSpec, task: Task, s: Setting) -> Opti
 HOST_USABLE = 0.8   # of the host's RAM, for offloaded state: the OS, the data and other processes keep the rest
 
 
+# The share of a step by which the fastest estimate must beat the fixed order's first fit to replace it: the
+# estimate's error per step on the benchmark rows spans -18% to +17% (docs/benchmarks.md, Step time estimate),
+# so a smaller predicted gain is not evidence enough to move off the order those rows were measured with.
+TIMED_MARGIN = 0.15
+
+
 def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dict[str, Any],
             cal: Calibration, host_memory: int, stages: list[Stage],
-            micro: Optional[MicroCost] = None) -> tuple[Optional[Found], list[str]]:
+            micro: Optional[MicroCost] = None,
+            seconds: Optional[Callable[[Setting], float]] = None) -> tuple[Optional[Found], list[str]]:
+    """The first (stage, micro-batch) that fits the budget and the host's memory, in the fixed order of
+    `candidates`. With `seconds` (a setting's estimated seconds per step, plan/timing.py, where the card's rates
+    are known) every setting that fits is also weighed by its seconds times one plus its optimizer's precision
+    cost, and the fastest replaces the first fit where it is estimated over TIMED_MARGIN faster, or where it makes
+    fewer memory moves (an earlier stage) at no more estimated time and no smaller micro-batch."""
     tried: list[str] = []
     usable = host_memory * HOST_USABLE
-    for stage, mb, _ in candidates(stages, task.local_mini, forced.get("micro_batch"), micro):
-        values = stage.knobs()
-        if any(forced.get(k) is not None and forced[k] != v for k, v in values.items()):
-            continue
-        s = replace(base, micro_batch=mb, optimizer=stage.optimizer, **values)
+
+    def allowed(stage: Stage) -> bool:
+        return not any(forced.get(k) is not None and forced[k] != v for k, v in stage.knobs().items())
+
+    def fitted(stage: Stage, mb: int) -> tuple[Setting, MemoryEstimate, bool]:
+        s = replace(base, micro_batch=mb, optimizer=stage.optimizer, **stage.knobs())
         s = fit_rollout_and_score(model, task, s, budget, forced, cal)
         mem = estimate(model, s, task.prompt_len, task.response_len, budget, cal)
         # every process on the machine holds its own share in host memory (torchrun puts them on one host)
         host = mem.host_needed * task.world_size
-        host_ok = host <= usable
-        if mem.fits and host_ok:
-            return Found(s, mem, stage.name, micro), tried
+        if mem.fits and host <= usable:
+            return s, mem, True
         tried.append(f"{stage.name}, micro-batch {mb}: {fmt_bytes(mem.total)} ({mem.peak_phase})"
-                     + ("" if host_ok else f", host RAM {fmt_bytes(host)} over the {fmt_bytes(int(usable))} usable "
-                        f"({HOST_USABLE:.0%} of {fmt_bytes(host_memory)})"))
-    return None, tried
+                     + ("" if host <= usable else f", host RAM {fmt_bytes(host)} over the {fmt_bytes(int(usable))} "
+                        f"usable ({HOST_USABLE:.0%} of {fmt_bytes(host_memory)})"))
+        return s, mem, False
+
+    first: Optional[Found] = None
+    for stage, mb, _ in candidates(stages, task.local_mini, forced.get("micro_batch"), micro):
+        if allowed(stage):
+            s, mem, ok = fitted(stage, mb)
+            if ok:
+                first = Found(s, mem, stage.name, micro)
+                break
+    if first is None or seconds is None:
+        return first, tried
+
+    def weigh(s: Setting) -> float:
+        return seconds(s) * (1 + STAGE_COST[s.optimizer])
+
+    # a setting's seconds with the largest rollout batch and scoring micro-batch bound its seconds once they are
+    # fitted from below (fewer rows per pass only add time): weigh the cheapest bound first, and stop when no
+    # bound left can beat the best
+    seqs = task.local_sequences
+    bounds = []
+    for i, (stage, mb, _) in enumerate(candidates(stages, task.local_mini, forced.get("micro_batch"), every=True)):
+        if allowed(stage):
+            widest = replace(base, micro_batch=mb, optimizer=stage.optimizer, **stage.knobs(),
+                             rollout_batch=forced.get("rollout_batch") or seqs,
+                             score_micro_batch=forced.get("score_micro_batch") or seqs)
+            bounds.append((weigh(widest), i, stage, mb))
+    ahead = weigh(first.setting)
+    best = (ahead, first)
+    for bound, _, stage, mb in sorted(bounds, key=lambda b: b[:2]):
+        if bound >= best[0]:
+            break
+        if (stage.name, mb) == (first.stage, first.setting.micro_batch):
+            continue
+        s, mem, ok = fitted(stage, mb)
+        if ok and weigh(s) < best[0]:
+            best = (weigh(s), Found(s, mem, stage.name))
+    fastest = best[1]
+    # more than the margin faster, or fewer memory moves at no more estimated time and no smaller micro-batch (the
+    # per-micro-step costs are the estimate's least measured part: the NF4 update's ran up to twice its estimate)
+    index = {st.name: i for i, st in enumerate(stages)}
+    fewer = (index[fastest.stage] < index[first.stage] and best[0] <= ahead
+             and fastest.setting.micro_batch >= first.setting.micro_batch)
+    taken = best[0] < (1 - TIMED_MARGIN) * ahead or fewer
+    timed = Timed((first.stage, first.setting.micro_batch, ahead), (fastest.stage, fastest.setting.micro_batch,
+                  best[0]), taken)
+    return replace(fastest if taken else first, timed=timed), tried
 
 
 def fit_rollout_and_score(model: ModelSpec, task: Task, s: Setting, budget: int, forced: dict[str, Any],

@@ -27,8 +27,10 @@ from edgerl.plan.dtypes import nbytes
 from edgerl.plan.fp16 import check
 from edgerl.plan.memory import OPTIMIZERS, MemoryEstimate, Setting, estimate, fmt_bytes
 from edgerl.plan.ctx import NoFit
+from edgerl.plan import timing
+from edgerl.plan.timing import fmt_s
 from edgerl.plan.moves import STAGE_COST, STAGES, stages_for
-from edgerl.plan.search import Candidate, Found, micro_cost, search, trained_and_base
+from edgerl.plan.search import TIMED_MARGIN, Candidate, Found, micro_cost, search, trained_and_base
 
 if TYPE_CHECKING:
     from edgerl.plan.ctx import Ctx
@@ -151,6 +153,22 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             episode_turn=task.turn_len, episode_reprefill=task.episodes and engine == "hf-generate" and not quant)
 
     host = dev.host_memory if not dev.integrated else 0
+    rates = timing.rates(timing.with_rates(dev), dtype.compute)
+
+    def timer(cand: Candidate) -> Optional[Callable[[Setting], float]]:
+        """A setting's estimated seconds per step on this card (plan/timing.py), None where its rates are unknown:
+        then the search takes the fixed order of moves.STAGE_COST."""
+        if rates is None:
+            return None
+        fixed = {"dtype": dtype, "rollout_engine": engine, "base_dtype": cand.base if cand.lora else None,
+                 "lora": {"params": lora_params} if cand.lora else None}
+
+        def seconds(s: Setting) -> float:
+            v = dict(fixed, rollout_batch=s.rollout_batch, micro_batch=s.micro_batch, optimizer=s.optimizer,
+                     **{k: getattr(s, k) for k in STAGES[0].knobs()})
+            return sum(timing.phases(model, task, v, rates))
+        return seconds
+
     attempts: list[tuple[Candidate, Optional[Found], list[str]]] = []
     for cand in trained_and_base(dev, task, base_dtype, bool(c.forced("base_dtype"))):
         # bf16 weights only where the compute is bf16: plan.dtype=fp32 keeps fp32 weights
@@ -159,7 +177,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
                             forced["activation_offload"])
         base = setting(cand)
         found, tried = search(model, task, base, limit, forced, c.calibration, host, stages,
-                              micro_cost(dev, model, task, base))
+                              micro_cost(dev, model, task, base), timer(cand))
         attempts.append((cand, found, tried))
         if found:
             return cand, found, attempts
@@ -201,7 +219,10 @@ def memory_reasons(c: "Ctx") -> dict[str, str]:
     first = found.stage in (STAGES[0].name, STAGES[1].name)
     micro = found.micro
     split = micro is not None and s.micro_batch < task.local_mini
-    if s.grad_checkpointing:
+    if found.timed is not None and found.timed.taken:
+        reasons["grad_checkpointing"] = (("on" if s.grad_checkpointing else "off") + ": part of the fastest setting "
+                                         f"that fits by the step time estimate (see micro_batch); {fits}")
+    elif s.grad_checkpointing:
         reasons["grad_checkpointing"] = f"on: without it the update does not fit with a useful micro-batch; {fits}"
     elif split:
         reasons["grad_checkpointing"] = (f"off: micro-batches of {s.micro_batch} cost less here than recomputing "
@@ -212,6 +233,8 @@ def memory_reasons(c: "Ctx") -> dict[str, str]:
     state_bytes = (lora_params or model.n_params()) * OPTIMIZERS[s.optimizer].state
     where = "on the GPU" if device.is_cuda else "in memory"   # the CPU has no device memory apart from the host's
     reasons["swap_models"] = (f"the reference model stays {where}" if not s.swap_models else
+                              "on, and nothing moves: the reference is the base with the adapter disabled, "
+                              "which the actor holds" if s.lora_params else
                               "the reference model moves to host memory outside the scoring phase"
                               + transfer_note(device, ref_bytes))
     reasons["optimizer_offload"] = (f"optimizer state stays {where}" if not s.optimizer_offload else
@@ -221,7 +244,16 @@ def memory_reasons(c: "Ctx") -> dict[str, str]:
                                 f"FSDP2 CPUOffloadPolicy: host RAM holds {fmt_bytes(mem.host_needed)}; "
                                 "layers stream over PCIe (slow, but it fits)" + transfer_note(device, mem.host_needed))
     per_gpu = " per GPU" if task.world_size > 1 else ""
-    if micro is not None:
+    timed = found.timed
+    if timed is not None and timed.taken:
+        (fs, fmb, fw), (_, _, w) = timed.first, timed.fastest
+        reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward{per_gpu}: the fastest setting that "
+                                  f"fits by the step time estimate ({fmt_s(w)} a step, weighed with its optimizer's "
+                                  f"precision cost): {found.stage}; the fixed order's first fit ({fs}, micro-batch "
+                                  f"{fmb}) is {fmt_s(fw)}; a setting replaces it where it is estimated over "
+                                  f"{TIMED_MARGIN:.0%} faster, or makes fewer memory moves at no more time with no "
+                                  "smaller micro-batch")
+    elif micro is not None:
         reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward{per_gpu}: each micro-step "
                                   f"beyond the first adds ~{micro.per_step:.1%} of a step on this card (launches"
                                   + (", dequantizing the base" if s.base_quant else "")
@@ -232,6 +264,13 @@ def memory_reasons(c: "Ctx") -> dict[str, str]:
         reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward: the largest divisor of the "
                                   f"mini-batch ({task.local_mini}{per_gpu}) that fits"
                                   + ("" if first else f" after {found.stage}"))
+    if timed is not None and not timed.taken:
+        (fs, fmb, fw), (qs, qmb, qw) = timed.first, timed.fastest
+        reasons["micro_batch"] += (f"; estimated {fmt_s(fw)} a step, and no setting that fits is estimated faster"
+                                   if (qs, qmb) == (fs, fmb) else
+                                   f"; estimated {fmt_s(fw)} a step: the fastest estimate that fits ({qs}, micro-batch "
+                                   f"{qmb}: {fmt_s(qw)}) is not over {TIMED_MARGIN:.0%} faster, too little to leave the "
+                                   f"fixed order")
     kept = sum(mem.phases["update"].get(k, 0) for k in ("generation weights", "KV cache", "graph pool"))
     held = ("KV cache and CUDA graphs (the weights are the actor's own)" if s.rollout_from_actor
             else "weights, KV cache and CUDA graphs")

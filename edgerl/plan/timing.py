@@ -37,6 +37,8 @@ TRAIN_LAYER_S = 1e-3         # a micro-step's launches per layer, forward and ba
 NF4_BYTES = 0.5 + 4 / 64     # bytes per NF4 weight read by the decode kernel: the codes and an fp32 absmax per 64
 STATE_BYTES = {"adamw": 16, "adamw8bit": 10, "adamw-bf16": 10, "adamw-bf16-sr": 8}   # per trainable parameter
 PCIE_GBS = {3: 12.0, 4: 24.0, 5: 50.0}   # pinned copies per PCIe generation (docs/hardware.md, Host transfers)
+CAPTURE_STEPS = 3            # a decode graph's capture: two eager warm-up steps and the captured one
+TILE = 128                   # rows and columns of one matmul output tile (cuBLAS's large tiles)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Rates:
     fp32_tflops: float        # CUDA cores in fp32: fp32 attention and the CUDA C decode kernels
     pcie_gbs: float
     source: str
+    sm_count: int = 0         # 0: unknown (no wave term)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def rates(device: Any, compute: str, tf32: bool = False) -> Optional[Rates]:
     source = ("rates measured by edgerl doctor --bench" if measured else
               f"datasheet rates: {bandwidth:g} GB/s, {mm:g} TFLOP/s in {'tf32' if tf32 else compute}")
     cuda_cores = (m.fp32_tflops if m else None) or device.fp32_tflops or mm
-    return Rates(device.name, bandwidth, mm, cuda_cores, pcie, source)
+    return Rates(device.name, bandwidth, mm, cuda_cores, pcie, source, getattr(device, "sm_count", 0) or 0)
 
 
 def matmul_params(model: Any) -> int:
@@ -114,9 +117,8 @@ def attention_flops(model: Any, length: int) -> float:
     return 2.0 * model.num_layers * model.q_dim * length * length
 
 
-def decode_step_s(plan: Any, r: Rates, rows: int, cached: float) -> float:
-    """One decode step of `rows` rows whose KV cache holds `cached` tokens each."""
-    model, v = plan.model, plan.values
+def decode_step_s(model: Any, v: Any, r: Rates, rows: int, cached: float) -> float:
+    """One decode step of `rows` rows whose KV cache holds `cached` tokens each, under the plan's values `v`."""
     compute = v["dtype"].compute
     cbytes = 4 if compute == "fp32" else 2
     engine, backend = v["rollout_engine"], v.get("decode_backend")
@@ -139,9 +141,9 @@ def decode_step_s(plan: Any, r: Rates, rows: int, cached: float) -> float:
     return s
 
 
-def estimate(plan: Any, r: Rates, prompt_len: Optional[int] = None) -> StepTime:
-    """The step's phases on the card of `r` under `plan` (its setting, model and task)."""
-    model, task, v = plan.model, plan.task, plan.values
+def phases(model: Any, task: Any, v: Any, r: Rates, prompt_len: Optional[int] = None) -> tuple[float, float, float]:
+    """Seconds of (rollout, scoring, update) for `task` on the card of `r` under the plan's values `v` (a `Plan`'s
+    `values`, or the search's candidate setting in the same keys)."""
     P = prompt_len or task.prompt_len
     R = task.response_len
     n = task.local_sequences
@@ -154,12 +156,16 @@ def estimate(plan: Any, r: Rates, prompt_len: Optional[int] = None) -> StepTime:
     N = matmul_params(model)
     lora = v.get("lora")
     nf4 = v.get("base_dtype") == "nf4"
+    engine = v["rollout_engine"]
 
     # --- rollout: the prompts' prefill, then R decode steps, rollout_batch rows at a time
     rows = max(1, min(v["rollout_batch"], n))
     passes = math.ceil(n / rows)
     prefill = 2 * N * rows * P / mm + rows * attention_flops(model, P) / attn
-    rollout_s = passes * (prefill + R * decode_step_s(plan, r, rows, P + R / 2))
+    rollout_s = passes * (prefill + R * decode_step_s(model, v, r, rows, P + R / 2))
+    if engine == "static" and not v.get("rollout_resident"):
+        # the graphs were freed with the engine's memory: each pass captures its decode step again
+        rollout_s += passes * CAPTURE_STEPS * EAGER_LAYER_S * model.num_layers
 
     # --- scoring: one no-grad forward per model that scores (old log-probs, the reference, the critic)
     L = P + R
@@ -172,10 +178,12 @@ def estimate(plan: Any, r: Rates, prompt_len: Optional[int] = None) -> StepTime:
         score_s += 2 * N * cbytes / (r.pcie_gbs * 1e9)          # the reference in and out over PCIe
 
     # --- update: forward and backward (and the forward again under checkpointing) of the actor and critic
-    micro_steps = math.ceil(n / max(1, v["micro_batch"]))
+    mb = max(1, v["micro_batch"])
+    micro_steps = math.ceil(n / mb)
     ckpt = 1 if v.get("grad_checkpointing") else 0
     passes_mm = (2 if lora else 3) + ckpt             # in forwards: a frozen base has no weight gradient
-    one = passes_mm * 2 * N * tokens / mm + (3 + ckpt) * n * attention_flops(model, L) / attn
+    matmuls = passes_mm * 2 * N * tokens / mm * under_filled(mb * L, model.hidden_size, r.sm_count)
+    one = matmuls + (3 + ckpt) * n * attention_flops(model, L) / attn
     models = 1 + (1 if task.critic else 0)
     update_s = models * (one + micro_steps * model.num_layers * TRAIN_LAYER_S)
     trainable = lora["params"] if lora else model.n_params()
@@ -187,9 +195,30 @@ def estimate(plan: Any, r: Rates, prompt_len: Optional[int] = None) -> StepTime:
         update_s += models * 2 * trainable * state / (r.pcie_gbs * 1e9)
     if v.get("param_offload"):
         update_s += models * micro_steps * passes_mm * N * cbytes / (r.pcie_gbs * 1e9)
-    if not lora and v["rollout_engine"] == "static":                 # the engine's copy of the new weights
+    if v.get("activation_offload") and ckpt:
+        # each checkpointed layer's input goes to pinned host memory and comes back, on a side stream beside
+        # the update's matmuls: only what the matmuls do not hide costs time
+        moved = 2 * tokens * model.num_layers * model.hidden_size * cbytes / (r.pcie_gbs * 1e9)
+        update_s += models * max(0.0, moved - matmuls)
+    if not lora and engine == "static":                 # the engine's copy of the new weights
         update_s += N * cbytes / bw
+    return rollout_s, score_s, update_s
 
+
+def under_filled(tokens: int, hidden: int, sm_count: int) -> float:
+    """How much longer a micro-step's matmuls take than their FLOPs say when their output tiles (TILE x TILE)
+    are fewer than one wave over the SMs: the SMs without a tile wait. 1 where the card's SM count is unknown."""
+    if not sm_count:
+        return 1.0
+    tiles = math.ceil(tokens / TILE) * math.ceil(hidden / TILE)
+    return max(1.0, sm_count / tiles)
+
+
+def estimate(plan: Any, r: Rates, prompt_len: Optional[int] = None) -> StepTime:
+    """The step's phases on the card of `r` under `plan` (its setting, model and task)."""
+    task = plan.task
+    rollout_s, score_s, update_s = phases(plan.model, task, plan.values, r, prompt_len)
+    P, R = prompt_len or task.prompt_len, task.response_len
     ran = (f"every episode fills its {R} tokens, all of them decoded (tools' results are prefilled, which is "
            "faster; answers end sooner)" if task.episodes else f"every response runs to {R} tokens (EOS ends real "
            "ones sooner)")
@@ -199,7 +228,7 @@ def estimate(plan: Any, r: Rates, prompt_len: Optional[int] = None) -> StepTime:
     return StepTime(rollout_s, score_s, update_s, r, said)
 
 
-def _with_rates(device: Any) -> Any:
+def with_rates(device: Any) -> Any:
     """A probed GPU carries no datasheet rates: take its profile's, where one matches."""
     if not getattr(device, "is_cuda", False) or (device.memory_bandwidth_gbs and device.fp32_tflops
                                                  and device.fp16_tflops):
@@ -216,7 +245,7 @@ def _with_rates(device: Any) -> Any:
 
 def for_plan(plan: Any) -> Optional[StepTime]:
     """The estimate for the plan's own card; None where its rates are unknown (the CPU, an unprofiled GPU)."""
-    r = rates(_with_rates(plan.device), plan.values["dtype"].compute)
+    r = rates(with_rates(plan.device), plan.values["dtype"].compute)
     return None if r is None else estimate(plan, r)
 
 
