@@ -76,7 +76,8 @@
 #                   adds the attention kernel at other configurations)
 #   long 560       bench_long --parallel --tf32: the long-response rows (1.5B full at 512-8K under a P40's memory, 7B NF4
 #                   at 2K/4K under a P40's, 8B NF4 at 2K under a T4's), all at once, each under its own cap
-#                   (LONG_ROWS: which; LONG_ARGS=--resumable: a checkpoint per step, 90 s between the time limit's
+#                   (LONG_ROWS: which; LONG_SERIAL=1: one after the other, each alone on the GPU, for speeds;
+#                   LONG_ARGS=--resumable: a checkpoint per step, 90 s between the time limit's
 #                   SIGTERM and the SIGKILL for the one being written, and the same command again on the machine
 #                   still held continues each row up to LONG_STEPS in all: the 8K row is slower than one call)
 #   recipes 560    bench_recipes --parallel --tf32: each recipe in examples/recipes, 3 steps under its card's memory,
@@ -113,6 +114,7 @@ LOGS=/tmp/edgerl-logs; mkdir -p "$LOGS"
 WORK=${WORK:-/tmp/edgerl-bench}
 export OUT PYTHONUNBUFFERED=1 EDGERL_SHARED=${EDGERL_SHARED:-$PWD/.cache/shared} EDGERL_CACHE=/tmp/edgerl-cache
 REAL_MODEL_AT=/tmp/edgerl-real-model.txt   # the folder GGUF was converted into (a later call on the machine still held reads it)
+LONG_PARALLEL=$([ -n "${LONG_SERIAL:-}" ] || echo --parallel)   # the long stage's rows at once, unless LONG_SERIAL
 export NCCL_NVLS_ENABLE=0 TOK=${EDGERL_SHARED:-$PWD/.cache/shared}/data/smollm2-tokenizer
 if [ -z "${SKIP_INSTALL:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -187,7 +189,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         nf4-decode) echo "python3 bench/bench_nf4_decode.py --layers ${NF4_LAYERS:-28} --row-sweep 16 ${NF4_ARGS:-} --out $OUT/bench_nf4_decode$x.json" ;;
         rollout-bf16) echo "python3 bench/bench_rollout.py --reps 2 --configs 360m:bf16,1.7b:bf16 --variants ${ROLLOUT_VARIANTS:-hf_generate,graph_torch,graph_triton_attention,graph_triton_layers} --budget-s $(( b - 20 )) --out $OUT/bench_rollout_bf16$x.json" ;;
         fit-full) echo "python3 bench/bench_fit.py --only full --timeout 150 --tokenizer $TOK --out $OUT/bench_fit_full$x.json" ;;
-        long) echo "python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} ${LONG_ROWS:+--only $LONG_ROWS} ${LONG_ARGS:-} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_long$x.json" ;;
+        long) echo "python3 bench/bench_long.py $LONG_PARALLEL --tf32 --steps ${LONG_STEPS:-3} ${LONG_ROWS:+--only $LONG_ROWS} ${LONG_ARGS:-} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_long$x.json" ;;
         recipes) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} ${RECIPES:+--only $RECIPES} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_recipes$x.json" ;;
         recipes-long) echo "python3 bench/bench_recipes.py --parallel --tf32 --steps ${RECIPE_STEPS:-3} ${RECIPES:+--only $RECIPES} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w-recipes --out $OUT/bench_recipes$x.json > $LOGS/recipes$x.log 2>&1 &
               python3 bench/bench_long.py --parallel --tf32 --steps ${LONG_STEPS:-3} ${LONG_ROWS:+--only $LONG_ROWS} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_long$x.json; wait" ;;
