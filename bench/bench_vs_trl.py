@@ -474,11 +474,6 @@ def checks(runs: dict[str, dict], args) -> list[str]:
     return bad
 
 
-def ratio(r: dict, peer: dict, key: str) -> str:
-    """r's figure over the peer's, for a run that is not the peer's own main run."""
-    return f"{r[key] / peer[key]:.2f}x" if r is not peer and r.get(key) and peer.get(key) else "-"
-
-
 def report(runs: dict[str, dict]) -> str:
     rows = []
     unsloth = any(r.get("side") == "unsloth" for r in runs.values())
@@ -486,9 +481,9 @@ def report(runs: dict[str, dict]) -> str:
         trl = runs.get(f"{r.get('group')}/trl") or {}
         uns = runs.get(f"{r.get('group')}/unsloth") or {}
         mine = r.get("side") in ("edgerl", "unsloth")
-        vs_trl = ratio(r, trl, "tokens_per_s") if mine else "-"
-        mem_ratio = ratio(r, trl, "measured_gib") if mine else "-"
-        vs_uns = [ratio(r, uns, "tokens_per_s") if r.get("side") == "edgerl" else "-"] if unsloth else []
+        vs_trl = bl.times(r, trl, "tokens_per_s") if mine else "-"
+        mem_ratio = bl.times(r, trl, "measured_gib") if mine else "-"
+        vs_uns = [bl.times(r, uns, "tokens_per_s") if r.get("side") == "edgerl" else "-"] if unsloth else []
         p = r.get("plan") or {}
         plan = (f"{(p.get('dtype') or {}).get('compute', '?')} {p.get('optimizer')}"
                 + (" lora" if p.get("lora") else "") + (f" base {p.get('base_dtype')}" if p.get("base_dtype") else "")

@@ -433,6 +433,11 @@ def fmt(x: Any, spec: str = "{:.2f}", missing: str = "-") -> str:
     return spec.format(x)
 
 
+def times(r: dict, peer: dict, key: str) -> str:
+    """r's figure over a peer run's ("2.50x"), for a run that is not the peer's own; "-" where either is missing."""
+    return f"{r[key] / peer[key]:.2f}x" if r is not peer and r.get(key) and peer.get(key) else "-"
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]

@@ -33,10 +33,8 @@ def vs_trl(d: dict) -> list[str]:
     for name, r in d["runs"].items():
         trl = d["runs"].get(f"{r.get('group')}/trl") or {}
         mine = r.get("side") in ("edgerl", "unsloth")   # TRL's other runs (another allocator, fp16) are not ratios
-        ratio = (f"{r['tokens_per_s'] / trl['tokens_per_s']:.2f}x" if mine
-                 and r.get("tokens_per_s") and trl.get("tokens_per_s") else "-")
-        mem = (f"{r['measured_gib'] / trl['measured_gib']:.2f}x" if mine
-               and r.get("measured_gib") and trl.get("measured_gib") else "-")
+        ratio = bl.times(r, trl, "tokens_per_s") if mine else "-"
+        mem = bl.times(r, trl, "measured_gib") if mine else "-"
         est = (f"{r['estimate_gib']:.1f} ({bl.fmt(r.get('estimate_error'), '{:+.0%}')})"
                if r.get("estimate_gib") is not None else "-")
         rows.append([name, str(r.get("status", "-"))[:28], bl.fmt(r.get("median_step_s")),
