@@ -314,11 +314,16 @@ def test_the_decode_step_profile_runs_one_step_of_the_engine():
     assert "aten::bmm" in names and "aten::baddbmm" in names, sorted(names)[:40]
 
 
-def test_every_long_row_plans_what_its_name_says(tmp_path):
+FIRST_FIT_PINS = ("optimizer", "optimizer_offload", "micro_batch", "rollout_batch", "score_micro_batch")
+
+
+def test_every_long_row_plans_what_its_name_says(tmp_path, monkeypatch):
     """Each bench_long row's own settings, planned for its card (its profile, the GPU machine's 128 GiB of host
     RAM) at the bench model's widths and vocabulary: it fits, LoRA rows train LoRA (on an NF4 base where
-    named), full rows do not, and a -cuda-c row decodes through cuda-c. A row that times something other than
-    its name (LoRA left off, so full fine-tuning streamed over PCIe) is caught here, not on the GPU."""
+    named), full rows do not, and a -cuda-c row decodes through cuda-c; a -first-fit row pins what the search's
+    fixed order picks for it (no card rates), which the search by estimated step time now replaces. A row that
+    times something other than its name (LoRA left off, so full fine-tuning streamed over PCIe) is caught here,
+    not on the GPU."""
     import bench_long
     from transformers import LlamaConfig
     from edgerl.config.load import load_config
@@ -329,6 +334,7 @@ def test_every_long_row_plans_what_its_name_says(tmp_path):
     from edgerl.plan.plan import plan
     software = Software(python="3.12", torch="2.11.0", torch_cuda="13.0", arch_list=("sm_75", "sm_80", "sm_90"),
                         libs=(("bitsandbytes", "0.50.2"), ("triton", "3.6.0")), machine="x86_64")
+    fixed = []
     for name, (shape, profile, n, extra) in bench_long.ROWS.items():
         h, layers, heads, kv, mlp, tie = bl.SHAPES[shape]
         folder = tmp_path / shape
@@ -349,6 +355,23 @@ def test_every_long_row_plans_what_its_name_says(tmp_path):
         triton = "triton-attention" if "nf4" in name else "triton-layers"
         want = "torch" if name.endswith("-torch") else triton if profile == "rtx4090" else "cuda-c"
         assert v["decode_backend"] == want, (name, v["decode_backend"])
+        if name.endswith("-first-fit"):   # what the search's fixed order picks for the row it names, as pinned
+            fixed.append((name, p, device_from_profile(prof, software, 128 * 2**30), resolve(str(folder)),
+                          task_from_config(cfg), {k: w for k, w in overrides_from_config(cfg, prof).items()
+                                                  if k not in FIRST_FIT_PINS}))
+    assert len(fixed) == 2
+    import edgerl.plan.timing as timing
+    for name, p, device, model, task, free in fixed:
+        monkeypatch.setattr(timing, "rates", lambda *a, **k: None)        # no card rates: the fixed order alone
+        first = plan(device, model, task, free)
+        monkeypatch.undo()
+        weighed = plan(device, model, task, free)
+        knobs = ("grad_checkpointing", "swap_models", "optimizer_offload", "activation_offload", "optimizer",
+                 "micro_batch", "rollout_batch", "score_micro_batch")
+        pinned = {k: getattr(p, k) for k in knobs}
+        assert {k: getattr(first, k) for k in knobs if k != "swap_models"} == \
+            {k: w for k, w in pinned.items() if k != "swap_models"}, name
+        assert any(getattr(weighed, k) != pinned[k] for k in knobs), (name, "the search now picks the same plan")
 
 
 def test_parallel_runs_start_while_their_caps_fit_the_device():
