@@ -179,8 +179,9 @@ def test_the_timed_search_finds_the_fastest_setting_that_fits_as_brute_force_doe
     assert "the fastest setting that fits by the step time estimate" in p.reasons["micro_batch"]
 
 
-def _fake_search(seconds_of):
-    """search() over two stages of a small task with seconds given per stage name (no card model)."""
+def _fake_search(seconds_of, by_micro=None):
+    """search() over two stages of a small task with seconds given per stage name (no card model), or per
+    micro-batch (`by_micro`)."""
     from edgerl.plan.memory import DEFAULT_CALIBRATION, Setting
     from edgerl.plan.search import search
     stages = stages_for(None, False, False, False)[1:3]      # the rollout copy freed; gradient checkpointing
@@ -191,6 +192,8 @@ def _fake_search(seconds_of):
                    logit_bytes=8, eager_attention=False, mini_batch=4)
 
     def seconds(s):
+        if by_micro:
+            return by_micro[s.micro_batch]
         return seconds_of["ckpt" if s.grad_checkpointing else "plain"] * (1 + 0.01 * (4 // s.micro_batch - 1))
     found, _ = search(model, task, base, 64 * GiB, {}, DEFAULT_CALIBRATION, 64 * GiB, stages, None, seconds)
     return found
@@ -205,6 +208,13 @@ def test_a_setting_replaces_the_first_fit_only_past_the_margin():
     assert close.timed.fastest[0] == "gradient checkpointing"
     far = _fake_search({"plain": 10.0, "ckpt": 10.0 * (1 - TIMED_MARGIN) - 0.01})
     assert far.setting.grad_checkpointing and far.timed.taken and far.setting.micro_batch == 4
+
+
+def test_no_micro_batch_below_the_first_fits_is_weighed():
+    """A micro-step's fixed costs are the estimate's least measured part: however fast the estimate makes a
+    smaller micro-batch, the search does not split the first fit's further."""
+    found = _fake_search({}, by_micro={4: 10.0, 2: 5.0, 1: 1.0})
+    assert found.setting.micro_batch == 4 and not found.timed.taken and found.timed.fastest[1] == 4
 
 
 def test_without_the_cards_rates_the_search_keeps_the_fixed_order(monkeypatch):

@@ -41,8 +41,7 @@ class Timed:
     first: tuple[str, int, float]        # (stage, micro-batch, weighed seconds): the fixed order's first fit
     fastest: tuple[str, int, float]      # the same for the smallest weighed estimate
     taken: bool                          # the fastest replaced the first fit (over TIMED_MARGIN faster, or an earlier
-                                         # stage of the list, fewer memory moves, at no more estimated time and no
-                                         # smaller micro-batch)
+                                         # stage of the list, fewer memory moves, at no more estimated time)
 
 
 def candidates(stages: list[Stage], mini: int, forced_mb: Optional[int],
@@ -132,9 +131,9 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
             seconds: Optional[Callable[[Setting], float]] = None) -> tuple[Optional[Found], list[str]]:
     """The first (stage, micro-batch) that fits the budget and the host's memory, in the fixed order of
     `candidates`. With `seconds` (a setting's estimated seconds per step, plan/timing.py, where the card's rates
-    are known) every setting that fits is also weighed by its seconds times one plus its optimizer's precision
-    cost, and the fastest replaces the first fit where it is estimated over TIMED_MARGIN faster, or where it makes
-    fewer memory moves (an earlier stage) at no more estimated time and no smaller micro-batch."""
+    are known) every setting that fits with no smaller micro-batch is also weighed by its seconds times one plus
+    its optimizer's precision cost, and the fastest replaces the first fit where it is estimated over TIMED_MARGIN
+    faster, or where it makes fewer memory moves (an earlier stage) at no more estimated time."""
     tried: list[str] = []
     usable = host_memory * HOST_USABLE
 
@@ -173,7 +172,9 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
     seqs = task.local_sequences
     bounds = []
     for i, (stage, mb, _) in enumerate(candidates(stages, task.local_mini, forced.get("micro_batch"), every=True)):
-        if allowed(stage):
+        # no micro-batch below the first fit's: a micro-step's fixed costs are the estimate's least measured part
+        # (the NF4 update's ran up to twice its estimate), and the fixed order costs micro-batches on its own
+        if allowed(stage) and mb >= first.setting.micro_batch:
             widest = replace(base, micro_batch=mb, optimizer=stage.optimizer, **stage.knobs(),
                              rollout_batch=forced.get("rollout_batch") or seqs,
                              score_micro_batch=forced.get("score_micro_batch") or seqs)
@@ -189,12 +190,9 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
         if ok and weigh(s) < best[0]:
             best = (weigh(s), Found(s, mem, stage.name))
     fastest = best[1]
-    # more than the margin faster, or fewer memory moves at no more estimated time and no smaller micro-batch (the
-    # per-micro-step costs are the estimate's least measured part: the NF4 update's ran up to twice its estimate)
+    # more than the margin faster, or fewer memory moves at no more estimated time
     index = {st.name: i for i, st in enumerate(stages)}
-    fewer = (index[fastest.stage] < index[first.stage] and best[0] <= ahead
-             and fastest.setting.micro_batch >= first.setting.micro_batch)
-    taken = best[0] < (1 - TIMED_MARGIN) * ahead or fewer
+    taken = best[0] < (1 - TIMED_MARGIN) * ahead or (index[fastest.stage] < index[first.stage] and best[0] <= ahead)
     timed = Timed((first.stage, first.setting.micro_batch, ahead), (fastest.stage, fastest.setting.micro_batch,
                   best[0]), taken)
     return replace(fastest if taken else first, timed=timed), tried

@@ -251,8 +251,8 @@ def memory_reasons(c: "Ctx") -> dict[str, str]:
                                   f"fits by the step time estimate ({fmt_s(w)} a step, weighed with its optimizer's "
                                   f"precision cost): {found.stage}; the fixed order's first fit ({fs}, micro-batch "
                                   f"{fmb}) is {fmt_s(fw)}; a setting replaces it where it is estimated over "
-                                  f"{TIMED_MARGIN:.0%} faster, or makes fewer memory moves at no more time with no "
-                                  "smaller micro-batch")
+                                  f"{TIMED_MARGIN:.0%} faster, or makes fewer memory moves at no more time (micro-batches "
+                                  "below the first fit's are not weighed)")
     elif micro is not None:
         reasons["micro_batch"] = (f"{s.micro_batch} sequences per forward/backward{per_gpu}: each micro-step "
                                   f"beyond the first adds ~{micro.per_step:.1%} of a step on this card (launches"
@@ -266,9 +266,11 @@ def memory_reasons(c: "Ctx") -> dict[str, str]:
                                   + ("" if first else f" after {found.stage}"))
     if timed is not None and not timed.taken:
         (fs, fmb, fw), (qs, qmb, qw) = timed.first, timed.fastest
-        reasons["micro_batch"] += (f"; estimated {fmt_s(fw)} a step, and no setting that fits is estimated faster"
+        reasons["micro_batch"] += (f"; estimated {fmt_s(fw)} a step, and no setting that fits with a micro-batch as "
+                                   "large is estimated faster"
                                    if (qs, qmb) == (fs, fmb) else
-                                   f"; estimated {fmt_s(fw)} a step: the fastest estimate that fits ({qs}, micro-batch "
+                                   f"; estimated {fmt_s(fw)} a step: the fastest estimate that fits with a micro-batch "
+                                   f"as large ({qs}, micro-batch "
                                    f"{qmb}: {fmt_s(qw)}) is not over {TIMED_MARGIN:.0%} faster, too little to leave the "
                                    f"fixed order")
     kept = sum(mem.phases["update"].get(k, 0) for k in ("generation weights", "KV cache", "graph pool"))
