@@ -4,9 +4,12 @@ Each phase is the larger of its matmul time (FLOPs at the card's rate for the pl
 its memory time (bytes at the card's bandwidth), each divided by an efficiency: the share of the peak that
 edgerl's kernels reach in that phase, calibrated once on the GPUs edgerl has run on (`DECODE`, `MATMUL`,
 docs/benchmarks.md, Step time estimate), plus fixed per-step costs (kernel launches, the optimizer's
-pass over its state, PCIe transfers of offloaded state). The card's rates are its `edgerl doctor --bench`
+pass over its state, PCIe transfers of offloaded state, the checkpointed inputs' copies to host memory where the
+matmuls do not hide them, decode graphs captured again where the engine is freed between steps, and a
+micro-batch too small to give every SM an output tile). The card's rates are its `edgerl doctor --bench`
 measurements when cached, else its datasheet rates (`edgerl/profile_data/*.toml`, docs/hardware.md, Datasheet
-rates). Pure: it reads a `Plan` and touches no hardware.
+rates). Pure: it reads a `Plan` (or, for the memory search, a candidate's values: `phases`) and touches no
+hardware.
 
 What it assumes, and `recommend` says: every response runs to `rollout.max_new_tokens` (EOS at random
 places makes a real step shorter), prompts at `data.max_prompt_len`, no other process on the GPU, and
