@@ -226,3 +226,26 @@ def test_without_the_cards_rates_the_search_keeps_the_fixed_order(monkeypatch):
     p = plan(_device("p40"), model, task)
     assert (p.optimizer, p.rollout_batch, p.micro_batch) == ("adamw8bit", 8, 2)
     assert "step time estimate" not in p.reasons["micro_batch"]
+
+
+def test_the_search_drops_the_moves_a_setting_fits_without():
+    """A stage turns its moves on together; the plan keeps only those the setting needs to fit. The 1.7B shape at
+    17.71 GiB on an H100 needs the reference in host memory but not the checkpointed inputs there (at 320 tokens
+    they do not set the peak); LoRA's reference is its base, so a LoRA plan never swaps one."""
+    from edgerl.plan.modelspec import ModelSpec
+    from edgerl.plan.moves import next_moves
+    h100 = _device("h100")
+    model = ModelSpec("1.7b", "llama", 49152, 2048, 24, 32, 32, 8192, True, max_position=32768)
+    task = Task(prompt_len=64, response_len=256, prompts_per_step=2, samples_per_prompt=8, kl=True, lora=False)
+    p = plan(h100, model, task, {"memory_gib": 17.71})
+    assert p.grad_checkpointing and p.swap_models and not p.activation_offload
+    assert p.reasons["activation_offload"].startswith("off: the checkpointed layer inputs fit on the GPU")
+    with_it = plan(h100, model, task, {"memory_gib": 17.71, "activation_offload": True})
+    assert with_it.memory.total >= p.memory.total           # the move lowers nothing here
+    # the out-of-memory advice names the move the plan left out, the next stage's
+    assert "--set plan.activation_offload=true" in next_moves(p, 256)
+    for card in ("t4", "p40", "rtx3090", "v100-16gb"):
+        q = plan(_device(card), QWEN7B, TASK)
+        assert q.lora and not q.swap_models, card
+    forced = plan(_device("t4"), QWEN7B, TASK, {"swap_models": True})
+    assert forced.swap_models and "nothing moves" in forced.reasons["swap_models"]

@@ -141,10 +141,14 @@ def next_moves(plan: Any, response_len: int) -> list[str]:
     stages = stages_for(None, True, bf16, True)
     later = False
     for st in stages:
-        if st.knobs() == mine and st.optimizer == plan.optimizer:
+        # the plan's own stage, or the first that holds all its moves (the search drops a stage's moves that a
+        # setting does not need, so the plan may make fewer than any stage)
+        covers = all(st.knobs()[k] >= v for k, v in mine.items() if k != "rollout_resident")
+        if not later and covers and (st.knobs() == mine and st.optimizer == plan.optimizer):
             later = True
             continue
-        if later and all(st.knobs()[k] >= v for k, v in mine.items() if k != "rollout_resident"):
+        later = later or (covers and any(st.knobs()[k] > v for k, v in mine.items() if k != "rollout_resident"))
+        if later and covers:
             changes = [f"--set plan.{k}={_value(v)}" for k, v in st.knobs().items() if v != mine[k]]
             if st.optimizer != plan.optimizer:
                 changes.append(f"--set plan.optimizer={st.optimizer}")

@@ -153,6 +153,23 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
                         f"usable ({HOST_USABLE:.0%} of {fmt_bytes(host_memory)})"))
         return s, mem, False
 
+    def leanest(found: Found) -> Found:
+        """`found` without the moves it does not need: each memory move the stage turned on (and nothing forced)
+        is turned off where the setting still fits without it, costliest first. A stage turns its moves on
+        together, and at short lengths the checkpointed inputs (activation offload) or the reference (LoRA has
+        none apart from its base) may be too small to lower the peak: then the move costs time for nothing."""
+        s, mem = found.setting, found.memory
+        for knob in ("param_offload", "optimizer_offload", "swap_models", "activation_offload"):
+            if not getattr(s, knob) or forced.get(knob) is not None:
+                continue
+            if knob == "optimizer_offload" and s.param_offload:
+                continue        # FSDP2's CPU offload holds the optimizer state in host memory itself
+            lean = replace(s, **{knob: False})
+            lean_mem = estimate(model, lean, task.prompt_len, task.response_len, budget, cal)
+            if lean_mem.fits and lean_mem.host_needed * task.world_size <= usable:
+                s, mem = lean, lean_mem
+        return found if s is found.setting else replace(found, setting=s, memory=mem)
+
     first: Optional[Found] = None
     for stage, mb, _ in candidates(stages, task.local_mini, forced.get("micro_batch"), micro):
         if allowed(stage):
@@ -161,7 +178,7 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
                 first = Found(s, mem, stage.name, micro)
                 break
     if first is None or seconds is None:
-        return first, tried
+        return (leanest(first) if first else None), tried
 
     def weigh(s: Setting) -> float:
         return seconds(s) * (1 + STAGE_COST[s.optimizer])
@@ -195,7 +212,7 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
     taken = best[0] < (1 - TIMED_MARGIN) * ahead or (index[fastest.stage] < index[first.stage] and best[0] <= ahead)
     timed = Timed((first.stage, first.setting.micro_batch, ahead), (fastest.stage, fastest.setting.micro_batch,
                   best[0]), taken)
-    return replace(fastest if taken else first, timed=timed), tried
+    return replace(leanest(fastest if taken else first), timed=timed), tried
 
 
 def fit_rollout_and_score(model: ModelSpec, task: Task, s: Setting, budget: int, forced: dict[str, Any],
