@@ -3,7 +3,9 @@
 Outer loop: what is trained and how the frozen base is stored (`configs`: full fine-tuning, LoRA on a
 float base, on an NF4 base, then LoRA with parameter offload). Inner loop: (stage, micro-batch) pairs
 in order of their estimated slowdown (`moves.STAGES`, `moves.STAGE_COST`), each with the largest
-rollout batch and scoring micro-batch that fit. Pure: no I/O.
+rollout batch and scoring micro-batch that fit; where the card's rates are known, the settings that fit are
+also weighed by the step time estimate (`plan/timing.py`) and a much faster one replaces the first fit. The
+setting found then drops each move it fits without. Pure: no I/O.
 """
 
 from __future__ import annotations
