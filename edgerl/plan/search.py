@@ -20,6 +20,7 @@ from edgerl.plan.memory import Calibration, MemoryEstimate, Setting, estimate, f
 from edgerl.plan.modelspec import ModelSpec
 from edgerl.plan.moves import MICRO_HALVING_COST, STAGE_COST, Stage
 from edgerl.plan.task import Task
+from edgerl.plan.timing import output_tiles
 
 
 def divisors_desc(n: int) -> list[int]:
@@ -74,7 +75,6 @@ LAUNCH_S_PER_LAYER = 0.5e-3
 # The update's share of a step, the scale of moves.STAGE_COST (checkpointing's 0.17 is a third of it)
 UPDATE_SHARE = 0.5
 QUANT_CODE_BYTES = {"nf4": 0.5, "int8": 1.0}   # read per weight when dequantizing (scales left out)
-TILE = 128          # rows and columns of one matmul tile (cuBLAS's large fp32 tiles)
 FILL_WAVES = 2      # tiles per SM below which a micro-batch's matmuls leave SMs idle
 
 
@@ -94,8 +94,7 @@ class MicroCost:
         return (mini // mb - 1) * self.per_step
 
     def fills(self, mb: int) -> bool:
-        tiles = math.ceil(mb * self.tokens_per_sequence / TILE) * math.ceil(self.hidden / TILE)
-        return tiles >= FILL_WAVES * self.sm_count
+        return output_tiles(mb * self.tokens_per_sequence, self.hidden) >= FILL_WAVES * self.sm_count
 
 
 def micro_cost(device: Device, model: ModelSpec, task: Task, s: Setting) -> Optional[MicroCost]:
@@ -206,8 +205,9 @@ def search(model: ModelSpec, task: Task, base: Setting, budget: int, forced: dic
         if (stage.name, mb) == (first.stage, first.setting.micro_batch):
             continue
         s, mem, ok = fitted(stage, mb)
-        if ok and weigh(s) < best[0]:
-            best = (weigh(s), Found(s, mem, stage.name))
+        weighed = weigh(s) if ok else best[0]
+        if weighed < best[0]:
+            best = (weighed, Found(s, mem, stage.name))
     fastest = best[1]
     # more than the margin faster, or fewer memory moves at no more estimated time
     index = {st.name: i for i, st in enumerate(stages)}

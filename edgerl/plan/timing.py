@@ -208,13 +208,17 @@ def phases(model: Any, task: Any, v: Any, r: Rates, prompt_len: Optional[int] = 
     return rollout_s, score_s, update_s
 
 
+def output_tiles(tokens: int, hidden: int) -> int:
+    """TILE x TILE output tiles of a matmul of `tokens` rows into `hidden` columns."""
+    return math.ceil(tokens / TILE) * math.ceil(hidden / TILE)
+
+
 def under_filled(tokens: int, hidden: int, sm_count: int) -> float:
-    """How much longer a micro-step's matmuls take than their FLOPs say when their output tiles (TILE x TILE)
-    are fewer than one wave over the SMs: the SMs without a tile wait. 1 where the card's SM count is unknown."""
+    """How much longer a micro-step's matmuls take than their FLOPs say when their output tiles are fewer than one
+    wave over the SMs: the SMs without a tile wait. 1 where the card's SM count is unknown."""
     if not sm_count:
         return 1.0
-    tiles = math.ceil(tokens / TILE) * math.ceil(hidden / TILE)
-    return max(1.0, sm_count / tiles)
+    return max(1.0, sm_count / output_tiles(tokens, hidden))
 
 
 def estimate(plan: Any, r: Rates, prompt_len: Optional[int] = None) -> StepTime:
