@@ -72,6 +72,9 @@
 #   fp16-overflow 200 tests/test_fp16_overflow_cuda.py: a Gemma-3-shaped model with a layer past fp16's range under
 #                   the t4 profile (the calibration on the GPU, fp32 around the layer, fp16 for the unscaled model,
 #                   the stop that names the layer)
+#   decode-long 300 bench_decode_long --profile: the decode step at cache columns 512, 2048 and 8192 for the P40 1.5B
+#                   full, P40 7B NF4 and T4 8B NF4 plans (their rows, dtype and decode backend), against the bytes it
+#                   reads as a share of the measured copy bound (DECODE_LONG_ARGS: more options, e.g. --configs)
 #   layer 150       bench_decode_layer: one decode layer's five Triton kernels, each one's GPU time (LAYER_ARGS=--sweep
 #                   adds the attention kernel at other configurations)
 #   long 560       bench_long --parallel --tf32: the long-response rows (1.5B full at 512-8K under a P40's memory, 7B NF4
@@ -164,6 +167,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         memory) echo "python3 bench/bench_memory.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_memory$x.json" ;;
         multi) echo "python3 bench/bench_multi.py --tokenizer $TOK --work $w --budget-s $b --out $OUT/bench_multi$x.json" ;;
         tests-nf4) echo "python3 -m pytest -q -p no:cacheprovider tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py 2>&1 | tee $OUT/tests_nf4$x.log | tail -30" ;;
+        decode-long) echo "python3 bench/bench_decode_long.py --profile ${DECODE_LONG_ARGS:-} --out $OUT/bench_decode_long$x.json" ;;
         attn-long) echo "python3 -m pytest -q -p no:cacheprovider tests/test_decode_cuda_kernels_cuda.py 2>&1 | tee $OUT/tests_attn$x.log | tail -20;
               python3 bench/bench_decode_cuda_attention.py ${ATTN_ARGS:-} --out $OUT/bench_decode_cuda_attention$x.json" ;;
         tests-train) echo "python3 -m pytest -q -p no:cacheprovider tests/test_train_cuda.py tests/test_packing_cuda.py 2>&1 | tee $OUT/tests_train$x.log | tail -30" ;;
@@ -217,7 +221,7 @@ limit_of() {
     case $1 in
         info) echo 60 ;; quick) echo 200 ;; measure) echo 90 ;; trl-frontier) echo 480 ;; trl-17b) echo 300 ;;
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
-        trl-1.7b) echo 150 ;; trl-longest) echo 560 ;; memory) echo 400 ;; optim) echo 120 ;;
+        trl-1.7b) echo 150 ;; trl-longest) echo 560 ;; decode-long) echo 300 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; fp16-overflow) echo 200 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; selftest-fp16) echo 300 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
         fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; learning) echo 560 ;; tests-real) echo 200 ;; tests-agents) echo 120 ;; *) echo 560 ;;

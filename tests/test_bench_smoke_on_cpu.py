@@ -101,6 +101,42 @@ def test_frontier_items_and_the_resume_verdicts():
     assert bench_multi.compare(rows, rows[:2])["verdict"].startswith("incomplete")
 
 
+def test_decode_long_smoke_times_each_length_and_counts_the_cache_each_row_sees(tmp_path):
+    """bench_decode_long.py --smoke: the engine's step at each cache column, eager on the CPU; the bytes are the
+    weights plus rows x (column + 1) x layers x K and V x KV heads x head dim x 4 (an fp32 cache)."""
+    out = tmp_path / "long.json"
+    res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--lengths", "48,16",
+                          "--rows", "3", "--out", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    recs = json.loads(out.read_text())["records"]
+    assert [r["length"] for r in recs] == [16, 48]
+    hidden, layers, heads, kv, _, _ = __import__("bench_decode_long").SMOKE_SHAPE
+    for r in recs:
+        assert r["ms_per_step"] > 0 and r["rows"] == 3
+        assert r["kv_bytes"] == 3 * (r["length"] + 1) * layers * 2 * kv * (hidden // heads) * 4
+        assert r["bytes"] == r["weight_bytes"]["total"] + r["kv_bytes"]
+
+
+def test_decode_long_counts_a_tied_embedding_once_and_an_untied_input_embedding_not_at_all():
+    import torch
+    from bench_decode_long import build, weight_bytes
+    widths = (64, 2, 4, 2, 128, True)
+    tied = build(widths, torch.float32, None, torch.device("cpu"), 64)
+    untied = build(widths[:5] + (False,), torch.float32, None, torch.device("cpu"), 64)
+    every = lambda m: sum(p.numel() * 4 for p in m.parameters())   # noqa: E731
+    assert weight_bytes(tied)["total"] == every(tied)              # the LM head reads the shared table whole
+    emb = untied.get_input_embeddings().weight
+    assert weight_bytes(untied)["total"] == every(untied) - emb.numel() * 4 == every(tied)
+    assert weight_bytes(untied)["quantized"] == 0
+
+
+def test_decode_long_refuses_bad_lengths_in_one_line():
+    res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--lengths", "2k"],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 2 and "--lengths takes comma-separated integers" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_gpu_session_script_parses_and_names_every_stage():
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu_session.sh")]).returncode == 0
     text = (BENCH / "gpu_session.sh").read_text()
@@ -162,7 +198,8 @@ def test_nf4_decode_profile_says_it_needs_a_gpu():
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script", ["bench_decode_layer.py", "bench_decode_gemm.py", "bench_decode_cuda_attention.py"])
+@pytest.mark.parametrize("script", ["bench_decode_layer.py", "bench_decode_gemm.py", "bench_decode_cuda_attention.py",
+                                    "bench_decode_long.py"])
 def test_decode_benches_say_they_need_a_gpu(script):
     """The decode layer's and the decode products' benches time CUDA kernels: without a GPU each says so and
     exits 2."""
