@@ -11,6 +11,9 @@ time).
     p40-7b-nf4      Qwen2.5-7B widths over an NF4 base with LoRA r=16 on a P40: fp32 compute, cuda-c + the fused NF4
                     kernel
     t4-8b-nf4       Llama-3.1-8B widths over an NF4 base with LoRA r=16 on a T4: fp16 compute, cuda-c + the NF4 kernel
+
+The KV cache is stored as the plan stores it (`plan.kv_cache_dtype`: fp16 under fp32 compute with cuda-c);
+`--kv-cache compute` stores it in the compute dtype, for the A/B.
     4090-1.5b-bf16  Qwen2.5-1.5B widths, full fine-tuning in bf16 on an RTX 4090: the Triton layers
 
 Bytes a step reads: each weight as stored (NF4: the 4-bit codes, their absmax bytes and the nested fp32 absmax;
@@ -146,11 +149,12 @@ class Stepper:
     """The engine's sampling decode step at a chosen cache column: replays of its CUDA graph (or eager steps on
     the CPU), timed."""
 
-    def __init__(self, model, rows: int, max_len: int, backend: str, projections: str, device: torch.device) -> None:
+    def __init__(self, model, rows: int, max_len: int, backend: str, projections: str, device: torch.device,
+                 cache_dtype: torch.dtype | None = None) -> None:
         from edgerl.rollout import SamplingParams, StaticCacheEngine
         self.cuda = device.type == "cuda"
         self.engine = StaticCacheEngine(model, rows, max_len, cuda_graphs=self.cuda, projections=projections,
-                                        backend=backend)
+                                        backend=backend, cache_dtype=cache_dtype)
         self.rows = rows
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, VOCAB if self.cuda else 200, (rows, PROMPT if self.cuda else 8), generator=g)
@@ -220,13 +224,16 @@ def run_config(name: str, args, device: torch.device, bw: float | None, results:
     card, shape, base = CONFIGS[name] if not args.smoke else ("cpu", "smoke", None)
     if args.smoke:
         widths, rows_by_len = SMOKE_SHAPE, {n: args.rows or 2 for n in args.lengths}
-        dtype, backend, projections = torch.float32, "torch", "auto"
+        dtype, backend, projections, kv = torch.float32, "torch", "auto", "fp32"
     else:
         from benchlib import SHAPES
         widths = SHAPES[shape]
+        # the plan at each length, its KV cache as --kv-cache says (the same rows: the A/B of the cache alone)
         plans = {n: plan_for(card, shape, base, n, widths) for n in args.lengths}
         first = plans[args.lengths[0]]
         dtype, backend = DTYPES[first.dtype.compute], first.decode_backend
+        kv = first.kv_cache_dtype if args.kv_cache == "plan" else (first.dtype.compute if args.kv_cache == "compute"
+                                                                   else args.kv_cache)
         projections = "modules" if base else "auto"
         rows_by_len = {n: args.rows or p.rollout_batch for n, p in plans.items()}
     max_len = max(args.lengths) + args.reps + 2 * 8 + PROMPT
@@ -239,9 +246,9 @@ def run_config(name: str, args, device: torch.device, bw: float | None, results:
         by_rows.setdefault(r, []).append(n)
     for rows, lengths in by_rows.items():
         rec_base = {"config": name, "card": card, "widths": shape, "base": base, "dtype": str(dtype).split(".")[-1],
-                    "backend": backend, "rows": rows, "weight_bytes": wb, "build_s": round(built_s, 1)}
+                    "kv_cache": kv, "backend": backend, "rows": rows, "weight_bytes": wb, "build_s": round(built_s, 1)}
         try:
-            stepper = Stepper(model, rows, max_len, backend, projections, device)
+            stepper = Stepper(model, rows, max_len, backend, projections, device, DTYPES[kv])
         except Exception as e:   # noqa: BLE001 - one configuration failing must not hide the others
             for n in lengths:
                 results.append({**rec_base, "length": n, "error": f"{type(e).__name__}: {e}"[:400]})
@@ -276,14 +283,16 @@ def run_config(name: str, args, device: torch.device, bw: float | None, results:
 
 
 def table(results: list, note: str) -> str:
-    lines = [note, "", "| configuration | backend | rows | cache column | ms per step | weights GB | KV GB | of bound |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [note, "", "| configuration | backend | KV cache | rows | cache column | ms per step | weights GB | KV GB "
+             "| of bound |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['backend']} | {r['rows']} | {r['length']} | {r['error'][:100]} ||||")
+            lines.append(f"| {r['config']} | {r['backend']} | {r['kv_cache']} | {r['rows']} | {r['length']} | "
+                         f"{r['error'][:100]} ||||")
             continue
         share = f"{100 * r['share_of_bound']:.1f}%" if "share_of_bound" in r else "-"
-        lines.append(f"| {r['config']} | {r['backend']} | {r['rows']} | {r['length']} | {r['ms_per_step']:.3f} | "
+        lines.append(f"| {r['config']} | {r['backend']} | {r['kv_cache']} | {r['rows']} | {r['length']} | "
+                     f"{r['ms_per_step']:.3f} | "
                      f"{r['weight_bytes']['total'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} | {share} |")
     return "\n".join(lines)
 
@@ -295,6 +304,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="512,2048,8192", help="cache columns the timed steps write")
     ap.add_argument("--rows", type=int, default=0, help="rows per step (default: the plan's rollout batch)")
     ap.add_argument("--reps", type=int, default=32, help="steps per timed pass (three passes)")
+    ap.add_argument("--kv-cache", default="plan", choices=["plan", "compute", "fp16"],
+                    help="the KV cache's storage: the plan's (plan.kv_cache_dtype), the compute dtype, or fp16")
     ap.add_argument("--profile", action="store_true", help="one eager step's kernels at each length")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager, torch's ops")
     ap.add_argument("--out", default=None, help="JSON output (default $OUT/bench_decode_long.json when OUT is set)")

@@ -36,7 +36,11 @@ ROWS: dict[str, tuple[Any, ...]] = {
 RAN: dict[str, dict[str, Any]] = {
     "P40, 1.5B full, 8K": {"grad_checkpointing": True, "swap_models": True, "optimizer_offload": False,
                            "activation_offload": True, "optimizer": "adamw8bit", "micro_batch": 2, "rollout_batch": 8,
-                           "score_micro_batch": 4},
+                           "score_micro_batch": 4, "kv_cache_dtype": "fp32"},
+    # the fp32 plans' KV cache was stored in fp32 until the fp16 cache under fp32 compute
+    "P40, 7B NF4, 512": {"kv_cache_dtype": "fp32"},
+    "P40, 7B NF4, 4K": {"kv_cache_dtype": "fp32"},
+    "P40, 7B NF4, 8K": {"kv_cache_dtype": "fp32"},
     # its stage's reference swap, which moves nothing under LoRA (the reference is the base): dropped since
     "T4, 8B NF4, 4K": {"swap_models": True},
     "T4, 8B NF4, 4K, the fixed order's plan": {"grad_checkpointing": True, "swap_models": False,
@@ -45,7 +49,7 @@ RAN: dict[str, dict[str, Any]] = {
                                                "score_micro_batch": 8},
 }
 KNOBS = ("grad_checkpointing", "swap_models", "optimizer_offload", "activation_offload", "optimizer", "micro_batch",
-         "rollout_batch", "score_micro_batch")
+         "rollout_batch", "score_micro_batch", "kv_cache_dtype")
 # (hidden, layers, heads, KV heads, MLP, tied embeddings): bench/benchlib.py's SHAPES
 SHAPES = {"1.7b": (2048, 24, 32, 32, 8192, True), "1.5b": (1536, 28, 12, 2, 8960, True),
           "qwen7b": (3584, 28, 28, 4, 18944, False), "llama8b": (4096, 32, 32, 8, 14336, False)}

@@ -125,6 +125,88 @@ def test_rope_attend_equals_the_reference_and_writes_the_engines_cache_column(ca
         torch.testing.assert_close(o, whole, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("case", CASES + SPLIT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_rope_attend_over_an_fp16_cache_under_fp32(case):
+    """fp32 q, k and v over fp16 caches (plan.kv_cache_dtype=fp16): the new column rounded as torch's cast rounds
+    it, the attention over the rounded cache the float64 reference's to fp32 rounding, and against the fp32 cache
+    it stands for within the bound its rounding allows: each cached value moves by at most 2^-11 of itself, so a
+    score moves by at most e = 2^-11 scale sum_i |q_i k_i|, the weights' sum of changes is at most e^(2e) - 1, and
+    the output moves by at most (e^(2e) - 1 + 2^-11) max |v| (the measured error is printed beside the bound)."""
+    B, KVH, G, D, S, col = case[:6]
+    split = case[6] if len(case) > 6 else S
+    k = kernels()
+    g = torch.Generator(device="cuda").manual_seed(S + col + 1)
+    H, scale = KVH * G, D ** -0.5
+    qkv = randn(B, (H + 2 * KVH) * D, g=g, dtype=torch.float32)
+    q, kk, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    ang = torch.rand(B, D // 2, device="cuda", generator=g) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((-ang.sin(), ang.sin()), -1)
+    kc32, vc32 = randn(B, KVH, S, D, g=g, dtype=torch.float32), randn(B, KVH, S, D, g=g, dtype=torch.float32)
+    start = torch.randint(0, col + 1, (B,), device="cuda", generator=g)
+    start[0] = 0
+    colt = torch.tensor([col], device="cuda")
+    kc, vc = kc32.half(), vc32.half()
+    rk, rv = kc.clone(), vc.clone()
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    want, _ = k.reference_rope_attend(q, kk, v, cos, sin, rk, rv, start, colt, scale)
+    o = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, scale, split_columns=split, flag=flag)
+    assert o.dtype == torch.float32 and int(flag) == 0
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)   # the new column as torch's fp32 -> fp16 cast rounds it
+    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+    # against the fp32 cache it stands for
+    full, kr = k.reference_rope_attend(q, kk, v, cos, sin, kc32.clone(), vc32.clone(), start, colt, scale)
+    qh = q[:, :H * D].double().reshape(B, H, D)
+    qr = qh * cos.double()[:, None] + torch.cat((qh[..., D // 2:], qh[..., :D // 2]), -1) * sin.double()[:, None]
+    keys = torch.cat((kc32.double(), kr.double()[:, :, None]), 2).abs()            # every column's |k|, the new one too
+    e = 2.0 ** -11 * scale * torch.einsum("bhgd,bhsd->bhgs", qr.abs().reshape(B, KVH, G, D), keys).max()
+    bound = (torch.exp(2 * e) - 1 + 2.0 ** -11) * torch.cat((vc32.flatten(), v.flatten())).abs().max().double()
+    err = (o.double() - full).abs().max()
+    print(f"fp16 cache against fp32: max error {float(err):.2e}, bound {float(bound):.2e}")
+    assert err <= bound + 1e-5, (float(err), float(bound))
+
+
+def test_rope_attend_over_an_fp16_cache_flags_a_value_past_its_range():
+    k = kernels()
+    B, KVH, G, D, S = 2, 2, 2, 64, 96
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, kk, v = (randn(B, n * D, g=g, dtype=torch.float32) for n in (KVH * G, KVH, KVH))
+    cs = torch.ones(B, D, device="cuda")
+    kc, vc = torch.zeros(B, KVH, S, D, device="cuda", dtype=torch.float16), \
+        torch.zeros(B, KVH, S, D, device="cuda", dtype=torch.float16)
+    start, colt = torch.zeros(B, dtype=torch.long, device="cuda"), torch.tensor([5], device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    k.rope_attend(q, kk, v, cs, cs * 0, kc, vc, start, colt, 0.1, flag=flag)
+    assert int(flag) == 0
+    v[1, 7] = 7e4   # past fp16's 65504
+    k.rope_attend(q, kk, v, cs, cs * 0, kc, vc, start, colt, 0.1, flag=flag)
+    assert int(flag) == 1
+    with pytest.raises(ValueError, match="needs flag"):
+        k.rope_attend(q, kk, v, cs, cs * 0, kc, vc, start, colt, 0.1)
+
+
+def test_engine_over_an_fp16_cache_samples_near_the_fp32_one_and_stops_on_an_overflow():
+    """The engine with plan.kv_cache_dtype=fp16 under fp32: its sampled log-probs against the full fp32 forward,
+    and a model whose values pass fp16's range stops the rollout with the setting to change."""
+    from edgerl.rollout.decoder import CacheOverflow
+    model = with_lora(wide_llama(max_position_embeddings=512))
+    engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, projections="modules", backend="cuda-c",
+                               cache_dtype=torch.float16)
+    assert engine.dec.cache_dtype == torch.float16 and "in float16" in engine.describe()
+    params = SamplingParams(max_new_tokens=280, temperature=0.8, top_p=0.95)
+    out = engine.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
+    assert engine.dec.cache.dtype == torch.float16
+    diff = logprob_gap(model, out, 0.8)
+    print(f"fp16 cache: log-prob gap to the fp32 forward max {float(diff.max()):.2e} mean {float(diff.mean()):.2e}")
+    assert diff.max() <= 2e-2 and diff.mean() <= 2e-3, (diff.max(), diff.mean())
+    with torch.no_grad():
+        for layer in model.base_model.model.model.layers:
+            layer.self_attn.v_proj.base_layer.weight.mul_(1e6)
+    with pytest.raises(CacheOverflow, match="plan.kv_cache_dtype=fp32"):
+        engine.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="needs decode backend cuda-c"):
+        StaticCacheEngine(wide_llama(), 8, 300, cuda_graphs=True, backend="torch", cache_dtype=torch.float16)
+
+
 def test_rope_attend_refuses_inputs_it_would_misread():
     k = kernels()
     kc = torch.zeros(2, 2, 16, 64, device="cuda")

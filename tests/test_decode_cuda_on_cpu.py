@@ -55,7 +55,7 @@ def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monke
                                                    for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
     monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
     monkeypatch.setattr(decode_cuda, "rope_attend",
-                        lambda *a: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
+                        lambda *a, flag=None: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
     model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                        dtype=dtype)
     params = SamplingParams(max_new_tokens=24, greedy=True)

@@ -128,3 +128,39 @@ def test_the_fp16_decode_kernels_compute_what_the_fp32_ones_compute(arch):
         ops32, ops16 = _float_ops(p32, l32[a]), _float_ops(p16, l16[b])
         assert ops32 and ops16 == ops32, (b, len(ops32), len(ops16))
         assert any(line.startswith("cvt.rn.f16.f32") for line in _body(p16, l16[b])), b   # it stores fp16
+
+
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+def test_the_attention_over_an_fp16_cache_under_fp32_compiles_for_every_architecture(cc):
+    _targets(cc)
+    names = sorted({n for group, head_dim in LAYOUTS
+                    for n in decode_cuda.kernel_names(group, head_dim, torch.float32, torch.float16)})
+    assert any("_kv<float, h16," in n for n in names)
+    cubin, lowered = nvrtc.compile_cubin(decode_cuda.SOURCE, names, cc)
+    assert cubin and set(lowered) == set(names) and all(lowered.values())
+
+
+@pytest.mark.parametrize("arch", ["compute_61", "compute_75"])
+def test_the_attention_over_an_fp16_cache_computes_what_the_fp32_one_computes(arch):
+    """Under fp32 compute with an fp16 cache the attention kernels' arithmetic is the fp32 cache's, in the same
+    order; what they add is the rounding of the written column to fp16 (a cvt.rn.f16.f32 per value), its widening
+    as it is read, and the overflow check of the written values (two comparisons of their absolute values)."""
+    _targets((int(arch[-2]), int(arch[-1])))
+    for split in (False, True):
+        a32 = decode_cuda.attend_name(6, 128, split, torch.float32)
+        a16 = decode_cuda.attend_name(6, 128, split, torch.float32, torch.float16)
+        p32, l32 = _ptx(decode_cuda.SOURCE, [a32], arch)
+        p16, l16 = _ptx(decode_cuda.SOURCE, [a16], arch)
+        ops32, ops16 = _float_ops(p32, l32[a32]), _float_ops(p16, l16[a16])
+        assert [op for op in ops16 if not op.startswith("setp.")] == [op for op in ops32 if not op.startswith("setp.")]
+        assert sum(op.startswith("setp.") for op in ops16) - sum(op.startswith("setp.") for op in ops32) == 2, a16
+        body = _body(p16, l16[a16])
+        assert sum(line.startswith("cvt.rn.f16.f32") for line in body) == 2, a16   # the key and the value
+        assert any(line.startswith("atom.") or line.startswith("red.") for line in body), a16   # the flag
+
+
+def test_a_cache_dtype_the_kernels_do_not_take_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="fp16 cache under fp32|not one they take"):
+        decode_cuda.attend_name(4, 64, False, torch.float16, torch.float32)
+    assert "fp32 or fp16 caches under fp32" in decode_cuda.unavailable_reason(
+        torch.device("cuda"), 64, torch.float32, 4, torch.bfloat16)

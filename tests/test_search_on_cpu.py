@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from edgerl.core.errors import PlanError
 from edgerl.device.device import GiB, Software
 from edgerl.plan.modelspec import CATALOGUE
 from edgerl.plan.moves import MICRO_HALVING_COST, STAGE_COST, stages_for
@@ -162,11 +163,11 @@ def _every_fit_by_brute_force(args):
 def test_the_timed_search_finds_the_fastest_setting_that_fits_as_brute_force_does(monkeypatch):
     """The P40 1.5B 8K row: the search weighs every setting that fits by its estimated step time and stops early
     on a lower bound; every setting that fits, weighed one by one, finds the same fastest, and it is over the
-    margin faster than the fixed order's first fit (8-bit AdamW and 8 rows a rollout pass, as the row ran), so it
-    is taken: fp32 AdamW state in host memory, all 16 rows in one pass."""
+    margin faster than the fixed order's first fit (8-bit AdamW and 8 rows a rollout pass, as the row ran, its KV
+    cache in fp32), so it is taken: fp32 AdamW state in host memory, all 16 rows in one pass."""
     from edgerl.plan.search import TIMED_MARGIN
     model, task = _p40_15b_8k()
-    p, calls = _captured_search(monkeypatch, _device("p40"), model, task)
+    p, calls = _captured_search(monkeypatch, _device("p40"), model, task, {"kv_cache_dtype": "fp32"})
     args, _ = calls[0]
     found, _ = __import__("edgerl.plan.search", fromlist=["search"]).search(*args)
     every = _every_fit_by_brute_force(args)
@@ -223,7 +224,7 @@ def test_without_the_cards_rates_the_search_keeps_the_fixed_order(monkeypatch):
     import edgerl.plan.timing as timing
     model, task = _p40_15b_8k()
     monkeypatch.setattr(timing, "rates", lambda *a, **k: None)
-    p = plan(_device("p40"), model, task)
+    p = plan(_device("p40"), model, task, {"kv_cache_dtype": "fp32"})
     assert (p.optimizer, p.rollout_batch, p.micro_batch) == ("adamw8bit", 8, 2)
     assert "step time estimate" not in p.reasons["micro_batch"]
 
@@ -249,3 +250,35 @@ def test_the_search_drops_the_moves_a_setting_fits_without():
         assert q.lora and not q.swap_models, card
     forced = plan(_device("t4"), QWEN7B, TASK, {"swap_models": True})
     assert forced.swap_models and "nothing moves" in forced.reasons["swap_models"]
+
+
+def test_an_fp16_kv_cache_under_fp32_halves_the_cache_the_plan_counts_and_fits_more_rows():
+    """The P40 1.5B 8K row: with the cache in fp16 (the plan's default under fp32 with decode backend cuda-c) the
+    estimate's KV cache is half the fp32 one's at the same rows, and the fixed order fits all 16 rows in one
+    rollout pass where the fp32 cache fit 8."""
+    import edgerl.plan.timing as timing
+    model, task = _p40_15b_8k()
+    p16 = plan(_device("p40"), model, task)
+    p32 = plan(_device("p40"), model, task, {"kv_cache_dtype": "fp32", "rollout_batch": p16.rollout_batch})
+    assert (p16.kv_cache_dtype, p32.kv_cache_dtype) == ("fp16", "fp32") and p16.decode_backend == "cuda-c"
+    assert "half the bytes a long decode step reads" in p16.reasons["kv_cache_dtype"]
+    assert "over a KV cache stored in fp16" in p16.reasons["rollout_correction"]
+    kv16, kv32 = p16.memory.phases["rollout"]["KV cache"], p32.memory.phases["rollout"]["KV cache"]
+    assert kv32 == 2 * kv16 - p16.rollout_batch * (64 + 8192) * 12   # the 12 bytes a column of bookkeeping aside
+    r = timing.rates(_device("p40"), "fp32")
+    assert timing.decode_step_s(model, p16.values, r, 16, 8192) < timing.decode_step_s(model, p32.values, r, 16, 8192)
+    with __import__("unittest.mock").mock.patch.object(timing, "rates", lambda *a, **k: None):
+        fixed = plan(_device("p40"), model, task)
+    assert (fixed.optimizer, fixed.rollout_batch) == ("adamw8bit", 16)
+
+
+def test_the_kv_cache_setting_is_refused_where_no_kernel_reads_it():
+    model, task = _p40_15b_8k()
+    with pytest.raises(PlanError, match="plan.kv_cache_dtype=fp16: the static engine stores its KV cache in the "
+                                        "compute dtype \\(fp32\\), or in fp16 under fp32 compute where the decode "
+                                        "backend is cuda-c"):
+        plan(_device("p40"), model, task, {"kv_cache_dtype": "fp16", "decode_backend": "torch"})
+    with pytest.raises(PlanError, match="plan.kv_cache_dtype=bf16"):
+        plan(_device("p40"), model, task, {"kv_cache_dtype": "bf16"})
+    assert plan(_device("h100"), model, task).kv_cache_dtype == "bf16"   # 16-bit compute: its own dtype
+

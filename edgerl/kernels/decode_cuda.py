@@ -145,13 +145,16 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T
 // slices. A slice past col (its first column after it) returns at once.
 // q, k, v: rows of the step's projections (row strides sq, sk, sv); cos, sin: (B, D); kc, vc: this layer's
 // cache (B, KVH, S, D), read and written (not __restrict__: the new column is read back after a barrier).
-template <typename T, int G, int D, bool SPLIT>
+// The cache's storage C is T, or h16 under fp32 (T float): then the rotated key and the value are rounded to fp16 as
+// they are written, and a value past fp16's range (or not finite) sets *flag, which the engine reads after the
+// rollout: a cache entry never overflows silently.
+template <typename T, typename C, int G, int D, bool SPLIT>
 __device__ __forceinline__ void attend(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     int sq, int sk, int sv, const T* __restrict__ cs, const T* __restrict__ sn,
-    T* kc, T* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    C* kc, C* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
     T* __restrict__ o, float* __restrict__ po, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
-    float* __restrict__ pl) {
+    float* __restrict__ pl, int* __restrict__ flag) {
   constexpr int NT = 256, TS = 256, P = NT / D, HALF = D / 2;
   __shared__ __align__(16) float qs[G * D];
   __shared__ __align__(16) float sc[G * TS];   // scores, then exp(score - max); at the end the parts' sums
@@ -166,15 +169,18 @@ __device__ __forceinline__ void attend(
   const T* c = cs + (long long)b * D;
   const T* s = sn + (long long)b * D;
   const long long cache = ((long long)b * KVH + h) * S * D;
-  T* kr = kc + cache;
-  T* vr = vc + cache;
+  C* kr = kc + cache;
+  C* vr = vc + cache;
   for (int i = tid; i < G * D; i += NT) {
     const int g = i / D;
     qs[i] = rot(q + (long long)b * sq + (long long)(h * G + g) * D, c, s, i - g * D, HALF);
   }
   if (hi == col && tid < D) {
-    st(kr + (long long)col * D + tid, rot(k + (long long)b * sk + (long long)h * D, c, s, tid, HALF));
-    vr[(long long)col * D + tid] = v[(long long)b * sv + (long long)h * D + tid];
+    const float kw = rot(k + (long long)b * sk + (long long)h * D, c, s, tid, HALF);
+    const float vw = ld(v + (long long)b * sv + (long long)h * D + tid);
+    st(kr + (long long)col * D + tid, kw);
+    st(vr + (long long)col * D + tid, vw);
+    if (sizeof(C) < sizeof(T) && !(fabsf(kw) <= 65504.f && fabsf(vw) <= 65504.f)) atomicOr(flag, 1);
   }
   if (tid < G) { mrow[tid] = NEG_INF; lrow[tid] = 0.f; }
   __syncthreads();
@@ -188,7 +194,7 @@ __device__ __forceinline__ void attend(
       float dot[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) dot[g] = 0.f;
-      const T* kp = kr + (long long)p * D;
+      const C* kp = kr + (long long)p * D;
 #pragma unroll 8
       for (int j = 0; j < D / 4; ++j) {
         const float4 kv = ld4(kp + 4 * j);
@@ -270,8 +276,8 @@ __global__ void __launch_bounds__(256) rope_attend(
     int sq, int sk, int sv, const T* __restrict__ cs, const T* __restrict__ sn,
     T* kc, T* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
     T* __restrict__ o, int KVH, int S, double scale_d) {
-  attend<T, G, D, false>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, o, nullptr, KVH, S, scale_d, 0, nullptr,
-                         nullptr);
+  attend<T, T, G, D, false>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, o, nullptr, KVH, S, scale_d, 0, nullptr,
+                            nullptr, nullptr);
 }
 
 template <typename T, int G, int D>
@@ -281,8 +287,31 @@ __global__ void __launch_bounds__(256) rope_attend_split(
     T* kc, T* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
     float* __restrict__ part, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
     float* __restrict__ pl) {
-  attend<T, G, D, true>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, nullptr, part, KVH, S, scale_d, CH, pm,
-                        pl);
+  attend<T, T, G, D, true>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, nullptr, part, KVH, S, scale_d, CH, pm,
+                           pl, nullptr);
+}
+
+// The same over a cache stored in C (h16 under fp32 compute: half the bytes a long decode step reads), with the
+// overflow flag.
+template <typename T, typename C, int G, int D>
+__global__ void __launch_bounds__(256) rope_attend_kv(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    int sq, int sk, int sv, const T* __restrict__ cs, const T* __restrict__ sn,
+    C* kc, C* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    T* __restrict__ o, int KVH, int S, double scale_d, int* __restrict__ flag) {
+  attend<T, C, G, D, false>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, o, nullptr, KVH, S, scale_d, 0, nullptr,
+                            nullptr, flag);
+}
+
+template <typename T, typename C, int G, int D>
+__global__ void __launch_bounds__(256) rope_attend_split_kv(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    int sq, int sk, int sv, const T* __restrict__ cs, const T* __restrict__ sn,
+    C* kc, C* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
+    float* __restrict__ part, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
+    float* __restrict__ pl, int* __restrict__ flag) {
+  attend<T, C, G, D, true>(q, k, v, sq, sk, sv, cs, sn, kc, vc, start, colp, nullptr, part, KVH, S, scale_d, CH, pm,
+                           pl, flag);
 }
 
 // One block per (row b, KV head h): the slices' outputs of rope_attend_split merged, each rescaled by
@@ -326,32 +355,50 @@ def _type(dtype: torch.dtype) -> str:
     return TYPES[dtype]
 
 
-def attend_name(group: int, head_dim: int, split: bool = False, dtype: torch.dtype = torch.float32) -> str:
-    return f"rope_attend{'_split' if split else ''}<{_type(dtype)}, {group}, {head_dim}>"
+# the caches' storage the kernels take beside each compute dtype's own: fp16 under fp32 (`plan.kv_cache_dtype`)
+CACHE_TYPES = {torch.float32: (torch.float32, torch.float16), torch.float16: (torch.float16,)}
+
+
+def attend_name(group: int, head_dim: int, split: bool = False, dtype: torch.dtype = torch.float32,
+                cache_dtype: Optional[torch.dtype] = None) -> str:
+    """The attention kernel's instantiation for q, k and v in `dtype` and a cache in `cache_dtype` (default: dtype)."""
+    cache_dtype = cache_dtype or dtype
+    if cache_dtype not in CACHE_TYPES.get(dtype, ()):
+        raise ValueError(f"decode kernels: a {NAMES.get(cache_dtype, cache_dtype)} cache under "
+                         f"{NAMES.get(dtype, dtype)} compute is not one they take (fp32 under fp32, fp16 under either)")
+    if cache_dtype == dtype:
+        return f"rope_attend{'_split' if split else ''}<{_type(dtype)}, {group}, {head_dim}>"
+    return f"rope_attend{'_split' if split else ''}_kv<{_type(dtype)}, {_type(cache_dtype)}, {group}, {head_dim}>"
 
 
 def combine_name(group: int, head_dim: int, dtype: torch.dtype = torch.float32) -> str:
     return f"attend_combine<{_type(dtype)}, {group}, {head_dim}>"
 
 
-def kernel_names(group: int, head_dim: int, dtype: torch.dtype = torch.float32) -> list[str]:
-    """Every instantiation a decode step with this head layout launches in `dtype` (fp32 or fp16)."""
+def kernel_names(group: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 cache_dtype: Optional[torch.dtype] = None) -> list[str]:
+    """Every instantiation a decode step with this head layout launches in `dtype` (fp32 or fp16) over a cache in
+    `cache_dtype` (default: dtype)."""
     t = _type(dtype)
-    return [f"add_rms_norm<{t}>", f"silu_mul<{t}>", attend_name(group, head_dim, dtype=dtype),
-            attend_name(group, head_dim, split=True, dtype=dtype), combine_name(group, head_dim, dtype)]
+    return [f"add_rms_norm<{t}>", f"silu_mul<{t}>", attend_name(group, head_dim, dtype=dtype, cache_dtype=cache_dtype),
+            attend_name(group, head_dim, split=True, dtype=dtype, cache_dtype=cache_dtype),
+            combine_name(group, head_dim, dtype)]
 
 
-def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, group: int) -> Optional[str]:
+def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, group: int,
+                       cache_dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """Why the kernels cannot run here (None: they compile and load for this device)."""
     if device.type != "cuda":
         return f"tensors are on {device}, not a CUDA device"
     if dtype not in TYPES:
         return f"{dtype}: the kernels store fp32 or fp16 only"
+    if (cache_dtype or dtype) not in CACHE_TYPES[dtype]:
+        return f"a {cache_dtype} KV cache under {NAMES[dtype]} compute: the kernels take fp32 or fp16 caches under fp32"
     why = shape_reason(head_dim, group)
     if why:
         return why
     try:
-        for n in kernel_names(group, head_dim, dtype):
+        for n in kernel_names(group, head_dim, dtype, cache_dtype):
             _kernel(n, device)
     except (KernelUnavailable, RuntimeError, OSError) as e:   # no NVRTC, an arch it cannot build, a failed load
         return f"{type(e).__name__}: {str(e).strip()[:400]}"
@@ -403,21 +450,28 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor, col: torch.Tensor,
-                scale: float, split_columns: Optional[int] = None) -> torch.Tensor:
+                scale: float, split_columns: Optional[int] = None, flag: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode step's attention for B rows: q (B, >= H D), k and v (B, >= KVH D) (views of the
     projections' output are fine), cos and sin (B, D) (sin with rotate_half's sign), the layer's cache
     k_cache and v_cache (B, KVH, S, D) (column col[0] is written), start (B,) each row's first column.
-    Returns (B, H D) in the caches' dtype (fp32 or fp16, every input in it; the arithmetic in fp32): the G = H / KVH
-    query heads of KV head h are heads h G .. h G + G - 1.
+    Returns (B, H D) in q's dtype (fp32 or fp16, every input in it; the arithmetic in fp32): the G = H / KVH
+    query heads of KV head h are heads h G .. h G + G - 1. The caches are in q's dtype, or in fp16 under fp32
+    (`CACHE_TYPES`): then the new column is rounded to fp16 as it is written, and flag (an int32 (1,) CUDA tensor,
+    required) gets 1 where a written value is past fp16's range or not finite.
     A cache longer than `split_columns` (default SPLIT_COLUMNS) is attended in slices of that many columns, one
     block each, and the slices merged by a second kernel (split-K, as flash-decoding does): one block per row
     and KV head leaves most SMs idle at long lengths."""
     B, KVH, S, D = k_cache.shape
-    dt = k_cache.dtype
+    dt, ct = q.dtype, k_cache.dtype
     if v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous() \
-            or dt not in TYPES or v_cache.dtype != dt:
-        raise ValueError(f"rope_attend: the caches must be contiguous fp32 or fp16 (B, KVH, S, D) of one dtype, got "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
+            or dt not in TYPES or ct not in CACHE_TYPES[dt] or v_cache.dtype != ct:
+        raise ValueError(f"rope_attend: the caches must be contiguous (B, KVH, S, D) of one dtype, q's ({dt}) or fp16 "
+                         f"under fp32, got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} "
+                         f"{v_cache.dtype}")
+    mixed = ct != dt
+    if mixed and (flag is None or flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != q.device):
+        raise ValueError("rope_attend: a cache in fp16 under fp32 compute needs flag, an int32 (1,) tensor on q's "
+                         "device, for the overflow check")
     H = q.shape[1] // D if q.dim() == 2 else 0
     group = H // KVH
     why = shape_reason(D, group)
@@ -444,18 +498,19 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         return o
     start = start.contiguous()
     ns = -(-S // split_columns)   # slices of the whole cache: the grid is fixed when a CUDA graph captures it
+    extra = [flag] if mixed else []
     if ns <= 1:
-        _kernel(attend_name(group, D, dtype=dt), q.device)(
+        _kernel(attend_name(group, D, dtype=dt, cache_dtype=ct), q.device)(
             grid=(B * KVH, 1, 1), block=(THREADS, 1, 1),
-            args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, o, KVH, S, float(scale)])
+            args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, o, KVH, S, float(scale)] + extra)
         return o
     part = torch.empty((B * KVH * ns * group * D,), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KVH * ns * group,), dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
-    _kernel(attend_name(group, D, split=True, dtype=dt), q.device)(
+    _kernel(attend_name(group, D, split=True, dtype=dt, cache_dtype=ct), q.device)(
         grid=(B * KVH, ns, 1), block=(THREADS, 1, 1),
         args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, part, KVH, S, float(scale),
-              int(split_columns), pm, pl])
+              int(split_columns), pm, pl] + extra)
     _kernel(combine_name(group, D, dt), q.device)(
         grid=(B * KVH, 1, 1), block=(THREADS, 1, 1), args=[part, pm, pl, start, col, o, KVH, ns, int(split_columns)])
     return o

@@ -207,6 +207,19 @@ def _cuda_c_refused(c: "Ctx") -> str:
     return decode_cuda_shape_reason(c.model.hd, c.model.num_heads // c.model.num_kv_heads) or ""
 
 
+def fp16_cache_backend(c: "Ctx") -> bool:
+    """Whether the static engine's decode backend is cuda-c under fp32 compute (forced, or the first that runs:
+    the Triton ones need 16 bits), read without the engine decision, which follows the memory search: the
+    kernels that read a KV cache in fp16 under fp32."""
+    from edgerl.kernels.tiles import decode_cuda_shape_reason  # pure
+    from edgerl.plan.decisions import compute
+    if compute(c)[0].compute != "fp32" or c.forced("decode_backend") not in (None, "cuda-c"):
+        return False
+    if not c.device.is_cuda or _fused_norms(c):
+        return False
+    return not decode_cuda_shape_reason(c.model.hd, c.model.num_heads // c.model.num_kv_heads)
+
+
 def _cuda_c_reason(c: "Ctx") -> str:
     from edgerl.kernels.tiles import DECODE_CUDA_SPLIT_COLUMNS as split, NF4_DECODE_ROWS
     nf4 = (f"; over the NF4 base, decode steps of up to {NF4_DECODE_ROWS} rows multiply through edgerl's fused "

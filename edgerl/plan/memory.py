@@ -234,6 +234,7 @@ class Setting:
                                     # (hf-generate); the static engine prefills only what follows a turn
     kv_window: bool = False         # the rollout's KV cache keeps only the window of sliding-window layers
                                     # (transformers' generate does; the static engine keeps every token)
+    kv_bytes: int = 0               # bytes per cached key or value element (plan.kv_cache_dtype); 0: compute_bytes
     mini_batch: int = 0             # rows per optimizer step on this rank (0: unknown; several micro-steps assumed)
     sft: bool = False               # supervised fine-tuning: the update phase alone (no rollout, no scoring)
 
@@ -380,7 +381,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     # the rollout engine's own compute-dtype weights (merged under LoRA), alive while generating
     # unless resident; none when the engine runs the actor's own (quantized) modules
     gen_copy = 0 if s.rollout_from_actor else P * b_c
-    kv = kv_cache_bytes(m, s.rollout_batch, L + s.kv_extra, b_c, windowed=s.kv_window)
+    kv = kv_cache_bytes(m, s.rollout_batch, L + s.kv_extra, s.kv_bytes or b_c, windowed=s.kv_window)
     sample = s.rollout_batch * m.vocab_size * 4 * 3
     prefill = max(packed_tokens(s.rollout_batch, s.prefill_share, prompt_len, 0),
                   turn_prefill_tokens(s, prompt_len, response_len)) * (4 * m.hidden_size + 3 * m.intermediate_size) * b_c

@@ -22,7 +22,7 @@ from edgerl.plan.decisions import (BF16_PARAMS, QUANT_BASES, DtypePolicy, activa
                                    pick_attention, pick_base_dtype, pick_env, pick_headroom, pick_kernels,
                                    pick_reward_model_dtype, pick_share_prompts, quant_support, share_blocker,
                                    transfer_note)
-from edgerl.plan.engines import engine_choice, rollout_share_reason
+from edgerl.plan.engines import engine_choice, fp16_cache_backend, rollout_share_reason
 from edgerl.plan.dtypes import nbytes
 from edgerl.plan.fp16 import check
 from edgerl.plan.memory import OPTIMIZERS, MemoryEstimate, Setting, estimate, fmt_bytes
@@ -130,6 +130,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
 
     def setting(cand: Candidate) -> Setting:
         quant = cand.base if cand.base in QUANT_BASES else None
+        kv_bytes = int(nbytes(kv_rule(c, "static" if quant else engine)[0]))
         return Setting(
             compute_bytes=dtype.compute_bytes,
             base_bytes=(dtype.compute_bytes if quant else int(nbytes(cand.base))) if cand.lora else dtype.param_bytes,
@@ -147,7 +148,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             attention_chunk=chunk_rows, kv_copies=kv_copies, expandable_segments=expandable,
             head_trains=not cand.lora, logprob_upcast=kernel_backend == "torch",
             # transformers' generate keeps only the window of sliding-window layers (the static engine every column)
-            kv_window=engine == "hf-generate" and not quant, sft=task.sft,
+            kv_window=engine == "hf-generate" and not quant, sft=task.sft, kv_bytes=kv_bytes,
             # an episode's rows align at the longest on the static engine: its cache holds one turn more
             kv_extra=task.turn_len if engine == "static" or quant else 0,
             episode_turn=task.turn_len, episode_reprefill=task.episodes and engine == "hf-generate" and not quant)
@@ -161,7 +162,8 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
         if rates is None:
             return None
         fixed = {"dtype": dtype, "rollout_engine": engine, "base_dtype": cand.base if cand.lora else None,
-                 "lora": {"params": lora_params} if cand.lora else None}
+                 "lora": {"params": lora_params} if cand.lora else None,
+                 "kv_cache_dtype": kv_rule(c, "static" if cand.base in QUANT_BASES else engine)[0]}
 
         def seconds(s: Setting) -> float:
             v = dict(fixed, rollout_batch=s.rollout_batch, micro_batch=s.micro_batch, optimizer=s.optimizer,
@@ -429,9 +431,51 @@ def numerics_gap(c: "Ctx") -> str:
     engine, compute_dtype, backend = c["rollout_engine"], c["dtype"].compute, c["decode_backend"]
     if engine == "vllm":
         return f"vLLM samples in {compute_dtype} with its own kernels"
+    kv = c["kv_cache_dtype"]
     how = ([f"in {compute_dtype}"] if compute_dtype != "fp32" else []) + \
-        ([f"through edgerl's {backend} kernels"] if backend not in (None, "torch") else [])
+        ([f"through edgerl's {backend} kernels"] if backend not in (None, "torch") else []) + \
+        ([f"over a KV cache stored in {kv}"] if kv and kv != compute_dtype else [])
     return f"the engine decodes {' '.join(how)}" if how else ""
+
+
+def kv_cache_dtype(c: "Ctx") -> tuple[Optional[str], str]:
+    """The static engine's KV cache storage: fp16 under fp32 compute where the decode backend is cuda-c (its
+    kernels widen each value to fp32 as they read it), else the compute dtype; None for an engine with its own."""
+    engine = c["rollout_engine"]
+    kv, why = kv_rule(c, engine)
+    if engine != "static":
+        return None, why
+    if kv != c["dtype"].compute and c["decode_backend"] != "cuda-c":   # kv_rule follows decode_backend's choice
+        raise PlanError(f"plan.kv_cache_dtype=fp16 under fp32 compute needs decode backend cuda-c, and this plan's "
+                        f"is {c['decode_backend']}; leave plan.kv_cache_dtype unset")
+    return kv, why
+
+
+def kv_rule(c: "Ctx", engine: str) -> tuple[str, str]:
+    """(the KV cache's storage, why) for `engine`: the memory search asks it per candidate, before the engine and
+    the decode backend are decided (the engine is static over a quantized base)."""
+    dt = compute(c)[0].compute
+    forced = c.forced("kv_cache_dtype")
+    if engine != "static":
+        if forced and forced != dt:
+            raise PlanError(f"plan.kv_cache_dtype={forced} is the static engine's, and the plan runs the {engine} "
+                            f"engine, which keeps its cache in {dt}; leave plan.kv_cache_dtype unset or set "
+                            "plan.rollout_engine=static")
+        return dt, f"the {engine} engine keeps its own cache"
+    narrow = dt == "fp32" and fp16_cache_backend(c)
+    if forced in (None, "fp16") and narrow:
+        return "fp16", (f"{'asked for with plan.kv_cache_dtype=fp16' if forced else 'fp16 under fp32 compute'}: "
+                        "half the bytes a long decode step reads (at 8K tokens the cache is most of them); decode "
+                        "backend cuda-c widens each value to fp32 and computes in fp32, and a key or value past "
+                        "fp16's range (65504) stops the rollout with a message naming plan.kv_cache_dtype=fp32")
+    if forced not in (None, dt):
+        raise PlanError(f"plan.kv_cache_dtype={forced}: the static engine stores its KV cache in the compute dtype "
+                        f"({dt}), or in fp16 under fp32 compute where the decode backend is cuda-c (a CUDA GPU, "
+                        f"plan.decode_backend unset or cuda-c); set plan.kv_cache_dtype={dt} or leave it unset")
+    if forced:
+        return dt, f"asked for with plan.kv_cache_dtype={dt}: the compute dtype"
+    return dt, f"the compute dtype ({dt})" + (": only decode backend cuda-c reads an fp16 cache under fp32"
+                                              if dt == "fp32" else "")
 
 
 def rollout_correction(c: "Ctx") -> tuple[str, str]:

@@ -136,6 +136,10 @@ TABLE: tuple[Decision, ...] = (
              "torch's projections around edgerl's Triton rotary attention kernel (triton-attention; 16 bits, CC >= "
              "8.0), edgerl's CUDA C layer kernels, with the fused NF4 kernel over an NF4 base (cuda-c; fp32, any CUDA "
              "GPU), or torch's ops (torch; every device)", tuple(engines.DECODE_BACKENDS), pin=True),
+    Decision("kv_cache_dtype", "KV cache", steps.kv_cache_dtype,
+             "storage of the static engine's KV cache: the compute dtype, or fp16 under fp32 compute with decode "
+             "backend cuda-c (half the cache's bytes; the arithmetic stays fp32, and a key or value past fp16's range "
+             "stops the rollout)", ("fp32", "fp16", "bf16"), pin=True),
     Decision("kernel_backend", "log-prob kernel", steps.kernel_backend, "log-prob kernel backend",
              ("torch", "triton"), pin=True),
     Decision("kernel_tiles", "kernel tiles", steps.kernel_tiles, render=_tiles),

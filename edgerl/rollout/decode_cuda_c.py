@@ -27,12 +27,14 @@ from .decoder import StaticDecoder
 class Backend(TorchOps):
     name = "cuda-c"
     reads_span = False   # the whole cache: the kernel reads each row's visible columns only
+    cache_dtypes = {torch.float32: (torch.float16,)}   # a cache it reads besides the compute dtype's: fp16 under fp32
 
     def __init__(self, dec: StaticDecoder) -> None:
         from edgerl.kernels import decode_cuda
         from edgerl.models.quant_decode import enable, nf4_layers
         super().__init__(dec)
-        why = dec.fused_norms_reason() or decode_cuda.unavailable_reason(dec.device, dec.head_dim, dec.dtype, dec.group)
+        why = dec.fused_norms_reason() or decode_cuda.unavailable_reason(dec.device, dec.head_dim, dec.dtype, dec.group,
+                                                                         dec.cache_dtype)
         if why:
             raise DecodeKernelUnavailable(f"decode backend 'cuda-c' cannot run here: {why}")
         self.kernels = decode_cuda
@@ -57,7 +59,7 @@ class Backend(TorchOps):
             q = dec.norm(q.unflatten(-1, (dec.n_heads, dec.head_dim)), n.qk[0], n.qk[2]).flatten(-2)
             kk = dec.norm(kk.unflatten(-1, (dec.n_kv, dec.head_dim)), n.qk[1], n.qk[2]).flatten(-2)
         o = k.rope_attend(q, kk, v, step.cos.view(B, -1), step.sin.view(B, -1), kv[0], kv[1], step.hide, step.col,
-                          dec.scaling)
+                          dec.scaling, flag=dec.overflow)
         x, h = k.add_rms_norm(x, proj.o(o), n.ln2, n.eps2)
         gate, up = proj.gate_up(h)
         return x, proj.down(k.silu_mul(gate, up) if dec.silu else dec.act(gate) * up)

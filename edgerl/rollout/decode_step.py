@@ -18,6 +18,8 @@ from typing import Any, Protocol, Union
 import torch
 import torch.nn.functional as F
 
+from edgerl.core.errors import TrainingError
+
 from .arch import Layer
 from .projections import FusedProjections, ModuleProjections
 
@@ -29,6 +31,10 @@ _SDPA_GQA = _TORCH >= (2, 5)  # `enable_gqa=` of scaled_dot_product_attention
 
 class DecodeKernelUnavailable(ValueError):
     """The decode backend asked for cannot run here (the message says why)."""
+
+
+class CacheOverflow(TrainingError):
+    """A key or value of the rollout did not fit the KV cache's narrower storage (the message says what to set)."""
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from .arch import UnsupportedModel, check_supported, describe
-from .decode_step import BackendClass, DecodeKernelUnavailable, LayerStep, sdpa
+from .decode_step import BackendClass, CacheOverflow, DecodeKernelUnavailable, LayerStep, sdpa
 from .projections import make_projections
 
-__all__ = ["StaticDecoder", "DecodeKernelUnavailable", "sdpa", "UnsupportedModel"]
+__all__ = ["StaticDecoder", "CacheOverflow", "DecodeKernelUnavailable", "sdpa", "UnsupportedModel"]
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -53,7 +53,7 @@ class StaticDecoder:
     saying why, where it cannot run."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *, backend: BackendClass,
-                 projections: str = "auto") -> None:
+                 projections: str = "auto", cache_dtype: torch.dtype | None = None) -> None:
         model = _unwrap(model)
         check_supported(model)
         cfg = model.config
@@ -86,7 +86,18 @@ class StaticDecoder:
         self.ropes = [self._rope_table(inv, scale) for inv, scale in self.arch.ropes]   # [(cos, sin)] per table
         self.cols = torch.arange(self.cache_len, device=self.device)       # (S,)
         self.cache: torch.Tensor | None = None
+        # The KV cache's storage: the compute dtype, or fp16 under fp32 (`plan.kv_cache_dtype`: half the bytes a
+        # long decode step reads; the arithmetic stays fp32). Then every written key and value is checked against
+        # fp16's range: `overflow` (int32, on the device) becomes 1, and `check_cache` raises after the rollout.
+        self.cache_dtype = cache_dtype or self.dtype
+        self.overflow = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.backend = backend(self)
+        if self.cache_dtype != self.dtype and self.cache_dtype not in getattr(self.backend, "cache_dtypes", {}).get(
+                self.dtype, ()):
+            raise DecodeKernelUnavailable(
+                f"decode backend '{self.backend.name}' reads the KV cache in the compute dtype ({self.dtype}); a "
+                f"{self.cache_dtype} cache under it needs decode backend cuda-c (set plan.kv_cache_dtype to the "
+                "compute dtype)")
 
     def _rope_table(self, inv: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (max_seq_len, D) in the compute dtype: the same elementwise fp32 ops as the HF rotary
@@ -110,14 +121,35 @@ class StaticDecoder:
         if self.cache is None or self.cache.shape[2] < rows:
             self.cache = None
             self.cache = torch.zeros((self.n_layers, 2, rows, self.n_kv, self.cache_len, self.head_dim),
-                                     device=self.device, dtype=self.dtype)
+                                     device=self.device, dtype=self.cache_dtype)
 
     def free(self) -> None:
         self.cache = None
 
     def cache_bytes(self) -> int:
         rows = self.cache.shape[2] if self.cache is not None else self.max_batch
-        return self.n_layers * 2 * rows * self.n_kv * self.cache_len * self.head_dim * self.dtype.itemsize
+        return self.n_layers * 2 * rows * self.n_kv * self.cache_len * self.head_dim * self.cache_dtype.itemsize
+
+    @property
+    def narrow_cache(self) -> bool:
+        """The cache is stored in fewer bits than the compute dtype (fp16 under fp32)."""
+        return self.cache_dtype.itemsize < self.dtype.itemsize
+
+    def _guard(self, kvn: torch.Tensor) -> None:
+        """Note (on the device, no sync) a key or value a narrow cache cannot hold: past fp16's range, or not
+        finite."""
+        if self.narrow_cache:
+            self.overflow.bitwise_or_((~(kvn.abs() <= torch.finfo(self.cache_dtype).max)).any().to(torch.int32))
+
+    def check_cache(self) -> None:
+        """Raise where a key or value written since the last check did not fit the cache's storage (one sync)."""
+        if self.narrow_cache and int(self.overflow.item()):
+            self.overflow.zero_()
+            raise CacheOverflow(
+                f"a key or value of this rollout is past {str(self.cache_dtype).split('.')[-1]}'s range "
+                f"({torch.finfo(self.cache_dtype).max:g}) or not finite, and the KV cache stores "
+                f"{str(self.cache_dtype).split('.')[-1]}: set plan.kv_cache_dtype=fp32 (the cache in the compute "
+                "dtype: twice its memory, and a long decode step reads more)")
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step reads from the model (parameters, buffers, fused weights)."""
@@ -193,6 +225,7 @@ class StaticDecoder:
         x = self.embed(ids)
         for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
             def cached(kvn, i=i):   # the prompt's K and V go to the cache; its queries attend to them
+                self._guard(kvn)
                 self.cache[i, :, dst, :, :W] = kvn
                 return kvn
             x = self._eager_layer(x, proj, lay, tables, masks, cached)
@@ -240,9 +273,10 @@ class StaticDecoder:
         x = self.embed(ids)
         for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
             def cached(kvn, i=i):   # fresh columns written, the others kept; the new tokens attend to [0, W)
+                self._guard(kvn)
                 window = self.cache[i, :, rows, :, col0:W]
-                window.copy_(torch.where(keep, kvn, window))
-                return self.cache[i, :, rows, :, :W]
+                window.copy_(torch.where(keep, kvn.to(window.dtype), window))
+                return self.cache[i, :, rows, :, :W].to(self.dtype)
             x = self._eager_layer(x, proj, lay, tables, masks, cached)
         return self._logits(x[:, -1])
 

@@ -43,6 +43,7 @@ DROP_AT = 0.5
 # most SPANS equal spans of at least SPAN_MIN columns; eager steps widen it 16 columns at a time.
 SPAN_MIN = 512
 SPANS = 8
+CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}   # plan.kv_cache_dtype
 
 
 class _State:
@@ -87,9 +88,11 @@ def _engine(plan, model: torch.nn.Module, max_seq_len: int, cuda: bool, **kw) ->
     here (the plan sees the GPU, not the loaded model's layers or whether NVRTC or triton works on it)."""
     try:
         return StaticCacheEngine(model, plan.rollout_batch, max_seq_len, cuda_graphs=cuda, backend=plan.decode_backend,
-                                 note=plan.reasons.get("rollout_engine", ""), **kw)
+                                 note=plan.reasons.get("rollout_engine", ""),
+                                 cache_dtype=CACHE_DTYPES.get(getattr(plan, "kv_cache_dtype", None)), **kw)
     except DecodeKernelUnavailable as e:
-        raise TrainingError(f"{e} (set plan.decode_backend=torch)") from None
+        raise TrainingError(f"{e}" + ("" if "plan.kv_cache_dtype" in str(e) else " (set plan.decode_backend=torch)")) \
+            from None
     except UnsupportedModel as e:   # the plan read the config; the loaded model says otherwise
         raise TrainingError(f"the plan runs the rollout on edgerl's static-cache engine, and it cannot run this "
                             f"model: {e} (set plan.rollout_engine=hf-generate)") from None
@@ -109,6 +112,8 @@ class StaticCacheEngine:
     time_steps: record each decode step's time in `info["step_ms"]` (CUDA events on the GPU).
     spans: where the backend reads a span of the cache (torch's ops), attend over the columns written so far,
     a span at a time (SPAN_MIN, SPANS); False: over the whole cache at every step.
+    cache_dtype: the KV cache's storage (default: the model's dtype; fp16 under fp32 with backend cuda-c, whose
+    writes are checked against fp16's range: a rollout that overflowed it raises CacheOverflow).
 
     Lifetime: the KV cache and static buffers are allocated by the first `generate`, a graph is
     captured the first time a mode (rows, greedy, top-k, ...) is generated, and all of it is kept
@@ -122,11 +127,12 @@ class StaticCacheEngine:
 
     def __init__(self, model: torch.nn.Module, max_batch: int, max_seq_len: int, *,
                  cuda_graphs: bool, projections: str = "auto", backend: str = "torch", time_steps: bool = False,
-                 spans: bool = True, note: str = "") -> None:
+                 spans: bool = True, note: str = "", cache_dtype: Optional[torch.dtype] = None) -> None:
         if max_batch < 1 or max_seq_len < 2:
             raise ValueError(f"StaticCacheEngine needs max_batch >= 1 and max_seq_len >= 2, "
                              f"got max_batch={max_batch}, max_seq_len={max_seq_len}")
-        self.dec = StaticDecoder(model, max_batch, max_seq_len, projections=projections, backend=decode_backend(backend))
+        self.dec = StaticDecoder(model, max_batch, max_seq_len, projections=projections, backend=decode_backend(backend),
+                                 cache_dtype=cache_dtype)
         self.device = self.dec.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}; "
@@ -154,6 +160,8 @@ class StaticCacheEngine:
     def describe(self) -> str:
         mode = "static KV cache + CUDA graph decode" if self.cuda_graphs else "static KV cache, eager decode"
         size = f"{self.max_batch} sequences x {self.max_seq_len} tokens, cache {self.dec.cache_bytes() / 2**20:.0f} MiB"
+        if self.dec.narrow_cache:
+            size += f" in {str(self.dec.cache_dtype).split('.')[-1]}"
         if self.span_step:
             size += f", attention over the columns written so far in spans of {self.span_step}"
         return (f"static engine: {mode}, decode backend {self.dec.backend.name}: {self.dec.backend.note} ({size}; "
@@ -299,6 +307,7 @@ class StaticCacheEngine:
                 logprobs.append(lp_row[:len(resp)])
                 truncated.append(cut)
             info["chunks"] += 1
+        self.dec.check_cache()   # a key or value past a narrow cache's range stops here, not in the update
         return RolloutBatch(prompt_ids=rows, response_ids=responses, truncated=truncated,
                             logprobs=logprobs, info=info)
 
@@ -339,7 +348,9 @@ class StaticCacheEngine:
         row's KV cache is kept between its turns and what follows a turn is prefilled into it
         (turns_static.py)."""
         from .turns_static import run_turns
-        return run_turns(self, prompts, params, generator, driver)
+        out = run_turns(self, prompts, params, generator, driver)
+        self.dec.check_cache()
+        return out
 
     def _generate_chunk(self, chunk: list[list[int]], mode: _Mode, max_new: int, info: dict):
         # Module projections may be the training model's own LoRA layers: their dropout must not act
