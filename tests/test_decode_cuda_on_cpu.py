@@ -63,3 +63,36 @@ def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monke
     assert cuda.dec.backend.name == "cuda-c" and cuda.dec.dtype == dtype
     torch_ops = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, backend="torch")
     assert cuda.generate(PROMPTS, 2, params).response_ids == torch_ops.generate(PROMPTS, 2, params).response_ids
+
+
+def test_the_cuda_layer_over_an_fp16_cache_under_fp32_wired_to_the_references(monkeypatch):
+    """plan.kv_cache_dtype=fp16 under fp32, the kernels replaced by their references (which write the cache column
+    through torch's fp32 -> fp16 cast, as the kernel rounds it): the cache is fp16, the sampled log-probs stay
+    near the full fp32 forward's, a key or value past fp16's range stops the rollout naming the setting, and a
+    backend that reads the cache in the compute dtype refuses an fp16 one."""
+    from rollout_helpers import logprob_gap
+    from edgerl.rollout.decoder import CacheOverflow, DecodeKernelUnavailable
+    monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(decode_cuda, "add_rms_norm",
+                        lambda x, d, w, eps: tuple(t.to(x.dtype)
+                                                   for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
+    monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
+    monkeypatch.setattr(decode_cuda, "rope_attend",
+                        lambda *a, flag=None: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
+    model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    engine = StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="cuda-c", cache_dtype=torch.float16)
+    params = SamplingParams(max_new_tokens=24, temperature=0.8)
+    out = engine.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
+    assert engine.dec.cache.dtype == torch.float16 and "in float16" in engine.describe()
+    assert engine.dec.cache_bytes() * 2 == StaticCacheEngine(model, 8, 64, cuda_graphs=False,
+                                                             backend="cuda-c").dec.cache_bytes()
+    gap = logprob_gap(model, out, 0.8)
+    assert 0 < gap.max() <= 2e-2, gap.max()   # the cache's rounding shows, within its bound's order
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(1e6)
+    with pytest.raises(CacheOverflow, match="past float16's range .* set plan.kv_cache_dtype=fp32"):
+        engine.generate(PROMPTS, 2, params, generator=torch.Generator().manual_seed(0))
+    assert int(engine.dec.overflow) == 0   # the check clears it: the next rollout starts clean
+    with pytest.raises(DecodeKernelUnavailable, match="needs decode backend cuda-c"):
+        StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="torch", cache_dtype=torch.float16)

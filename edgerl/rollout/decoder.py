@@ -226,7 +226,7 @@ class StaticDecoder:
         for i, (proj, lay) in enumerate(zip(self.proj, self.arch.layers)):
             def cached(kvn, i=i):   # the prompt's K and V go to the cache; its queries attend to them
                 self._guard(kvn)
-                self.cache[i, :, dst, :, :W] = kvn
+                self.cache[i, :, dst, :, :W] = kvn.to(self.cache_dtype)
                 return kvn
             x = self._eager_layer(x, proj, lay, tables, masks, cached)
         return self._logits(x[:, -1])
