@@ -43,12 +43,8 @@ def test_norm_and_silu_references():
     torch.testing.assert_close(decode_cuda.reference_silu_mul(x, d).float(), torch.nn.functional.silu(x) * d)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("projections", ["fused", "modules"])
-def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monkeypatch, projections, dtype):
-    """Decode backend cuda-c's layer (rollout/decode_cuda_c.py: which tensors go to which kernel, in what
-    order) with each kernel replaced by its reference, rounded to the model's dtype (fp32, or fp16 as a Volta
-    or Turing plan computes): the same greedy tokens as the torch backend."""
+def _wire_references(monkeypatch):
+    """Decode backend cuda-c's kernels replaced by their references, each result rounded to its inputs' dtype."""
     monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(decode_cuda, "add_rms_norm",
                         lambda x, d, w, eps: tuple(t.to(x.dtype)
@@ -56,6 +52,15 @@ def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monke
     monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
     monkeypatch.setattr(decode_cuda, "rope_attend",
                         lambda *a, flag=None: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("projections", ["fused", "modules"])
+def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monkeypatch, projections, dtype):
+    """Decode backend cuda-c's layer (rollout/decode_cuda_c.py: which tensors go to which kernel, in what
+    order) with each kernel replaced by its reference, rounded to the model's dtype (fp32, or fp16 as a Volta
+    or Turing plan computes): the same greedy tokens as the torch backend."""
+    _wire_references(monkeypatch)
     model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                        dtype=dtype)
     params = SamplingParams(max_new_tokens=24, greedy=True)
@@ -72,13 +77,7 @@ def test_the_cuda_layer_over_an_fp16_cache_under_fp32_wired_to_the_references(mo
     backend that reads the cache in the compute dtype refuses an fp16 one."""
     from rollout_helpers import logprob_gap
     from edgerl.rollout.decoder import CacheOverflow, DecodeKernelUnavailable
-    monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
-    monkeypatch.setattr(decode_cuda, "add_rms_norm",
-                        lambda x, d, w, eps: tuple(t.to(x.dtype)
-                                                   for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
-    monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
-    monkeypatch.setattr(decode_cuda, "rope_attend",
-                        lambda *a, flag=None: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
+    _wire_references(monkeypatch)
     model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
     engine = StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="cuda-c", cache_dtype=torch.float16)
     params = SamplingParams(max_new_tokens=24, temperature=0.8)

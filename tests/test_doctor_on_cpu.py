@@ -220,13 +220,14 @@ def test_a_plan_without_triton_does_not_ask_for_a_c_compiler():
 
 def test_decode_layer_kernels_compile_or_doctor_names_the_setting(monkeypatch, nvrtc_compiles):
     """An fp32 plan's rollout decodes through the CUDA C layer kernels: the doctor compiles the ones the model
-    needs (SmolLM2-135M: 3 query heads per KV head of size 64) for the GPU, and fails naming the setting."""
+    needs (SmolLM2-135M: 3 query heads per KV head of size 64; the attention over the plan's fp16 KV cache) for the
+    GPU, and fails naming the setting."""
     import edgerl.kernels.nvrtc as nvrtc
     r = fake_probe("P40")
     c = checks_for(r)["decode-layer kernels"]
     assert c.status == "ok" and "sm_61" in c.detail
-    assert (["add_rms_norm<float>", "silu_mul<float>", "rope_attend<float, 3, 64>", "rope_attend_split<float, 3, 64>",
-             "attend_combine<float, 3, 64>"], (6, 1)) in nvrtc_compiles
+    assert (["add_rms_norm<float>", "silu_mul<float>", "rope_attend_kv<float, h16, 3, 64>",
+             "rope_attend_split_kv<float, h16, 3, 64>", "attend_combine<float, 3, 64>"], (6, 1)) in nvrtc_compiles
     assert "decode-layer kernels" not in checks_for(r, simulated=True)
     assert "decode-layer kernels" not in checks_for(fake_probe("3090"))   # bf16: the Triton kernel instead
     t4 = fake_probe("T4")

@@ -126,8 +126,9 @@ DECODE_CUDA_TOL = {torch.float32: (2e-6, 1e-5), torch.float16: (2e-3, 2e-3)}   #
 def decode_cuda(w: Widths, device: torch.device) -> list[Part]:
     """`edgerl/kernels/decode_cuda.py`'s three kernels in the plan's dtype (fp32 or fp16) against their float64
     references (tolerances of tests/test_decode_cuda_kernels_cuda.py), the attention also split into slices
-    of 32 columns and merged (what a cache past `SPLIT_COLUMNS` runs); the cache column rope_attend writes must
-    equal the reference's bit for bit (the engine's eager rotation rounds the same way)."""
+    of 32 columns and merged (what a cache past `SPLIT_COLUMNS` runs), and in fp32 over an fp16 cache too; the
+    cache column rope_attend writes must equal the reference's bit for bit (the engine's eager rotation rounds the
+    same way, and torch's cast to fp16 as the kernel does)."""
     from edgerl.kernels import decode_cuda as k
     dt = w.dtype
     if dt not in DECODE_CUDA_TOL:
@@ -156,6 +157,15 @@ def decode_cuda(w: Widths, device: torch.device) -> list[Part]:
               _close("rope_attend", o, want, att, 1e-5)]
     split = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, D ** -0.5, split_columns=32)
     parts.append(_close("rope_attend split in 32-column slices", split, want, att, 1e-5))
+    if dt == torch.float32:   # over an fp16 cache (plan.kv_cache_dtype under fp32): the reference reads the same
+        kh, vh = kc.half(), vc.half()
+        rkh, rvh = kh.clone(), vh.clone()
+        want16, _ = k.reference_rope_attend(q, kk, v, cos, sin, rkh, rvh, start, colt, D ** -0.5)
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        o16 = k.rope_attend(q, kk, v, cos, sin, kh, vh, start, colt, D ** -0.5, split_columns=32, flag=flag)
+        parts += [Part("rope_attend fp16 cache column", max(_maxerr(kh, rkh), _maxerr(vh, rvh)), 0.0),
+                  _close("rope_attend over an fp16 cache, split", o16, want16, att, 1e-5),
+                  Part("rope_attend fp16 cache overflow flag (none expected)", float(flag.item()), 0.0)]
     return parts
 
 

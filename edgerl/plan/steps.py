@@ -446,8 +446,8 @@ def kv_cache_dtype(c: "Ctx") -> tuple[Optional[str], str]:
     if engine != "static":
         return None, why
     if kv != c["dtype"].compute and c["decode_backend"] != "cuda-c":   # kv_rule follows decode_backend's choice
-        raise PlanError(f"plan.kv_cache_dtype=fp16 under fp32 compute needs decode backend cuda-c, and this plan's "
-                        f"is {c['decode_backend']}; leave plan.kv_cache_dtype unset")
+        raise PlanError(f"a KV cache in {kv} under {c['dtype'].compute} compute needs decode backend cuda-c, and "
+                        f"this plan's is {c['decode_backend']}: set plan.kv_cache_dtype={c['dtype'].compute}")
     return kv, why
 
 
