@@ -53,10 +53,12 @@ ROWS: dict[str, tuple[str, str, int, list[str]]] = {
     # the cells of the length x plan x dtype grid no row above covers: 16K where it fits (full, fp32), LoRA on a
     # 16-bit base under fp32 compute, and LoRA and NF4 QLoRA in bf16
     # the plans the fixed order of the memory search picks (what those rows ran before the search weighed every
-    # setting that fits by its estimated step time), beside the rows above: one call, one after the other
+    # setting that fits by its estimated step time; the P40's KV cache in fp32, as before plan.kv_cache_dtype),
+    # beside the rows above: one call, one after the other
     "1.5b-p40-8k-first-fit": ("1.5b", "p40", 8192, ["lora.enabled=false", 'plan.optimizer="adamw8bit"',
                                                     "plan.optimizer_offload=false", "train.micro_batch=2",
-                                                    "plan.rollout_batch=8", "plan.score_micro_batch=4"]),
+                                                    "plan.rollout_batch=8", "plan.score_micro_batch=4",
+                                                    'plan.kv_cache_dtype="fp32"']),
     "llama8b-nf4-t4-4k-first-fit": ("llama8b", "t4", 4096, NF4 + ["plan.optimizer_offload=false", "train.micro_batch=4",
                                                                   "plan.rollout_batch=8", "plan.score_micro_batch=8"]),
     "1.5b-p40-16k": ("1.5b", "p40", 16384, ["lora.enabled=false"]),

@@ -445,10 +445,17 @@ def kv_cache_dtype(c: "Ctx") -> tuple[Optional[str], str]:
     kv, why = kv_rule(c, engine)
     if engine != "static":
         return None, why
-    if kv != c["dtype"].compute and c["decode_backend"] != "cuda-c":   # kv_rule follows decode_backend's choice
-        raise PlanError(f"a KV cache in {kv} under {c['dtype'].compute} compute needs decode backend cuda-c, and "
-                        f"this plan's is {c['decode_backend']}: set plan.kv_cache_dtype={c['dtype'].compute}")
-    return kv, why
+    final, backend, forced = c["dtype"].compute, c["decode_backend"], c.forced("kv_cache_dtype")
+    if kv == "fp16" and final == "fp32":
+        if backend != "cuda-c":   # kv_rule reads the backend's choice ahead of it: they must agree
+            raise PlanError(f"a KV cache in fp16 under fp32 compute needs decode backend cuda-c, and this plan's is "
+                            f"{backend}: set plan.kv_cache_dtype=fp32")
+        return kv, why
+    if forced and forced != final:   # the optimizer's bf16 weights made the compute bf16 after kv_rule asked
+        raise PlanError(f"plan.kv_cache_dtype={forced}: this plan computes in {final} (plan.optimizer="
+                        f"{c['optimizer']} keeps bf16 weights), and the static engine stores its cache in the compute "
+                        f"dtype; set plan.kv_cache_dtype={final} or leave it unset")
+    return final, why if kv == final else f"the compute dtype ({final})"
 
 
 def kv_rule(c: "Ctx", engine: str) -> tuple[str, str]:
