@@ -127,7 +127,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     for mod in model.modules():
         w = getattr(mod, "weight", None)
         qs = getattr(w, "quant_state", None)
-        if qs is not None:
+        if qs is not None and id(w) not in seen:   # peft's LoRA layer shows its base layer's weight as its own
             seen.add(id(w))
             quant += _tensor_bytes(w) + _tensor_bytes(qs.absmax) + _tensor_bytes(getattr(qs, "code", None))
             nested = getattr(qs, "state2", None)

@@ -130,6 +130,46 @@ def test_decode_long_counts_a_tied_embedding_once_and_an_untied_input_embedding_
     assert weight_bytes(untied)["quantized"] == 0
 
 
+def test_decode_long_counts_a_quantized_weight_once_under_its_lora_wrapper():
+    """A 4-bit weight (its packed codes, absmax, and the nested absmax and code tables) counted once, though peft's
+    LoRA layer shows its base layer's weight as its own: a stand-in with bitsandbytes' quant_state fields."""
+    import types
+    import torch
+    from bench_decode_long import weight_bytes
+    codes = torch.nn.Parameter(torch.zeros(32, 16, dtype=torch.uint8), requires_grad=False)
+    codes.quant_state = types.SimpleNamespace(absmax=torch.zeros(16, dtype=torch.uint8), code=torch.zeros(16),
+                                              state2=types.SimpleNamespace(absmax=torch.zeros(1), code=torch.zeros(256)))
+
+    class Base(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = codes
+
+    class Lora(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base_layer = Base()
+            self.lora_A = torch.nn.Linear(32, 2, bias=False)
+
+        @property
+        def weight(self):
+            return self.base_layer.weight
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.emb, self.head = Lora(), torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+
+        def get_input_embeddings(self):
+            return self.emb
+
+        def get_output_embeddings(self):
+            return self.head
+    got = weight_bytes(Model())
+    assert got["quantized"] == 32 * 16 + 16 + 16 * 4 + 4 + 256 * 4
+    assert got["other"] == (2 * 32 + 10 * 4) * 4   # the adapter and the LM head; the untied input embedding not
+
+
 def test_decode_long_refuses_bad_lengths_in_one_line():
     res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--lengths", "2k"],
                          capture_output=True, text=True, env=ENV, timeout=120)

@@ -38,6 +38,10 @@ GRAPH_LAYER_S = 6e-6
 EAGER_LAYER_S = 120e-6       # a decode step's host launches per layer where no CUDA graph holds it (hf-generate)
 TRAIN_LAYER_S = 1e-3         # a micro-step's launches per layer, forward and backward (plan/search.py's figure)
 KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # per cached element, by plan.kv_cache_dtype
+# the CUDA C attention's share of the bandwidth over an fp16 cache under fp32 compute (its loads are half as wide):
+# 3.76 GB of cache in 4.0 ms of attention kernels at 8K columns, 16 rows of Qwen2.5-1.5B's heads, on an H100 whose
+# copies run at 3.01 TB/s (bench_decode_long.py, docs/benchmarks.md, Decode step at long lengths)
+NARROW_KV_EFF = 0.31
 NF4_BYTES = 0.5 + 4 / 64     # bytes per NF4 weight read by the decode kernel: the codes and an fp32 absmax per 64
 STATE_BYTES = {"adamw": 16, "adamw8bit": 10, "adamw-bf16": 10, "adamw-bf16-sr": 8}   # per trainable parameter
 PCIE_GBS = {3: 12.0, 4: 24.0, 5: 50.0}   # pinned copies per PCIe generation (docs/hardware.md, Host transfers)
@@ -136,8 +140,10 @@ def decode_step_s(model: Any, v: Any, r: Rates, rows: int, cached: float) -> flo
     # the CUDA C kernels compute on CUDA cores in fp32; the others' 16-bit matmuls on tensor cores
     rate = r.fp32_tflops if name.startswith("cuda-c") or compute == "fp32" else r.matmul_tflops
     s = N * (NF4_BYTES if nf4 else cbytes) / (bw * w_eff)
-    kv = v.get("kv_cache_dtype")
-    s += rows * model.kv_bytes_per_token(KV_BYTES.get(kv, cbytes)) * cached / (bw * kv_eff)
+    kv_bytes = KV_BYTES.get(v.get("kv_cache_dtype"), cbytes)
+    if kv_bytes < cbytes:
+        kv_eff = NARROW_KV_EFF
+    s += rows * model.kv_bytes_per_token(kv_bytes) * cached / (bw * kv_eff)
     s += 2 * N * rows / (rate * 1e12 * f_eff)
     if engine == "static":
         s += GRAPH_STEP_S + GRAPH_LAYER_S * model.num_layers
