@@ -43,6 +43,8 @@
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
 #                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
 #   tests-optim 200 the bf16 AdamW and training CUDA tests
+# VS_ONLY: the groups (GROUP[:edgerl|:trl]) of a one-group trl-* stage instead of its own, e.g. VS_ONLY=llama8b-t4:edgerl
+#   (an --only in VS_ARGS would come before the stage's own, which wins)
 # VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl, or --edgerl-set
 # run.profile_step=3: the step's profile table comes back in logs.tar.gz); OPTIM_PARAMS: optim's size (M); TESTS_K: -k of tests-optim
 #   checks 560     the CUDA tests, measure and bench_rollout in one stage (for one GPU of an A+B pair)
@@ -141,14 +143,14 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
               if [ \$(nvidia-smi -L | wc -l) -ge 2 ]; then python3 bench/bench_multi.py --smoke --tokenizer $TOK --work $w-smoke --budget-s $(( b * 2 / 5 - 10 )) --out $OUT/quick_multi$x.json; fi" ;;
         measure) echo "python3 -m edgerl.device.measure --json --pageable --budget 45 > $OUT/measure$x.json" ;;
         trl-frontier) echo "$vs --only 362m-bf16 ${FRONTIER:+--frontier $FRONTIER} --out $OUT/bench_vs_trl$x.json" ;;
-        trl-17b) echo "$vs --only 1.7b-bf16 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-17b) echo "$vs --only ${VS_ONLY:-1.7b-bf16} --out $OUT/bench_vs_trl$x.json" ;;
         edgerl-17b) echo "$vs --only 1.7b-bf16:edgerl --frontier-17b ${FRONTIER_17B:-18.46} --skip 1.7b-bf16/edgerl --out $OUT/bench_vs_trl$x.json" ;;
-        trl-p40) echo "$vs --only 362m-p40 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-p40) echo "$vs --only ${VS_ONLY:-362m-p40 1.7b-p40} --out $OUT/bench_vs_trl$x.json" ;;
         trl-core) echo "$vs --only 362m-bf16 362m-p40 1.7b-bf16 1.7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
-        trl-qwen7b) echo "$vs --only qwen7b-p40 --out $OUT/bench_vs_trl$x.json" ;;
-        trl-llama8b) echo "$vs --only llama8b-t4 --out $OUT/bench_vs_trl$x.json" ;;
-        trl-llama8b-p40) echo "$vs --only llama8b-p40 --out $OUT/bench_vs_trl$x.json" ;;
-        trl-qwen14b) echo "$vs --only qwen14b-p40 --out $OUT/bench_vs_trl$x.json" ;;
+        trl-qwen7b) echo "$vs --only ${VS_ONLY:-qwen7b-p40} --out $OUT/bench_vs_trl$x.json" ;;
+        trl-llama8b) echo "$vs --only ${VS_ONLY:-llama8b-t4} --out $OUT/bench_vs_trl$x.json" ;;
+        trl-llama8b-p40) echo "$vs --only ${VS_ONLY:-llama8b-p40} --out $OUT/bench_vs_trl$x.json" ;;
+        trl-qwen14b) echo "$vs --only ${VS_ONLY:-qwen14b-p40} --out $OUT/bench_vs_trl$x.json" ;;
         trl-qlora) echo "$vs --only qwen7b-p40 llama8b-t4 qwen14b-p40 --out $OUT/bench_vs_trl$x.json" ;;
         qlora) echo "$vs --only qwen7b-p40 llama8b-t4:edgerl --out $OUT/bench_vs_trl$x.json" ;;
         recheck) echo "timeout -k 5 190 $vs --only qwen7b-p40:edgerl llama8b-t4:edgerl --out $OUT/bench_vs_trl$x.json;
