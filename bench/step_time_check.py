@@ -18,6 +18,8 @@ from typing import Any
 ROWS: dict[str, tuple[Any, ...]] = {
     "1.7B bf16 at TRL's memory": ("h200", "h200", 18.46, "1.7b", 256, None, False, (0.45, 0.11, 0.26),
                                   "Against TRL: 362M and 1.7B; 2026-12-02, ba86a27"),
+    "1.7B bf16 at TRL's memory, H100": ("h100", "h100", 17.71, "1.7b", 256, None, False, (0.55, 0.14, 0.28),
+                                        "Against TRL: 362M and 1.7B; 2026-12-06, 5e874ff"),
     "RTX 4090, 1.5B full, 2K": ("h200", "rtx4090", None, "1.5b", 2048, None, False, (4.22, 0.26, 1.00),
                                 "Long responses; 2026-12-05, 7df79e4"),
     "P40, 1.5B full, 8K": ("h200", "p40", None, "1.5b", 8192, None, True, (71.8, 3.6, 18.4), "Long responses; 2026-12-04, b47b18a"),
