@@ -38,9 +38,8 @@ GRAPH_LAYER_S = 6e-6
 EAGER_LAYER_S = 120e-6       # a decode step's host launches per layer where no CUDA graph holds it (hf-generate)
 TRAIN_LAYER_S = 1e-3         # a micro-step's launches per layer, forward and backward (plan/search.py's figure)
 KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # per cached element, by plan.kv_cache_dtype
-# the CUDA C attention's share of the bandwidth over an fp16 cache under fp32 compute (its loads are half as wide):
-# 3.76 GB of cache in 4.0 ms of attention kernels at 8K columns, 16 rows of Qwen2.5-1.5B's heads, on an H100 whose
-# copies run at 3.01 TB/s (bench_decode_long.py, docs/benchmarks.md, Decode step at long lengths)
+# the CUDA C attention's share of the bandwidth over an fp16 cache under fp32 compute (its loads are half as wide),
+# measured at 8K columns: docs/benchmarks.md, Decode step at long lengths
 NARROW_KV_EFF = 0.31
 NF4_BYTES = 0.5 + 4 / 64     # bytes per NF4 weight read by the decode kernel: the codes and an fp32 absmax per 64
 STATE_BYTES = {"adamw": 16, "adamw8bit": 10, "adamw-bf16": 10, "adamw-bf16-sr": 8}   # per trainable parameter
