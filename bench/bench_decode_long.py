@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from edgerl.core.files import write_atomically  # noqa: E402
+from edgerl.plan.dtypes import torch_dtype  # noqa: E402
 
 # name: (card whose plan it is, widths (bench/benchlib.py's SHAPES), frozen base or None for full fine-tuning)
 CONFIGS: dict[str, tuple[str, str, str | None]] = {
@@ -60,7 +61,6 @@ SMOKE_SHAPE = (64, 2, 4, 2, 128, True)
 VOCAB = 49152
 PROMPT = 64
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def plan_for(card: str, shape: str, base: str | None, length: int, widths: tuple) -> Any:
@@ -138,11 +138,6 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             continue
         other += _tensor_bytes(p)
     return {"quantized": quant, "other": other, "total": quant + other}
-
-
-def measure_bandwidth(device: torch.device) -> float:
-    from bench_rollout import measure_bandwidth as copy_bw
-    return copy_bw(device)
 
 
 class Stepper:
@@ -231,7 +226,7 @@ def run_config(name: str, args, device: torch.device, bw: float | None, results:
         # the plan at each length, its KV cache as --kv-cache says (the same rows: the A/B of the cache alone)
         plans = {n: plan_for(card, shape, base, n, widths) for n in args.lengths}
         first = plans[args.lengths[0]]
-        dtype, backend = DTYPES[first.dtype.compute], first.decode_backend
+        dtype, backend = torch_dtype(first.dtype.compute), first.decode_backend
         kv = first.kv_cache_dtype if args.kv_cache == "plan" else (first.dtype.compute if args.kv_cache == "compute"
                                                                    else args.kv_cache)
         projections = "modules" if base else "auto"
@@ -248,7 +243,7 @@ def run_config(name: str, args, device: torch.device, bw: float | None, results:
         rec_base = {"config": name, "card": card, "widths": shape, "base": base, "dtype": str(dtype).split(".")[-1],
                     "kv_cache": kv, "backend": backend, "rows": rows, "weight_bytes": wb, "build_s": round(built_s, 1)}
         try:
-            stepper = Stepper(model, rows, max_len, backend, projections, device, DTYPES[kv])
+            stepper = Stepper(model, rows, max_len, backend, projections, device, torch_dtype(kv))
         except Exception as e:   # noqa: BLE001 - one configuration failing must not hide the others
             for n in lengths:
                 results.append({**rec_base, "length": n, "error": f"{type(e).__name__}: {e}"[:400]})
@@ -327,6 +322,7 @@ def main(argv=None) -> int:
         print("bench_decode_long needs a CUDA GPU (or --smoke, the code path on the CPU)", file=sys.stderr)
         return 2
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    from bench_rollout import measure_bandwidth   # a device-to-device copy's bytes per second
     bw = measure_bandwidth(device) if device.type == "cuda" else None
     note = (f"{dev_name}: measured device copy {bw / 1e12:.2f} TB/s" if bw else "no bandwidth bound on the CPU")
     out = args.out or (os.path.join(os.environ["OUT"], "bench_decode_long.json") if os.environ.get("OUT") else None)

@@ -195,13 +195,17 @@ def _fused_norms(c: "Ctx") -> str:
 
 def _cuda_c_refused(c: "Ctx") -> str:
     """Why the CUDA C decode kernels cannot run this plan's decode step, even when asked for ('' when they can)."""
+    return _static_only(c) or _cuda_c_kernels(c, _compute(c))
+
+
+def _cuda_c_kernels(c: "Ctx", compute: str) -> str:
+    """Why the CUDA C decode kernels cannot compute this model's layers in `compute` on this device ('' when they
+    can), whatever the engine."""
     from edgerl.kernels.tiles import decode_cuda_shape_reason  # pure
-    if why := _static_only(c):
-        return why
     if not c.device.is_cuda:
         return "no CUDA device"
-    if _compute(c) not in ("fp32", "fp16"):
-        return f"{_compute(c)} compute: the kernels store fp32 or fp16"
+    if compute not in ("fp32", "fp16"):
+        return f"{compute} compute: the kernels store fp32 or fp16"
     if why := _fused_norms(c):
         return why
     return decode_cuda_shape_reason(c.model.hd, c.model.num_heads // c.model.num_kv_heads) or ""
@@ -211,13 +215,9 @@ def fp16_cache_backend(c: "Ctx") -> bool:
     """Whether the static engine's decode backend is cuda-c under fp32 compute (forced, or the first that runs:
     the Triton ones need 16 bits), read without the engine decision, which follows the memory search: the
     kernels that read a KV cache in fp16 under fp32."""
-    from edgerl.kernels.tiles import decode_cuda_shape_reason  # pure
     from edgerl.plan.decisions import compute
-    if compute(c)[0].compute != "fp32" or c.forced("decode_backend") not in (None, "cuda-c"):
-        return False
-    if not c.device.is_cuda or _fused_norms(c):
-        return False
-    return not decode_cuda_shape_reason(c.model.hd, c.model.num_heads // c.model.num_kv_heads)
+    return (compute(c)[0].compute == "fp32" and c.forced("decode_backend") in (None, "cuda-c")
+            and not _cuda_c_kernels(c, "fp32"))
 
 
 def _cuda_c_reason(c: "Ctx") -> str:

@@ -128,9 +128,13 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
     # samples of a prompt whose forward passes may compute it once (the decision itself follows the search)
     share = 1 if share_blocker(attention, model, c.forced("share_prompts"), task) else task.samples_per_prompt
 
+    def cache_dtype(cand: Candidate) -> str:
+        """The KV cache's storage for this candidate (a quantized base always runs the static engine)."""
+        return kv_rule(c, "static" if cand.base in QUANT_BASES else engine)[0]
+
     def setting(cand: Candidate) -> Setting:
         quant = cand.base if cand.base in QUANT_BASES else None
-        kv_bytes = int(nbytes(kv_rule(c, "static" if quant else engine)[0]))
+        kv_bytes = int(nbytes(cache_dtype(cand)))
         return Setting(
             compute_bytes=dtype.compute_bytes,
             base_bytes=(dtype.compute_bytes if quant else int(nbytes(cand.base))) if cand.lora else dtype.param_bytes,
@@ -163,7 +167,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             return None
         fixed = {"dtype": dtype, "rollout_engine": engine, "base_dtype": cand.base if cand.lora else None,
                  "lora": {"params": lora_params} if cand.lora else None,
-                 "kv_cache_dtype": kv_rule(c, "static" if cand.base in QUANT_BASES else engine)[0]}
+                 "kv_cache_dtype": cache_dtype(cand)}
 
         def seconds(s: Setting) -> float:
             v = dict(fixed, rollout_batch=s.rollout_batch, micro_batch=s.micro_batch, optimizer=s.optimizer,

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from edgerl.plan.dtypes import nbytes
+
 # Shares of the peak that edgerl's kernels reach, by phase (calibrated on the rows of docs/benchmarks.md,
 # Step time estimate: an H100 and an H200, each run alone on its GPU). A decode step reads the weights and
 # the KV cache written so far and multiplies every row through the weights; each of the three is timed at its
@@ -37,7 +39,6 @@ GRAPH_STEP_S = 25e-6         # one decode step's fixed cost when replayed from a
 GRAPH_LAYER_S = 6e-6
 EAGER_LAYER_S = 120e-6       # a decode step's host launches per layer where no CUDA graph holds it (hf-generate)
 TRAIN_LAYER_S = 1e-3         # a micro-step's launches per layer, forward and backward (plan/search.py's figure)
-KV_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # per cached element, by plan.kv_cache_dtype
 # the CUDA C attention's share of the bandwidth over an fp16 cache under fp32 compute (its loads are half as wide),
 # measured at 8K columns: docs/benchmarks.md, Decode step at long lengths
 NARROW_KV_EFF = 0.31
@@ -139,7 +140,8 @@ def decode_step_s(model: Any, v: Any, r: Rates, rows: int, cached: float) -> flo
     # the CUDA C kernels compute on CUDA cores in fp32; the others' 16-bit matmuls on tensor cores
     rate = r.fp32_tflops if name.startswith("cuda-c") or compute == "fp32" else r.matmul_tflops
     s = N * (NF4_BYTES if nf4 else cbytes) / (bw * w_eff)
-    kv_bytes = KV_BYTES.get(v.get("kv_cache_dtype"), cbytes)
+    kv = v.get("kv_cache_dtype")
+    kv_bytes = int(nbytes(kv)) if kv else cbytes
     if kv_bytes < cbytes:
         kv_eff = NARROW_KV_EFF
     s += rows * model.kv_bytes_per_token(kv_bytes) * cached / (bw * kv_eff)

@@ -27,7 +27,6 @@ from .decoder import StaticDecoder
 class Backend(TorchOps):
     name = "cuda-c"
     reads_span = False   # the whole cache: the kernel reads each row's visible columns only
-    cache_dtypes = {torch.float32: (torch.float16,)}   # a cache it reads besides the compute dtype's: fp16 under fp32
 
     def __init__(self, dec: StaticDecoder) -> None:
         from edgerl.kernels import decode_cuda
@@ -38,6 +37,7 @@ class Backend(TorchOps):
         if why:
             raise DecodeKernelUnavailable(f"decode backend 'cuda-c' cannot run here: {why}")
         self.kernels = decode_cuda
+        self.cache_dtypes = decode_cuda.CACHE_TYPES   # the caches its attention reads under each compute dtype
         self.note = "CUDA C layer kernels"
         if nf4_layers(dec.model):   # compiles and checks the NF4 kernel first (a one-line error)
             n, left = enable(dec.model, NF4_DECODE_ROWS)

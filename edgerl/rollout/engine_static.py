@@ -43,7 +43,6 @@ DROP_AT = 0.5
 # most SPANS equal spans of at least SPAN_MIN columns; eager steps widen it 16 columns at a time.
 SPAN_MIN = 512
 SPANS = 8
-CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}   # plan.kv_cache_dtype
 
 
 class _State:
@@ -86,10 +85,12 @@ def build(plan, ctx: EngineContext):
 def _engine(plan, model: torch.nn.Module, max_seq_len: int, cuda: bool, **kw) -> "StaticCacheEngine":
     """The engine, or a one-line TrainingError naming the plan's setting when its decode backend cannot run
     here (the plan sees the GPU, not the loaded model's layers or whether NVRTC or triton works on it)."""
+    from edgerl.plan.dtypes import torch_dtype
+    kv = getattr(plan, "kv_cache_dtype", None)
     try:
         return StaticCacheEngine(model, plan.rollout_batch, max_seq_len, cuda_graphs=cuda, backend=plan.decode_backend,
                                  note=plan.reasons.get("rollout_engine", ""),
-                                 cache_dtype=CACHE_DTYPES.get(getattr(plan, "kv_cache_dtype", None)), **kw)
+                                 cache_dtype=torch_dtype(kv) if kv else None, **kw)
     except DecodeKernelUnavailable as e:
         raise TrainingError(f"{e}" + ("" if "plan.kv_cache_dtype" in str(e) else " (set plan.decode_backend=torch)")) \
             from None
