@@ -43,6 +43,7 @@
 #   optim 120       bench_adamw_bf16: one optimizer step over 1.7B parameters, edgerl's bf16 AdamW and torch's
 #                   (and over 362M parameters in host memory: streamed through the GPU, or on the host)
 #   tests-optim 200 the bf16 AdamW and training CUDA tests
+# STAGE_LIMIT_S: every stage's limit instead of its own (e.g. a QLoRA pair at 1024 tokens, longer than its stage's)
 # VS_ONLY: the groups (GROUP[:edgerl|:trl]) of a one-group trl-* stage instead of its own, e.g. VS_ONLY=llama8b-t4:edgerl
 #   (an --only in VS_ARGS would come before the stage's own, which wins)
 # VS_ARGS: more bench_vs_trl options for its stages (e.g. --skip 1.7b-bf16/edgerl, or --edgerl-set
@@ -232,7 +233,7 @@ limit_of() {
 
 run_stage() {  # stage, output suffix, work folder: run it within its limit and the session's
     local s=$1 x=$2 w=$3 lim left t cmd start rc
-    lim=$(limit_of "$s"); left=$(( BUDGET - (SECONDS - START) - 25 )); t=$(( lim < left ? lim : left ))
+    lim=${STAGE_LIMIT_S:-$(limit_of "$s")}; left=$(( BUDGET - (SECONDS - START) - 25 )); t=$(( lim < left ? lim : left ))
     if ! cmd=$(stage_cmd "$s" "$t" "$x" "$w"); then echo "unknown stage $s"; printf '%s\t%s\t%s\n' "$s$x" "unknown" 0 >>"$STATUS"; return; fi
     if [ "$t" -lt 30 ]; then
         echo "=== $s$x: skipped, $left s left"; printf '%s\t%s\t%s\n' "$s$x" "skipped" 0 >>"$STATUS"; return
