@@ -12,9 +12,12 @@ time).
                     kernel
     t4-8b-nf4       Llama-3.1-8B widths over an NF4 base with LoRA r=16 on a T4: fp16 compute, cuda-c + the NF4 kernel
 
-The KV cache is stored as the plan stores it (`plan.kv_cache_dtype`: fp16 under fp32 compute with cuda-c);
-`--kv-cache compute` stores it in the compute dtype, for the A/B.
     4090-1.5b-bf16  Qwen2.5-1.5B widths, full fine-tuning in bf16 on an RTX 4090: the Triton layers
+
+The KV cache is stored as the plan stores it (`plan.kv_cache_dtype`: fp16 under fp32 compute with cuda-c);
+`--kv-cache compute` stores it in the compute dtype, for the A/B. `--matmul cublas` (or `plan,cublas`, both on one
+model) sends an fp32 plan's projections and logits to cuBLAS instead of edgerl's few-row kernel
+(`edgerl/kernels/fp32_mm.py`), for its A/B.
 
 Bytes a step reads: each weight as stored (NF4: the 4-bit codes, their absmax bytes and the nested fp32 absmax;
 the LoRA adapters; norms; the LM head whole; of an untied input embedding only the rows' tokens, counted as
@@ -145,11 +148,17 @@ class Stepper:
     the CPU), timed."""
 
     def __init__(self, model, rows: int, max_len: int, backend: str, projections: str, device: torch.device,
-                 cache_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, matmul: str = "plan") -> None:
         from edgerl.rollout import SamplingParams, StaticCacheEngine
         self.cuda = device.type == "cuda"
         self.engine = StaticCacheEngine(model, rows, max_len, cuda_graphs=self.cuda, projections=projections,
                                         backend=backend, cache_dtype=cache_dtype)
+        if matmul == "cublas":   # the A/B of the fp32 few-row kernel: the backend's matmuls back to F.linear
+            dec = self.engine.dec
+            for p in dec.proj:
+                if p.kind == "fused":
+                    p.mm = torch.nn.functional.linear
+            dec.head_mm = torch.nn.functional.linear
         self.rows = rows
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, VOCAB if self.cuda else 200, (rows, PROMPT if self.cuda else 8), generator=g)
@@ -239,11 +248,12 @@ def run_config(name: str, args, device: torch.device, bw: float | None, results:
     by_rows: dict[int, list[int]] = {}
     for n, r in rows_by_len.items():
         by_rows.setdefault(r, []).append(n)
-    for rows, lengths in by_rows.items():
+    for (rows, lengths), matmul in ((rl, mm) for rl in by_rows.items() for mm in args.matmul):
         rec_base = {"config": name, "card": card, "widths": shape, "base": base, "dtype": str(dtype).split(".")[-1],
-                    "kv_cache": kv, "backend": backend, "rows": rows, "weight_bytes": wb, "build_s": round(built_s, 1)}
+                    "kv_cache": kv, "backend": backend + (" (cuBLAS matmuls)" if matmul == "cublas" else ""),
+                    "rows": rows, "weight_bytes": wb, "build_s": round(built_s, 1)}
         try:
-            stepper = Stepper(model, rows, max_len, backend, projections, device, torch_dtype(kv))
+            stepper = Stepper(model, rows, max_len, backend, projections, device, torch_dtype(kv), matmul)
         except Exception as e:   # noqa: BLE001 - one configuration failing must not hide the others
             for n in lengths:
                 results.append({**rec_base, "length": n, "error": f"{type(e).__name__}: {e}"[:400]})
@@ -301,6 +311,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=32, help="steps per timed pass (three passes)")
     ap.add_argument("--kv-cache", default="plan", choices=["plan", "compute", "fp16"],
                     help="the KV cache's storage: the plan's (plan.kv_cache_dtype), the compute dtype, or fp16")
+    ap.add_argument("--matmul", default="plan",
+                    help="the decode step's fp32 matmuls: plan (the backend's; cuda-c: edgerl's few-row kernel), "
+                         "cublas, or both (plan,cublas: the A/B on one model)")
     ap.add_argument("--profile", action="store_true", help="one eager step's kernels at each length")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager, torch's ops")
     ap.add_argument("--out", default=None, help="JSON output (default $OUT/bench_decode_long.json when OUT is set)")
@@ -311,6 +324,9 @@ def main(argv=None) -> int:
         ap.error(f"--lengths takes comma-separated integers, got {args.lengths!r}")
     if not args.lengths or min(args.lengths) < 16:
         ap.error("--lengths: each cache column must be at least 16")
+    args.matmul = [m for m in args.matmul.split(",") if m]
+    if not args.matmul or set(args.matmul) - {"plan", "cublas"}:
+        ap.error(f"--matmul takes plan, cublas or both (comma-separated), got {','.join(args.matmul)!r}")
     names = ["smoke"] if args.smoke else [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS and not args.smoke]
     if unknown:

@@ -78,6 +78,9 @@
 #   decode-long 300 bench_decode_long --profile: the decode step at cache columns 512, 2048 and 8192 for the P40 1.5B
 #                   full, P40 7B NF4 and T4 8B NF4 plans (their rows, dtype and decode backend), against the bytes it
 #                   reads as a share of the measured copy bound (DECODE_LONG_ARGS: more options, e.g. --configs)
+#   fp32-mm 420     the fp32 few-row matmul (edgerl/kernels/fp32_mm.py): its CUDA tests and the cuda-c engine's, then
+#                   bench_fp32_mm --sweep (each projection against cuBLAS at 16, 8 and 1 rows), then bench_decode_long
+#                   --matmul plan,cublas for the P40 1.5B plan (FP32_MM_ARGS: more bench_decode_long options)
 #   layer 150       bench_decode_layer: one decode layer's five Triton kernels, each one's GPU time (LAYER_ARGS=--sweep
 #                   adds the attention kernel at other configurations)
 #   long 560       bench_long --parallel --tf32: the long-response rows (1.5B full at 512-8K under a P40's memory, 7B NF4
@@ -215,6 +218,7 @@ stage_cmd() {  # stage, seconds, output suffix, work folder -> the stage's comma
         fit) echo "python3 bench/bench_fit.py --budget-s 260 --timeout 140 --tokenizer $TOK --out $OUT/bench_fit$x.json" ;;
         agents-recipes) echo "python3 bench/bench_agents.py --only recipes --steps ${AGENT_STEPS:-3} --timeout $(( b - 60 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_agents$x.json" ;;
         agents-trl) echo "python3 bench/bench_agents.py --only trl --steps ${AGENT_STEPS:-3} --timeout $(( b / 3 )) --budget-s $b --tokenizer $TOK --work $w --out $OUT/bench_agents_trl$x.json" ;;
+        fp32-mm) echo "python3 -m pytest -q -p no:cacheprovider tests/test_fp32_mm_cuda.py tests/test_decode_cuda_kernels_cuda.py 2>&1 | tee $OUT/tests_fp32_mm$x.log | tail -15; python3 bench/bench_fp32_mm.py --sweep --out $OUT/bench_fp32_mm$x.json; python3 bench/bench_decode_long.py --configs p40-1.5b-full --matmul plan,cublas ${FP32_MM_ARGS:-} --out $OUT/bench_decode_long_fp32mm$x.json" ;;
         tests-agents) echo "python3 -m pytest -q -p no:cacheprovider tests/test_agents_cuda.py 2>&1 | tee $OUT/tests_agents$x.log | tail -20" ;;
         *) return 1 ;;
     esac
@@ -224,7 +228,7 @@ limit_of() {
     case $1 in
         info) echo 60 ;; quick) echo 200 ;; measure) echo 90 ;; trl-frontier) echo 480 ;; trl-17b) echo 300 ;;
         trl-p40) echo 360 ;; trl-qwen7b) echo 330 ;; trl-llama8b) echo 360 ;; trl-llama8b-p40) echo 360 ;; trl-qwen14b) echo 240 ;;
-        trl-1.7b) echo 150 ;; trl-longest) echo 560 ;; decode-long) echo 300 ;; memory) echo 400 ;; optim) echo 120 ;;
+        trl-1.7b) echo 150 ;; trl-longest) echo 560 ;; decode-long) echo 300 ;; fp32-mm) echo 420 ;; memory) echo 400 ;; optim) echo 120 ;;
         multi) echo 480 ;; tests-train) echo 120 ;; tests-optim) echo 200 ;; tests) echo 300 ;; rollout) echo 200 ;; fit-full) echo 200 ;;
         checks) echo 560 ;; qlora) echo 400 ;; rollout-bf16) echo 240 ;; decode-gemm) echo 240 ;; tests-layers) echo 120 ;; fp16-overflow) echo 200 ;; layer) echo 150 ;; edgerl-17b) echo 200 ;; nf4-decode) echo 200 ;; fp16-decode) echo 560 ;; selftest-fp16) echo 300 ;; tests-nf4) echo 120 ;; attn-long) echo 150 ;; recheck) echo 420 ;;
         fit) echo 300 ;; long) echo 560 ;; recipes) echo 560 ;; archs) echo 200 ;; recipes-archs) echo 560 ;; recipes-long) echo 560 ;; long-trl) echo 560 ;; long-check) echo 150 ;; learning) echo 560 ;; tests-real) echo 200 ;; tests-agents) echo 120 ;; *) echo 560 ;;

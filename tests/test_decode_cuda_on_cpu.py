@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgerl.kernels import decode_cuda
+from edgerl.kernels import decode_cuda, fp32_mm
 from edgerl.rollout import SamplingParams, StaticCacheEngine
 from rollout_helpers import PROMPTS, decode_attention_reference, rotate_reference, tiny_llama
 
@@ -52,6 +52,16 @@ def _wire_references(monkeypatch):
     monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
     monkeypatch.setattr(decode_cuda, "rope_attend",
                         lambda *a, flag=None: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
+    calls = []   # the fp32 few-row matmuls (fp32_mm.linear's kernel side): their rows
+
+    def matmul(x, w, bias=None, ks=None):
+        calls.append(x.numel() // x.shape[-1])
+        return fp32_mm.reference(x, w, bias).float()
+    monkeypatch.setattr(fp32_mm, "_kernel", lambda name, device: None)
+    monkeypatch.setattr(fp32_mm, "unsupported", lambda x, w, bias=None: "" if x.dtype == w.dtype == torch.float32
+                        else "not fp32")
+    monkeypatch.setattr(fp32_mm, "fp32_matmul", matmul)
+    return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -60,7 +70,7 @@ def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monke
     """Decode backend cuda-c's layer (rollout/decode_cuda_c.py: which tensors go to which kernel, in what
     order) with each kernel replaced by its reference, rounded to the model's dtype (fp32, or fp16 as a Volta
     or Turing plan computes): the same greedy tokens as the torch backend."""
-    _wire_references(monkeypatch)
+    calls = _wire_references(monkeypatch)
     model = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                        dtype=dtype)
     params = SamplingParams(max_new_tokens=24, greedy=True)
@@ -68,6 +78,11 @@ def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monke
     assert cuda.dec.backend.name == "cuda-c" and cuda.dec.dtype == dtype
     torch_ops = StaticCacheEngine(model, 8, 64, cuda_graphs=False, projections=projections, backend="torch")
     assert cuda.generate(PROMPTS, 2, params).response_ids == torch_ops.generate(PROMPTS, 2, params).response_ids
+    # fp32: the logits of the 4 rows' last prompt positions, then each of the 23 decode steps' (the engine's 8 rows)
+    # fused projections (4 a layer) and logits through the few-row matmul; the prefill's projections (more than 16
+    # rows) through cuBLAS; in fp16, and the modules' projections (peft, bitsandbytes), never
+    per_step = (4 * len(model.model.layers) + 1) if projections == "fused" else 1
+    assert calls == ([] if dtype != torch.float32 else [4] + [8] * per_step * 23), (len(calls), set(calls))
 
 
 def test_the_cuda_layer_over_an_fp16_cache_under_fp32_wired_to_the_references(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import edgerl.kernels.nvrtc as nvrtc
-from edgerl.kernels import decode_cuda, nf4
+from edgerl.kernels import decode_cuda, fp32_mm, nf4
 
 ARCHS = [(6, 1), (7, 0), (7, 5), (8, 6), (9, 0)]   # Pascal (P40), Volta (V100), Turing (T4), Ampere, Hopper
 # (query heads per KV head, head size): Qwen2.5-0.5B, Qwen2.5-1.5B, Llama-3.1-8B, SmolLM2-135M, the largest group
@@ -77,6 +77,35 @@ def test_the_nf4_kernels_compile_for_every_architecture(cc):
         names = sorted(set(names))
     cubin, lowered = nvrtc.compile_cubin(nf4.SOURCE, names, cc)
     assert cubin and set(lowered) == set(names)
+
+
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+def test_the_fp32_matmul_kernels_compile_for_every_architecture_without_spills(cc):
+    """Every tile of rows the fp32 few-row matmul takes, within 128 registers (two blocks an SM) and no spills to
+    local memory (a spill would put the partial sums in memory the kernel is meant not to touch)."""
+    _targets(cc)
+    names = fp32_mm.all_kernels()
+    cubin, lowered = nvrtc.compile_cubin(fp32_mm.SOURCE, names, cc)
+    assert cubin and set(lowered) == set(names)
+    prog = ctypes.c_void_p()
+    assert LIB.nvrtcCreateProgram(ctypes.byref(prog), fp32_mm.SOURCE.encode(), b"edgerl.cu", 0, None, None) == 0
+    try:
+        for n in names:
+            assert LIB.nvrtcAddNameExpression(prog, n.encode()) == 0
+        opts = (ctypes.c_char_p * 3)(f"--gpu-architecture=sm_{cc[0]}{cc[1]}".encode(), b"-std=c++14",
+                                     b"--ptxas-options=-v")
+        assert LIB.nvrtcCompileProgram(prog, 3, opts) == 0
+        size = ctypes.c_size_t()
+        LIB.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        LIB.nvrtcGetProgramLog(prog, log)
+    finally:
+        LIB.nvrtcDestroyProgram(ctypes.byref(prog))
+    text = log.value.decode()
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
+    assert len(spills) == len(regs) == len(names), text[:2000]
+    assert all(a == b == "0" for a, b in spills) and max(regs) <= 128, text[:2000]
 
 
 def _ptx(source: str, names: list[str], arch: str) -> tuple[str, dict[str, str]]:

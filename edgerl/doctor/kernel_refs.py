@@ -166,7 +166,30 @@ def decode_cuda(w: Widths, device: torch.device) -> list[Part]:
         parts += [Part("rope_attend fp16 cache column", max(_maxerr(kh, rkh), _maxerr(vh, rvh)), 0.0),
                   _close("rope_attend over an fp16 cache, split", o16, want16, att, 1e-5),
                   Part("rope_attend fp16 cache overflow flag (none expected)", float(flag.item()), 0.0)]
+        parts += _fp32_mm(w, device, g)
     return parts
+
+
+def _fp32_mm(w: Widths, device: torch.device, g) -> list[Part]:
+    """`fp32_mm.fp32_matmul` (the fp32 decode step's projections and logits) against float64 at the step's rows:
+    q/k/v and down (the shortest and the longest K), the logits over the vocabulary slice."""
+    from edgerl.kernels import fp32_mm
+    rows = min(w.rows, fp32_mm.MAX_ROWS)
+    kv_w = (w.heads + 2 * w.kv_heads) * w.head_dim
+    shapes = [(kv_w, w.hidden), (w.hidden, w.intermediate), (w.vocab, w.hidden)] if w.full else [(kv_w, w.hidden)]
+    parts = []
+    for n, k in shapes:
+        if k % 4:
+            continue   # the decode step sends it to cuBLAS (fp32_mm.takes)
+        x = _randn((rows, k), g, device)
+        wt = _randn((n, k), g, device, scale=k ** -0.5)
+        want = fp32_mm.reference(x, wt)
+        parts.append(Part(f"fp32_matmul {n}x{k}, {rows} rows", _maxerr(fp32_mm.fp32_matmul(x, wt), want),
+                          FP32_MM_TOL * k ** 0.5 * float(want.abs().max())))
+    return parts
+
+
+FP32_MM_TOL = 2e-6   # of the largest |value| times sqrt(K) (tests/test_fp32_mm_cuda.py)
 
 
 def _rotary(B: int, D: int, g, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,6 +112,7 @@ def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> 
     its compute dtype over its KV cache's."""
     if plan is None or plan.decode_backend != "cuda-c" or not dev.is_cuda or simulated:
         return None
+    from edgerl.kernels import fp32_mm
     from edgerl.kernels.decode_cuda import SOURCE, kernel_names
     from edgerl.kernels.nvrtc import KernelUnavailable, compile_cubin
     from edgerl.plan.dtypes import torch_dtype
@@ -119,6 +120,8 @@ def check_decode_kernels(dev: Device, plan: Optional[Plan], simulated: bool) -> 
         kv = getattr(plan, "kv_cache_dtype", None)
         compile_cubin(SOURCE, kernel_names(plan.model.num_heads // plan.model.num_kv_heads, plan.model.hd,
                                            torch_dtype(plan.dtype.compute), torch_dtype(kv) if kv else None), dev.cc)
+        if plan.dtype.compute == "fp32":   # the projections' and logits' few-row matmul
+            compile_cubin(fp32_mm.SOURCE, fp32_mm.all_kernels(), dev.cc)
     except (KernelUnavailable, OSError, AttributeError) as e:
         return _c("decode-layer kernels", "fail", f"NVRTC cannot compile them for {dev.sm}: {e}; the rollout would "
                   "stop at its start", "torch's CUDA wheels bring NVRTC (nvidia-cuda-nvrtc); reinstall torch from its "

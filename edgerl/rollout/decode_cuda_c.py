@@ -24,6 +24,26 @@ from .decode_step import DecodeKernelUnavailable, LayerStep
 from .decoder import StaticDecoder
 
 
+def use_fp32_mm(dec: StaticDecoder) -> str:
+    """The fused projections' and the logits' matmuls of `dec` through `fp32_mm.linear` (a decode step's few rows
+    through the streaming kernel, the prefill's many rows through cuBLAS); compiles the kernel first (a one-line
+    error). Returns the note."""
+    from edgerl.kernels import fp32_mm
+    from edgerl.kernels.nvrtc import KernelUnavailable
+    try:
+        for n in fp32_mm.decode_kernels(dec.max_batch):
+            fp32_mm._kernel(n, dec.device)
+    except (KernelUnavailable, RuntimeError, OSError) as e:
+        raise DecodeKernelUnavailable(f"decode backend 'cuda-c' cannot run here: the fp32 decode matmul kernel: "
+                                      f"{type(e).__name__}: {str(e).strip()[:400]}") from None
+    fused = [p for p in dec.proj if p.kind == "fused"]
+    for p in fused:
+        p.mm = fp32_mm.linear
+    dec.head_mm = fp32_mm.linear
+    return ("fp32 projections and logits through the few-row matmul kernel" if fused else
+            "the logits through the few-row matmul kernel (projections called as modules: cuBLAS)")
+
+
 class Backend(TorchOps):
     name = "cuda-c"
     reads_span = False   # the whole cache: the kernel reads each row's visible columns only
@@ -39,6 +59,8 @@ class Backend(TorchOps):
         self.kernels = decode_cuda
         self.cache_dtypes = decode_cuda.CACHE_TYPES   # the caches its attention reads under each compute dtype
         self.note = "CUDA C layer kernels"
+        if dec.dtype == torch.float32:   # the projections' and the logits' few-row matmuls: fp32_mm's stream
+            self.note += "; " + use_fp32_mm(dec)
         if nf4_layers(dec.model):   # compiles and checks the NF4 kernel first (a one-line error)
             n, left = enable(dec.model, NF4_DECODE_ROWS)
             self.note += f"; {n} NF4 layers through the fused kernel" + "".join(

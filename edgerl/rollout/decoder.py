@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .arch import UnsupportedModel, check_supported, describe
 from .decode_step import BackendClass, CacheOverflow, DecodeKernelUnavailable, LayerStep, sdpa
@@ -78,6 +79,7 @@ class StaticDecoder:
         self.act = layers[0].mlp.act_fn
         self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
         self.embed, self.final_norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
+        self.head_mm = F.linear   # the logits' matmul where lm_head is a plain nn.Linear (a backend may replace it)
         self.arch = describe(model, self.head_dim)
         self.norm = self.arch.norm   # the model's RMS norm (llama's, or Gemma's (1 + weight) form)
         self.proj, self.proj_note = make_projections(layers, projections)
@@ -299,7 +301,8 @@ class StaticDecoder:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.final_norm
         x = self.norm(x, norm.weight, getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-        logits = self.lm_head(x)   # tied models share the embedding Parameter itself
+        head = self.lm_head   # tied models share the embedding Parameter itself
+        logits = self.head_mm(x, head.weight, head.bias) if type(head) is nn.Linear else head(x)
         cap = self.arch.final_softcap
         if cap is not None:   # Gemma's final_logit_softcapping, in the compute dtype as HF computes it
             logits = torch.tanh(logits / cap) * cap

@@ -112,6 +112,7 @@ class FusedProjections:
         # Parameter objects, not tensors: their .data may be refilled or re-allocated in place.
         self.o_w, self.o_b = at.o_proj.weight, at.o_proj.bias
         self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
+        self.mm = F.linear   # a decode backend may put its own few-row matmul here (decode_cuda_c: fp32_mm.linear)
         self._refuse()
 
     def _refuse(self) -> None:
@@ -137,21 +138,21 @@ class FusedProjections:
                             self.down_w, self.down_b) if t is not None]
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.qkv_w, self.qkv_b)
+        return self.mm(h, self.qkv_w, self.qkv_b)
 
     def qkv_parts(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k and v as column views of the one fused output (no copy)."""
         return self.qkv(h).split([p.shape[0] for p in self._qkv_p], dim=-1)
 
     def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gu = F.linear(h, self.gu_w, self.gu_b)
+        gu = self.mm(h, self.gu_w, self.gu_b)
         return gu[..., :self.inter], gu[..., self.inter:]
 
     def o(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.o_w, self.o_b)
+        return self.mm(x, self.o_w, self.o_b)
 
     def down(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.down_w, self.down_b)
+        return self.mm(x, self.down_w, self.down_b)
 
 
 class ModuleProjections:

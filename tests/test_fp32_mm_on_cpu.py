@@ -1,0 +1,72 @@
+"""The fp32 few-row matmul's host side and its lanes' reduction, without a GPU (the kernel itself:
+tests/test_fp32_mm_cuda.py; its compilation for each card: tests/test_nvrtc_compile_on_cpu.py)."""
+
+import pytest
+import torch
+
+from edgerl.kernels import fp32_mm
+
+
+def _fold_like_the_kernel(values: list[list[float]]) -> list[list[float]]:
+    """`Fold<V, 16>::run` of the source, lane by lane: values[lane] holds the lane's V partial sums."""
+    v = [list(lane) for lane in values]
+    n, off = len(v[0]), 16
+    while off:
+        if n > 1:   # fold<n>: lanes `off` apart trade halves
+            new = []
+            for lane in range(32):
+                up, other = lane & off, v[lane ^ off]
+                new.append([(v[lane][i + n // 2] if up else v[lane][i]) + (other[i + n // 2] if up else other[i])
+                            for i in range(n // 2)] + v[lane][n // 2:])
+            v, n = new, max(n // 2, 1)
+        else:       # one value left: a plain sum
+            v = [[v[lane][0] + v[lane ^ off][0]] + v[lane][1:] for lane in range(32)]
+        off //= 2
+    return v
+
+
+@pytest.mark.parametrize("nc,mt", [(4, 1), (4, 2), (4, 4), (4, 8), (4, 16)])
+def test_the_lanes_reduction_leaves_each_sum_where_the_kernel_reads_it(nc, mt):
+    """After the folds, lane l holds value PER (l / RUN) + i for i < PER, the sum over all 32 lanes: the index
+    arithmetic fp32_mm writes its outputs with."""
+    V = nc * mt
+    g = torch.Generator().manual_seed(V)
+    parts = torch.randint(-1000, 1000, (32, V), generator=g).double()   # integers: sums exact in any order
+    folded = _fold_like_the_kernel(parts.tolist())
+    per, run = (V // 32, 1) if V >= 32 else (1, 32 // V)
+    seen = set()
+    for lane in range(32):
+        if lane % run:
+            continue
+        for i in range(per):
+            idx = per * (lane // run) + i
+            assert folded[lane][i] == float(parts[:, idx].sum()), (lane, i, idx)
+            seen.add(idx)
+    assert seen == set(range(V))   # every output written once
+
+
+def test_the_slice_of_k_fills_the_gpu_in_the_fewest_waves():
+    slots = 264   # an H100: 132 SMs x 2 blocks
+    for n, k, rows in [(2048, 1536, 16), (1536, 1536, 16), (17920, 1536, 16), (1536, 8960, 16), (49152, 1536, 1),
+                       (7, 4, 3)]:
+        ks = fp32_mm.split_columns(n, k, rows, slots)
+        cap = fp32_mm.STAGE_FLOATS // fp32_mm.rows_tile(rows)
+        assert ks % fp32_mm.STEP == 0 and fp32_mm.STEP <= ks <= max(cap, fp32_mm.STEP)
+        tiles = -(-n // (fp32_mm.WARPS * fp32_mm.NC))
+
+        def cost(s):
+            return -(-tiles * -(-k // s) // slots) * (s // fp32_mm.STEP + 2)
+        assert all(cost(ks) <= cost(s) for s in range(fp32_mm.STEP, cap + 1, fp32_mm.STEP))
+    # a 1536 x 1536 weight has 48 blocks of rows: split 3 ways they fill an H100 (144 blocks), not 2 (96)
+    assert -(-1536 // fp32_mm.split_columns(1536, 1536, 16, slots)) >= 3
+
+
+def test_rows_tile_and_what_the_kernel_refuses():
+    assert [fp32_mm.rows_tile(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert fp32_mm.decode_kernels(16) == ["fp32_mm<16, 4>", "mm_sum"]
+    x, w = torch.randn(4, 128), torch.randn(8, 128)
+    assert not fp32_mm.takes(x, w)   # the CPU: F.linear
+    assert "not on a CUDA device" in fp32_mm.unsupported(x, w)
+    torch.testing.assert_close(fp32_mm.linear(x, w), torch.nn.functional.linear(x, w), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fp32_matmul: the input or the weight is not on a CUDA device"):
+        fp32_mm.fp32_matmul(x, w)
