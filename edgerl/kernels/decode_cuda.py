@@ -64,12 +64,15 @@ __device__ __forceinline__ void st(h16* p, float f) {
 template <typename T> __device__ __forceinline__ float rn(float f);
 template <> __device__ __forceinline__ float rn<float>(float f) { return f; }
 template <> __device__ __forceinline__ float rn<h16>(float f) { h16 h; st(&h, f); return ld(&h); }
-// Four consecutive values from a 4-aligned index (16 bytes in fp32, 8 in fp16).
-__device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
-__device__ __forceinline__ float4 ld4(const h16* p) {
-  const uint2 u = *(const uint2*)p;
-  return make_float4(h2f((u16)(u.x & 0xffffu)), h2f((u16)(u.x >> 16)),
-                     h2f((u16)(u.y & 0xffffu)), h2f((u16)(u.y >> 16)));
+// Eight consecutive values from an 8-aligned index: two 16-byte loads in fp32, one in fp16 (a key row of the cache).
+__device__ __forceinline__ void ld8(const float* p, float4& a, float4& b) {
+  a = *(const float4*)p;
+  b = *(const float4*)(p + 4);
+}
+__device__ __forceinline__ void ld8(const h16* p, float4& a, float4& b) {
+  const uint4 u = *(const uint4*)p;
+  a = make_float4(h2f((u16)(u.x & 0xffffu)), h2f((u16)(u.x >> 16)), h2f((u16)(u.y & 0xffffu)), h2f((u16)(u.y >> 16)));
+  b = make_float4(h2f((u16)(u.z & 0xffffu)), h2f((u16)(u.z >> 16)), h2f((u16)(u.w & 0xffffu)), h2f((u16)(u.w >> 16)));
 }
 
 // HF's rotary: y[d] = x[d] cos[d] + x[d +- D/2] sin'[d] (sin' carries rotate_half's sign), each product
@@ -195,15 +198,18 @@ __device__ __forceinline__ void attend(
 #pragma unroll
       for (int g = 0; g < G; ++g) dot[g] = 0.f;
       const C* kp = kr + (long long)p * D;
-#pragma unroll 8
-      for (int j = 0; j < D / 4; ++j) {
-        const float4 kv = ld4(kp + 4 * j);
+#pragma unroll 4
+      for (int j = 0; j < D / 8; ++j) {   // 8 values a load in fp16 (16 bytes), as in fp32 (two loads); same order
+        float4 kv[2];
+        ld8(kp + 8 * j, kv[0], kv[1]);
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float4 qv = *(const float4*)&qs[g * D + 4 * j];
-          dot[g] = fmaf(qv.x, kv.x, dot[g]); dot[g] = fmaf(qv.y, kv.y, dot[g]);
-          dot[g] = fmaf(qv.z, kv.z, dot[g]); dot[g] = fmaf(qv.w, kv.w, dot[g]);
-        }
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float4 qv = *(const float4*)&qs[g * D + 8 * j + 4 * h];
+            dot[g] = fmaf(qv.x, kv[h].x, dot[g]); dot[g] = fmaf(qv.y, kv[h].y, dot[g]);
+            dot[g] = fmaf(qv.z, kv[h].z, dot[g]); dot[g] = fmaf(qv.w, kv[h].w, dot[g]);
+          }
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) sc[g * TS + tid] = dot[g] * scale;
