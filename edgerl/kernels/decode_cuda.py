@@ -64,6 +64,12 @@ __device__ __forceinline__ void st(h16* p, float f) {
 template <typename T> __device__ __forceinline__ float rn(float f);
 template <> __device__ __forceinline__ float rn<float>(float f) { return f; }
 template <> __device__ __forceinline__ float rn<h16>(float f) { h16 h; st(&h, f); return ld(&h); }
+// Two consecutive values from an even index (8 bytes in fp32, 4 in fp16: a thread's share of a value row).
+__device__ __forceinline__ float2 ld2(const float* p) { return *(const float2*)p; }
+__device__ __forceinline__ float2 ld2(const h16* p) {
+  const unsigned u = *(const unsigned*)p;
+  return make_float2(h2f((u16)(u & 0xffffu)), h2f((u16)(u >> 16)));
+}
 // Eight consecutive values from an 8-aligned index: two 16-byte loads in fp32, one in fp16 (a key row of the cache).
 __device__ __forceinline__ void ld8(const float* p, float4& a, float4& b) {
   a = *(const float4*)p;
@@ -141,9 +147,9 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T
 // One block of 256 threads per (row b, KV head h) and, split (SPLIT), per slice z of CH columns: rotate the G
 // query heads h G .. h G + G - 1 into shared memory, write the rotated key and the value into cache column col
 // (the block whose columns hold col: the only one that reads it), then attend over its columns (all of
-// [start[b], col] unsplit; [start[b] + z CH, ...] split) in tiles of 256 (a thread per column for the scores;
-// THREADS / D threads per head dimension for P V, each over every (THREADS / D)-th column), with a running
-// maximum across tiles. Unsplit, o (B, KVH G D) gets the normalised output; split, po (fp32) is (B KVH, NS, G, D):
+// [start[b], col] unsplit; [start[b] + z CH, ...] split) in tiles of 256 (a thread per column for the scores, its key
+// row 16 bytes a load; for P V a thread per two values of a row, P = 2 THREADS / D parts each over every P-th
+// column, their sums met by halves at the end), with a running maximum across tiles. Unsplit, o (B, KVH G D) gets the normalised output; split, po (fp32) is (B KVH, NS, G, D):
 // the slice's unnormalised P V, with its maximum and sum in pm and pl (B KVH, NS, G), and attend_combine merges the
 // slices. A slice past col (its first column after it) returns at once.
 // q, k, v: rows of the step's projections (row strides sq, sk, sv); cos, sin: (B, D); kc, vc: this layer's
@@ -158,7 +164,7 @@ __device__ __forceinline__ void attend(
     C* kc, C* vc, const long long* __restrict__ start, const long long* __restrict__ colp,
     T* __restrict__ o, float* __restrict__ po, int KVH, int S, double scale_d, int CH, float* __restrict__ pm,
     float* __restrict__ pl, int* __restrict__ flag) {
-  constexpr int NT = 256, TS = 256, P = NT / D, HALF = D / 2;
+  constexpr int NT = 256, TS = 256, HALF = D / 2;
   __shared__ __align__(16) float qs[G * D];
   __shared__ __align__(16) float sc[G * TS];   // scores, then exp(score - max); at the end the parts' sums
   __shared__ float mrow[G], lrow[G], arow[G];
@@ -187,10 +193,11 @@ __device__ __forceinline__ void attend(
   }
   if (tid < G) { mrow[tid] = NEG_INF; lrow[tid] = 0.f; }
   __syncthreads();
-  const int d = tid % D, part = tid / D;
-  float acc[G];
+  constexpr int DT = D / 2, P = NT / DT;   // P V: a thread per two values of a row (DT a row), P parts of the columns
+  const int d = 2 * (tid % DT), part = tid / DT;
+  float acc[G][2];
 #pragma unroll
-  for (int g = 0; g < G; ++g) acc[g] = 0.f;
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = 0.f;
   for (int t0 = lo; t0 <= hi; t0 += TS) {
     const int p = t0 + tid;
     if (p <= hi) {
@@ -243,36 +250,53 @@ __device__ __forceinline__ void attend(
     __syncthreads();
     const int n = min(TS, hi - t0 + 1);
 #pragma unroll
-    for (int g = 0; g < G; ++g) acc[g] *= arow[g];
+    for (int g = 0; g < G; ++g) { acc[g][0] *= arow[g]; acc[g][1] *= arow[g]; }
 #pragma unroll 4
-    for (int i = part; i < n; i += P) {
-      const float vv = ld(vr + (long long)(t0 + i) * D + d);
+    for (int i = part; i < n; i += P) {   // two values a load: 8 bytes in fp32, 4 in fp16
+      const float2 vv = ld2(vr + (long long)(t0 + i) * D + d);
 #pragma unroll
-      for (int g = 0; g < G; ++g) acc[g] = fmaf(sc[g * TS + i], vv, acc[g]);
+      for (int g = 0; g < G; ++g) {
+        const float pg = sc[g * TS + i];
+        acc[g][0] = fmaf(pg, vv.x, acc[g][0]);
+        acc[g][1] = fmaf(pg, vv.y, acc[g][1]);
+      }
     }
     __syncthreads();   // the next tile overwrites sc
   }
-  if (P > 1) {
-    if (part > 0) {
+  // the P parts' sums meet in sc by halves (at most P / 2 x G x D = G x TS floats a round), part 0 holding the total
 #pragma unroll
-      for (int g = 0; g < G; ++g) sc[((part - 1) * G + g) * D + d] = acc[g];
+  for (int half = P / 2; half >= 1; half >>= 1) {
+    if (part >= half && part < 2 * half) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        sc[((part - half) * G + g) * D + d] = acc[g][0];
+        sc[((part - half) * G + g) * D + d + 1] = acc[g][1];
+      }
     }
     __syncthreads();
-    if (part > 0) return;
+    if (part < half) {
 #pragma unroll
-    for (int g = 0; g < G; ++g)
-      for (int r = 1; r < P; ++r) acc[g] += sc[((r - 1) * G + g) * D + d];
+      for (int g = 0; g < G; ++g) {
+        acc[g][0] += sc[(part * G + g) * D + d];
+        acc[g][1] += sc[(part * G + g) * D + d + 1];
+      }
+    }
+    __syncthreads();
   }
+  if (part > 0) return;
   if (SPLIT) {
     const long long slot = (long long)blockIdx.x * gridDim.y + blockIdx.y;
     float* out = po + slot * G * D;
 #pragma unroll
-    for (int g = 0; g < G; ++g) out[g * D + d] = acc[g];
+    for (int g = 0; g < G; ++g) { out[g * D + d] = acc[g][0]; out[g * D + d + 1] = acc[g][1]; }
     if (tid < G) { pm[slot * G + tid] = mrow[tid]; pl[slot * G + tid] = lrow[tid]; }
   } else {
     T* out = o + ((long long)b * KVH + h) * G * D;
 #pragma unroll
-    for (int g = 0; g < G; ++g) st(out + g * D + d, acc[g] / lrow[g]);
+    for (int g = 0; g < G; ++g) {
+      st(out + g * D + d, acc[g][0] / lrow[g]);
+      st(out + g * D + d + 1, acc[g][1] / lrow[g]);
+    }
   }
 }
 
