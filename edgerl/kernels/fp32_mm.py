@@ -193,6 +193,9 @@ def split_columns(n: int, k: int, rows: int, slots: int) -> int:
     return min(range(STEP, min(cap, steps * STEP) + 1, STEP), key=cost)
 
 
+_slices: dict[tuple, int] = {}   # (N, K, rows, device) -> split_columns' choice
+
+
 def unsupported(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
     """'' when `fp32_matmul` can multiply these, else why not."""
     if not (x.is_cuda and w.is_cuda):
@@ -236,8 +239,11 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         return (y.zero_() if bias is None else y.copy_(bias.expand(m, n))).reshape(*x.shape[:-1], n)
     kern = _kernel(mm_name(m), x.device)
     if ks is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        ks = split_columns(n, k, m, sms * kern.slots_per_sm)
+        key = (n, k, m, x.device.index)
+        ks = _slices.get(key)
+        if ks is None:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            ks = _slices[key] = split_columns(n, k, m, sms * kern.slots_per_sm)
     cap = STAGE_FLOATS // rows_tile(m)
     if ks % STEP or not STEP <= ks <= cap:
         raise ValueError(f"fp32_matmul: ks={ks} must be a multiple of {STEP} from {STEP} to {cap} for {m} rows")
