@@ -110,6 +110,27 @@ def test_nan_loss_skips_updates_then_aborts(tiny_llama, tmp_path, monkeypatch):
         assert torch.equal(v.detach(), before[k]), k
 
 
+def test_a_kv_cache_overflow_in_the_rollout_saves_the_last_good_state(tiny_llama, tmp_path, monkeypatch):
+    """A key or value past an fp16 KV cache's range stops the rollout (CacheOverflow) before the update: the steps
+    done are kept (a checkpoint of step 1 here, with no periodic saves) and the message names the setting."""
+    from edgerl.rollout.decode_step import CacheOverflow
+    t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=3", "run.save_every=0")
+    real = t.rollout
+
+    def overflowing(prompts):
+        if t.step == 1:
+            raise CacheOverflow("the rollout wrote a key or value past float16's range into the KV cache; set "
+                                "plan.kv_cache_dtype=fp32")
+        return real(prompts)
+    monkeypatch.setattr(t, "rollout", overflowing)
+    with pytest.raises(CacheOverflow) as e:
+        t.run()
+    msg = str(e.value)
+    assert "set plan.kv_cache_dtype=fp32" in msg and "saved the last good state (step 1)" in msg, msg
+    _, state, _ = checkpoint.load(checkpoint.latest(tmp_path / "run"))
+    assert state["train"]["step"] == 1
+
+
 def test_out_of_memory_saves_the_last_good_state(tiny_llama, tmp_path, monkeypatch):
     t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=3", "run.save_every=0")
     real = t.step_once
@@ -238,3 +259,38 @@ def test_prepare_applies_the_plans_torch_switches(tiny_llama, tmp_path, monkeypa
     monkeypatch.setattr(session, "apply_switches", lambda plan, device: seen.append((plan.attention, device.type)))
     make_trainer(tiny_llama, tmp_path / "run", "train.steps=1")
     assert seen == [("sdpa", "cpu")]
+
+
+def _agreed_on_two_ranks(rank: int, store: str, out: str) -> None:
+    """Rank 1's rollout overflows its KV cache, rank 0's finishes: what `Trainer._agreed` raises on each."""
+    import json
+    import types
+    import torch.distributed as dist
+    from edgerl.rollout.decode_step import CacheOverflow
+    from edgerl.train.trainer import Trainer
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        def rollout():
+            if rank == 1:
+                raise CacheOverflow("past float16's range; set plan.kv_cache_dtype=fp32")
+            return 7
+        try:
+            got = {"returned": Trainer._agreed(types.SimpleNamespace(world=2, rank=rank), rollout)}
+        except Exception as e:   # noqa: BLE001 - the test reads what each rank raised
+            got = {"raised": type(e).__name__, "message": str(e)}
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(got, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_kv_cache_overflow_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    """Under torchrun a rollout that overflowed on rank 1 alone raises the same CacheOverflow, naming the rank, on
+    every rank at the same point (rank 0 does not wait for rank 1 at the next collective)."""
+    import json
+    import torch.multiprocessing as mp
+    mp.spawn(_agreed_on_two_ranks, args=(str(tmp_path / "store"), str(tmp_path / "got")), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"got.{r}").read_text()) for r in (0, 1)]
+    for g in got:
+        assert g.get("raised") == "CacheOverflow", got
+        assert g["message"] == "past float16's range; set plan.kv_cache_dtype=fp32 (on rank 1 of 2)", got

@@ -39,6 +39,7 @@ from edgerl.rewards.builtins import RewardRow
 from edgerl.rewards.functions import check_total, sample_text, score as score_rewards
 from edgerl.rollout import EngineContext, build_engine
 from edgerl.rollout.base import RolloutBatch, SamplingParams
+from edgerl.rollout.decode_step import CacheOverflow
 from edgerl.rollout.episodes import EpisodeRollout, episode_metrics, episode_sample
 from edgerl.train import retention
 from edgerl.train.manifest import own
@@ -462,16 +463,17 @@ class Trainer:
         return res.metrics
 
     def _agreed(self, fn: Callable[[], Any]) -> Any:
-        """fn(), but under torchrun a reward that failed or was interrupted on one rank stops every rank
-        here, before the next collective, so that all of them save the last good step together. Every
-        rank raises the same: Interrupted when a signal reached any rank, else the error of the first
-        rank that failed, with that rank's own message (rank 0 alone prints it)."""
+        """fn(), but under torchrun a reward that failed or was interrupted on one rank, or a rollout whose KV
+        cache overflowed there (`CacheOverflow`), stops every rank here, before the next collective, so that all of
+        them save the last good step together. Every rank raises the same: Interrupted when a signal reached any
+        rank, else the error of the first rank that failed, of its class, with that rank's own message (rank 0
+        alone prints it)."""
         if self.world == 1:
             return fn()
         failure: Optional[BaseException] = None
         try:
             out = fn()
-        except (RewardError, Interrupted) as e:
+        except (RewardError, CacheOverflow, Interrupted) as e:
             failure = e
             if isinstance(e, Interrupted) and not e.elsewhere:
                 ranks.announce_stop(e.signal)
@@ -479,7 +481,7 @@ class Trainer:
         if isinstance(failure, Interrupted):   # the signal, named with the rank it reached
             report = (True, failure.signal if failure.elsewhere else f"{failure.signal} (to rank {self.rank})")
         elif failure is not None:
-            report = (False, str(failure))
+            report = (False, str(failure), type(failure).__name__)
         reports = ranks.gather(report)
         if all(r is None for r in reports):
             return out
@@ -489,8 +491,9 @@ class Trainer:
             if isinstance(failure, Interrupted):
                 raise failure
             raise Interrupted(signalled[0], "another rank's reward", elsewhere=True)
-        r, what = next((r, x[1]) for r, x in enumerate(reports) if x is not None)
-        raise RewardError(what + (f" (on rank {r} of {self.world})" if r else ""))
+        r, what, kind = next((r, x[1], x[2]) for r, x in enumerate(reports) if x is not None)
+        raise {"CacheOverflow": CacheOverflow}.get(kind, RewardError)(
+            what + (f" (on rank {r} of {self.world})" if r else ""))
 
     def _close_user_code(self) -> None:
         """Stop the processes of the user's reward functions (edgerl.rewards.contain.UserFunction)."""
@@ -634,6 +637,8 @@ class Trainer:
                 try:
                     with self._profiled(lp.step + 1):
                         stats = self.step_once()
+                except CacheOverflow as e:   # the rollout stopped before the update: the last completed step is saved
+                    raise self._failed(e, before, snap) from e
                 except TrainingError:
                     raise
                 except Interrupted as e:  # user code was stopped mid-step: save the last completed step
