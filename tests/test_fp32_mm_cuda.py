@@ -61,6 +61,9 @@ def test_linear_takes_the_decode_steps_rows_and_leaves_the_rest_to_cublas():
     with torch.no_grad():
         assert torch.equal(fp32_mm.linear(x16, w, b), fp32_mm.fp32_matmul(x16, w, b))
         assert torch.equal(fp32_mm.linear(x17, w, b), F.linear(x17, w, b))   # the prefill's rows: cuBLAS
+    x1 = torch.randn(1, 128, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(fp32_mm.linear(x1, w, b), F.linear(x1, w, b))   # one row: cuBLAS's GEMV
     xg = x16.clone().requires_grad_()
     assert fp32_mm.linear(xg, w, b).grad_fn is not None   # inside autograd: cuBLAS, differentiable
     odd = torch.randn(4, 126, device="cuda")

@@ -61,7 +61,7 @@ def test_the_slice_of_k_fills_the_gpu_in_the_fewest_waves():
     assert -(-1536 // fp32_mm.split_columns(1536, 1536, 16, slots)) >= 3
 
 
-def test_rows_tile_and_what_the_kernel_refuses():
+def test_rows_tile_and_what_the_kernel_takes(monkeypatch):
     assert [fp32_mm.rows_tile(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
     assert fp32_mm.decode_kernels(16) == ["fp32_mm<16, 4>", "mm_sum"]
     x, w = torch.randn(4, 128), torch.randn(8, 128)
@@ -70,3 +70,6 @@ def test_rows_tile_and_what_the_kernel_refuses():
     torch.testing.assert_close(fp32_mm.linear(x, w), torch.nn.functional.linear(x, w), rtol=0, atol=0)
     with pytest.raises(ValueError, match="fp32_matmul: the input or the weight is not on a CUDA device"):
         fp32_mm.fp32_matmul(x, w)
+    monkeypatch.setattr(fp32_mm, "unsupported", lambda *a: "")   # the rows it takes, of inputs it takes
+    assert [fp32_mm.takes(torch.randn(m, 128), w) for m in (1, 2, 16, 17)] == [False, True, True, False]
+    assert fp32_mm.takes(torch.randn(2, 8, 128), w) and not fp32_mm.takes(torch.randn(0, 128), w)

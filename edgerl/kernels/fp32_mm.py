@@ -32,6 +32,7 @@ import torch
 from .nvrtc import KernelUnavailable, blocks_per_sm, kernel
 
 MAX_ROWS = 16     # rows of x one call takes (a decode step's); more rows go to cuBLAS (`takes`)
+MIN_ROWS = 2      # the fewest rows `takes` sends to the kernel: one row goes to cuBLAS's GEMV
 NC = 4            # rows of W per warp (the source's NC)
 WARPS = 8
 STAGE_FLOATS = 12288   # the block's stage of x: MT x ks floats in 48 KB (the source's STAGE)
@@ -211,10 +212,11 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
-    """Whether the decode step's matmul x @ w.T goes through the kernel: at most MAX_ROWS rows, outside autograd, and
-    inputs it takes; the prefill's many rows (a GEMM cuBLAS runs at its arithmetic rate) go to cuBLAS."""
+    """Whether the decode step's matmul x @ w.T goes through the kernel: MIN_ROWS to MAX_ROWS rows, outside autograd,
+    and inputs it takes. The prefill's many rows (a GEMM cuBLAS runs at its arithmetic rate) and a single row
+    (cuBLAS's GEMV, as fast: docs/benchmarks.md, fp32 decode matmuls) go to cuBLAS."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (0 < rows <= MAX_ROWS and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    return (MIN_ROWS <= rows <= MAX_ROWS and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
             and not unsupported(x, w, bias))
 
 

@@ -6,7 +6,9 @@ add with the RMS norm, the rotary embedding with the cache write and attention o
 row sees, and SiLU * up. Over an NF4 base (QLoRA) the projections' matmuls of up to `NF4_DECODE_ROWS`
 rows also go through edgerl's fused NF4 kernel (`models/quant_decode.py`: it reads the 4-bit codes once,
 where bitsandbytes writes and reads a dequantized fp32 copy of each weight): docs/benchmarks.md, fp32 decode
-kernels and Fused NF4 decode kernel.
+kernels and Fused NF4 decode kernel. In fp32 the fused projections' and the logits' matmuls of a few rows go through
+edgerl's few-row kernel (`kernels/fp32_mm.py`: it streams the weights; cuBLAS's fp32 GEMM at 16 rows read them at
+a fraction of the bandwidth): docs/benchmarks.md, fp32 decode matmuls.
 
 The plan picks it for fp32 plans, and for fp16 plans where edgerl's Triton kernels cannot run (Volta and Turing,
 below their CC 8.0), against torch's ops in the same CUDA graph and bitsandbytes' NF4 matmuls:
