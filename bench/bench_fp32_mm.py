@@ -38,30 +38,6 @@ def products(widths: str) -> tuple[int, dict[str, tuple[int, int]]]:
                     "down": (h, inter), "lm_head": (VOCAB, h)}
 
 
-def timed(fn, n: int, reps: int = 10) -> float:
-    """Microseconds per product: `fn` makes n of them; replayed from a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps / n)
-    return best
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="1.5b", help="a benchlib shape (default Qwen2.5-1.5B widths)")
@@ -79,6 +55,7 @@ def main(argv=None) -> int:
         rows_list = [int(r) for r in args.rows.split(",") if r]
     except ValueError:
         ap.error(f"--rows takes comma-separated integers, got {args.rows!r}")
+    from bench_decode_gemm import timed   # microseconds per product, replayed from a CUDA graph
     from bench_rollout import measure_bandwidth
     from edgerl.device.measure import strict_fp32
     from edgerl.kernels import fp32_mm

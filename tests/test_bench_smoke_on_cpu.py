@@ -177,11 +177,33 @@ def test_decode_long_refuses_bad_lengths_in_one_line():
     assert "Traceback" not in res.stderr
 
 
+def test_decode_long_runs_the_matmul_a_b_on_one_model_and_refuses_an_unknown_choice(tmp_path):
+    out = tmp_path / "long.json"
+    res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--lengths", "16",
+                          "--matmul", "plan,cublas", "--out", str(out)], capture_output=True, text=True, env=ENV,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert [r["backend"] for r in json.loads(out.read_text())["records"]] == ["torch", "torch (cuBLAS matmuls)"]
+    res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--matmul", "triton"],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 2 and "--matmul takes plan, cublas or both" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_fp32_mm_bench_takes_the_products_of_a_shape_and_needs_a_gpu():
+    import bench_fp32_mm
+    layers, prods = bench_fp32_mm.products("1.5b")
+    assert layers == 28 and prods == {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536),
+                                      "down": (1536, 8960), "lm_head": (49152, 1536)}
+    res = subprocess.run([sys.executable, str(BENCH / "bench_fp32_mm.py")], capture_output=True, text=True, env=ENV,
+                         timeout=120)
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_gpu_session_script_parses_and_names_every_stage():
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu_session.sh")]).returncode == 0
     text = (BENCH / "gpu_session.sh").read_text()
     for stage in ("quick", "measure", "memory", "multi", "trl-core", "trl-qlora", "info", "tests", "fit", "rollout",
-                  "agents-recipes", "agents-trl", "tests-agents"):
+                  "agents-recipes", "agents-trl", "tests-agents", "fp32-mm"):
         assert f"        {stage})" in text, stage
     # a pair's suffix ($x, e.g. "_gpu1") glued to a variable of the stage's loop reads as one name ("$n_gpu1",
     # unset): every part's files would share one empty name
