@@ -26,7 +26,8 @@ value before its scale, the SiLU before the product), so the cache column is bit
 `index_copy_` write; the dot products, the norm's mean and the softmax's sums run in another order than
 cuBLAS and torch's reductions, so those agree to rounding. `reference_*` are the same formulas in plain torch
 in float64, slowly; the CUDA tests compare the kernels with them. The fp16 instantiations compile for sm_61
-to sm_90 (NVRTC 12.9, no register spills) and compute the same fp32 operations as the fp32 ones (their PTX
+to sm_90 (NVRTC 12.9; no register spills at heads of 64 and more, a few bytes at a head of 32 with one query head
+per KV head) and compute the same fp32 operations as the fp32 ones (their PTX
 float instructions are the fp32 path's, in order, plus the conversions: tests/test_nvrtc_compile_on_cpu.py
 checks both without a GPU). On an H200 they pass the same CUDA tests as the fp32 ones; no Volta or Turing card
 has run them.
@@ -149,9 +150,10 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T
 // (the block whose columns hold col: the only one that reads it), then attend over its columns (all of
 // [start[b], col] unsplit; [start[b] + z CH, ...] split) in tiles of 256 (a thread per column for the scores, its key
 // row 16 bytes a load; for P V a thread per two values of a row, P = 2 THREADS / D parts each over every P-th
-// column, their sums met by halves at the end), with a running maximum across tiles. Unsplit, o (B, KVH G D) gets the normalised output; split, po (fp32) is (B KVH, NS, G, D):
-// the slice's unnormalised P V, with its maximum and sum in pm and pl (B KVH, NS, G), and attend_combine merges the
-// slices. A slice past col (its first column after it) returns at once.
+// column, their sums met by halves at the end), with a running maximum across tiles. Unsplit, o (B, KVH G D) gets
+// the normalised output; split, po (fp32) is (B KVH, NS, G, D): the slice's unnormalised P V, with its maximum and
+// sum in pm and pl (B KVH, NS, G), and attend_combine merges the slices. A slice past col (its first column after
+// it) returns at once.
 // q, k, v: rows of the step's projections (row strides sq, sk, sv); cos, sin: (B, D); kc, vc: this layer's
 // cache (B, KVH, S, D), read and written (not __restrict__: the new column is read back after a barrier).
 // The cache's storage C is T, or h16 under fp32 (T float): then the rotated key and the value are rounded to fp16 as

@@ -4,7 +4,8 @@ In an fp32 plan (a P40, P100 or GTX 10-series card) every decode step multiplies
 weight of the model: y = x @ W.T (+ bias), with W (N, K) as `nn.Linear` stores it. Each weight is read once and
 multiplied into each row, 2 x 16 FLOPs per 4-byte weight, so the step is bound by reading the weights. cuBLAS's
 fp32 GEMM at 16 rows read them at 31% of the measured copy bandwidth on an H100 (docs/benchmarks.md, Decode step
-at long lengths). This kernel reads them as a stream:
+at long lengths). This kernel reads them as a stream (its figures against cuBLAS: docs/benchmarks.md, fp32 decode
+matmuls):
 
 - a block of 8 warps owns 8 x NC rows of W (a warp NC of them, NC = 4) and one slice of K of `ks` columns (a
   multiple of 128); the block stages x's rows over that slice in shared memory once, after issuing its first
@@ -205,6 +206,8 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         return f"the input is {x.dtype} and the weight {w.dtype}, not fp32"
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
         return f"the input's width {x.shape[-1]} is not the weight's {tuple(w.shape)} second dimension"
+    if bias is not None and (not bias.is_cuda or tuple(bias.shape) != (w.shape[0],)):
+        return f"the bias {tuple(bias.shape)} on {bias.device} is not the weight's {w.shape[0]} outputs on its GPU"
     if w.shape[1] % 4 or not w.is_contiguous() or w.data_ptr() % 16:
         return (f"the weight {tuple(w.shape)} must be contiguous, 16-byte aligned and have a multiple of 4 columns "
                 "(the kernel reads 4 at a time)")

@@ -79,7 +79,8 @@ class StaticDecoder:
         self.act = layers[0].mlp.act_fn
         self.silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
         self.embed, self.final_norm, self.lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
-        self.head_mm = F.linear   # the logits' matmul where lm_head is a plain nn.Linear (a backend may replace it)
+        # a backend's own matmul for the logits where lm_head is a plain nn.Linear (None: lm_head's own forward)
+        self.head_mm = None
         self.arch = describe(model, self.head_dim)
         self.norm = self.arch.norm   # the model's RMS norm (llama's, or Gemma's (1 + weight) form)
         self.proj, self.proj_note = make_projections(layers, projections)
@@ -302,7 +303,8 @@ class StaticDecoder:
         norm = self.final_norm
         x = self.norm(x, norm.weight, getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         head = self.lm_head   # tied models share the embedding Parameter itself
-        logits = self.head_mm(x, head.weight, head.bias) if type(head) is nn.Linear else head(x)
+        mm = self.head_mm if type(head) is nn.Linear else None
+        logits = mm(x, head.weight, head.bias) if mm is not None else head(x)
         cap = self.arch.final_softcap
         if cap is not None:   # Gemma's final_logit_softcapping, in the compute dtype as HF computes it
             logits = torch.tanh(logits / cap) * cap
