@@ -3,9 +3,8 @@
 In an fp32 plan (a P40, P100 or GTX 10-series card) every decode step multiplies a few rows (16 at most) by every
 weight of the model: y = x @ W.T (+ bias), with W (N, K) as `nn.Linear` stores it. Each weight is read once and
 multiplied into each row, 2 x 16 FLOPs per 4-byte weight, so the step is bound by reading the weights. cuBLAS's
-fp32 GEMM at 16 rows read them at 31% of the measured copy bandwidth on an H100 (docs/benchmarks.md, Decode step
-at long lengths). This kernel reads them as a stream (its figures against cuBLAS: docs/benchmarks.md, fp32 decode
-matmuls):
+fp32 GEMM at 16 rows read them at a fraction of the copy bandwidth (docs/benchmarks.md, Decode step at long
+lengths). This kernel reads them as a stream (its figures against cuBLAS: docs/benchmarks.md, fp32 decode matmuls):
 
 - a block of 8 warps owns 8 x NC rows of W (a warp NC of them, NC = 4) and one slice of K of `ks` columns (a
   multiple of 128); the block stages x's rows over that slice in shared memory once, after issuing its first
