@@ -153,12 +153,9 @@ class Stepper:
         self.cuda = device.type == "cuda"
         self.engine = StaticCacheEngine(model, rows, max_len, cuda_graphs=self.cuda, projections=projections,
                                         backend=backend, cache_dtype=cache_dtype)
-        if matmul == "cublas":   # the A/B of the fp32 few-row kernel: the backend's matmuls back to F.linear
-            dec = self.engine.dec
-            for p in dec.proj:
-                if p.kind == "fused":
-                    p.mm = torch.nn.functional.linear
-            dec.head_mm = None
+        if matmul == "cublas":   # the A/B of the fp32 few-row kernel: the backend's matmuls back to torch's
+            from edgerl.rollout.decode_cuda_c import set_matmul
+            set_matmul(self.engine.dec, None)
         self.rows = rows
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, VOCAB if self.cuda else 200, (rows, PROMPT if self.cuda else 8), generator=g)

@@ -78,8 +78,7 @@ def main(argv=None) -> int:
                 x = torch.randn(rows, k, device=dev, generator=g)
                 want = fp32_mm.reference(x, W[0])
                 err = float((fp32_mm.fp32_matmul(x, W[0]).double() - want).abs().max() / want.abs().max())
-                kern = fp32_mm._kernel(fp32_mm.mm_name(rows), dev)
-                ks = fp32_mm.split_columns(n, k, rows, sms * kern.slots_per_sm)
+                ks = fp32_mm.chosen_slice(n, k, rows, dev)
                 t_k = timed(lambda: [fp32_mm.fp32_matmul(x, w) for w in W], copies)
                 t_c = timed(lambda: [F.linear(x, w) for w in W], copies)
                 nbytes = n * k * 4
@@ -88,10 +87,9 @@ def main(argv=None) -> int:
                        "kernel_share": round(nbytes / (t_k * 1e-6) / bw, 3),
                        "cublas_share": round(nbytes / (t_c * 1e-6) / bw, 3), "rel_err": err}
                 if args.sweep and rows == max(rows_list):
-                    cap = fp32_mm.STAGE_FLOATS // fp32_mm.rows_tile(rows)
                     rec["sweep_us"] = {s: round(timed(lambda s=s: [fp32_mm.fp32_matmul(x, w, ks=s) for w in W],
                                                       copies), 2)
-                                       for s in range(fp32_mm.STEP, min(cap, -(-k // 128) * 128) + 1, fp32_mm.STEP)}
+                                       for s in fp32_mm.slice_choices(k, rows)}
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
             del W

@@ -179,22 +179,36 @@ def _kernel(name: str, device: torch.device):
     return k
 
 
+def slice_choices(k: int, rows: int) -> range:
+    """The slices of K a call of `rows` rows may take: multiples of STEP up to the stage of x (MT x ks floats) and
+    no wider than K needs."""
+    return range(STEP, min(STAGE_FLOATS // rows_tile(rows), -(-k // STEP) * STEP) + 1, STEP)
+
+
 def split_columns(n: int, k: int, rows: int, slots: int) -> int:
-    """The slice of K each block multiplies (a multiple of STEP within the stage of x): the fewest waves of `slots`
-    resident blocks times each block's steps, plus two steps of a block's fixed work (staging x, the sums across
-    lanes). Too few blocks leave SMs idle (a 1536 x 1536 weight has 48 blocks of rows for an H100's 132 SMs), and a
-    last wave barely filled costs a whole one."""
-    cap = max(STEP, STAGE_FLOATS // rows_tile(rows) // STEP * STEP)
+    """The slice of K each block multiplies (of `slice_choices`): the fewest waves of `slots` resident blocks times
+    each block's steps, plus two steps of a block's fixed work (staging x, the sums across lanes). Too few blocks
+    leave SMs idle (a 1536 x 1536 weight has 48 blocks of rows for an H100's 132 SMs), and a last wave barely
+    filled costs a whole one."""
     tiles = -(-n // (WARPS * NC))
-    steps = -(-k // STEP)
 
     def cost(ks: int) -> tuple[float, int]:
         blocks = tiles * -(-k // ks)
         return -(-blocks // slots) * (ks // STEP + 2), -ks   # ties: the fewest slices
-    return min(range(STEP, min(cap, steps * STEP) + 1, STEP), key=cost)
+    return min(slice_choices(k, rows), key=cost)
 
 
 _slices: dict[tuple, int] = {}   # (N, K, rows, device) -> split_columns' choice
+
+
+def chosen_slice(n: int, k: int, rows: int, device: torch.device) -> int:
+    """`split_columns`' slice of K for this shape on this GPU (its SMs and the kernel's blocks per SM), once."""
+    key = (n, k, rows, device.index)
+    ks = _slices.get(key)
+    if ks is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        ks = _slices[key] = split_columns(n, k, rows, sms * _kernel(mm_name(rows), device).slots_per_sm)
+    return ks
 
 
 def unsupported(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> str:
@@ -243,14 +257,10 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         return (y.zero_() if bias is None else y.copy_(bias.expand(m, n))).reshape(*x.shape[:-1], n)
     kern = _kernel(mm_name(m), x.device)
     if ks is None:
-        key = (n, k, m, x.device.index)
-        ks = _slices.get(key)
-        if ks is None:
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            ks = _slices[key] = split_columns(n, k, m, sms * kern.slots_per_sm)
-    cap = STAGE_FLOATS // rows_tile(m)
-    if ks % STEP or not STEP <= ks <= cap:
-        raise ValueError(f"fp32_matmul: ks={ks} must be a multiple of {STEP} from {STEP} to {cap} for {m} rows")
+        ks = chosen_slice(n, k, m, x.device)
+    elif ks % STEP or not STEP <= ks <= STAGE_FLOATS // rows_tile(m):
+        raise ValueError(f"fp32_matmul: ks={ks} must be a multiple of {STEP} from {STEP} to "
+                         f"{STAGE_FLOATS // rows_tile(m)} for {m} rows")
     slices = -(-k // ks)
     b = bias.contiguous() if bias is not None else y
     ws = torch.empty((slices, m, n), dtype=torch.float32, device=x.device) if slices > 1 else y
@@ -275,5 +285,5 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = N
     return y + bias.double() if bias is not None else y
 
 
-__all__ = ["KernelUnavailable", "MAX_ROWS", "decode_kernels", "fp32_matmul", "linear", "reference", "split_columns",
-           "takes", "unsupported"]
+__all__ = ["KernelUnavailable", "MAX_ROWS", "chosen_slice", "decode_kernels", "fp32_matmul", "linear", "reference",
+           "slice_choices", "split_columns", "takes", "unsupported"]

@@ -18,6 +18,7 @@ docs/benchmarks.md, fp16 decode kernels.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from edgerl.kernels.tiles import NF4_DECODE_ROWS
 
@@ -38,12 +39,19 @@ def use_fp32_mm(dec: StaticDecoder) -> str:
     except (KernelUnavailable, RuntimeError, OSError) as e:
         raise DecodeKernelUnavailable(f"decode backend 'cuda-c' cannot run here: the fp32 decode matmul kernel: "
                                       f"{type(e).__name__}: {str(e).strip()[:400]}") from None
-    fused = [p for p in dec.proj if p.kind == "fused"]
-    for p in fused:
-        p.mm = fp32_mm.linear
-    dec.head_mm = fp32_mm.linear
+    fused = set_matmul(dec, fp32_mm.linear)
     return ("fp32 projections and logits through the few-row matmul kernel" if fused else
             "the logits through the few-row matmul kernel (projections called as modules: cuBLAS)")
+
+
+def set_matmul(dec: StaticDecoder, mm=None) -> int:
+    """The matmul of `dec`'s fused projections and its logits: `mm(x, weight, bias)`, or None for torch's own
+    (F.linear; lm_head's forward). Returns how many layers' projections are fused (modules keep their own)."""
+    fused = [p for p in dec.proj if p.kind == "fused"]
+    for p in fused:
+        p.mm = mm or F.linear
+    dec.head_mm = mm
+    return len(fused)
 
 
 class Backend(TorchOps):

@@ -481,7 +481,7 @@ class Trainer:
         if isinstance(failure, Interrupted):   # the signal, named with the rank it reached
             report = (True, failure.signal if failure.elsewhere else f"{failure.signal} (to rank {self.rank})")
         elif failure is not None:
-            report = (False, str(failure), type(failure).__name__)
+            report = (False, str(failure), type(failure))
         reports = ranks.gather(report)
         if all(r is None for r in reports):
             return out
@@ -492,8 +492,7 @@ class Trainer:
                 raise failure
             raise Interrupted(signalled[0], "another rank's reward", elsewhere=True)
         r, what, kind = next((r, x[1], x[2]) for r, x in enumerate(reports) if x is not None)
-        raise {"CacheOverflow": CacheOverflow}.get(kind, RewardError)(
-            what + (f" (on rank {r} of {self.world})" if r else ""))
+        raise kind(what + (f" (on rank {r} of {self.world})" if r else ""))   # RewardError or CacheOverflow
 
     def _close_user_code(self) -> None:
         """Stop the processes of the user's reward functions (edgerl.rewards.contain.UserFunction)."""
