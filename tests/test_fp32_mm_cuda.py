@@ -46,6 +46,26 @@ def test_every_slice_of_k_gives_the_same_product_to_rounding_and_repeats_bit_for
         fp32_mm.fp32_matmul(x, w, bias, ks=100)
 
 
+@pytest.mark.parametrize("m", [16, 3])
+def test_every_grid_gives_the_same_product_and_leaves_the_counts_at_zero(m):
+    """Blocks taking one tile each, several, or all of them, over 1 to 19 slices of K: the same sums to rounding,
+    bit for bit on a repeat, and the slices' counts back to zero for the next call."""
+    n, k = 200, 2308   # 7 tiles of 32 rows, the last one partial
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") * 0.02
+    bias = torch.randn(n, device="cuda")
+    for ks in (128, 384, 768):
+        for blocks in (1, 2, 3, 7):
+            got = fp32_mm.fp32_matmul(x, w, bias, ks=ks, blocks=blocks)
+            _check(got, x, w, bias)
+            assert torch.equal(got, fp32_mm.fp32_matmul(x, w, bias, ks=ks, blocks=blocks))
+            # the same slices in the same order, whichever block took a tile: the same bits
+            assert torch.equal(got, fp32_mm.fp32_matmul(x, w, bias, ks=ks, blocks=1))
+            assert not fp32_mm.counts(n, x.device).any()
+    with pytest.raises(ValueError, match="blocks=8 must be from 1 to 7"):
+        fp32_mm.fp32_matmul(x, w, bias, ks=128, blocks=8)
+
+
 def test_batched_rows_and_misaligned_inputs():
     w = torch.randn(64, 256, device="cuda")
     x = torch.randn(2, 3, 257, device="cuda")[..., 1:]   # rows 16-byte misaligned and not contiguous
