@@ -362,3 +362,17 @@ def test_resume_names_what_was_given_when_it_is_not_a_run(run_copy):
     assert r.exit_code == 0 and "nothing to do" in r.output, r.output
     refused(train("--resume", run_copy / "final"), f"--resume {run_copy / 'final'} is a model folder",
             f"train from it with --model {run_copy / 'final'}")
+
+
+def test_a_folder_whose_metrics_name_no_step_is_described_by_what_it_holds(tmp_path):
+    """A run folder whose metrics.jsonl does not parse is still a run a new one would mix with: the refusal says
+    which file holds it, not "a config"."""
+    from edgerl.train.runfolder import check_new
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.toml").write_text("[model]\n")
+    (out / "metrics.jsonl").write_text("not json\n")
+    with pytest.raises(RunDirError, match=r"already holds a run \(a metrics.jsonl in which no line names a step\) "
+                                          r"without a checkpoint to continue from; start over there with --out"):
+        check_new(out)
+    assert (out / "metrics.jsonl").read_text() == "not json\n"

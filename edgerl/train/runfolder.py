@@ -117,9 +117,13 @@ def _describe_run(run: Path) -> str:
     steps = _metric_steps(run)
     if steps:
         parts.append(f"metrics of steps {min(steps)}-{max(steps)}")
+    elif (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size:
+        parts.append("a metrics.jsonl in which no line names a step")
     if (run / "final").exists() or (run / "final-adapter").exists():
         parts.append("a final model")
-    return ", ".join(parts) or "a run's config"
+    if not parts:
+        parts = [f"its {n}" for n in RUN_FILES if (run / n).exists()]
+    return ", ".join(parts) or "a run's files"
 
 
 def _metric_steps(run: Path) -> list[int]:
