@@ -110,3 +110,33 @@ def test_the_cuda_layer_over_an_fp16_cache_under_fp32_wired_to_the_references(mo
     assert int(engine.dec.overflow) == 0   # the check clears it: the next rollout starts clean
     with pytest.raises(DecodeKernelUnavailable, match="needs decode backend cuda-c"):
         StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="torch", cache_dtype=torch.float16)
+
+
+def test_lora_over_an_fp32_base_sends_its_base_matmuls_through_the_few_row_kernel(monkeypatch):
+    """A peft LoRA model in fp32 (a P40's LoRA plan) decodes through its modules: each LoRA layer's plain base
+    layer takes the few-row matmul in the decode steps (its adapter stays peft's), the tokens are the torch
+    backend's, training's matmuls stay cuBLAS's, and `set_matmul(dec, None)` gives the base layers back."""
+    from torch import nn
+    from edgerl.rollout.decode_cuda_c import MatmulLinear, set_matmul
+    from rollout_helpers import with_lora
+    calls = _wire_references(monkeypatch)
+    model = with_lora(tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                 num_key_value_heads=2))
+    params = SamplingParams(max_new_tokens=24, greedy=True)
+    want = StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="torch").generate(PROMPTS, 2, params)
+    cuda = StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="cuda-c")
+    layers = len(model.base_model.model.model.layers)
+    assert "the logits and the %d LoRA layers' fp32 base matmuls through the few-row matmul kernel" % (7 * layers) \
+        in cuda.describe()
+    assert cuda.generate(PROMPTS, 2, params).response_ids == want.response_ids
+    # the prompts' last positions' logits, then each decode step's 7 base matmuls a layer and its logits
+    assert calls == [4] + [8] * (7 * layers + 1) * 23, (len(calls), set(calls))
+    calls.clear()
+    model.train()
+    batch = torch.randint(0, 100, (2, 12))
+    model(input_ids=batch).logits.sum().backward()   # 24 rows with grad: cuBLAS, and gradients reach the adapters
+    assert calls == [] and all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    bases = [m for m in model.modules() if type(m) is MatmulLinear]
+    assert len(bases) == 7 * layers
+    assert set_matmul(cuda.dec, None) == (0, 7 * layers)
+    assert all(type(m) is nn.Linear and not hasattr(m, "mm") for m in bases)

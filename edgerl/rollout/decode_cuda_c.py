@@ -39,19 +39,58 @@ def use_fp32_mm(dec: StaticDecoder) -> str:
     except (KernelUnavailable, RuntimeError, OSError) as e:
         raise DecodeKernelUnavailable(f"decode backend 'cuda-c' cannot run here: the fp32 decode matmul kernel: "
                                       f"{type(e).__name__}: {str(e).strip()[:400]}") from None
-    fused = set_matmul(dec, fp32_mm.linear)
-    return ("fp32 projections and logits through the few-row matmul kernel" if fused else
+    fused, bases = set_matmul(dec, fp32_mm.linear)
+    if fused:
+        return "fp32 projections and logits through the few-row matmul kernel"
+    return (f"the logits and the {bases} LoRA layers' fp32 base matmuls through the few-row matmul kernel "
+            "(their adapters through cuBLAS)" if bases else
             "the logits through the few-row matmul kernel (projections called as modules: cuBLAS)")
 
 
-def set_matmul(dec: StaticDecoder, mm=None) -> int:
-    """The matmul of `dec`'s fused projections and its logits: `mm(x, weight, bias)`, or None for torch's own
-    (F.linear; lm_head's forward). Returns how many layers' projections are fused (modules keep their own)."""
+def set_matmul(dec: StaticDecoder, mm=None) -> tuple[int, int]:
+    """The matmul of `dec`'s fused projections, of the plain fp32 base layers of its peft LoRA layers, and of its
+    logits: `mm(x, weight, bias)`, or None for torch's own (F.linear; the modules' and lm_head's forward). Returns
+    how many layers' projections are fused and how many LoRA base layers take `mm`."""
     fused = [p for p in dec.proj if p.kind == "fused"]
     for p in fused:
         p.mm = mm or F.linear
     dec.head_mm = mm
-    return len(fused)
+    bases = [m for p in dec.proj if p.kind == "modules" for m in lora_bases(p)]
+    for m in bases:
+        route_linear(m, mm)
+    return len(fused), len(bases)
+
+
+def lora_bases(proj) -> list[torch.nn.Module]:
+    """The plain fp32 `nn.Linear` base layers of the peft LoRA layers among a layer's module
+    projections (`ModuleProjections`): the layers a LoRA plan over an fp32 base multiplies the most bytes in."""
+    out = []
+    for m in proj.modules():
+        base = getattr(m, "base_layer", None)
+        if hasattr(m, "lora_A") and type(base) in (torch.nn.Linear, MatmulLinear) \
+                and base.weight.dtype == torch.float32:
+            out.append(base)
+    return out
+
+
+class MatmulLinear(torch.nn.Linear):
+    """`nn.Linear` whose forward is `self.mm(x, weight, bias)` (fp32_mm.linear: a decode step's few rows through
+    the streaming kernel, everything else, training included, through F.linear as before). The same module,
+    weights and state dict: `route_linear` swaps the class, and back."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.mm(input, self.weight, self.bias)
+
+
+def route_linear(m: torch.nn.Linear, mm=None) -> None:
+    """`m`'s forward through `mm` (a MatmulLinear), or with None back to `nn.Linear`'s own."""
+    if mm is None:
+        if type(m) is MatmulLinear:
+            m.__class__ = torch.nn.Linear
+            del m.mm
+    else:
+        m.__class__ = MatmulLinear
+        m.mm = mm
 
 
 class Backend(TorchOps):

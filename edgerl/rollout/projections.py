@@ -176,6 +176,10 @@ class ModuleProjections:
     def tensors(self) -> list[torch.Tensor]:
         return [t for m in self._all for t in m.parameters()]
 
+    def modules(self) -> list[nn.Module]:
+        """Every module of the layer's projections, the wrappers' own inside them included."""
+        return [s for m in self._all for s in m.modules()]
+
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.qkv_parts(h), dim=-1)
 
