@@ -8,6 +8,7 @@ copy bound: (the bytes the step reads) / (the device-to-device copy bandwidth me
 time).
 
     p40-1.5b-full   Qwen2.5-1.5B widths, full fine-tuning on a P40: fp32 weights and cache, decode backend cuda-c
+    p40-1.5b-lora   the same widths with LoRA r=16 over the fp32 base (peft's layers, called as modules)
     p40-7b-nf4      Qwen2.5-7B widths over an NF4 base with LoRA r=16 on a P40: fp32 compute, cuda-c + the fused NF4
                     kernel
     t4-8b-nf4       Llama-3.1-8B widths over an NF4 base with LoRA r=16 on a T4: fp16 compute, cuda-c + the NF4 kernel
@@ -53,9 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from edgerl.core.files import write_atomically  # noqa: E402
 from edgerl.plan.dtypes import torch_dtype  # noqa: E402
 
-# name: (card whose plan it is, widths (bench/benchlib.py's SHAPES), frozen base or None for full fine-tuning)
+# name: (card whose plan it is, widths (bench/benchlib.py's SHAPES), a quantized base ("nf4"), "lora" (LoRA over the
+# unquantized base), or None for full fine-tuning)
 CONFIGS: dict[str, tuple[str, str, str | None]] = {
     "p40-1.5b-full": ("p40", "1.5b", None),
+    "p40-1.5b-lora": ("p40", "1.5b", "lora"),
     "p40-7b-nf4": ("p40", "qwen7b", "nf4"),
     "t4-8b-nf4": ("t4", "llama8b", "nf4"),
     "4090-1.5b-bf16": ("rtx4090", "1.5b", None),
@@ -81,12 +84,13 @@ def plan_for(card: str, shape: str, base: str | None, length: int, widths: tuple
     task = Task(prompt_len=PROMPT, response_len=length, prompts_per_step=2, samples_per_prompt=8, kl=True,
                 lora=bool(base))
     dev = device_from_profile(get_profile(card), sw, 128 << 30)
-    return plan(dev, model, task, {"base_dtype": base} if base else {})
+    return plan(dev, model, task, {"base_dtype": base} if base and base != "lora" else {})
 
 
 def build(widths: tuple, dtype: torch.dtype, base: str | None, device: torch.device, max_len: int):
-    """A random-weight llama model at these widths in `dtype`; over an NF4 base (every decoder linear quantized as
-    edgerl's loader does, the rest in the compute dtype) with peft LoRA r=16 on every projection."""
+    """A random-weight llama model at these widths in `dtype`; with `base`, peft LoRA r=16 on every projection, over
+    the base as it is ("lora") or quantized ("nf4": every decoder linear quantized as edgerl's loader does, the rest
+    in the compute dtype)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     h, layers, heads, kv, mlp, tied = widths
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
@@ -106,7 +110,7 @@ def build(widths: tuple, dtype: torch.dtype, base: str | None, device: torch.dev
         return model
     from peft import LoraConfig, get_peft_model
     from edgerl.models.quant import quantize_linear
-    for layer in model.model.layers:
+    for layer in model.model.layers if base != "lora" else []:
         for owner, names in ((layer.self_attn, LORA_TARGETS[:4]), (layer.mlp, LORA_TARGETS[4:])):
             for n in names:
                 setattr(owner, n, quantize_linear(getattr(owner, n), base, dtype))
