@@ -67,26 +67,10 @@ def _lora_class(wrapper: type) -> type:
         return cls
     from edgerl.kernels.nf4 import MAX_RANK
 
-    def adapter(self):
-        if self.disable_adapters or self.merged:
-            return None
-        names = [a for a in self.active_adapters if a in self.lora_A]
-        if len(names) != 1 or names[0] in getattr(self, "lora_variant", {}) \
-                or getattr(self, "use_dora", {}).get(names[0], False):   # DoRA: peft's own path
-            return None
-        a = names[0]
-        drop = self.lora_dropout[a]
-        if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
-            return None
-        A, B = self.lora_A[a].weight, self.lora_B[a].weight
-        if A.dtype != torch.float32 or B.dtype != torch.float32 or A.shape[0] > MAX_RANK:
-            return None
-        return A, B, self.scaling[a]
-
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         base = self.base_layer
         if not args and not kwargs and type(base).__name__ == "DecodeLinear4bit" and base.takes(x):
-            ab = adapter(self)
+            ab = plain_adapter(self, MAX_RANK)
             if ab is not None:
                 return base.fused(x, ab)
         return wrapper.forward(self, x, *args, **kwargs)
@@ -95,6 +79,25 @@ def _lora_class(wrapper: type) -> type:
         "forward": forward, "__doc__": "peft's LoRA layer over a 4-bit base; a decode step adds the adapter "
                                        "inside the fused NF4 kernel (edgerl.models.quant_decode)"})
     return cls
+
+
+def plain_adapter(layer: nn.Module, max_rank: int) -> "tuple[torch.Tensor, torch.Tensor, float] | None":
+    """(A, B, scale) of a peft LoRA layer's one active adapter where a kernel can add it as peft would (plain LoRA:
+    no DoRA or other variant, no dropout acting, fp32 A and B, rank <= max_rank), else None (peft's own path)."""
+    if layer.disable_adapters or layer.merged:
+        return None
+    names = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(names) != 1 or names[0] in getattr(layer, "lora_variant", {}) \
+            or getattr(layer, "use_dora", {}).get(names[0], False):   # DoRA: peft's own path
+        return None
+    a = names[0]
+    drop = layer.lora_dropout[a]
+    if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
+        return None
+    A, B = layer.lora_A[a].weight, layer.lora_B[a].weight
+    if A.dtype != torch.float32 or B.dtype != torch.float32 or A.shape[0] > max_rank:
+        return None
+    return A, B, layer.scaling[a]
 
 
 def nf4_layers(model: nn.Module) -> list[nn.Module]:
