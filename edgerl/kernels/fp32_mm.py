@@ -19,7 +19,9 @@ lengths). This kernel reads them as a stream (its figures against cuBLAS: docs/b
 - where K is split into more than one slice (so that small weights still fill the GPU), each slice's warp writes
   fp32 partial sums and counts itself done; the last of a tile's slices to finish adds them up in a fixed order
   (slice 0, 1, ...) with the bias, in the same kernel: the result does not depend on which block finished first,
-  and no second kernel is launched.
+  and no second kernel is launched;
+- a LoRA adapter (`lora=`: peft's layer over an fp32 base in a decode step) rides along: x A^T first, through
+  this kernel, then scale (x A^T) B^T added to each output as it is written, with the bias.
 
 The products and sums are fp32 (fused multiply-adds), in another order than cuBLAS; `reference` is the same
 formula in float64, slowly; the CUDA tests compare the kernel with it. Compiled at run time with NVRTC
