@@ -83,7 +83,8 @@ def _lora_class(wrapper: type) -> type:
 
 def plain_adapter(layer: nn.Module, max_rank: int) -> "tuple[torch.Tensor, torch.Tensor, float] | None":
     """(A, B, scale) of a peft LoRA layer's one active adapter where a kernel can add it as peft would (plain LoRA:
-    no DoRA or other variant, no dropout acting, fp32 A and B, rank <= max_rank), else None (peft's own path)."""
+    no DoRA or other variant, no dropout acting, fp32 A and B, rank <= max_rank, no gradient to keep), else None
+    (peft's own path)."""
     if layer.disable_adapters or layer.merged:
         return None
     names = [a for a in layer.active_adapters if a in layer.lora_A]
@@ -96,6 +97,8 @@ def plain_adapter(layer: nn.Module, max_rank: int) -> "tuple[torch.Tensor, torch
         return None
     A, B = layer.lora_A[a].weight, layer.lora_B[a].weight
     if A.dtype != torch.float32 or B.dtype != torch.float32 or A.shape[0] > max_rank:
+        return None
+    if torch.is_grad_enabled() and (A.requires_grad or B.requires_grad):   # training: the adapter's gradients
         return None
     return A, B, layer.scaling[a]
 
