@@ -80,3 +80,17 @@ def test_rows_tile_and_what_the_kernel_takes(monkeypatch):
     monkeypatch.setattr(fp32_mm, "unsupported", lambda *a: "")   # the rows it takes, of inputs it takes
     assert [fp32_mm.takes(torch.randn(m, 128), w) for m in (1, 2, 16, 17)] == [False, True, True, False]
     assert fp32_mm.takes(torch.randn(2, 8, 128), w) and not fp32_mm.takes(torch.randn(0, 128), w)
+
+
+def test_the_start_of_training_check_covers_a_lora_adapter(monkeypatch):
+    """The kernel check of an fp32 cuda-c plan (doctor/kernel_refs.py) multiplies q/k/v's shape with a LoRA adapter
+    of the plan's rank too; here with the kernel's place taken by its reference, so the check's own code runs."""
+    from edgerl.doctor.kernel_refs import Widths, _fp32_mm
+    monkeypatch.setattr(fp32_mm, "fp32_matmul",
+                        lambda x, w, bias=None, lora=None: fp32_mm.reference(x, w, bias, lora).float())
+    w = Widths(dtype=torch.float32, hidden=64, vocab=96, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+               qkv_bias=False, rows=8, cache=64, tokens=40, chunk=16, lora_rank=16, params=4097, full=False)
+    parts = _fp32_mm(w, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert [p.what for p in parts] == ["fp32_matmul 128x64, 8 rows",
+                                      "fp32_matmul 128x64 with a rank-16 LoRA adapter, 8 rows"]
+    assert all(p.err <= p.tol for p in parts)
