@@ -6,7 +6,7 @@ fused, down, and the LM head), at 16, 8 and 1 rows, this times `fp32_matmul` and
 many copies of the weight as the model has layers (so the GPU's L2 holds none of them), in a CUDA graph, and
 reports microseconds per product, the weight's bytes over that time, and its share of the measured copy bandwidth.
 Each product is also checked against float64 (its largest error over the largest |value|). `--sweep` times each
-16-row product at every slice of K the kernel takes, and at the chosen slice with one block for each tile of rows.
+16-row product at every slice of K the kernel takes.
 
     python bench/bench_fp32_mm.py [--widths 1.5b] [--rows 16,8,1] [--sweep]
 """
@@ -78,23 +78,18 @@ def main(argv=None) -> int:
                 x = torch.randn(rows, k, device=dev, generator=g)
                 want = fp32_mm.reference(x, W[0])
                 err = float((fp32_mm.fp32_matmul(x, W[0]).double() - want).abs().max() / want.abs().max())
-                ks, blocks = fp32_mm.chosen_grid(n, k, rows, dev)
-                tiles = -(-n // (fp32_mm.WARPS * fp32_mm.NC))
+                ks = fp32_mm.chosen_slice(n, k, rows, dev)
                 t_k = timed(lambda: [fp32_mm.fp32_matmul(x, w) for w in W], copies)
                 t_c = timed(lambda: [F.linear(x, w) for w in W], copies)
                 nbytes = n * k * 4
                 rec = {"product": name, "n": n, "k": k, "rows": rows, "ks": ks, "slices": -(-k // ks),
-                       "blocks": blocks, "tiles": tiles, "kernel_us": round(t_k, 2), "cublas_us": round(t_c, 2),
+                       "kernel_us": round(t_k, 2), "cublas_us": round(t_c, 2),
                        "kernel_share": round(nbytes / (t_k * 1e-6) / bw, 3),
                        "cublas_share": round(nbytes / (t_c * 1e-6) / bw, 3), "rel_err": err}
                 if args.sweep and rows == max(rows_list):
-                    # every slice of K with the blocks of rows the cost model gives it, and the chosen slice with
-                    # a block for each tile (no tile sharing a block's stage of x)
                     rec["sweep_us"] = {s: round(timed(lambda s=s: [fp32_mm.fp32_matmul(x, w, ks=s) for w in W],
                                                       copies), 2)
                                        for s in fp32_mm.slice_choices(k, rows)}
-                    rec["block_per_tile_us"] = round(timed(
-                        lambda: [fp32_mm.fp32_matmul(x, w, ks=ks, blocks=tiles) for w in W], copies), 2)
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
             del W

@@ -45,32 +45,25 @@ def test_the_lanes_reduction_leaves_each_sum_where_the_kernel_reads_it(nc, mt):
     assert seen == set(range(V))   # every output written once
 
 
-def test_the_grid_fills_the_gpu_once_and_takes_every_tile_of_every_slice_once():
+def test_the_slice_of_k_fills_the_gpu_in_the_fewest_waves():
     slots = 264   # an H100: 132 SMs x 2 blocks
     for n, k, rows in [(2048, 1536, 16), (1536, 1536, 16), (17920, 1536, 16), (1536, 8960, 16), (49152, 1536, 1),
-                       (7, 4, 3), (151936, 1536, 8), (40, 128, 1)]:
-        ks, blocks = fp32_mm.plan_grid(n, k, rows, slots)
-        assert ks in fp32_mm.slice_choices(k, rows)
-        tiles, slices = -(-n // (fp32_mm.WARPS * fp32_mm.NC)), -(-k // ks)
-        assert 1 <= blocks <= tiles and blocks * slices <= slots   # one wave: no block waits for another's SM
-        # the least cost of every slice the kernel takes, with the blocks of rows grid_cost gives each
-        assert all(fp32_mm.grid_cost(n, k, rows, slots, ks)[0] <= fp32_mm.grid_cost(n, k, rows, slots, s)[0]
-                   for s in fp32_mm.slice_choices(k, rows))
-        # the kernel's walk: block (b, s) takes tiles b, b + blocks, ... below `tiles`
-        taken = sorted(t for b in range(blocks) for t in range(b, tiles, blocks))
-        assert taken == list(range(tiles))
-    # a 1536 x 1536 weight has 48 tiles of rows: split 3 ways or more they fill an H100 (144 blocks), not 2 (96)
-    assert -(-1536 // fp32_mm.plan_grid(1536, 1536, 16, slots)[0]) >= 3
-    # a wide weight takes the widest slice and several tiles a block: gate/up of Qwen2.5-1.5B
-    ks, blocks = fp32_mm.plan_grid(17920, 1536, 16, slots)
-    assert ks == fp32_mm.STAGE_FLOATS // 16 and blocks == slots // 2
-    with_more_waves = fp32_mm.grid_cost(17920, 1536, 16, slots, ks, blocks=560)   # a block per tile: 5 waves
-    assert with_more_waves[0] > fp32_mm.grid_cost(17920, 1536, 16, slots, ks)[0]
+                       (7, 4, 3)]:
+        ks = fp32_mm.split_columns(n, k, rows, slots)
+        cap = fp32_mm.STAGE_FLOATS // fp32_mm.rows_tile(rows)
+        assert ks % fp32_mm.STEP == 0 and fp32_mm.STEP <= ks <= max(cap, fp32_mm.STEP)
+        tiles = -(-n // (fp32_mm.WARPS * fp32_mm.NC))
+
+        def cost(s):
+            return -(-tiles * -(-k // s) // slots) * (s // fp32_mm.STEP + 2)
+        assert all(cost(ks) <= cost(s) for s in range(fp32_mm.STEP, cap + 1, fp32_mm.STEP))
+    # a 1536 x 1536 weight has 48 blocks of rows: split 3 ways they fill an H100 (144 blocks), not 2 (96)
+    assert -(-1536 // fp32_mm.split_columns(1536, 1536, 16, slots)) >= 3
 
 
 def test_rows_tile_and_what_the_kernel_takes(monkeypatch):
     assert [fp32_mm.rows_tile(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
-    assert fp32_mm.decode_kernels(16) == ["fp32_mm<16, 4>"]
+    assert fp32_mm.decode_kernels(16) == ["fp32_mm<16, 4>", "mm_sum"]
     x, w = torch.randn(4, 128), torch.randn(8, 128)
     assert not fp32_mm.takes(x, w)   # the CPU: F.linear
     assert "not on a CUDA device" in fp32_mm.unsupported(x, w)
@@ -80,17 +73,3 @@ def test_rows_tile_and_what_the_kernel_takes(monkeypatch):
     monkeypatch.setattr(fp32_mm, "unsupported", lambda *a: "")   # the rows it takes, of inputs it takes
     assert [fp32_mm.takes(torch.randn(m, 128), w) for m in (1, 2, 16, 17)] == [False, True, True, False]
     assert fp32_mm.takes(torch.randn(2, 8, 128), w) and not fp32_mm.takes(torch.randn(0, 128), w)
-
-
-def test_the_start_of_training_check_covers_a_lora_adapter(monkeypatch):
-    """The kernel check of an fp32 cuda-c plan (doctor/kernel_refs.py) multiplies q/k/v's shape with a LoRA adapter
-    of the plan's rank too; here with the kernel's place taken by its reference, so the check's own code runs."""
-    from edgerl.doctor.kernel_refs import Widths, _fp32_mm
-    monkeypatch.setattr(fp32_mm, "fp32_matmul",
-                        lambda x, w, bias=None, lora=None: fp32_mm.reference(x, w, bias, lora).float())
-    w = Widths(dtype=torch.float32, hidden=64, vocab=96, heads=4, kv_heads=2, head_dim=16, intermediate=128,
-               qkv_bias=False, rows=8, cache=64, tokens=40, chunk=16, lora_rank=16, params=4097, full=False)
-    parts = _fp32_mm(w, torch.device("cpu"), torch.Generator().manual_seed(0))
-    assert [p.what for p in parts] == ["fp32_matmul 128x64, 8 rows",
-                                      "fp32_matmul 128x64 with a rank-16 LoRA adapter, 8 rows"]
-    assert all(p.err <= p.tol for p in parts)

@@ -127,6 +127,11 @@ def test_lora_layer_adds_its_adapter_inside_the_kernel_as_peft_adds_it(monkeypat
         with net.disable_adapter():   # the reference model: the base alone, still through the kernel
             assert torch.allclose(wrapper(x), base.__class__.__mro__[1].forward(base, x), rtol=1e-5, atol=1e-5)
         assert calls == [True, False]
+    calls.clear()
+    got = wrapper(x)   # a training forward of a few rows: the adapter takes gradients, so peft adds it
+    got.sum().backward()
+    assert True not in calls and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert wrapper.lora_A["default"].weight.grad is not None and wrapper.lora_B["default"].weight.grad is not None
 
 
 def test_nvrtc_on_a_torch_without_cuda_is_a_named_error():
