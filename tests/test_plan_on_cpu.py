@@ -158,6 +158,12 @@ def test_the_fused_nf4_kernel_is_the_cuda_c_backend_over_an_nf4_base(key, base, 
     assert ("fused NF4 kernel" in p.reasons["decode_backend"]) == nf4
     if base in ("nf4", "int8"):
         assert "quantized base" in p.reasons["rollout_engine"]
+    # fp32 (the P40): the few-row matmul takes the logits, and the projections only where the base is not quantized
+    few_row = {"P40": "the logits'" if base else "the projections' and the logits' (under LoRA the base layers'"}
+    assert ("few-row matmul" in p.reasons["decode_backend"]) == (key in few_row)
+    if key in few_row:
+        assert few_row[key] in p.reasons["decode_backend"]
+        assert ("projections'" in p.reasons["decode_backend"]) == (base is None)
 
 
 def test_blackwell_keeps_sdpa_unless_flash_attention_is_asked_for():

@@ -226,11 +226,12 @@ def _cuda_c_reason(c: "Ctx") -> str:
            "NF4 kernel, which reads the 4-bit codes once (bitsandbytes writes and reads a dequantized copy of each "
            "weight)" if c["base_dtype"] == "nf4" else "")
     triton = f"; edgerl's Triton decode kernels cannot run: {_triton_attention(c)}" if _compute(c) == "fp16" else ""
+    quantized = c["base_dtype"] in QUANT_BASES   # its layers are bitsandbytes', not nn.Linear: only the logits
     fp32 = ("; in fp32 the matmuls of a decode step's rows (2 to 16) go through edgerl's few-row matmul, which "
-            "streams the weights where cuBLAS's GEMM at a few rows reads them at a fraction of the bandwidth: the "
-            "projections' and the logits'" + (" (under LoRA the base layers', the adapters through peft)"
-                                               if c["lora"] else "")
-            if _compute(c) == "fp32" and c["base_dtype"] != "nf4" else "")
+            "streams the weights where cuBLAS's GEMM at a few rows reads them at a fraction of the bandwidth: "
+            + ("the logits'" if quantized else "the projections' and the logits'"
+               + (" (under LoRA the base layers', the adapters through peft)" if c["lora"] else ""))
+            if _compute(c) == "fp32" else "")
     return (f"{_compute(c)} on {c.device.sm}: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU): one rotates q "
             f"and k, writes the cache column and attends over the columns each row sees (past {split} columns in slices "
             f"of {split}, a block each, merged by a second kernel), three more add the residual with "
