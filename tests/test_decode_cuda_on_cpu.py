@@ -43,6 +43,14 @@ def test_norm_and_silu_references():
     torch.testing.assert_close(decode_cuda.reference_silu_mul(x, d).float(), torch.nn.functional.silu(x) * d)
 
 
+class _Calls(list):
+    """The rows of each few-row matmul, and (`loras`) whether each added a LoRA adapter."""
+
+    def __init__(self):
+        super().__init__()
+        self.loras = []
+
+
 def _wire_references(monkeypatch):
     """Decode backend cuda-c's kernels replaced by their references, each result rounded to its inputs' dtype."""
     monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
@@ -52,11 +60,12 @@ def _wire_references(monkeypatch):
     monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
     monkeypatch.setattr(decode_cuda, "rope_attend",
                         lambda *a, flag=None: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
-    calls = []   # the fp32 few-row matmuls (fp32_mm.linear's kernel side): their rows
+    calls = _Calls()   # the fp32 few-row matmuls (fp32_mm.linear's kernel side): their rows
 
-    def matmul(x, w, bias=None, ks=None):
+    def matmul(x, w, bias=None, ks=None, lora=None):
         calls.append(x.numel() // x.shape[-1])
-        return fp32_mm.reference(x, w, bias).float()
+        calls.loras.append(lora is not None)
+        return fp32_mm.reference(x, w, bias, lora).float()
     monkeypatch.setattr(fp32_mm, "_kernel", lambda name, device: None)
     monkeypatch.setattr(fp32_mm, "unsupported", lambda x, w, bias=None: "" if x.dtype == w.dtype == torch.float32
                         else "not fp32")
@@ -112,10 +121,11 @@ def test_the_cuda_layer_over_an_fp16_cache_under_fp32_wired_to_the_references(mo
         StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="torch", cache_dtype=torch.float16)
 
 
-def test_lora_over_an_fp32_base_sends_its_base_matmuls_through_the_few_row_kernel(monkeypatch):
-    """A peft LoRA model in fp32 (a P40's LoRA plan) decodes through its modules: each LoRA layer's plain base
-    layer takes the few-row matmul in the decode steps (its adapter stays peft's), the tokens are the torch
-    backend's, training's matmuls stay cuBLAS's, and `set_matmul(dec, None)` gives the base layers back."""
+def test_lora_over_an_fp32_base_sends_its_layers_through_the_few_row_kernel(monkeypatch):
+    """A peft LoRA model in fp32 (a P40's LoRA plan) decodes through its modules: each LoRA layer's base matmul
+    and its adapter take the few-row matmul (one call) in the decode steps, the tokens are the torch backend's,
+    training's matmuls stay cuBLAS's and peft's (the adapters keep their gradients), and `set_matmul(dec, None)`
+    gives the layers back."""
     from torch import nn
     from edgerl.rollout.decode_cuda_c import MatmulLinear, set_matmul
     from rollout_helpers import with_lora
@@ -126,17 +136,26 @@ def test_lora_over_an_fp32_base_sends_its_base_matmuls_through_the_few_row_kerne
     want = StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="torch").generate(PROMPTS, 2, params)
     cuda = StaticCacheEngine(model, 8, 64, cuda_graphs=False, backend="cuda-c")
     layers = len(model.base_model.model.model.layers)
-    assert "the logits and the %d LoRA layers' fp32 base matmuls through the few-row matmul kernel (their " \
-        "adapters through peft)" % (7 * layers) in cuda.describe()
+    assert "the logits and the %d LoRA layers (their fp32 base matmuls and adapters) through the few-row matmul " \
+        "kernel" % (7 * layers) in cuda.describe()
     assert cuda.generate(PROMPTS, 2, params).response_ids == want.response_ids
-    # the prompts' last positions' logits, then each decode step's 7 base matmuls a layer and its logits
+    # the prompts' last positions' logits, then each decode step's 7 LoRA layers a layer (each with its adapter)
+    # and its logits
     assert calls == [4] + [8] * (7 * layers + 1) * 23, (len(calls), set(calls))
+    assert calls.loras == [False] + ([True] * 7 * layers + [False]) * 23
     calls.clear()
+    calls.loras.clear()
     model.train()
     batch = torch.randint(0, 100, (2, 12))
     model(input_ids=batch).logits.sum().backward()   # 24 rows with grad: cuBLAS, and gradients reach the adapters
-    assert calls == [] and all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    with torch.enable_grad():   # 2 rows, the adapters taking gradients: peft's path, not the kernel's
+        model.zero_grad()
+        model(input_ids=batch[:, :1]).logits.sum().backward()
+    assert calls.loras.count(True) == 0 and all(p.grad is not None for n, p in model.named_parameters()
+                                                if "lora_" in n)
     bases = [m for m in model.modules() if type(m) is MatmulLinear]
-    assert len(bases) == 7 * layers
+    wrappers = [m for m in model.modules() if type(m).__name__ == "LoraMatmul"]
+    assert len(bases) == len(wrappers) == 7 * layers
     assert set_matmul(cuda.dec, None) == (0, 7 * layers)
     assert all(type(m) is nn.Linear and not hasattr(m, "mm") for m in bases)
+    assert not any(type(m).__name__ == "LoraMatmul" for m in model.modules())

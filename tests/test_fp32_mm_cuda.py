@@ -46,6 +46,26 @@ def test_every_slice_of_k_gives_the_same_product_to_rounding_and_repeats_bit_for
         fp32_mm.fp32_matmul(x, w, bias, ks=100)
 
 
+@pytest.mark.parametrize("n,k,m,r", [(2048, 1536, 16, 16), (200, 2308, 5, 4), (1536, 8960, 8, 64), (33, 36, 2, 1)])
+def test_a_lora_adapter_added_in_the_kernel_equals_float64(n, k, m, r):
+    """y = x W^T + bias + scale (x A^T) B^T, as peft's LoRA layer adds it, with K whole in a block and split."""
+    g = torch.Generator(device="cuda").manual_seed(n + r)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) * k ** -0.5
+    bias = torch.randn(n, device="cuda", generator=g) if n % 2 == 0 else None
+    lora = (torch.randn(r, k, device="cuda", generator=g) * k ** -0.5, torch.randn(n, r, device="cuda", generator=g),
+            0.5)
+    plain = fp32_mm.fp32_matmul(x, w, bias)
+    for ks in (None, 128):
+        got = fp32_mm.fp32_matmul(x, w, bias, ks=ks, lora=lora)
+        want = fp32_mm.reference(x, w, bias, lora)
+        assert (got.double() - want).abs().max().item() <= TOL * want.abs().max().item() * k ** 0.5
+        term = (want - fp32_mm.reference(x, w, bias)).abs().max().item()   # the adapter's part is there, scaled
+        assert (got - plain).abs().max().item() >= 0.5 * term > 0
+    with pytest.raises(ValueError, match=r"lora needs A \(r, %d\) and B \(%d, r\)" % (k, n)):
+        fp32_mm.fp32_matmul(x, w, bias, lora=(lora[0], lora[1].T.contiguous(), 0.5))
+
+
 def test_batched_rows_and_misaligned_inputs():
     w = torch.randn(64, 256, device="cuda")
     x = torch.randn(2, 3, 257, device="cuda")[..., 1:]   # rows 16-byte misaligned and not contiguous
@@ -113,9 +133,9 @@ def test_engine_in_fp32_through_the_kernel_samples_what_the_full_forward_scores(
 
 
 def test_lora_over_an_fp32_base_through_the_kernel_samples_what_the_full_forward_scores():
-    """A peft LoRA model in fp32 (modules, not fused projections): each LoRA layer's base matmul through the
-    kernel in CUDA graphs, its adapter through peft; sampled log-probs against the full forward, greedy tokens
-    equal to the torch backend's."""
+    """A peft LoRA model in fp32 (modules, not fused projections): each LoRA layer's base matmul and adapter in
+    one call of the kernel in CUDA graphs; sampled log-probs against the full forward, greedy tokens equal to the
+    torch backend's."""
     from edgerl.rollout.decode_cuda_c import MatmulLinear
     from rollout_helpers import with_lora
     model = with_lora(tiny_llama(device="cuda", hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -123,8 +143,9 @@ def test_lora_over_an_fp32_base_through_the_kernel_samples_what_the_full_forward
     greedy = SamplingParams(max_new_tokens=40, greedy=True)
     want = StaticCacheEngine(model, 8, 300, cuda_graphs=True, backend="torch").generate(PROMPTS, 2, greedy)  # cuBLAS
     engine = StaticCacheEngine(model, 8, 300, cuda_graphs=True, backend="cuda-c")
-    assert "LoRA layers' fp32 base matmuls through the few-row matmul kernel" in engine.describe()
+    assert "LoRA layers (their fp32 base matmuls and adapters) through the few-row matmul kernel" in engine.describe()
     assert any(type(m) is MatmulLinear for m in model.modules())
+    assert any(type(m).__name__ == "LoraMatmul" for m in model.modules())
     out = engine.generate(PROMPTS, 2, SamplingParams(max_new_tokens=120, temperature=0.8),
                           generator=torch.Generator().manual_seed(0))
     gap = logprob_gap(model, out, 0.8)

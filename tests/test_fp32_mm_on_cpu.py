@@ -73,3 +73,43 @@ def test_rows_tile_and_what_the_kernel_takes(monkeypatch):
     monkeypatch.setattr(fp32_mm, "unsupported", lambda *a: "")   # the rows it takes, of inputs it takes
     assert [fp32_mm.takes(torch.randn(m, 128), w) for m in (1, 2, 16, 17)] == [False, True, True, False]
     assert fp32_mm.takes(torch.randn(2, 8, 128), w) and not fp32_mm.takes(torch.randn(0, 128), w)
+
+
+def test_the_start_of_training_check_covers_a_lora_adapter(monkeypatch):
+    """The kernel check of an fp32 cuda-c plan (doctor/kernel_refs.py) multiplies q/k/v's shape with a LoRA adapter
+    of the plan's rank too; here with the kernel's place taken by its reference, so the check's own code runs."""
+    from edgerl.doctor.kernel_refs import Widths, _fp32_mm
+    monkeypatch.setattr(fp32_mm, "fp32_matmul",
+                        lambda x, w, bias=None, lora=None: fp32_mm.reference(x, w, bias, lora).float())
+    w = Widths(dtype=torch.float32, hidden=64, vocab=96, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+               qkv_bias=False, rows=8, cache=64, tokens=40, chunk=16, lora_rank=16, params=4097, full=False)
+    parts = _fp32_mm(w, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert [p.what for p in parts] == ["fp32_matmul 128x64, 8 rows",
+                                      "fp32_matmul 128x64 with a rank-16 LoRA adapter, 8 rows"]
+    assert all(p.err <= p.tol for p in parts)
+
+
+def test_the_lora_reference_is_peft_layers_sum_and_bad_adapters_are_named():
+    """`reference` with lora = (A, B, scale) is what peft's LoRA layer computes (base + scale B(A x)), in float64;
+    an adapter the kernel cannot add is refused naming the shapes it needs."""
+    from torch import nn
+    from peft import LoraConfig, get_peft_model
+
+    class One(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 48)
+    torch.manual_seed(0)
+    m = get_peft_model(One(), LoraConfig(r=8, lora_alpha=24, target_modules=["proj"], init_lora_weights=False))
+    layer = m.base_model.model.proj
+    x = torch.randn(5, 64)
+    ab = (layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"])
+    assert ab[2] == 3.0
+    with torch.no_grad():
+        torch.testing.assert_close(fp32_mm.reference(x, layer.base_layer.weight, layer.base_layer.bias, ab).float(),
+                                   layer(x), rtol=1e-5, atol=1e-5)
+    w = torch.randn(48, 64)
+    assert fp32_mm.lora_unsupported(w, (torch.randn(8, 64), torch.randn(8, 48), 1.0)).startswith(
+        "lora needs A (r, 64) and B (48, r)")
+    assert "0 < r <= 256" in fp32_mm.lora_unsupported(w, (torch.randn(300, 64), torch.randn(48, 300), 1.0))
+    assert "not on a CUDA device" in fp32_mm.lora_unsupported(w, (torch.randn(8, 64), torch.randn(48, 8), 1.0))

@@ -159,7 +159,7 @@ def test_the_fused_nf4_kernel_is_the_cuda_c_backend_over_an_nf4_base(key, base, 
     if base in ("nf4", "int8"):
         assert "quantized base" in p.reasons["rollout_engine"]
     # fp32 (the P40): the few-row matmul takes the logits, and the projections only where the base is not quantized
-    few_row = {"P40": "the logits'" if base else "the projections' and the logits' (under LoRA the base layers'"}
+    few_row = {"P40": "the logits'" if base else "the projections' and the logits' (under LoRA each layer's base matmul and adapter in one call)"}
     assert ("few-row matmul" in p.reasons["decode_backend"]) == (key in few_row)
     if key in few_row:
         assert few_row[key] in p.reasons["decode_backend"]

@@ -172,7 +172,8 @@ def decode_cuda(w: Widths, device: torch.device) -> list[Part]:
 
 def _fp32_mm(w: Widths, device: torch.device, g) -> list[Part]:
     """`fp32_mm.fp32_matmul` (the fp32 decode step's projections and logits) against float64 at the step's rows:
-    q/k/v and down (the shortest and the longest K), the logits over the vocabulary slice."""
+    q/k/v and down (the shortest and the longest K), the logits over the vocabulary slice, and q/k/v with a LoRA
+    adapter of the plan's rank."""
     from edgerl.kernels import fp32_mm
     rows = min(w.rows, fp32_mm.MAX_ROWS)
     kv_w = (w.heads + 2 * w.kv_heads) * w.head_dim
@@ -185,6 +186,15 @@ def _fp32_mm(w: Widths, device: torch.device, g) -> list[Part]:
         wt = _randn((n, k), g, device, scale=k ** -0.5)
         want = fp32_mm.reference(x, wt)
         parts.append(Part(f"fp32_matmul {n}x{k}, {rows} rows", _maxerr(fp32_mm.fp32_matmul(x, wt), want),
+                          FP32_MM_TOL * k ** 0.5 * float(want.abs().max())))
+    n, k = shapes[0]
+    if k % 4 == 0 and 0 < w.lora_rank <= fp32_mm.MAX_RANK:   # a LoRA layer over an fp32 base: the adapter in it
+        x = _randn((rows, k), g, device)
+        wt = _randn((n, k), g, device, scale=k ** -0.5)
+        lora = (_randn((w.lora_rank, k), g, device, scale=k ** -0.5), _randn((n, w.lora_rank), g, device), 2.0)
+        want = fp32_mm.reference(x, wt, None, lora)
+        parts.append(Part(f"fp32_matmul {n}x{k} with a rank-{w.lora_rank} LoRA adapter, {rows} rows",
+                          _maxerr(fp32_mm.fp32_matmul(x, wt, lora=lora), want),
                           FP32_MM_TOL * k ** 0.5 * float(want.abs().max())))
     return parts
 

@@ -33,6 +33,7 @@ from .nvrtc import KernelUnavailable, blocks_per_sm, kernel
 
 MAX_ROWS = 16     # rows of x one call takes (a decode step's); more rows go to cuBLAS (`takes`)
 MIN_ROWS = 2      # the fewest rows `takes` sends to the kernel: one row goes to cuBLAS's GEMV
+MAX_RANK = 256    # a LoRA adapter's rank `fp32_matmul` adds (a loop over it per output)
 NC = 4            # rows of W per warp (the source's NC)
 WARPS = 8
 STAGE_FLOATS = 12288   # the block's stage of x: MT x ks floats in 48 KB (the source's STAGE)
@@ -80,7 +81,21 @@ struct Fold<1, 0> {
   static __device__ __forceinline__ void run(float*, int) {}
 };
 
-// y (M, N) = x (M, K) W (N, K)^T (+ bias), M <= MT: block (8 warps) blockIdx.x owns W's rows n0 .. n0 + 8 NC - 1
+// An output from its sum over K: the bias added, then a LoRA adapter's ls (t B^T)[m, n] with t = x A^T (M, lr) and
+// B (N, lr), as peft adds it (lr = 0: none). ls arrives as a double (the launcher passes a Python float so).
+__device__ __forceinline__ float out(float v, const float* __restrict__ bias, int has_bias,
+                                     const float* __restrict__ lt, const float* __restrict__ lb, double ls, int lr,
+                                     int m, int n) {
+  if (has_bias) v += bias[n];
+  if (lr) {
+    float u = 0.f;
+    for (int j = 0; j < lr; ++j) u = fmaf(lt[m * lr + j], lb[(long long)n * lr + j], u);
+    v = fmaf(u, (float)ls, v);
+  }
+  return v;
+}
+
+// y (M, N) = x (M, K) W (N, K)^T (+ bias) (+ a LoRA adapter's term: `out`), M <= MT: block (8 warps) blockIdx.x owns W's rows n0 .. n0 + 8 NC - 1
 // (warp w: n0 + w NC .. + NC - 1) and blockIdx.y the slice [k0, k0 + ks) of K. x's MT rows over the slice are
 // staged in shared memory (zeros past row M and past K); each lane multiplies 4 consecutive columns of its warp's
 // NC rows into them per step of 128 columns. K % 4 == 0 and 16-byte aligned rows (the launcher checks). One slice:
@@ -88,7 +103,9 @@ struct Fold<1, 0> {
 template <int MT, int NC>
 __global__ void __launch_bounds__(256, 2) fp32_mm(const float* __restrict__ x, const float* __restrict__ w,
                                                  const float* __restrict__ bias, float* __restrict__ y,
-                                                 float* __restrict__ ws, int M, int N, int K, int ks, int has_bias) {
+                                                 float* __restrict__ ws, int M, int N, int K, int ks, int has_bias,
+                                                 const float* __restrict__ lt, const float* __restrict__ lb,
+                                                 double ls, int lr) {
   __shared__ __align__(16) float xs[STAGE];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int n0 = blockIdx.x * 8 * NC + warp * NC;
@@ -137,19 +154,22 @@ __global__ void __launch_bounds__(256, 2) fp32_mm(const float* __restrict__ x, c
   for (int i = 0; i < PER; ++i) {
     const int idx = PER * (lane / RUN) + i, c = idx / MT, m = idx - c * MT, n = n0 + c;
     if (m >= M || n >= N) continue;
-    if (gridDim.y == 1) y[(long long)m * N + n] = has_bias ? acc[i] + bias[n] : acc[i];
+    if (gridDim.y == 1) y[(long long)m * N + n] = out(acc[i], bias, has_bias, lt, lb, ls, lr, m, n);
     else ws[((long long)blockIdx.y * M + m) * N + n] = acc[i];
   }
 }
 
-// y (M, N) = the slices' partial sums in ws (S, M, N) added in order, then the bias: a thread per output.
+// y (M, N) = the slices' partial sums in ws (S, M, N) added in order, then the bias and the adapter's term (`out`):
+// a thread per output.
 __global__ void __launch_bounds__(256) mm_sum(const float* __restrict__ ws, const float* __restrict__ bias,
-                                              float* __restrict__ y, int M, int N, int S, int has_bias) {
+                                              float* __restrict__ y, int M, int N, int S, int has_bias,
+                                              const float* __restrict__ lt, const float* __restrict__ lb,
+                                              double ls, int lr) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x, mn = (long long)M * N;
   if (i >= mn) return;
   float v = 0.f;
   for (int s = 0; s < S; ++s) v += ws[s * mn + i];
-  y[i] = has_bias ? v + bias[i % N] : v;
+  y[i] = out(v, bias, has_bias, lt, lb, ls, lr, (int)(i / N), (int)(i % N));
 }
 """
 
@@ -227,6 +247,18 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     return ""
 
 
+def lora_unsupported(w: torch.Tensor, lora: tuple) -> str:
+    """'' when `fp32_matmul` can add this LoRA adapter (A, B, scale) to a product with `w`, else why not."""
+    a, b = lora[0], lora[1]
+    n, k = w.shape
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2 \
+            or a.shape[1] != k or tuple(b.shape) != (n, a.shape[0]) or not 0 < a.shape[0] <= MAX_RANK:
+        return (f"lora needs A (r, {k}) and B ({n}, r) with 0 < r <= {MAX_RANK}, got "
+                f"{tuple(getattr(a, 'shape', ()))} and {tuple(getattr(b, 'shape', ()))}")
+    return unsupported(a.new_empty(0, k), a) or ("" if b.dtype == torch.float32 and b.device == w.device
+                                                 else f"lora's B is {b.dtype} on {b.device}, not fp32 on {w.device}")
+
+
 def takes(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
     """Whether the decode step's matmul x @ w.T goes through the kernel: MIN_ROWS to MAX_ROWS rows, outside autograd,
     and inputs it takes. The prefill's many rows (a GEMM cuBLAS runs at its arithmetic rate) and a single row
@@ -237,10 +269,14 @@ def takes(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None)
 
 
 def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                ks: Optional[int] = None) -> torch.Tensor:
+                ks: Optional[int] = None,
+                lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """x (..., K) @ w.T (+ bias) for an fp32 weight w (N, K), at most MAX_ROWS rows of x. Returns (..., N) fp32.
-    ks: the slice of K each block multiplies (default: `split_columns`' choice; the benchmark sweeps it)."""
-    why = unsupported(x, w, bias)
+    ks: the slice of K each block multiplies (default: `split_columns`' choice; the benchmark sweeps it).
+    lora = (A, B, scale), fp32 A (r, K) and B (N, r) with r <= MAX_RANK: adds scale (x A^T) B^T as peft's LoRA
+    layer does, t = x A^T through this kernel first and scale t B^T in the outputs' writes (peft's layer takes
+    its base matmul and six more kernels)."""
+    why = unsupported(x, w, bias) or (lora_unsupported(w, lora) if lora is not None else "")
     if why:
         raise ValueError(f"fp32_matmul: {why}")
     n, k = w.shape
@@ -254,6 +290,7 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     if m == 0 or n == 0:
         return y.reshape(*x.shape[:-1], n)
     if k == 0:
+        # x A^T is zeros with K = 0, and so is the adapter's term
         return (y.zero_() if bias is None else y.copy_(bias.expand(m, n))).reshape(*x.shape[:-1], n)
     kern = _kernel(mm_name(m), x.device)
     if ks is None:
@@ -264,11 +301,14 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     slices = -(-k // ks)
     b = bias.contiguous() if bias is not None else y
     ws = torch.empty((slices, m, n), dtype=torch.float32, device=x.device) if slices > 1 else y
+    lt, lb, scale, rank = y, y, 0.0, 0
+    if lora is not None:
+        lt, lb, scale, rank = fp32_matmul(x2, lora[0]), lora[1].contiguous(), float(lora[2]), lora[0].shape[0]
     kern(grid=(-(-n // (WARPS * NC)), slices, 1), block=(WARPS * 32, 1, 1),
-         args=[x2, w, b, y, ws, m, n, k, ks, int(bias is not None)])
+         args=[x2, w, b, y, ws, m, n, k, ks, int(bias is not None), lt, lb, scale, rank])
     if slices > 1:
         _kernel("mm_sum", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
-                                    args=[ws, b, y, m, n, slices, int(bias is not None)])
+                                    args=[ws, b, y, m, n, slices, int(bias is not None), lt, lb, scale, rank])
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -279,11 +319,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     return torch.nn.functional.linear(x, w, bias)
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """What `fp32_matmul` computes, in float64."""
     y = x.double() @ w.double().T
-    return y + bias.double() if bias is not None else y
+    if bias is not None:
+        y = y + bias.double()
+    if lora is not None:
+        y = y + lora[2] * ((x.double() @ lora[0].double().T) @ lora[1].double().T)
+    return y
 
 
-__all__ = ["KernelUnavailable", "MAX_ROWS", "chosen_slice", "decode_kernels", "fp32_matmul", "linear", "reference",
-           "slice_choices", "split_columns", "takes", "unsupported"]
+__all__ = ["KernelUnavailable", "MAX_RANK", "MAX_ROWS", "chosen_slice", "decode_kernels", "fp32_matmul", "linear",
+           "lora_unsupported", "reference", "slice_choices", "split_columns", "takes", "unsupported"]

@@ -230,7 +230,7 @@ def _cuda_c_reason(c: "Ctx") -> str:
     fp32 = ("; in fp32 the matmuls of a decode step's rows (2 to 16) go through edgerl's few-row matmul, which "
             "streams the weights where cuBLAS's GEMM at a few rows reads them at a fraction of the bandwidth: "
             + ("the logits'" if quantized else "the projections' and the logits'"
-               + (" (under LoRA the base layers', the adapters through peft)" if c["lora"] else ""))
+               + (" (under LoRA each layer's base matmul and adapter in one call)" if c["lora"] else ""))
             if _compute(c) == "fp32" else "")
     return (f"{_compute(c)} on {c.device.sm}: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU): one rotates q "
             f"and k, writes the cache column and attends over the columns each row sees (past {split} columns in slices "

@@ -42,29 +42,31 @@ def use_fp32_mm(dec: StaticDecoder) -> str:
     fused, bases = set_matmul(dec, fp32_mm.linear)
     if fused:
         return "fp32 projections and logits through the few-row matmul kernel"
-    return (f"the logits and the {bases} LoRA layers' fp32 base matmuls through the few-row matmul kernel "
-            "(their adapters through peft)" if bases else
+    return (f"the logits and the {bases} LoRA layers (their fp32 base matmuls and adapters) through the few-row "
+            "matmul kernel" if bases else
             "the logits through the few-row matmul kernel (projections called as modules: cuBLAS)")
 
 
 def set_matmul(dec: StaticDecoder, mm=None) -> tuple[int, int]:
     """The matmul of `dec`'s fused projections, of the plain fp32 base layers of its peft LoRA layers, and of its
-    logits: `mm(x, weight, bias)`, or None for torch's own (F.linear; the modules' and lm_head's forward). Returns
-    how many layers' projections are fused and how many LoRA base layers take `mm`."""
+    logits: `mm(x, weight, bias)`, or None for torch's own (F.linear; the modules' and lm_head's forward). Where
+    `mm` is `fp32_mm.linear`, the LoRA layers' adapters are added in the same kernel (`route_lora`). Returns how
+    many layers' projections are fused and how many LoRA layers' base layers take `mm`."""
     fused = [p for p in dec.proj if p.kind == "fused"]
     for p in fused:
         p.mm = mm or F.linear
     dec.head_mm = mm
-    bases = [m for p in dec.proj if p.kind == "modules" for m in lora_bases(p)]
-    for m in bases:
-        route_linear(m, mm)
-    return len(fused), len(bases)
+    layers = [m for p in dec.proj if p.kind == "modules" for m in lora_layers(p)]
+    for m in layers:
+        route_linear(m.base_layer, mm)
+        route_lora(m, mm)
+    return len(fused), len(layers)
 
 
-def lora_bases(proj) -> list[torch.nn.Module]:
-    """The plain fp32 `nn.Linear` base layers of the peft LoRA layers among a layer's module projections
-    (`ModuleProjections`): the layers a LoRA plan over an fp32 base multiplies the most bytes in."""
-    return [m.base_layer for m in proj.modules() if hasattr(m, "lora_A")
+def lora_layers(proj) -> list[torch.nn.Module]:
+    """The peft LoRA layers over a plain fp32 `nn.Linear` among a layer's module projections (`ModuleProjections`):
+    the layers a LoRA plan over an fp32 base multiplies the most bytes in."""
+    return [m for m in proj.modules() if hasattr(m, "lora_A")
             and type(getattr(m, "base_layer", None)) in (torch.nn.Linear, MatmulLinear)
             and m.base_layer.weight.dtype == torch.float32]
 
@@ -87,6 +89,36 @@ def route_linear(m: torch.nn.Linear, mm=None) -> None:
     else:
         m.__class__ = MatmulLinear
         m.mm = mm
+
+
+_lora_classes: dict[type, type] = {}
+
+
+def route_lora(layer: torch.nn.Module, mm=None) -> None:
+    """`layer` (peft's LoRA layer) as a `LoraMatmul` subclass of its own class where `mm` is set (a decode step's
+    few rows take the base matmul and the adapter in one call of the few-row kernel), or back to its class."""
+    lora_cls = type(layer) if type(layer).__name__ == "LoraMatmul" else None
+    if mm is None or lora_cls is not None:
+        if mm is None and lora_cls is not None:
+            layer.__class__ = lora_cls.__mro__[1]
+        return
+    wrapper = type(layer)
+    cls = _lora_classes.get(wrapper)
+    if cls is None:
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            from edgerl.kernels import fp32_mm
+            from edgerl.models.quant_decode import plain_adapter
+            base = self.base_layer
+            if not args and not kwargs and type(base) is MatmulLinear and base.mm is fp32_mm.linear \
+                    and fp32_mm.takes(x, base.weight, base.bias):
+                ab = plain_adapter(self, fp32_mm.MAX_RANK)   # None: a variant, dropout, or gradients to keep
+                if ab is not None:
+                    return fp32_mm.fp32_matmul(x, base.weight, base.bias, lora=ab)
+            return wrapper.forward(self, x, *args, **kwargs)
+        cls = _lora_classes[wrapper] = type("LoraMatmul", (wrapper,), {
+            "forward": forward, "__doc__": "peft's LoRA layer over a plain fp32 base: a decode step's few rows take "
+                                           "the base matmul and the adapter in the few-row kernel (decode_cuda_c)"})
+    layer.__class__ = cls
 
 
 class Backend(TorchOps):
