@@ -62,22 +62,37 @@ def _lora_class(wrapper: type) -> type:
     weight's own rows, scale (x A^T) B^T in its last sum, where peft runs six more kernels (A, B, a clone
     of the base output, the scale, the add, a cast) on each projection of each layer. (x A^T as a cuBLAS
     matmul of its own cost more: docs/lab-log.md, 2026-12-01, NF4 kernel versions.)"""
-    cls = _classes.get(wrapper)
-    if cls is not None:
-        return cls
     from edgerl.kernels.nf4 import MAX_RANK
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def fast(self, x: torch.Tensor) -> "torch.Tensor | None":
         base = self.base_layer
-        if not args and not kwargs and type(base).__name__ == "DecodeLinear4bit" and base.takes(x):
+        if type(base).__name__ == "DecodeLinear4bit" and base.takes(x):
             ab = plain_adapter(self, MAX_RANK)
             if ab is not None:
                 return base.fused(x, ab)
-        return wrapper.forward(self, x, *args, **kwargs)
+        return None
 
-    cls = _classes[wrapper] = type("DecodeLoraLinear4bit", (wrapper,), {
-        "forward": forward, "__doc__": "peft's LoRA layer over a 4-bit base; a decode step adds the adapter "
-                                       "inside the fused NF4 kernel (edgerl.models.quant_decode)"})
+    return adapter_class(wrapper, "DecodeLoraLinear4bit", fast,
+                         "peft's LoRA layer over a 4-bit base; a decode step adds the adapter inside the fused NF4 "
+                         "kernel (edgerl.models.quant_decode)")
+
+
+_adapter_classes: dict[tuple[type, str], type] = {}
+
+
+def adapter_class(wrapper: type, name: str, fast, doc: str) -> type:
+    """A subclass `name` of peft's LoRA layer class `wrapper` (cached) whose forward returns `fast(self, x)`
+    where that gives a tensor (a kernel that adds the adapter in the base layer's call), else peft's own
+    forward; a call with more arguments than x always takes peft's. `type(m).__mro__[1]` is peft's class again."""
+    cls = _adapter_classes.get((wrapper, name))
+    if cls is None:
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if not args and not kwargs:
+                y = fast(self, x)
+                if y is not None:
+                    return y
+            return wrapper.forward(self, x, *args, **kwargs)
+        cls = _adapter_classes[(wrapper, name)] = type(name, (wrapper,), {"forward": forward, "__doc__": doc})
     return cls
 
 

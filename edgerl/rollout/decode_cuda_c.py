@@ -91,34 +91,31 @@ def route_linear(m: torch.nn.Linear, mm=None) -> None:
         m.mm = mm
 
 
-_lora_classes: dict[type, type] = {}
-
-
 def route_lora(layer: torch.nn.Module, mm=None) -> None:
     """`layer` (peft's LoRA layer) as a `LoraMatmul` subclass of its own class where `mm` is set (a decode step's
     few rows take the base matmul and the adapter in one call of the few-row kernel), or back to its class."""
-    lora_cls = type(layer) if type(layer).__name__ == "LoraMatmul" else None
-    if mm is None or lora_cls is not None:
-        if mm is None and lora_cls is not None:
-            layer.__class__ = lora_cls.__mro__[1]
-        return
-    wrapper = type(layer)
-    cls = _lora_classes.get(wrapper)
-    if cls is None:
-        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            from edgerl.kernels import fp32_mm
-            from edgerl.models.quant_decode import plain_adapter
-            base = self.base_layer
-            if not args and not kwargs and type(base) is MatmulLinear and base.mm is fp32_mm.linear \
-                    and fp32_mm.takes(x, base.weight, base.bias):
-                ab = plain_adapter(self, fp32_mm.MAX_RANK)   # None: a variant, dropout, or gradients to keep
-                if ab is not None:
-                    return fp32_mm.fp32_matmul(x, base.weight, base.bias, lora=ab)
-            return wrapper.forward(self, x, *args, **kwargs)
-        cls = _lora_classes[wrapper] = type("LoraMatmul", (wrapper,), {
-            "forward": forward, "__doc__": "peft's LoRA layer over a plain fp32 base: a decode step's few rows take "
-                                           "the base matmul and the adapter in the few-row kernel (decode_cuda_c)"})
-    layer.__class__ = cls
+    from edgerl.models.quant_decode import adapter_class
+    routed = type(layer).__name__ == "LoraMatmul"
+    if mm is None and routed:
+        layer.__class__ = type(layer).__mro__[1]
+    elif mm is not None and not routed:
+        layer.__class__ = adapter_class(type(layer), "LoraMatmul", _lora_matmul,
+                                        "peft's LoRA layer over a plain fp32 base: a decode step's few rows take the "
+                                        "base matmul and the adapter in the few-row kernel (decode_cuda_c)")
+
+
+def _lora_matmul(layer: torch.nn.Module, x: torch.Tensor) -> "torch.Tensor | None":
+    """The LoRA layer's output through one call of the few-row kernel, or None where peft's path must run: the
+    base is not routed there, the rows are not a decode step's, or the adapter is not one the kernel adds
+    (`plain_adapter`: a variant, dropout, or gradients to keep)."""
+    from edgerl.kernels import fp32_mm
+    from edgerl.models.quant_decode import plain_adapter
+    base = layer.base_layer
+    if type(base) is MatmulLinear and base.mm is fp32_mm.linear and fp32_mm.takes(x, base.weight, base.bias):
+        ab = plain_adapter(layer, fp32_mm.MAX_RANK)
+        if ab is not None:
+            return fp32_mm.fp32_matmul(x, base.weight, base.bias, lora=ab)
+    return None
 
 
 class Backend(TorchOps):
