@@ -125,6 +125,39 @@ def test_rope_attend_equals_the_reference_and_writes_the_engines_cache_column(ca
         torch.testing.assert_close(o, whole, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("quantum", [64, 8])
+@pytest.mark.parametrize("col", [0, 7, 64, 65, 700, 2047])
+def test_rope_attend_by_default_spreads_each_rows_columns_over_the_grids_slices(monkeypatch, col, quantum, dtype):
+    """The engine's default grid (`slices`: two blocks for each SM) over a 2048-column cache: at every column each
+    row's columns [start, col] are cut into the grid's slices (multiples of `quantum` columns), the rows starting
+    anywhere, so short rows take fewer slices than long ones; the merged output equals the float64 reference and
+    the unsplit kernel's to rounding, and the new column is written once."""
+    k = kernels(dtype)
+    monkeypatch.setattr(k, "SLICE_COLUMNS", quantum)
+    B, KVH, G, D, S = 4, 2, 3, 64, 2048
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert k.slices(B, KVH, S, sms) > 1
+    g = torch.Generator(device="cuda").manual_seed(col + quantum)
+    H = KVH * G
+    q, kk, v = randn(B, (H + 2 * KVH) * D, g=g, dtype=dtype).split([H * D, KVH * D, KVH * D], dim=-1)
+    ang = torch.rand(B, D // 2, device="cuda", generator=g) * 6
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    kc, vc = randn(B, KVH, S, D, g=g, dtype=dtype), randn(B, KVH, S, D, g=g, dtype=dtype)
+    start = torch.randint(0, col + 1, (B,), device="cuda", generator=g)
+    start[0], start[-1] = 0, col
+    colt = torch.tensor([col], device="cuda")
+    rk, rv = kc.clone(), vc.clone()
+    want, _ = k.reference_rope_attend(q, kk, v, cos, sin, rk, rv, start, colt, D ** -0.5)
+    o = k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, D ** -0.5)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    rtol, atol = ATTN_TOL[dtype]
+    torch.testing.assert_close(o.double(), want, rtol=rtol, atol=atol)
+    whole = k.rope_attend(q, kk, v, cos, sin, kc.clone(), vc.clone(), start, colt, D ** -0.5, split_columns=S)
+    torch.testing.assert_close(o, whole, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("case", CASES + SPLIT_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_rope_attend_over_an_fp16_cache_under_fp32(case):
     """fp32 q, k and v over fp16 caches (plan.kv_cache_dtype=fp16): the new column rounded as torch's cast rounds

@@ -33,6 +33,21 @@ def test_rope_attend_reference_is_the_rotation_the_cache_write_and_the_windowed_
     torch.testing.assert_close(o, want.reshape(B, H * D), rtol=1e-6, atol=1e-6)
 
 
+def test_the_attentions_default_grid_gives_every_sm_two_blocks_within_the_caches_slices():
+    """`decode_cuda.slices`: enough slices per row and KV head for two blocks a SM, never more than the cache
+    has multiples of `SLICE_COLUMNS`, and the unsplit kernel (1) once the rows and heads alone fill the GPU."""
+    assert (decode_cuda.SLICE_BLOCKS_PER_SM, decode_cuda.SLICE_COLUMNS) == (2, 64)
+    assert decode_cuda.slices(16, 2, 8320, 132) == 9        # Qwen2.5-1.5B's 2 KV heads at 16 rows, an H100
+    assert decode_cuda.slices(16, 8, 8320, 132) == 3        # Llama-3.1-8B's 8
+    assert decode_cuda.slices(16, 2, 8320, 30) == 2         # a P40's 30 SMs
+    assert decode_cuda.slices(16, 2, 100, 132) == 2         # a 100-column cache: two slices of 64 at most
+    assert decode_cuda.slices(64, 8, 8320, 132) == 1        # 512 blocks unsplit: more than two a SM already
+    assert decode_cuda.slices(1, 1, 1, 132) == 1
+    for rows, heads, cols, sms in [(16, 2, 8320, 132), (8, 8, 4096, 80), (3, 4, 700, 30)]:
+        n = decode_cuda.slices(rows, heads, cols, sms)
+        assert n * rows * heads >= 2 * sms or n * 64 >= cols
+
+
 def test_norm_and_silu_references():
     g = torch.Generator().manual_seed(0)
     x, d, w = torch.randn(4, 96, generator=g), torch.randn(4, 96, generator=g), torch.randn(96, generator=g)

@@ -125,8 +125,8 @@ DECODE_CUDA_TOL = {torch.float32: (2e-6, 1e-5), torch.float16: (2e-3, 2e-3)}   #
 
 def decode_cuda(w: Widths, device: torch.device) -> list[Part]:
     """`edgerl/kernels/decode_cuda.py`'s three kernels in the plan's dtype (fp32 or fp16) against their float64
-    references (tolerances of tests/test_decode_cuda_kernels_cuda.py), the attention also split into slices
-    of 32 columns and merged (what a cache past `SPLIT_COLUMNS` runs), and in fp32 over an fp16 cache too; the
+    references (tolerances of tests/test_decode_cuda_kernels_cuda.py), the attention as the engine splits it
+    (`decode_cuda.slices`) and also in fixed slices of 32 columns, merged, and in fp32 over an fp16 cache too; the
     cache column rope_attend writes must equal the reference's bit for bit (the engine's eager rotation rounds the
     same way, and torch's cast to fp16 as the kernel does)."""
     from edgerl.kernels import decode_cuda as k

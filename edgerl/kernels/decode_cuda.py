@@ -12,10 +12,12 @@ norm's second use):
 - `rope_attend`: the rotary embedding of the G query heads of one KV head and of its new key, the key
   and value written into cache column `col`, and attention over the columns [start[b], col] that row
   sees (not the whole masked cache), one block per row and KV head; softmax in blocks of 256 columns
-  with a running maximum, so any cache length fits in 16 KB of shared memory. A cache longer than
-  `SPLIT_COLUMNS` is split into slices of that many columns, a block each, and `attend_combine` merges
-  the slices' outputs by their maxima and sums (split-K, as flash-decoding does): at 16 rows and 2 KV heads
-  the unsplit kernel has 32 blocks, each walking up to thousands of columns while most SMs wait;
+  with a running maximum, so any cache length fits in 16 KB of shared memory. The columns a row sees are
+  split into slices, a block each, and `attend_combine` merges the slices' outputs by their maxima and sums
+  (split-K, as flash-decoding does): at 16 rows and 2 KV heads the unsplit kernel has 32 blocks, each walking
+  up to thousands of columns while most SMs wait. The grid has `slices` slices per row and KV head (two blocks
+  for each SM), and each row's columns spread over them at every length (the grid is fixed when a CUDA graph
+  captures it; the kernels compute a slice's columns from the step's column);
 - `silu_mul`: SiLU(gate) * up.
 
 Storage in fp32, or in fp16 (Volta and Turing plans compute in fp16, and edgerl's Triton kernels run from CC 8.0): every
@@ -41,7 +43,10 @@ import torch
 
 from .nvrtc import KernelUnavailable, kernel
 from .tiles import DECODE_CUDA_HEAD_DIMS as HEAD_DIMS, DECODE_CUDA_MAX_GROUP as MAX_GROUP
-from .tiles import DECODE_CUDA_SPLIT_COLUMNS as SPLIT_COLUMNS, decode_cuda_shape_reason as shape_reason
+from .tiles import DECODE_CUDA_SLICE_BLOCKS_PER_SM as SLICE_BLOCKS_PER_SM, DECODE_CUDA_SLICE_COLUMNS as SLICE_COLUMNS
+from .tiles import decode_cuda_shape_reason as shape_reason
+
+SPLIT_COLUMNS: Optional[int] = None   # fixed slices of this many columns in place of `slices` (None: `slices`)
 
 THREADS = 256   # the kernels' blocks; rope_attend's softmax takes 256 cache columns at a time (one per thread)
 
@@ -145,10 +150,19 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T
   st(y + i, __fmul_rn(rn<T>(a / (1.0f + expf(-a))), ld(u + m * us + c)));   // SiLU rounded to T, then the product
 }
 
-// One block of 256 threads per (row b, KV head h) and, split (SPLIT), per slice z of CH columns: rotate the G
+// The columns of each slice of a row that sees len columns, split into ns slices: len / ns rounded up to a multiple
+// of CH, so the rows' work spreads over the grid's slices at every length (a short row takes fewer slices, each at
+// least CH columns). rope_attend_split and attend_combine compute it alike. With ns = ceil(S / CH) (a grid for the
+// whole cache) it is CH: slices of a fixed size.
+__device__ __forceinline__ int slice_columns(int len, int ns, int CH) {
+  const int per = (max(len, 1) + ns - 1) / ns;
+  return (per + CH - 1) / CH * CH;
+}
+
+// One block of 256 threads per (row b, KV head h) and, split (SPLIT), per slice z of slice_columns: rotate the G
 // query heads h G .. h G + G - 1 into shared memory, write the rotated key and the value into cache column col
 // (the block whose columns hold col: the only one that reads it), then attend over its columns (all of
-// [start[b], col] unsplit; [start[b] + z CH, ...] split) in tiles of 256 (a thread per column for the scores, its key
+// [start[b], col] unsplit; [start[b] + z ch, ...] split) in tiles of 256 (a thread per column for the scores, its key
 // row 16 bytes a load; for P V a thread per two values of a row, P = 2 THREADS / D parts each over every P-th
 // column, their sums met by halves at the end), with a running maximum across tiles. Unsplit, o (B, KVH G D) gets
 // the normalised output; split, po (fp32) is (B KVH, NS, G, D): the slice's unnormalised P V, with its maximum and
@@ -173,9 +187,10 @@ __device__ __forceinline__ void attend(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x / KVH, h = blockIdx.x - b * KVH;
   const int col = (int)colp[0];
-  const int lo = (int)start[b] + (SPLIT ? (int)blockIdx.y * CH : 0);
+  const int ch = SPLIT ? slice_columns(col - (int)start[b] + 1, (int)gridDim.y, CH) : 0;
+  const int lo = (int)start[b] + (SPLIT ? (int)blockIdx.y * ch : 0);
   if (lo > col) return;   // a slice past the last column: the whole block, before any barrier
-  const int hi = SPLIT ? min(col, lo + CH - 1) : col;
+  const int hi = SPLIT ? min(col, lo + ch - 1) : col;
   const float scale = (float)scale_d;
   const T* c = cs + (long long)b * D;
   const T* s = sn + (long long)b * D;
@@ -348,14 +363,15 @@ __global__ void __launch_bounds__(256) rope_attend_split_kv(
 
 // One block per (row b, KV head h): the slices' outputs of rope_attend_split merged, each rescaled by
 // exp(its maximum - the largest) and the sum divided by the rescaled sums; only the slices that held columns
-// (start[b] + z CH <= col) are read.
+// (start[b] + z ch <= col, ch from slice_columns as the split kernel took it) are read.
 template <typename T, int G, int D>
 __global__ void __launch_bounds__(256) attend_combine(
     const float* __restrict__ part, const float* __restrict__ pm, const float* __restrict__ pl,
     const long long* __restrict__ start, const long long* __restrict__ colp, T* __restrict__ o,
     int KVH, int NS, int CH) {
   const int bh = blockIdx.x, b = bh / KVH;
-  const int nz = min(NS, ((int)colp[0] - (int)start[b]) / CH + 1);
+  const int len = max((int)colp[0] - (int)start[b] + 1, 1);
+  const int nz = min(NS, (len - 1) / slice_columns(len, NS, CH) + 1);
   const long long base = (long long)bh * NS;
   for (int i = threadIdx.x; i < G * D; i += 256) {
     const int g = i / D;
@@ -437,6 +453,13 @@ def unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype, 
     return None
 
 
+def slices(rows: int, kv_heads: int, columns: int, sms: int) -> int:
+    """Slices per row and KV head of rope_attend's default grid for a cache of `columns` columns on a GPU of
+    `sms` SMs: `SLICE_BLOCKS_PER_SM` blocks for each SM, no more slices than the cache has multiples of
+    `SLICE_COLUMNS` (1: the unsplit kernel, one block per row and KV head)."""
+    return max(1, min(-(-columns // SLICE_COLUMNS), -(-SLICE_BLOCKS_PER_SM * sms // max(1, rows * kv_heads))))
+
+
 def _rows(t: torch.Tensor, width: int, what: str, dtype: torch.dtype = torch.float32) -> int:
     """The row stride of a (B, >= width) CUDA tensor in `dtype` whose rows are contiguous."""
     if t.dim() != 2 or t.shape[1] < width or t.stride(1) != 1 or t.stride(0) >= 2**31 or t.dtype != dtype \
@@ -490,9 +513,11 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     query heads of KV head h are heads h G .. h G + G - 1. The caches are in q's dtype, or in fp16 under fp32
     (`CACHE_TYPES`): then the new column is rounded to fp16 as it is written, and flag (an int32 (1,) CUDA tensor,
     required) gets 1 where a written value is past fp16's range or not finite.
-    A cache longer than `split_columns` (default SPLIT_COLUMNS) is attended in slices of that many columns, one
-    block each, and the slices merged by a second kernel (split-K, as flash-decoding does): one block per row
-    and KV head leaves most SMs idle at long lengths."""
+    The columns are split into slices, a block each, and the slices merged by a second kernel (split-K, as
+    flash-decoding does): one block per row and KV head leaves most SMs idle. By default (`split_columns` None
+    and `SPLIT_COLUMNS` None) the grid has `slices(B, KVH, S, the GPU's SMs)` slices per row and KV head, and
+    each row's columns spread over them (each slice a multiple of `SLICE_COLUMNS`), at every length;
+    `split_columns` n instead cuts the whole cache into fixed slices of n columns (the grid ceil(S / n) of them)."""
     B, KVH, S, D = k_cache.shape
     dt, ct = q.dtype, k_cache.dtype
     if v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous() \
@@ -523,13 +548,18 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
                          f"{tuple(start.shape)} and {col.dtype} {tuple(col.shape)}")
     if split_columns is None:
         split_columns = SPLIT_COLUMNS
-    if split_columns < 1:
+    if split_columns is not None and split_columns < 1:
         raise ValueError(f"rope_attend: split_columns must be positive, got {split_columns}")
     o = torch.empty((B, H * D), dtype=dt, device=q.device)
     if not B:
         return o
     start = start.contiguous()
-    ns = -(-S // split_columns)   # slices of the whole cache: the grid is fixed when a CUDA graph captures it
+    # the grid is fixed when a CUDA graph captures it: it depends on the shapes and the GPU, not on the column
+    if split_columns is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        ns, split_columns = slices(B, KVH, S, sms), SLICE_COLUMNS
+    else:
+        ns = -(-S // split_columns)
     extra = [flag] if mixed else []
     if ns <= 1:
         _kernel(attend_name(group, D, dtype=dt, cache_dtype=ct), q.device)(
@@ -587,5 +617,5 @@ def reference_rope_attend(q, k, v, cos, sin, k_cache, v_cache, start, col, scale
 
 
 __all__ = ["HEAD_DIMS", "KernelUnavailable", "MAX_GROUP", "add_rms_norm", "kernel_names", "reference_add_rms_norm",
-           "reference_rope_attend", "reference_silu_mul", "rope_attend", "shape_reason", "silu_mul",
+           "reference_rope_attend", "reference_silu_mul", "rope_attend", "shape_reason", "silu_mul", "slices",
            "unavailable_reason"]

@@ -207,12 +207,15 @@ def group_pad(group: int) -> int:
 # P V product (256 / D of them per dimension), and the softmax gives each query head of a KV head a warp.
 DECODE_CUDA_HEAD_DIMS = (32, 64, 128, 256)
 DECODE_CUDA_MAX_GROUP = 8
-# rope_attend attends a cache longer than this many columns in slices of it, a block each (split-K), merged by a
-# second kernel: one block per row and KV head (32 at 16 rows of Qwen2.5-1.5B's 2 KV heads) leaves most SMs
-# idle while it walks thousands of columns. 512 is the setting the long-response rows were measured with; slices
-# of 256 measured within a few percent of it, longer ones slower (docs/benchmarks.md, The attention at long
+# rope_attend splits the columns a row sees into slices, a block each (split-K), merged by a second kernel: one
+# block per row and KV head (32 at 16 rows of Qwen2.5-1.5B's 2 KV heads) leaves most SMs idle. The grid has
+# enough slices per row and KV head for this many blocks per SM, and a row's columns spread over them at every
+# length, each slice a multiple of DECODE_CUDA_SLICE_COLUMNS columns. Swept on an H100 (16 and 8 rows; 2, 4 and 8 KV
+# heads; 512 to 8192 columns), the fastest fixed slice at each length gave 256 to 512 blocks, 2 to 4 a SM, where the
+# former fixed slices of 512 columns gave 32 to 128 blocks at 512 columns (docs/benchmarks.md, The attention at long
 # lengths: split over columns).
-DECODE_CUDA_SPLIT_COLUMNS = 512
+DECODE_CUDA_SLICE_BLOCKS_PER_SM = 2
+DECODE_CUDA_SLICE_COLUMNS = 64
 
 
 # The fused NF4 decode kernel (edgerl/kernels/nf4.py) takes a decode step's rows up to this many: per projection

@@ -221,7 +221,7 @@ def fp16_cache_backend(c: "Ctx") -> bool:
 
 
 def _cuda_c_reason(c: "Ctx") -> str:
-    from edgerl.kernels.tiles import DECODE_CUDA_SPLIT_COLUMNS as split, NF4_DECODE_ROWS
+    from edgerl.kernels.tiles import DECODE_CUDA_SLICE_BLOCKS_PER_SM as per_sm, NF4_DECODE_ROWS
     nf4 = (f"; over the NF4 base, decode steps of up to {NF4_DECODE_ROWS} rows multiply through edgerl's fused "
            "NF4 kernel, which reads the 4-bit codes once (bitsandbytes writes and reads a dequantized copy of each "
            "weight)" if c["base_dtype"] == "nf4" else "")
@@ -233,8 +233,8 @@ def _cuda_c_reason(c: "Ctx") -> str:
                + (" (under LoRA each layer's base matmul and adapter in one call)" if c["lora"] else ""))
             if _compute(c) == "fp32" else "")
     return (f"{_compute(c)} on {c.device.sm}: edgerl's CUDA C layer kernels (NVRTC, any CUDA GPU): one rotates q "
-            f"and k, writes the cache column and attends over the columns each row sees (past {split} columns in slices "
-            f"of {split}, a block each, merged by a second kernel), three more add the residual with "
+            f"and k, writes the cache column and attends over the columns each row sees (split into slices, {per_sm} "
+            f"blocks for each SM, merged by a second kernel), three more add the residual with "
             "each RMS norm and compute SiLU * up (about 18 kernels fewer per layer than torch's ops)" + nf4 + fp32
             + "; compiled when the rollout starts" + triton)
 
