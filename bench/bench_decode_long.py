@@ -5,7 +5,10 @@ cache written so far. This bench times one decode step of the static engine at a
 8192 (`--lengths`) for each configuration below, as the plan for its card sets it up today (compute dtype, decode
 backend, rows per rollout pass at that response length: `edgerl.plan.plan`), and reports it as a share of the
 copy bound: (the bytes the step reads) / (the device-to-device copy bandwidth measured in the run) / (the step's
-time).
+time). Where the decode backend is cuda-c, whose kernels compute in fp32 on CUDA cores, it also reports the step's
+FLOPs (2 x rows x each linear layer's in x out, and the attention's q k^T and p v) over the fp32 GEMM rate measured
+in the run, and the step as a share of the roofline, the larger of the two floors: at 16 rows an NF4 weight (half a
+byte) takes 32 fp32 FLOPs, more than a GPU's fp32 rate covers at its bandwidth, so there the FLOPs set the floor.
 
     p40-1.5b-full   Qwen2.5-1.5B widths, full fine-tuning on a P40: fp32 weights and cache, decode backend cuda-c
     p40-1.5b-lora   the same widths with LoRA r=16 over the fp32 base (peft's layers, called as modules)
@@ -147,6 +150,42 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     return {"quantized": quant, "other": other, "total": quant + other}
 
 
+def matmul_flops(model: torch.nn.Module, rows: int) -> int:
+    """FLOPs of a decode step's products over its weights: 2 x rows x (in x out) for each linear layer the step
+    multiplies by (the projections, or under LoRA peft's base layer and its adapter's A and B; the LM head), a
+    4-bit layer at its unpacked size."""
+    return 2 * rows * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def attention_flops(model: torch.nn.Module, rows: int, col: int) -> int:
+    """FLOPs of a decode step's attention at cache column `col`: q k^T and p v, 2 x head dim each, for every query
+    head of every layer over the row's col + 1 columns."""
+    cfg = model.config
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * 2 * rows * cfg.num_hidden_layers * cfg.num_attention_heads * dim * (col + 1)
+
+
+def measure_fp32_rate(device) -> float:
+    """FLOP/s of an IEEE fp32 GEMM (4096 cubed, cuBLAS, no TF32), best of 3 x 5: the rate of the CUDA cores' fp32
+    arithmetic that edgerl's decode kernels compute in (the NF4 and few-row matmuls, the attention)."""
+    from edgerl.device.measure import strict_fp32
+    n = 4096
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    best = 0.0
+    with strict_fp32(torch):
+        a @ b
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                a @ b
+            torch.cuda.synchronize(device)
+            best = max(best, 2 * n ** 3 * 5 / (time.perf_counter() - t0))
+    del a, b
+    return best
+
+
 class Stepper:
     """The engine's sampling decode step at a chosen cache column: replays of its CUDA graph (or eager steps on
     the CPU), timed."""
@@ -225,7 +264,8 @@ class Stepper:
         self.engine.release()
 
 
-def run_config(name: str, args, device: torch.device, bw: float | None, results: list, save) -> None:
+def run_config(name: str, args, device: torch.device, bw: float | None, rate: float | None, results: list,
+               save) -> None:
     card, shape, base = CONFIGS[name] if not args.smoke else ("cpu", "smoke", None)
     if args.smoke:
         widths, rows_by_len = SMOKE_SHAPE, {n: args.rows or 2 for n in args.lengths}
@@ -272,9 +312,14 @@ def run_config(name: str, args, device: torch.device, bw: float | None, results:
                     rec["kv_bytes"] = stepper.kv_bytes(n)
                     rec["bytes"] = wb["total"] + rec["kv_bytes"]
                     rec["kv_share_of_bytes"] = round(rec["kv_bytes"] / rec["bytes"], 3)
+                    rec["flops"] = matmul_flops(model, rows) + attention_flops(model, rows, n)
                     if bw:
                         rec["bound_ms"] = round(1e3 * rec["bytes"] / bw, 4)
                         rec["share_of_bound"] = round(rec["bound_ms"] / rec["ms_per_step"], 4)
+                    if bw and rate and backend == "cuda-c":   # its kernels' arithmetic is fp32 on CUDA cores
+                        rec["flop_ms"] = round(1e3 * rec["flops"] / rate, 4)
+                        rec["roofline_ms"] = max(rec["bound_ms"], rec["flop_ms"])
+                        rec["share_of_roofline"] = round(rec["roofline_ms"] / rec["ms_per_step"], 4)
                     if args.profile and stepper.cuda:
                         rec["kernels"] = stepper.kernels(n)
                 except Exception as e:   # noqa: BLE001
@@ -290,16 +335,18 @@ def run_config(name: str, args, device: torch.device, bw: float | None, results:
 
 def table(results: list, note: str) -> str:
     lines = [note, "", "| configuration | backend | KV cache | rows | cache column | ms per step | weights GB | KV GB "
-             "| of bound |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| of bound | fp32 FLOPs ms | of roofline |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['config']} | {r['backend']} | {r['kv_cache']} | {r['rows']} | {r['length']} | "
-                         f"{r['error'][:100]} ||||")
+                         f"{r['error'][:100]} ||||||")
             continue
         share = f"{100 * r['share_of_bound']:.1f}%" if "share_of_bound" in r else "-"
+        flop = f"{r['flop_ms']:.2f}" if "flop_ms" in r else "-"
+        roof = f"{100 * r['share_of_roofline']:.1f}%" if "share_of_roofline" in r else "-"
         lines.append(f"| {r['config']} | {r['backend']} | {r['kv_cache']} | {r['rows']} | {r['length']} | "
                      f"{r['ms_per_step']:.3f} | "
-                     f"{r['weight_bytes']['total'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} | {share} |")
+                     f"{r['weight_bytes']['total'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} | {share} | {flop} | {roof} |")
     return "\n".join(lines)
 
 
@@ -341,19 +388,22 @@ def main(argv=None) -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     from bench_rollout import measure_bandwidth   # a device-to-device copy's bytes per second
     bw = measure_bandwidth(device) if device.type == "cuda" else None
-    note = (f"{dev_name}: measured device copy {bw / 1e12:.2f} TB/s" if bw else "no bandwidth bound on the CPU")
+    rate = measure_fp32_rate(device) if device.type == "cuda" else None
+    note = (f"{dev_name}: measured device copy {bw / 1e12:.2f} TB/s, fp32 GEMM {rate / 1e12:.1f} TFLOP/s" if bw
+            else "no bandwidth bound on the CPU")
     out = args.out or (os.path.join(os.environ["OUT"], "bench_decode_long.json") if os.environ.get("OUT") else None)
     results: list = []
 
     def save() -> None:
         if out:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(Path(out), json.dumps({"device": dev_name, "bandwidth_bytes_s": bw, "note": note,
+            write_atomically(Path(out), json.dumps({"device": dev_name, "bandwidth_bytes_s": bw, "fp32_flops_s": rate,
+                                                     "note": note,
                                                      "torch": torch.__version__, "args": vars(args),
                                                      "table": table(results, note), "records": results}, indent=1))
 
     for name in names:
-        run_config(name, args, device, bw, results, save)
+        run_config(name, args, device, bw, rate, results, save)
     print("\n" + table(results, note))
     save()
     bad = [f"{r['config']}@{r['length']}" for r in results if "error" in r]

@@ -117,6 +117,22 @@ def test_decode_long_smoke_times_each_length_and_counts_the_cache_each_row_sees(
         assert r["bytes"] == r["weight_bytes"]["total"] + r["kv_bytes"]
 
 
+@pytest.mark.parametrize("base", [None, "lora"])
+def test_decode_long_counts_a_steps_flops_by_its_layers_widths(base):
+    """The FLOP floor's count, against the widths written out: per row and layer q, k, v, o, gate, up and down, the
+    LM head once, under LoRA each adapter's A (r x in) and B (out x r) too; the attention 2 x 2 x head dim a column
+    for each query head."""
+    import torch
+    from bench_decode_long import VOCAB, attention_flops, build, matmul_flops
+    h, layers, heads, kv, mlp = 64, 2, 4, 2, 128
+    model = build((h, layers, heads, kv, mlp, True), torch.float32, base, torch.device("cpu"), 64)
+    hd = h // heads
+    shapes = [(h, heads * hd), (h, kv * hd), (h, kv * hd), (heads * hd, h), (h, mlp), (h, mlp), (mlp, h)]
+    per_layer = sum(i * o for i, o in shapes) + (sum(16 * (i + o) for i, o in shapes) if base else 0)
+    assert matmul_flops(model, 3) == 2 * 3 * (layers * per_layer + h * VOCAB)
+    assert attention_flops(model, 3, 99) == 2 * 2 * 3 * layers * heads * hd * 100
+
+
 def test_decode_long_counts_a_tied_embedding_once_and_an_untied_input_embedding_not_at_all():
     import torch
     from bench_decode_long import build, weight_bytes
