@@ -1,6 +1,6 @@
 """The decode step's attention at long lengths, in fp32 or fp16 (--dtype): edgerl/kernels/decode_cuda.py's
 rope_attend, one block per row and KV head against split into slices of columns (split-K, merged by a second
-kernel), beside the `torch` decode backend's ops over the masked cache (fp32: baddbmm, softmax and bmm; fp16:
+kernel): the engine's default grid (`decode_cuda.slices`) and fixed slices of --splits columns, beside the `torch` decode backend's ops over the masked cache (fp32: baddbmm, softmax and bmm; fp16:
 SDPA, as a Volta or Turing plan decodes), and beside the layer's four matmuls at the same rows, so that the
 attention's share of a decode step shows.
 
@@ -115,7 +115,9 @@ def main():
             kc, vc = caches[0]
             want, _ = k.reference_rope_attend(q, kk, v, cos, sin, kc.clone(), vc.clone(), start, colt, scale)
             row = {"layout": name, "dtype": a.dtype, "col": col, "bound_us": bound, "matmuls_us": mm_us}
-            variants = [("whole", S)] + [(f"split {s}", s) for s in splits if s < S]
+            # "default": the grid the engine launches (decode_cuda.slices: two blocks a SM, each row's columns
+            # spread over them); "split N": fixed slices of N columns
+            variants = [("whole", S), ("default", None)] + [(f"split {s}", s) for s in splits if s < S]
             for label, split in variants:
                 err = (k.rope_attend(q, kk, v, cos, sin, kc, vc, start, colt, scale, split_columns=split).double()
                        - want).abs().max().item()
