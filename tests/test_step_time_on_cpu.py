@@ -59,7 +59,7 @@ def test_time_grows_with_work_and_falls_with_the_card():
 
 def test_decode_reads_weights_and_cache_once_per_step():
     """The rollout is R decode steps of the per-step time: the roofline's bytes at the stated shares (the P40's
-    KV cache in fp16 under fp32 compute: 2 bytes a value, read at the narrow cache's measured share)."""
+    KV cache in fp16 under fp32 compute: 2 bytes a value, read at the backend's share of the bandwidth)."""
     p = _plan("p40", response_len=512, prompts_per_step=2, samples_per_prompt=4)
     assert p.kv_cache_dtype == "fp16"
     r = timing.rates(p.device, "fp32")
@@ -68,7 +68,7 @@ def test_decode_reads_weights_and_cache_once_per_step():
     rows = p.rollout_batch
     cached = p.task.prompt_len + p.task.response_len / 2
     N = timing.matmul_params(m)
-    expect = (N * 4 / (r.bandwidth_gbs * 1e9 * w) + rows * m.kv_bytes_per_token(2) * cached / (r.bandwidth_gbs * 1e9 * timing.NARROW_KV_EFF)
+    expect = (N * 4 / (r.bandwidth_gbs * 1e9 * w) + rows * m.kv_bytes_per_token(2) * cached / (r.bandwidth_gbs * 1e9 * kv)
               + 2 * N * rows / (r.fp32_tflops * 1e12 * f) + timing.GRAPH_STEP_S + timing.GRAPH_LAYER_S * m.num_layers)
     assert timing.decode_step_s(p.model, p.values, r, rows, cached) == pytest.approx(expect)
 

@@ -39,9 +39,6 @@ GRAPH_STEP_S = 25e-6         # one decode step's fixed cost when replayed from a
 GRAPH_LAYER_S = 6e-6
 EAGER_LAYER_S = 120e-6       # a decode step's host launches per layer where no CUDA graph holds it (hf-generate)
 TRAIN_LAYER_S = 1e-3         # a micro-step's launches per layer, forward and backward (plan/search.py's figure)
-# the CUDA C attention's share of the bandwidth over an fp16 cache under fp32 compute (its loads are half as wide),
-# measured at 8K columns: docs/benchmarks.md, Decode step at long lengths
-NARROW_KV_EFF = 0.31
 NF4_BYTES = 0.5 + 4 / 64     # bytes per NF4 weight read by the decode kernel: the codes and an fp32 absmax per 64
 STATE_BYTES = {"adamw": 16, "adamw8bit": 10, "adamw-bf16": 10, "adamw-bf16-sr": 8}   # per trainable parameter
 PCIE_GBS = {3: 12.0, 4: 24.0, 5: 50.0}   # pinned copies per PCIe generation (docs/hardware.md, Host transfers)
@@ -140,10 +137,10 @@ def decode_step_s(model: Any, v: Any, r: Rates, rows: int, cached: float) -> flo
     # the CUDA C kernels compute on CUDA cores in fp32; the others' 16-bit matmuls on tensor cores
     rate = r.fp32_tflops if name.startswith("cuda-c") or compute == "fp32" else r.matmul_tflops
     s = N * (NF4_BYTES if nf4 else cbytes) / (bw * w_eff)
+    # an fp16 cache under fp32 compute is read at the backend's share too (docs/benchmarks.md, The attention at
+    # long lengths: split over columns)
     kv = v.get("kv_cache_dtype")
     kv_bytes = int(nbytes(kv)) if kv else cbytes
-    if kv_bytes < cbytes:
-        kv_eff = NARROW_KV_EFF
     s += rows * model.kv_bytes_per_token(kv_bytes) * cached / (bw * kv_eff)
     s += 2 * N * rows / (rate * 1e12 * f_eff)
     if engine == "static":
