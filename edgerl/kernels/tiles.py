@@ -210,10 +210,10 @@ DECODE_CUDA_MAX_GROUP = 8
 # rope_attend splits the columns a row sees into slices, a block each (split-K), merged by a second kernel: one
 # block per row and KV head (32 at 16 rows of Qwen2.5-1.5B's 2 KV heads) leaves most SMs idle. The grid has
 # enough slices per row and KV head for this many blocks per SM, and a row's columns spread over them at every
-# length, each slice a multiple of DECODE_CUDA_SLICE_COLUMNS columns. Swept on an H100 (16 and 8 rows; 2, 4 and 8 KV
-# heads; 512 to 8192 columns), the fastest fixed slice at each length gave 256 to 512 blocks, 2 to 4 a SM, where the
-# former fixed slices of 512 columns gave 32 to 128 blocks at 512 columns (docs/benchmarks.md, The attention at long
-# lengths: split over columns).
+# length, each slice a multiple of DECODE_CUDA_SLICE_COLUMNS columns. Swept on an H100 (16 and 8 rows; 2, 4 and 8
+# KV heads; 512 to 8192 columns), the fastest fixed slice at each length gave 128 to 512 blocks, mostly 2 to 4 a
+# SM, where the former fixed slices of 512 columns gave 32 to 128 blocks at 512 columns; two blocks a SM beat three
+# and four at the fp32 plans' heads (docs/benchmarks.md, The attention at long lengths: split over columns).
 DECODE_CUDA_SLICE_BLOCKS_PER_SM = 2
 DECODE_CUDA_SLICE_COLUMNS = 64
 
