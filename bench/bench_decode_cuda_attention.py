@@ -1,8 +1,9 @@
 """The decode step's attention at long lengths, in fp32 or fp16 (--dtype): edgerl/kernels/decode_cuda.py's
 rope_attend, one block per row and KV head against split into slices of columns (split-K, merged by a second
-kernel): the engine's default grid (`decode_cuda.slices`) and fixed slices of --splits columns, beside the `torch` decode backend's ops over the masked cache (fp32: baddbmm, softmax and bmm; fp16:
-SDPA, as a Volta or Turing plan decodes), and beside the layer's four matmuls at the same rows, so that the
-attention's share of a decode step shows.
+kernel): the engine's default grid (`decode_cuda.slices`) and fixed slices of --splits columns, beside the
+`torch` decode backend's ops over the masked cache (fp32: baddbmm, softmax and bmm; fp16: SDPA, as a Volta or
+Turing plan decodes), and beside the layer's four matmuls at the same rows, so that the attention's share of a
+decode step shows.
 
 For each head layout (Qwen2.5-1.5B: 2 KV heads of 6 queries; Qwen2.5-7B: 4 of 7; Llama-3.1-8B: 8 of 4; head
 size 128), 16 rows, a cache of --cache columns (what a rollout of that many tokens allocates), the new column

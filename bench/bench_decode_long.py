@@ -346,7 +346,8 @@ def table(results: list, note: str) -> str:
         roof = f"{100 * r['share_of_roofline']:.1f}%" if "share_of_roofline" in r else "-"
         lines.append(f"| {r['config']} | {r['backend']} | {r['kv_cache']} | {r['rows']} | {r['length']} | "
                      f"{r['ms_per_step']:.3f} | "
-                     f"{r['weight_bytes']['total'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} | {share} | {flop} | {roof} |")
+                     f"{r['weight_bytes']['total'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} | {share} | {flop} | "
+                     f"{roof} |")
     return "\n".join(lines)
 
 

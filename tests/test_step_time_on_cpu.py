@@ -68,7 +68,8 @@ def test_decode_reads_weights_and_cache_once_per_step():
     rows = p.rollout_batch
     cached = p.task.prompt_len + p.task.response_len / 2
     N = timing.matmul_params(m)
-    expect = (N * 4 / (r.bandwidth_gbs * 1e9 * w) + rows * m.kv_bytes_per_token(2) * cached / (r.bandwidth_gbs * 1e9 * kv)
+    expect = (N * 4 / (r.bandwidth_gbs * 1e9 * w)
+              + rows * m.kv_bytes_per_token(2) * cached / (r.bandwidth_gbs * 1e9 * kv)
               + 2 * N * rows / (r.fp32_tflops * 1e12 * f) + timing.GRAPH_STEP_S + timing.GRAPH_LAYER_S * m.num_layers)
     assert timing.decode_step_s(p.model, p.values, r, rows, cached) == pytest.approx(expect)
 
