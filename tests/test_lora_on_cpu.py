@@ -226,7 +226,9 @@ def test_recommend_lora_shows_the_adapter_row():
     res = CliRunner().invoke(app, ["recommend", "--gpu", "p40", "-m", "qwen2.5-1.5b", "--lora"],
                              env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
-    row = next(line for line in res.output.splitlines() if line.lstrip("│ ").startswith("LoRA "))
+    # the row whose first cell is "LoRA" (another row's wrapped reason may begin with the word)
+    cells = [line.split("│") for line in res.output.splitlines()]
+    row = "│".join(next(c for c in cells if len(c) > 2 and c[1].strip() == "LoRA"))
     assert "r=16" in row and "trainable parameters" in row and "saves" in row
 
 
