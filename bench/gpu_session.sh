@@ -52,7 +52,8 @@
 #   qlora 400      qwen7b-p40 against TRL's QLoRA, and llama8b-t4 edgerl only (GROUP:edgerl)
 #   tests-nf4 120   tests/test_nf4_kernel_cuda.py tests/test_decode_cuda_kernels_cuda.py (the NVRTC kernels)
 #   attn-long 150   the decode kernels' CUDA tests (fp32 and fp16), then bench_decode_cuda_attention: the attention
-#                   kernel whole and split into slices of columns, at 256-8192 columns, beside torch's ops
+#                   kernel whole, on the engine's default grid and in fixed slices of columns, at 256-8192 columns,
+#                   beside torch's ops
 #                   (ATTN_ARGS: more options, e.g. --dtype fp16)
 #   fp16-decode 560 the CUDA C decode kernels in fp16 (what a T4 or V100 plan decodes through):
 #                   their CUDA tests and the NF4 kernel's, the attention against torch's fp16 SDPA, the NF4 decode
@@ -77,7 +78,8 @@
 #                   the stop that names the layer)
 #   decode-long 300 bench_decode_long --profile: the decode step at cache columns 512, 2048 and 8192 for the P40 1.5B
 #                   full, P40 7B NF4 and T4 8B NF4 plans (their rows, dtype and decode backend), against the bytes it
-#                   reads as a share of the measured copy bound (DECODE_LONG_ARGS: more options, e.g. --configs)
+#                   reads as a share of the measured copy bound, and its fp32 FLOPs at the measured fp32 GEMM rate
+#                   (DECODE_LONG_ARGS: more options, e.g. --configs)
 #   fp32-mm 420     the fp32 few-row matmul (edgerl/kernels/fp32_mm.py): its CUDA tests and the cuda-c engine's, then
 #                   bench_fp32_mm --sweep (each projection against cuBLAS at 16, 8 and 1 rows), then bench_decode_long
 #                   --matmul plan,cublas for the P40 1.5B plan (FP32_MM_ARGS: more bench_decode_long options)
