@@ -45,6 +45,7 @@ from .nvrtc import KernelUnavailable, kernel
 from .tiles import DECODE_CUDA_HEAD_DIMS as HEAD_DIMS, DECODE_CUDA_MAX_GROUP as MAX_GROUP
 from .tiles import DECODE_CUDA_SLICE_BLOCKS_PER_SM as SLICE_BLOCKS_PER_SM, DECODE_CUDA_SLICE_COLUMNS as SLICE_COLUMNS
 from .tiles import decode_cuda_shape_reason as shape_reason
+from .triton_impl import _device_limits   # (smem, CC, SM count) of a device, cached; no Triton import
 
 SPLIT_COLUMNS: Optional[int] = None   # fixed slices of this many columns in place of `slices` (None: `slices`)
 
@@ -555,11 +556,10 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         return o
     start = start.contiguous()
     # the grid is fixed when a CUDA graph captures it: it depends on the shapes and the GPU, not on the column
-    if split_columns is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        ns, split_columns = slices(B, KVH, S, sms), SLICE_COLUMNS
+    if split_columns is None:   # the slices' columns a multiple of `quantum`, at least one of it
+        ns, quantum = slices(B, KVH, S, _device_limits(q.device)[2]), SLICE_COLUMNS
     else:
-        ns = -(-S // split_columns)
+        ns, quantum = -(-S // split_columns), split_columns
     extra = [flag] if mixed else []
     if ns <= 1:
         _kernel(attend_name(group, D, dtype=dt, cache_dtype=ct), q.device)(
@@ -572,9 +572,9 @@ def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     _kernel(attend_name(group, D, split=True, dtype=dt, cache_dtype=ct), q.device)(
         grid=(B * KVH, ns, 1), block=(THREADS, 1, 1),
         args=[q, k, v, sq, sk, sv, cos, sin, k_cache, v_cache, start, col, part, KVH, S, float(scale),
-              int(split_columns), pm, pl] + extra)
+              int(quantum), pm, pl] + extra)
     _kernel(combine_name(group, D, dt), q.device)(
-        grid=(B * KVH, 1, 1), block=(THREADS, 1, 1), args=[part, pm, pl, start, col, o, KVH, ns, int(split_columns)])
+        grid=(B * KVH, 1, 1), block=(THREADS, 1, 1), args=[part, pm, pl, start, col, o, KVH, ns, int(quantum)])
     return o
 
 
