@@ -154,7 +154,8 @@ def test_fused_nf4_kernel_compiles_or_doctor_says_what_qlora_loses(monkeypatch, 
     seen = nvrtc_compiles
     r = fake_probe("P40", bitsandbytes="0.50.2")
     c = checks_for(r)["fused NF4 kernel"]
-    assert c.status == "ok" and "sm_61" in c.detail and (["nf4_mm<float, 16, 2>", "nf4_sum<float>"], (6, 1)) in seen
+    assert c.status == "ok" and "sm_61" in c.detail
+    assert (["nf4_mm<float, 16, 2>", "splits_sum<float>"], (6, 1)) in seen
     assert "fused NF4 kernel" not in checks_for(r, simulated=True)   # a simulated GPU: NVRTC here is not its
     assert "fused NF4 kernel" not in checks_for(fake_probe("P40"))   # no bitsandbytes: no NF4 base to serve
     t4 = fake_probe("T4", bitsandbytes="0.50.2")   # an fp16 QLoRA plan through the cuda-c layers: the fp16 kernels
@@ -163,7 +164,8 @@ def test_fused_nf4_kernel_compiles_or_doctor_says_what_qlora_loses(monkeypatch, 
                  {"base_dtype": "nf4", "decode_backend": "cuda-c"})
     c = next(x for x in run_checks(t4.primary, t4, asked, FakeEnv()) if x.name == "fused NF4 kernel")
     assert c.status == "ok" and "in fp16" in c.detail and "this plan uses it" in c.detail
-    assert (["nf4_mm<h16, 16, 2>", "nf4_sum<h16>"], (7, 5)) in seen
+    # fp16 on tensor cores too
+    assert (["nf4_mm<h16, 16, 2>", "splits_sum<h16>", "nf4_mma<4>"], (7, 5)) in seen
 
     def broken(src, names, cc):
         raise nvrtc.KernelUnavailable("no NVRTC library found")

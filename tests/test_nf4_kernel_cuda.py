@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
 bnb = pytest.importorskip("bitsandbytes", reason="NF4 weights come from bitsandbytes' quantizer")
 
 from edgerl.models import quant_decode  # noqa: E402
+from edgerl.kernels import nf4  # noqa: E402
 from edgerl.kernels.nf4 import nf4_matmul, reference  # noqa: E402
 
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}   # of the output's largest value
@@ -154,3 +155,60 @@ def test_every_split_of_k_gives_the_same_sums(splits, with_lora):
     got = nf4_matmul(x, packed, state, lora=lora, splits=splits)
     want = reference(x, packed, state, lora=lora)
     assert (got - want).abs().max().item() <= TOL[torch.float32] * want.abs().max().item() * 3584 ** 0.5
+
+
+needs_mma = pytest.mark.skipif(torch.cuda.get_device_capability() < (7, 5),
+                               reason="the tensor-core kernel needs CC 7.5 (mma.sync m16n8k8)")
+
+
+@needs_mma
+@pytest.mark.parametrize("n,k,m", [(40, 256, 1), (513, 1024, 3), (7, 64, 16), (300, 2112, 17), (3584, 3584, 16),
+                                   (1000, 4160, 9)])
+@pytest.mark.parametrize("nested,blocksize", [(True, 64), (False, 64), (True, 128)])
+def test_the_tensor_core_kernel_equals_the_reference_with_fp16_codes(n, k, m, nested, blocksize):
+    """fp16 x on tensor cores: the codes as fp16 values, times their fp32 block scales, products and sums in fp32;
+    against the reference with that table, within the output's fp16 rounding (and sums in another order), at
+    every split. K % 128 == 64 (2112, 4160), rows of W past a warp's 32 and x's past 16. The weight it multiplies
+    is as near the exact one as bitsandbytes' fp16 weight: each value within 2^-11 of it, relatively."""
+    packed, state = quantized(n, k, nested, blocksize, seed=n)
+    x = torch.randn(m, k, device="cuda").half()
+    bias = torch.randn(n, device="cuda").half() if n % 2 else None
+    want = reference(x, packed, state, bias, fp16_codes=True).float()
+    for splits in (None, 1, 3):
+        got = nf4_matmul(x, packed, state, bias, splits=splits, mma=True)
+        assert got.dtype == torch.float16 and got.shape == (m, n)
+        assert (got.float() - want).abs().max().item() <= 1e-3 * want.abs().max().item()
+    assert torch.equal(got, nf4_matmul(x, packed, state, bias, splits=3, mma=True))
+    exact = nf4.dequantize_reference(packed, state).double()
+    for w in (nf4.dequantize_reference(packed, state, fp16_codes=True), exact.half()):   # ours, bitsandbytes'
+        assert ((w.double() - exact).abs() <= 2 ** -11 * exact.abs() + 1e-7).all()
+
+
+@needs_mma
+@pytest.mark.parametrize("n,k,m,rank", [(64, 256, 1, 8), (3584, 3584, 16, 16), (513, 1024, 3, 65), (40, 576, 17, 200)])
+def test_the_tensor_core_kernel_adds_a_lora_adapter_in_fp32(n, k, m, rank):
+    packed, state = quantized(n, k)
+    x = torch.randn(m, k, device="cuda").half()
+    a, b = torch.randn(rank, k, device="cuda") / k ** 0.5, torch.randn(n, rank, device="cuda")
+    bias = torch.randn(n, device="cuda").half()
+    want = reference(x, packed, state, bias, (a, b, 0.5), fp16_codes=True).float()
+    for splits in (None, 1, 2):
+        got = nf4_matmul(x, packed, state, bias, (a, b, 0.5), splits=splits, mma=True).float()
+        assert (got - want).abs().max().item() <= 1e-3 * want.abs().max().item()
+
+
+@needs_mma
+def test_the_tensor_core_kernel_is_the_default_for_fp16_and_replays_in_a_graph():
+    packed, state = quantized(768, 2048)
+    x = torch.randn(16, 2048, device="cuda").half()
+    assert torch.equal(nf4_matmul(x, packed, state), nf4_matmul(x, packed, state, mma=True))
+    with pytest.raises(ValueError, match="mma=True takes fp16 x"):
+        nf4_matmul(x.float(), packed, state, mma=True)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = nf4_matmul(x, packed, state)
+    x.copy_(torch.randn(16, 2048, device="cuda").half())
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, nf4_matmul(x.clone(), packed, state))

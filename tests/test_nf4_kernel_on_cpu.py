@@ -4,6 +4,7 @@ itself needs CUDA: tests/test_nf4_kernel_cuda.py)."""
 import pytest
 import torch
 
+from edgerl.doctor.kernel_refs import NF4_CODE
 from edgerl.kernels import nf4
 
 bnb = pytest.importorskip("bitsandbytes", reason="NF4 weights come from bitsandbytes' quantizer")
@@ -167,11 +168,11 @@ def test_kernels_are_compiled_once_per_source_name_and_device(monkeypatch):
                         {names[0]: types.SimpleNamespace()})
     monkeypatch.setattr(nf4, "blocks_per_sm", lambda k, threads: occupancy.append(threads) or 3)
     dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    a = nf4._kernel("nf4_sum<float>", dev0)
-    assert nf4._kernel("nf4_sum<float>", dev0) is a and a.slots_per_sm == 3
-    assert nf4._kernel("nf4_sum<float>", dev1) is not a
-    assert nvrtc.kernel("other source", "nf4_sum<float>", dev0) is not a
-    assert loads == [("nf4_sum<float>", 0), ("nf4_sum<float>", 1), ("nf4_sum<float>", 0)]
+    a = nf4._kernel("splits_sum<float>", dev0)
+    assert nf4._kernel("splits_sum<float>", dev0) is a and a.slots_per_sm == 3
+    assert nf4._kernel("splits_sum<float>", dev1) is not a
+    assert nvrtc.kernel("other source", "splits_sum<float>", dev0) is not a
+    assert loads == [("splits_sum<float>", 0), ("splits_sum<float>", 1), ("splits_sum<float>", 0)]
     assert occupancy == [256, 256]
 
 
@@ -195,3 +196,83 @@ def test_the_kernel_check_compares_in_ieee_fp32_even_where_the_process_allows_tf
         assert seen == ["ieee"] * 4 and torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
         torch.backends.cuda.matmul.fp32_precision = before
+
+
+def _mma_m16n8k8(c, a, b):
+    """PTX's mma.m16n8k8 (.row.col, fp16 in, fp32 sums) from the lanes' fragments: a[lane] = (a0, a1, a2, a3)
+    holds A[g][2q + i] (i < 2) and A[g + 8][2q + i - 2], b[lane] = (b0, b1) holds B[2q + i][g], c[lane] the
+    four sums at rows g, g, g + 8, g + 8 and columns 2q, 2q + 1 (g = lane / 4, q = lane % 4)."""
+    A, B = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(8, 8, dtype=torch.float64)
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        for i in range(4):
+            A[g + 8 * (i // 2), 2 * q + i % 2] = a[lane][i]
+        for i in range(2):
+            B[2 * q + i, g] = b[lane][i]
+    C = A @ B
+    return [[c[lane][i] + C[lane // 4 + 8 * (i // 2), 2 * (lane % 4) + i % 2].item() for i in range(4)]
+            for lane in range(32)]
+
+
+def test_the_tensor_core_kernels_fragments_hold_the_same_columns_of_k():
+    """nf4_mma's lanes, step by step as the source indexes them: lane (g, q) loads columns k + 16 q .. + 15 of
+    row g of a tile of W and of rows g and g + 8 of x, and mma j takes their pair j; the sums it leaves in each
+    lane's four accumulators are x W^T at the rows and columns the kernel writes them to."""
+    g0 = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (16, 256), generator=g0).double()
+    w = torch.randint(-3, 4, (8, 256), generator=g0).double()   # one tile of 8 rows of W
+    acc = [[0.0] * 4 for _ in range(32)]
+    for step in range(256 // nf4.MMA_STEP):
+        for j in range(8):
+            a, b = [], []
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                k = step * nf4.MMA_STEP + 16 * q + 2 * j
+                a.append((x[g, k], x[g, k + 1], x[g + 8, k], x[g + 8, k + 1]))
+                b.append((w[g, k], w[g, k + 1]))
+            acc = _mma_m16n8k8(acc, a, b)
+    want = x @ w.T
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        for i in range(4):
+            assert acc[lane][i] == want[g + 8 * (i >> 1), 2 * q + (i & 1)].item()
+
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    """PTX's prmt.b32 (no mode): byte i of the result is byte c[4i+2:4i] of the 8 bytes (b:a), or that byte's sign
+    copied over 8 bits where c's bit 4i+3 is set."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = src[sel & 7]
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def test_the_tensor_core_kernels_register_table_decodes_every_code():
+    """decode8 of the source, instruction by instruction: every byte of codes, in each position of a word, becomes
+    the fp16 values of its two codes (high nibble first) from the table's low and high bytes."""
+    for name in ("0xD9C8u", "0x4051u", "0x6273u", "0x7777u"):   # the constants below are the source's
+        assert name in nf4.SOURCE
+    table = [h & 0xFFFF for h in torch.tensor(NF4_CODE).half().view(torch.int16).tolist()]
+    tl = [sum((table[4 * i + j] & 0xFF) << (8 * j) for j in range(4)) for i in range(4)]
+    th = [sum((table[4 * i + j] >> 8) << (8 * j) for j in range(4)) for i in range(4)]
+    g = torch.Generator().manual_seed(0)
+    words = [int(v) for v in torch.randint(0, 2 ** 32, (2000,), generator=g, dtype=torch.int64)]
+    words += [b * 0x01010101 for b in range(256)]
+    for w in words:
+        out = []
+        for half in range(2):
+            v = (w >> 16) if half else w
+            s = v & 0x7777
+            m = _prmt((v << 4) & 0xFFFFFFFF, v, 0xD9C8)
+            lo = (_prmt(tl[0], tl[1], s) & ~m & 0xFFFFFFFF) | (_prmt(tl[2], tl[3], s) & m)
+            hi = (_prmt(th[0], th[1], s) & ~m & 0xFFFFFFFF) | (_prmt(th[2], th[3], s) & m)
+            out += [_prmt(lo, hi, 0x4051), _prmt(lo, hi, 0x6273)]
+        for b in range(4):
+            byte = (w >> (8 * b)) & 0xFF
+            assert out[b] == table[byte >> 4] | table[byte & 15] << 16, (hex(w), b)

@@ -70,7 +70,8 @@ def test_the_decode_layer_kernels_compile_for_every_architecture(cc, dtype):
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
 def test_the_nf4_kernels_compile_for_every_architecture(cc):
     _targets(cc)
-    names = [n for dt in (torch.float32, torch.float16, torch.bfloat16) for n in nf4.decode_kernels(dt)]
+    names = sorted({n for dt in (torch.float32, torch.float16, torch.bfloat16) for n in nf4.decode_kernels(dt, cc)})
+    assert (f"nf4_mma<{nf4.MMA_WARPS}>" in names) == (cc >= (7, 5))   # fp16 on tensor cores from Turing
     if cc == ARCHS[0]:   # every tile of rows and of W's rows per lane a call may take, on the oldest card
         names += [nf4.mm_name(dt, rows, r) for dt in (torch.float32, torch.float16) for rows in (1, 2, 4, 8, 16)
                   for r in (1, 2)]

@@ -96,7 +96,7 @@ def check_nf4_kernel(dev: Device, plan: Optional[Plan], simulated: bool) -> Opti
     from edgerl.plan.dtypes import torch_dtype
     compute = plan.dtype.compute if needed else "fp32"   # the plan's, else what an fp32 QLoRA plan would use
     try:
-        compile_cubin(SOURCE, decode_kernels(torch_dtype(compute)), dev.cc)
+        compile_cubin(SOURCE, decode_kernels(torch_dtype(compute), dev.cc), dev.cc)
     except (KernelUnavailable, OSError, AttributeError) as e:
         then = ("training with this plan stops at its start" if needed else
                 "a QLoRA plan in fp32 needs plan.decode_backend=torch here (bitsandbytes' own matmul, slower)")

@@ -26,6 +26,15 @@ scale * (x A^T) B^T joins the second kernel's sum; no kernel of its own (docs/be
 A first version (a warp per 8 K-chunked rows, x chunks behind a block barrier) was barely ahead of bitsandbytes
 (docs/lab-log.md, 2026-12-01, NF4 kernel versions; this one: docs/benchmarks.md, Fused NF4 decode kernel).
 
+fp16 x on CC 7.5 and up (a T4's fp16 plan; Ampere and later in fp16; not a V100, whose tensor cores lack
+mma.sync m16n8k8) goes to a second kernel, `nf4_mma`, on tensor cores (`tensor_cores`): at 16 rows the fp32 kernel's 32 fp32 FLOPs a 4-bit weight take
+longer than reading the weight on such cards (a T4: 8.1 TFLOP/s of fp32 against 320 GB/s, 25 FLOPs a byte; the
+weight is 64 FLOPs a byte), while mma.sync multiplies fp16 at several times that rate. It decodes each code to
+its value in fp16 (the code table rounded to fp16), multiplies 64 columns of K at a time on tensor cores with
+fp32 sums, and scales each step's sums by the rows' fp32 block scales: W[n, k] counts as fp16(code) x absmax,
+each value within 2^-11 of the exact weight, relatively, as bitsandbytes' own fp16 weight (code x absmax rounded
+to fp16) is. `reference(..., fp16_codes=True)` is that formula; a LoRA adapter's x A^T stays in fp32.
+
 Compiled at run time with NVRTC (`nvrtc.py`) for the GPU's own architecture: CC 6.0 and up with a
 CUDA 12 torch, 7.5 and up with CUDA 13.
 """
@@ -40,11 +49,11 @@ from .nvrtc import KernelUnavailable, blocks_per_sm, kernel
 
 MAX_ROWS_PER_BLOCK = 16
 WARPS = 8
-SUM_ROWS = 4       # rows of x per block of nf4_sum (the source's SUM_ROWS)
-MAX_ROWS = 65535   # rows of x one call takes (nf4_mm's grid has a block row per 16 rows, nf4_sum per 4)
-MAX_RANK = 256   # a LoRA adapter's rank the kernels take (nf4_sum stages x A^T in 256 floats of shared memory)
+SUM_ROWS = 4       # rows of x per block of splits_sum (the source's SUM_ROWS)
+MAX_ROWS = 65535   # rows of x one call takes (nf4_mm's grid has a block row per 16 rows, splits_sum per 4)
+MAX_RANK = 256   # a LoRA adapter's rank the kernels take (splits_sum stages x A^T in 256 floats of shared memory)
 
-SOURCE = r"""
+COMMON = r"""
 typedef unsigned char u8;
 typedef unsigned short u16;
 struct h16 { u16 v; };
@@ -61,6 +70,80 @@ __device__ __forceinline__ void st(b16* p, float f) {   // round to nearest even
   unsigned u = __float_as_uint(f);
   p->v = (f != f) ? (u16)0x7fc0 : (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
 
+"""
+
+# The splits' partial sums added up with the bias and a LoRA adapter's term (fp32_mm.py launches it too).
+SUM_SOURCE = r"""
+// The partial sums of the splits added up, the bias, and a LoRA adapter's share scale * t B[n]^T, with
+// t = x A^T summed from its own partials (columns N.. of the workspace) into shared memory first. Block:
+// 256 output columns of SUM_ROWS rows of x. A thread reads its column's row of B once, four floats at a
+// time, for all its rows (the first version, a block per row reading B one float at a time, waited on
+// those loads in turn: docs/lab-log.md, Figures from earlier code comments). Every output's sum runs in the same order as before:
+// the splits in turn, the bias, then scale * sum_j t[j] B[n, j] over j in turn.
+#define SUM_ROWS 4
+template <typename T>
+__global__ void __launch_bounds__(256) splits_sum(const float* __restrict__ ws, const T* __restrict__ bias,
+                                                  T* __restrict__ y, int M, int N, int splits, int has_bias,
+                                                  const float* __restrict__ lb, int rank, double lscale, int wsn) {
+  __shared__ __align__(16) float t[SUM_ROWS * 256];
+  const int m0 = blockIdx.y * SUM_ROWS, n = blockIdx.x * 256 + threadIdx.x;
+  for (int i = threadIdx.x; i < SUM_ROWS * rank; i += 256) {
+    const int m = i / rank, j = i - m * rank;
+    float v = 0.f;
+    if (m0 + m < M)
+      for (int s = 0; s < splits; ++s) v += ws[((long long)s * M + m0 + m) * wsn + N + j];
+    t[m * 256 + j] = v;
+  }
+  __syncthreads();
+  if (n >= N) return;
+  float v[SUM_ROWS], l[SUM_ROWS];
+#pragma unroll
+  for (int m = 0; m < SUM_ROWS; ++m) {
+    v[m] = 0.f;
+    l[m] = 0.f;
+  }
+  for (int s = 0; s < splits; ++s) {
+#pragma unroll
+    for (int m = 0; m < SUM_ROWS; ++m)
+      if (m0 + m < M) v[m] += ws[((long long)s * M + m0 + m) * wsn + n];
+  }
+  if (rank) {
+    const float* b = lb + (long long)n * rank;
+    const bool vec = (rank & 3) == 0;   // then B's rows are 16-byte aligned (cudaMalloc'd, rank a multiple of 4)
+    for (int j = 0; j < rank; j += 4) {
+      float4 bv;
+      if (vec) {
+        bv = *(const float4*)&b[j];
+      } else {
+        bv.x = b[j];
+        bv.y = j + 1 < rank ? b[j + 1] : 0.f;
+        bv.z = j + 2 < rank ? b[j + 2] : 0.f;
+        bv.w = j + 3 < rank ? b[j + 3] : 0.f;
+      }
+#pragma unroll
+      for (int m = 0; m < SUM_ROWS; ++m) {
+        const float* tm = t + m * 256 + j;
+        float a = fmaf(tm[0], bv.x, l[m]);
+        if (j + 1 < rank) a = fmaf(tm[1], bv.y, a);
+        if (j + 2 < rank) a = fmaf(tm[2], bv.z, a);
+        if (j + 3 < rank) a = fmaf(tm[3], bv.w, a);
+        l[m] = a;
+      }
+    }
+  }
+  const float hb = has_bias ? ld(bias + n) : 0.f;
+#pragma unroll
+  for (int m = 0; m < SUM_ROWS; ++m) {
+    if (m0 + m >= M) break;
+    float o = v[m];
+    if (has_bias) o += hb;
+    if (rank) o += (float)lscale * l[m];
+    st(y + (long long)(m0 + m) * N + n, o);
+  }
+}
+"""
+
+SOURCE = COMMON + r"""
 // A warp's 64 columns of the MT rows of x from column k, into its shared-memory stage (zeros past row M).
 template <typename T, int MT>
 __device__ __forceinline__ void stage_x(float* xs, const T* __restrict__ x, int M, int K, int m0, int k, int lane) {
@@ -77,10 +160,10 @@ __device__ __forceinline__ void stage_x(float* xs, const T* __restrict__ x, int 
 // (64 codes each) of split blockIdx.z; warp w takes every 8th step. x is staged per warp (no block barrier
 // in the loop) and read by all lanes at one address (a broadcast). The warps' partial sums meet in shared
 // memory at the end; with more than one split, or a LoRA adapter, each split writes fp32 partials (rows of
-// `wsn` columns) that nf4_sum adds up.
+// `wsn` columns) that splits_sum adds up.
 // A LoRA adapter's x A^T rides along as `rank` more rows of W, in fp32: the blocks past the weight's last
 // (blockIdx.x >= N tiles) multiply by rows of A (r, K) instead of decoded codes and write their partials
-// in columns N.. of the same rows, which nf4_sum adds up before it multiplies by B. A separate kernel for
+// in columns N.. of the same rows, which splits_sum adds up before it multiplies by B. A separate kernel for
 // x A^T (cuBLAS: a split-K GEMM and its reduction) cost more (docs/lab-log.md, 2026-12-01, NF4 kernel versions).
 template <typename T, int MT, int R>
 __global__ void __launch_bounds__(256) nf4_mm(
@@ -217,74 +300,192 @@ __global__ void __launch_bounds__(256) nf4_mm(
   }
 }
 
-// The partial sums of the splits added up, the bias, and a LoRA adapter's share scale * t B[n]^T, with
-// t = x A^T summed from its own partials (columns N.. of the workspace) into shared memory first. Block:
-// 256 output columns of SUM_ROWS rows of x. A thread reads its column's row of B once, four floats at a
-// time, for all its rows (the first version, a block per row reading B one float at a time, waited on
-// those loads in turn: docs/lab-log.md, Figures from earlier code comments). Every output's sum runs in the same order as before:
-// the splits in turn, the bias, then scale * sum_j t[j] B[n, j] over j in turn.
-#define SUM_ROWS 4
-template <typename T>
-__global__ void __launch_bounds__(256) nf4_sum(const float* __restrict__ ws, const T* __restrict__ bias,
-                                               T* __restrict__ y, int M, int N, int splits, int has_bias,
-                                               const float* __restrict__ lb, int rank, double lscale, int wsn) {
-  __shared__ __align__(16) float t[SUM_ROWS * 256];
-  const int m0 = blockIdx.y * SUM_ROWS, n = blockIdx.x * 256 + threadIdx.x;
-  for (int i = threadIdx.x; i < SUM_ROWS * rank; i += 256) {
-    const int m = i / rank, j = i - m * rank;
-    float v = 0.f;
-    if (m0 + m < M)
-      for (int s = 0; s < splits; ++s) v += ws[((long long)s * M + m0 + m) * wsn + N + j];
-    t[m * 256 + j] = v;
-  }
-  __syncthreads();
-  if (n >= N) return;
-  float v[SUM_ROWS], l[SUM_ROWS];
+// fp16 x on tensor cores (CC 7.5 and up): y = x W^T by mma.sync m16n8k8 (fp16 in, fp32 sums). A step is 64
+// columns of K, inside one block of scales (the block size is 64 or a larger power of two): the step's 4-bit codes
+// become their fp16 values (the code table rounded to fp16), multiply x over the step on tensor cores, and the
+// step's sums times each row's fp32 block scale join fp32 accumulators. So W[n, k] counts as fp16(code) x scale,
+// as near the exact weight as bitsandbytes' fp16 weight (code x scale rounded to fp16), for one multiply a row a
+// step instead of one a weight.
+// Block: MW warps; warp w owns 32 rows of W (four tiles of 8) and 16 rows of x from m0, and walks the steps of
+// split blockIdx.z. K is permuted inside a step so that loads stay wide: lane (g = lane / 4, q = lane % 4) reads
+// 16 consecutive codes of row g of each tile (8 bytes) and 16 consecutive columns of rows g and g + 8 of x, all
+// from column k + 16 q; mma j of the step (j < 8) takes their pair j, so its A and B fragments hold the same
+// columns of K. Blocks past the weight's tiles (blockIdx.x >= wtiles) multiply x by ATILE rows of a LoRA adapter's A
+// in fp32, their partials in columns N.. of the workspace.
+__device__ __forceinline__ u16 f2h(float f) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float h2f(unsigned h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)h)); return f; }
+__device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// prmt.b32 d, a, b, c: byte i of d is byte c[4i+2:4i] of the 8 bytes (b:a), or, where c's bit 4i+3 is set, that
+// byte's sign bit copied over all 8 bits.
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned c) {
+  unsigned d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d; }
+
+// The fp16 values of the 8 codes of `w` (byte b: code 2 b in the high nibble, 2 b + 1 in the low) as 4 words:
+// out[b] = value[code 2 b] | value[code 2 b + 1] << 16, from the table's low bytes tl and high bytes th (entry
+// 4 i + j in byte j of word i): in registers, eleven integer instructions for four codes, no memory.
+__device__ __forceinline__ void decode8(unsigned w, const unsigned (&tl)[4], const unsigned (&th)[4],
+                                        unsigned (&out)[4]) {
 #pragma unroll
-  for (int m = 0; m < SUM_ROWS; ++m) {
-    v[m] = 0.f;
-    l[m] = 0.f;
-  }
-  for (int s = 0; s < splits; ++s) {
-#pragma unroll
-    for (int m = 0; m < SUM_ROWS; ++m)
-      if (m0 + m < M) v[m] += ws[((long long)s * M + m0 + m) * wsn + n];
-  }
-  if (rank) {
-    const float* b = lb + (long long)n * rank;
-    const bool vec = (rank & 3) == 0;   // then B's rows are 16-byte aligned (cudaMalloc'd, rank a multiple of 4)
-    for (int j = 0; j < rank; j += 4) {
-      float4 bv;
-      if (vec) {
-        bv = *(const float4*)&b[j];
-      } else {
-        bv.x = b[j];
-        bv.y = j + 1 < rank ? b[j + 1] : 0.f;
-        bv.z = j + 2 < rank ? b[j + 2] : 0.f;
-        bv.w = j + 3 < rank ? b[j + 3] : 0.f;
-      }
-#pragma unroll
-      for (int m = 0; m < SUM_ROWS; ++m) {
-        const float* tm = t + m * 256 + j;
-        float a = fmaf(tm[0], bv.x, l[m]);
-        if (j + 1 < rank) a = fmaf(tm[1], bv.y, a);
-        if (j + 2 < rank) a = fmaf(tm[2], bv.z, a);
-        if (j + 3 < rank) a = fmaf(tm[3], bv.w, a);
-        l[m] = a;
-      }
-    }
-  }
-  const float hb = has_bias ? ld(bias + n) : 0.f;
-#pragma unroll
-  for (int m = 0; m < SUM_ROWS; ++m) {
-    if (m0 + m >= M) break;
-    float o = v[m];
-    if (has_bias) o += hb;
-    if (rank) o += (float)lscale * l[m];
-    st(y + (long long)(m0 + m) * N + n, o);
+  for (int half = 0; half < 2; ++half) {
+    const unsigned v = half ? w >> 16 : w;   // its nibbles 0..3: codes 1, 0, 3, 2 of these four
+    const unsigned s = v & 0x7777u;          // each code's entry within its half of the table
+    const unsigned m = prmt(v << 4, v, 0xD9C8u);   // byte i: all ones where nibble i is 8 or more
+    const unsigned lo = (prmt(tl[0], tl[1], s) & ~m) | (prmt(tl[2], tl[3], s) & m);
+    const unsigned hi = (prmt(th[0], th[1], s) & ~m) | (prmt(th[2], th[3], s) & m);
+    out[2 * half] = prmt(lo, hi, 0x4051u);       // codes 0, 1: low and high bytes of each
+    out[2 * half + 1] = prmt(lo, hi, 0x6273u);   // codes 2, 3
   }
 }
-"""
+
+#define ATILE 8   // rows of a LoRA adapter's A a block of nf4_mma takes (the source's ATILE)
+template <int MW>
+__global__ void __launch_bounds__(MW * 32, 5) nf4_mma(
+    const h16* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ qabs,
+    const float* __restrict__ abs2, const float* __restrict__ code2, const float* __restrict__ offp,
+    const float* __restrict__ absf, const float* __restrict__ code, const h16* __restrict__ bias,
+    h16* __restrict__ y, float* __restrict__ ws, int M, int N, int K, int lbs, int lbs2, int nested,
+    int has_bias, int steps_per_split, const float* __restrict__ la, int rank, int wsn) {
+#if __CUDA_ARCH__ >= 750
+  __shared__ float c2[256];
+  __shared__ u16 c16[16];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+  const int wtiles = (N + 32 * MW - 1) / (32 * MW);
+  const int m0 = blockIdx.y * 16;
+  const int s0 = blockIdx.z * steps_per_split, s1 = min(K >> 6, s0 + steps_per_split);
+  for (int i = tid; i < 256; i += MW * 32) c2[i] = nested ? code2[i] : 0.f;
+  if (tid < 16) c16[tid] = f2h(code[tid]);
+  __syncthreads();
+  const float off = nested ? *offp : 0.f;
+  const u16* xh = (const u16*)x;
+  if (blockIdx.x >= wtiles) {   // rows r0 + MW i of A: lane l takes columns 4 l .. 4 l + 3 of every 128
+    constexpr int RA = ATILE / MW;
+    const int r0 = (blockIdx.x - wtiles) * ATILE + warp;
+    float acc[RA][16];
+#pragma unroll
+    for (int i = 0; i < RA; ++i)
+#pragma unroll
+      for (int m = 0; m < 16; ++m) acc[i][m] = 0.f;
+    for (int k = (s0 << 6) + 4 * lane; k < (s1 << 6); k += 128) {
+      float4 a[RA];
+#pragma unroll
+      for (int i = 0; i < RA; ++i)
+        a[i] = r0 + MW * i < rank ? *(const float4*)&la[(long long)(r0 + MW * i) * K + k] : make_float4(0, 0, 0, 0);
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        const uint2 hx = m0 + m < M ? *(const uint2*)&xh[(long long)(m0 + m) * K + k] : make_uint2(0, 0);
+        const float x0 = h2f(hx.x & 0xffffu), x1 = h2f(hx.x >> 16), x2 = h2f(hx.y & 0xffffu), x3 = h2f(hx.y >> 16);
+#pragma unroll
+        for (int i = 0; i < RA; ++i)
+          acc[i][m] = fmaf(a[i].w, x3, fmaf(a[i].z, x2, fmaf(a[i].y, x1, fmaf(a[i].x, x0, acc[i][m]))));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < RA; ++i) {
+      float mine = 0.f;   // lane m < 16 keeps row m's sum
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        float v = acc[i][m];
+#pragma unroll
+        for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == m) mine = v;
+      }
+      const int r = r0 + MW * i;
+      if (r < rank && lane < 16 && m0 + lane < M) ws[((long long)blockIdx.z * M + m0 + lane) * wsn + N + r] = mine;
+    }
+    return;
+  }
+  unsigned tl[4], th[4];   // the code table in fp16: low and high bytes (decode8)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    tl[i] = th[i] = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned h = c16[4 * i + j];
+      tl[i] |= (h & 0xffu) << (8 * j);
+      th[i] |= (h >> 8) << (8 * j);
+    }
+  }
+  const int n0 = blockIdx.x * 32 * MW + warp * 32;
+  float acc[4][4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+  const bool r0ok = m0 + g < M, r1ok = m0 + g + 8 < M;
+  const u16* x0 = xh + (long long)(m0 + g) * K;
+  const u16* x1 = xh + (long long)(m0 + g + 8) * K;
+  for (int s = s0; s < s1; s += 2) {   // two steps an iteration, all their loads issued first
+    uint2 raw[2][4];
+    float own[2][4];   // the block scale of this lane's row of each tile
+    uint4 xa[2][2], xb[2][2];   // columns k .. k + 15 of rows g and g + 8 of x
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool live = s + h < s1;
+      const int kb = (s + h) << 6, k = kb + 16 * q;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int n = n0 + 8 * t + g;
+        if (n < N && live) {
+          raw[h][t] = *(const uint2*)(w + (((long long)n * K + k) >> 1));
+          const long long b = ((long long)n * K + kb) >> lbs;
+          own[h][t] = nested ? c2[qabs[b]] * abs2[b >> lbs2] + off : absf[b];
+        } else {
+          raw[h][t] = make_uint2(0, 0);
+          own[h][t] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        xa[h][i] = (r0ok && live) ? *(const uint4*)(x0 + k + 8 * i) : make_uint4(0, 0, 0, 0);
+        xb[h][i] = (r1ok && live) ? *(const uint4*)(x1 + k + 8 * i) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        unsigned b[8];   // b[j]: codes 2 j and 2 j + 1 in fp16
+        decode8(raw[h][t].x, tl, th, *(unsigned(*)[4])&b[0]);
+        decode8(raw[h][t].y, tl, th, *(unsigned(*)[4])&b[4]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          asm volatile(
+              "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+              : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+              : "r"(word_of(xa[h][j >> 2], j & 3)), "r"(word_of(xb[h][j >> 2], j & 3)), "r"(b[j]));
+        }
+        // c: rows g (0, 1) and g + 8 (2, 3) of x, columns 2 q and 2 q + 1 of the tile, whose scales lanes 8 q
+        // and 8 q + 4 (g = 2 q, 2 q + 1) hold
+        const float sa = __shfl_sync(0xffffffffu, own[h][t], 8 * q);
+        const float sb = __shfl_sync(0xffffffffu, own[h][t], 8 * q + 4);
+        acc[t][0] = fmaf(c[0], sa, acc[t][0]);
+        acc[t][1] = fmaf(c[1], sb, acc[t][1]);
+        acc[t][2] = fmaf(c[2], sa, acc[t][2]);
+        acc[t][3] = fmaf(c[3], sb, acc[t][3]);
+      }
+  }
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int gm = m0 + g + (i >> 1) * 8, n = n0 + 8 * t + 2 * q + (i & 1);
+      if (gm >= M || n >= N) continue;
+      float v = acc[t][i];
+      if (gridDim.z == 1 && !rank) {
+        if (has_bias) v += ld(bias + n);
+        st(y + (long long)gm * N + n, v);
+      } else {
+        ws[((long long)blockIdx.z * M + gm) * wsn + n] = v;
+      }
+    }
+#endif
+}
+
+""" + SUM_SOURCE
 
 _TYPES = {torch.float32: "float", torch.float16: "h16", torch.bfloat16: "b16"}
 
@@ -313,22 +514,42 @@ def _splits(blocks: int, steps: int, slots: int) -> int:
     return min(range(1, max(1, steps // WARPS) + 1), key=lambda s: (cost(s), s))
 
 
+MMA_WARPS = 4   # warps of an nf4_mma block (each 32 rows of W)
+MMA_STEP = 64   # columns of K a warp of nf4_mma takes a step (one block of scales)
+MMA_ATILE = 8   # rows of a LoRA adapter's A a block of nf4_mma takes (the source's ATILE)
+
+
+def tensor_cores(dtype: torch.dtype, cc: tuple[int, int]) -> bool:
+    """Whether `nf4_matmul` multiplies x of `dtype` on a GPU of compute capability `cc` on tensor cores
+    (`nf4_mma`): fp16 x from CC 7.5 (Turing's mma.sync m16n8k8). There at 16 rows the fp32 kernel's 32 fp32
+    FLOPs a 4-bit weight cost more time than reading it (a T4: 8.1 TFLOP/s of fp32 against 320 GB/s)."""
+    return dtype == torch.float16 and tuple(cc) >= (7, 5)
+
+
+def _mma_splits(blocks: int, steps: int, slots: int) -> int:
+    """`_splits` for nf4_mma, whose warps each walk every step of their split."""
+    def cost(s: int) -> float:
+        return -(-blocks * s // slots) * (-(-steps // s) + SPLIT_OVERHEAD)
+    return min(range(1, steps + 1), key=lambda s: (cost(s), s))
+
+
 def mm_name(dtype: torch.dtype = torch.float32, rows: int = MAX_ROWS_PER_BLOCK, rows_of_w: int = 2) -> str:
     """The instantiation of `nf4_mm` for x in `dtype`, a tile of `rows` rows of x and `rows_of_w` rows of W
     per lane (what `nf4_matmul` launches; the defaults are a decode step's, which the doctor compiles)."""
     return f"nf4_mm<{_TYPES[dtype]}, {rows}, {rows_of_w}>"
 
 
-def decode_kernels(dtype: torch.dtype = torch.float32) -> list[str]:
-    """Every instantiation a decode step in `dtype` launches (what the doctor compiles)."""
+def decode_kernels(dtype: torch.dtype = torch.float32, cc: tuple[int, int] = (6, 0)) -> list[str]:
+    """Every instantiation a decode step in `dtype` launches on a GPU of compute capability `cc` (what the doctor
+    compiles): the fp32 kernel, and fp16 from CC 7.5 on tensor cores."""
     t = _TYPES[dtype]
-    return [mm_name(dtype), f"nf4_sum<{t}>"]
+    return [mm_name(dtype), f"splits_sum<{t}>"] + ([f"nf4_mma<{MMA_WARPS}>"] if tensor_cores(dtype, cc) else [])
 
 
-def _kernel(name: str, device: torch.device):
-    k = kernel(SOURCE, name, device)
+def _kernel(name: str, device: torch.device, threads: int = WARPS * 32, source: Optional[str] = None):
+    k = kernel(source or SOURCE, name, device)
     if not hasattr(k, "slots_per_sm"):
-        k.slots_per_sm = blocks_per_sm(k, WARPS * 32)
+        k.slots_per_sm = blocks_per_sm(k, threads)
     return k
 
 
@@ -371,12 +592,14 @@ def weight_unsupported(packed: torch.Tensor, state: Any) -> str:
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None,
                lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
-               splits: Optional[int] = None) -> torch.Tensor:
+               splits: Optional[int] = None, mma: Optional[bool] = None) -> torch.Tensor:
     """x (..., K) @ W.T (+ bias) for a bitsandbytes NF4 weight W (N, K): `packed` its uint8 codes,
     `state` its QuantState. Returns (..., N) in x's dtype. Any number of rows; meant for a few.
     lora = (A, B, scale): adds scale * (x A^T) B^T before the result is rounded, with A (r, K) and B (N, r)
     in fp32 and r <= MAX_RANK: a LoRA adapter's output, as peft adds it, inside the same two kernels.
-    splits: how many parts K is split into (default: `_splits`' choice; the benchmark sweeps it)."""
+    splits: how many parts K is split into (default: `_splits`' choice; the benchmark sweeps it).
+    mma: multiply on tensor cores (`nf4_mma`: fp16 x only; the code table in fp16, the block scales in fp32) or
+    not; default `tensor_cores`' choice for the GPU."""
     why = unsupported(x, packed, state)
     if why:
         raise ValueError(f"nf4_matmul: {why}")
@@ -400,8 +623,17 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
                 or not 0 < rank <= MAX_RANK:
             raise ValueError(f"nf4_matmul: lora needs fp32 A (r, {k}) and B ({n}, r) with 0 < r <= {MAX_RANK}, got "
                              f"{lora[0].dtype} {tuple(lora[0].shape)} and {lora[1].dtype} {tuple(lora[1].shape)}")
+    props = torch.cuda.get_device_properties(x.device)
+    sms = props.multi_processor_count
+    if mma is None:
+        mma = tensor_cores(x.dtype, (props.major, props.minor))
+    elif mma and not tensor_cores(x.dtype, (props.major, props.minor)):
+        raise ValueError(f"nf4_matmul: mma=True takes fp16 x on a GPU of CC 7.5 or later, not {x.dtype} on "
+                         f"CC {props.major}.{props.minor}")
+    if mma:
+        _mma_matmul(x2, packed, state, bias, la, lb, rank, scale, splits, sms, y)
+        return y.reshape(*x.shape[:-1], n)
     mt = _rows_tile(m)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     r = _rows_of_w(n)
     kern = _kernel(mm_name(x.dtype, mt, r), x.device)
     tiles = -(-n // (32 * r)) + -(-rank // (32 * r))   # the weight's rows, then A's
@@ -409,12 +641,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
     splits = _splits(blocks, k // 64, sms * kern.slots_per_sm) if splits is None else max(1, min(splits, k // 64))
     per_split = -(-(k // 64) // splits)
     splits = -(-(k // 64) // per_split)
-    code = state.code.to(device=x.device, dtype=torch.float32)
-    if state.nested:
-        s2 = state.state2
-        qabs, abs2, code2, off, absf, lbs2 = state.absmax, s2.absmax, s2.code, state.offset, code, _log2(s2.blocksize)
-    else:
-        qabs, abs2, code2, off, absf, lbs2 = packed, code, code, code, state.absmax.float(), 0
+    qabs, abs2, code2, off, absf, code, lbs2 = _state_args(packed, state, x.device)
     b = bias.to(x.dtype).contiguous() if bias is not None else x2
     wsn = n + rank   # a workspace row: the weight's outputs, then x A^T
     ws = torch.empty((splits, m, wsn), dtype=torch.float32, device=x.device) if splits > 1 or rank else y
@@ -423,13 +650,62 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
         args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
               int(bool(state.nested)), int(bias is not None), per_split, la, rank, wsn])
     if splits > 1 or rank:
-        _kernel(f"nf4_sum<{_TYPES[x.dtype]}>", x.device)(grid=(-(-n // 256), -(-m // SUM_ROWS), 1), block=(256, 1, 1),
-                                           args=[ws, b, y, m, n, splits, int(bias is not None), lb, rank, scale, wsn])
+        sum_splits(SOURCE, ws, b if bias is not None else None, y, splits, lb, rank, scale)
     return y.reshape(*x.shape[:-1], n)
 
 
-def dequantize_reference(packed: torch.Tensor, state: Any) -> torch.Tensor:
-    """The NF4 weight (N, K) in fp32, decoded the slow, obvious way (on the packed tensor's device)."""
+def sum_splits(source: str, ws: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor, splits: int,
+               lb: torch.Tensor, rank: int, scale: float) -> None:
+    """y (M, N) = the splits' partial sums in ws (splits, M, N + rank) added in order, + bias, + scale (x A^T) B^T
+    with x A^T summed from ws's last `rank` columns and B = lb (N, rank): `splits_sum` of `source` (a source that
+    holds SUM_SOURCE), in y's dtype."""
+    m, n = y.shape
+    b = bias if bias is not None else y
+    _kernel(f"splits_sum<{_TYPES[y.dtype]}>", y.device, source=source)(
+        grid=(-(-n // 256), -(-m // SUM_ROWS), 1), block=(256, 1, 1),
+        args=[ws, b, y, m, n, splits, int(bias is not None), lb, rank, scale, ws.shape[2]])
+
+
+def _state_args(packed: torch.Tensor, state: Any, device: torch.device) -> list:
+    """The kernels' arguments for the weight's block scales: qabs, abs2, code2, offset, absmax (fp32), the code
+    table, log2 of the nested block size."""
+    code = state.code.to(device=device, dtype=torch.float32)
+    if state.nested:
+        s2 = state.state2
+        return [state.absmax, s2.absmax, s2.code, state.offset, code, code, _log2(s2.blocksize)]
+    return [packed, code, code, code, state.absmax.float(), code, 0]
+
+
+def _mma_matmul(x2: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor], la: torch.Tensor,
+                lb: torch.Tensor, rank: int, scale: float, splits: Optional[int], sms: int, y: torch.Tensor) -> None:
+    """`nf4_matmul` on tensor cores into y (fp16 x2 (M, K)): nf4_mma, then splits_sum where K is split or an adapter
+    rides along."""
+    n, k = tuple(state.shape)
+    m, x = x2.shape[0], x2
+    if x2.data_ptr() % 16:   # the kernel reads x's rows 16 bytes at a time
+        x2 = x2.clone()
+    kern = _kernel(f"nf4_mma<{MMA_WARPS}>", x.device, MMA_WARPS * 32)
+    tiles = -(-n // (32 * MMA_WARPS)) + -(-rank // MMA_ATILE)   # the weight's tiles (32 rows a warp), then A's
+    blocks = tiles * -(-m // 16)
+    steps = -(-k // MMA_STEP)
+    splits = _mma_splits(blocks, steps, sms * kern.slots_per_sm) if splits is None else max(1, min(splits, steps))
+    per_split = -(-steps // splits)
+    splits = -(-steps // per_split)
+    qabs, abs2, code2, off, absf, code, lbs2 = _state_args(packed, state, x.device)
+    b = bias.to(x.dtype).contiguous() if bias is not None else x2
+    wsn = n + rank
+    ws = torch.empty((splits, m, wsn), dtype=torch.float32, device=x.device) if splits > 1 or rank else y
+    kern(grid=(tiles, -(-m // 16), splits), block=(MMA_WARPS * 32, 1, 1),
+         args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
+               int(bool(state.nested)), int(bias is not None), per_split, la, rank, wsn])
+    if splits > 1 or rank:
+        sum_splits(SOURCE, ws, b if bias is not None else None, y, splits, lb, rank, scale)
+    return y
+
+
+def dequantize_reference(packed: torch.Tensor, state: Any, fp16_codes: bool = False) -> torch.Tensor:
+    """The NF4 weight (N, K) in fp32, decoded the slow, obvious way (on the packed tensor's device).
+    fp16_codes: the code table's values rounded to fp16 (the tensor-core kernel's), the scales not."""
     n, k = tuple(state.shape)
     b = packed.reshape(-1).to(torch.int64)
     codes = torch.stack((b >> 4, b & 15), dim=1).reshape(-1)[:n * k]
@@ -439,14 +715,19 @@ def dequantize_reference(packed: torch.Tensor, state: Any) -> torch.Tensor:
         absmax = s2.code.float()[state.absmax.to(torch.int64)] * scale2 + state.offset.float()
     else:
         absmax = state.absmax.float()
-    w = state.code.float().to(packed.device)[codes] * absmax.repeat_interleave(state.blocksize)[:n * k]
+    table = state.code.float().to(packed.device)
+    if fp16_codes:
+        table = table.half().float()
+    w = table[codes] * absmax.repeat_interleave(state.blocksize)[:n * k]
     return w.reshape(n, k)
 
 
 def reference(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None,
-              lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
-    """What `nf4_matmul` computes, in plain torch: fp32 products and sums, the result in x's dtype."""
-    y = x.float() @ dequantize_reference(packed, state).to(x.device).T
+              lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
+              fp16_codes: bool = False) -> torch.Tensor:
+    """What `nf4_matmul` computes, in plain torch: fp32 products and sums, the result in x's dtype.
+    fp16_codes: the code table rounded to fp16 first, as the tensor-core kernel (`mma`) decodes the codes."""
+    y = x.float() @ dequantize_reference(packed, state, fp16_codes).to(x.device).T
     if bias is not None:
         y = y + bias.to(x.dtype).float()
     if lora is not None:
