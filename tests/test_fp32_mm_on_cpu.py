@@ -63,7 +63,7 @@ def test_the_slice_of_k_fills_the_gpu_in_the_fewest_waves():
 
 def test_rows_tile_and_what_the_kernel_takes(monkeypatch):
     assert [fp32_mm.rows_tile(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
-    assert fp32_mm.decode_kernels(16) == ["fp32_mm<16, 4>", "mm_sum"]
+    assert fp32_mm.decode_kernels(16) == ["fp32_mm<16, 4>", "mm_sum", "splits_sum<float>"]
     x, w = torch.randn(4, 128), torch.randn(8, 128)
     assert not fp32_mm.takes(x, w)   # the CPU: F.linear
     assert "not on a CUDA device" in fp32_mm.unsupported(x, w)

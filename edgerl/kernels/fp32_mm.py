@@ -15,8 +15,12 @@ lengths). This kernel reads them as a stream (its figures against cuBLAS: docs/b
 - the 32 lanes' partial sums meet by halving: at each of 5 shuffle rounds a lane sends half its values and
   keeps half, so the NC x MT sums cost 62 shuffles (for 64 values), not 5 per value;
 - where K is split into more than one slice (so that small weights still fill the GPU: `split_columns`), each
-  slice writes fp32 partial sums and `mm_sum` adds them up in a fixed order with the bias: the result does not
-  depend on which block finished first.
+  slice writes fp32 partial sums and a second kernel (`mm_sum`) adds them up in a fixed order with the bias: the
+  result does not depend on which block finished first;
+- a LoRA adapter (`lora=`) rides along as the NF4 kernel's does: its A as r more rows of the weight (x A^T in the
+  same launch, in columns N.. of the partial sums), and scale (x A^T) B^T in the second kernel (the NF4 kernel's,
+  `nf4.SUM_SOURCE`'s `splits_sum`): two launches a projection, where computing x A^T first took four (each
+  product with its own sum).
 
 The products and sums are fp32 (fused multiply-adds), in another order than cuBLAS; `reference` is the same
 formula in float64, slowly; the CUDA tests compare the kernel with it. Compiled at run time with NVRTC
@@ -29,11 +33,12 @@ from typing import Optional
 
 import torch
 
+from .nf4 import COMMON, SUM_SOURCE, sum_splits
 from .nvrtc import KernelUnavailable, blocks_per_sm, kernel
 
 MAX_ROWS = 16     # rows of x one call takes (a decode step's); more rows go to cuBLAS (`takes`)
 MIN_ROWS = 2      # the fewest rows `takes` sends to the kernel: one row goes to cuBLAS's GEMV
-MAX_RANK = 256    # a LoRA adapter's rank `fp32_matmul` adds (a loop over it per output)
+MAX_RANK = 256    # a LoRA adapter's rank `fp32_matmul` adds (the sum kernel stages x A^T in 256 floats)
 NC = 4            # rows of W per warp (the source's NC)
 WARPS = 8
 STAGE_FLOATS = 12288   # the block's stage of x: MT x ks floats in 48 KB (the source's STAGE)
@@ -81,40 +86,30 @@ struct Fold<1, 0> {
   static __device__ __forceinline__ void run(float*, int) {}
 };
 
-// An output from its sum over K: the bias added, then a LoRA adapter's ls (t B^T)[m, n] with t = x A^T (M, lr) and
-// B (N, lr), as peft adds it (lr = 0: none). ls arrives as a double (the launcher passes a Python float so).
-__device__ __forceinline__ float out(float v, const float* __restrict__ bias, int has_bias,
-                                     const float* __restrict__ lt, const float* __restrict__ lb, double ls, int lr,
-                                     int m, int n) {
-  if (has_bias) v += bias[n];
-  if (lr) {
-    float u = 0.f;
-    for (int j = 0; j < lr; ++j) u = fmaf(lt[m * lr + j], lb[(long long)n * lr + j], u);
-    v = fmaf(u, (float)ls, v);
-  }
-  return v;
-}
-
-// y (M, N) = x (M, K) W (N, K)^T (+ bias) (+ a LoRA adapter's term: `out`), M <= MT: block (8 warps) blockIdx.x owns W's rows n0 .. n0 + 8 NC - 1
+// y (M, N) = x (M, K) W (N, K)^T (+ bias), M <= MT: block (8 warps) blockIdx.x owns W's rows n0 .. n0 + 8 NC - 1
 // (warp w: n0 + w NC .. + NC - 1) and blockIdx.y the slice [k0, k0 + ks) of K. x's MT rows over the slice are
 // staged in shared memory (zeros past row M and past K); each lane multiplies 4 consecutive columns of its warp's
-// NC rows into them per step of 128 columns. K % 4 == 0 and 16-byte aligned rows (the launcher checks). One slice:
-// y gets the sums and the bias; more: ws (slices, M, N) gets each slice's sums, which mm_sum adds.
+// NC rows into them per step of 128 columns. K % 4 == 0 and 16-byte aligned rows (the launcher checks). One slice
+// and no adapter: y gets the sums and the bias; else ws (slices, M, wsn) gets each slice's sums, which mm_sum adds
+// (splits_sum with an adapter). Blocks from blockIdx.x = wtiles on multiply by the `rank` rows of a LoRA adapter's
+// A (la, (rank, K)) instead, their sums in columns N.. of ws.
 template <int MT, int NC>
 __global__ void __launch_bounds__(256, 2) fp32_mm(const float* __restrict__ x, const float* __restrict__ w,
                                                  const float* __restrict__ bias, float* __restrict__ y,
                                                  float* __restrict__ ws, int M, int N, int K, int ks, int has_bias,
-                                                 const float* __restrict__ lt, const float* __restrict__ lb,
-                                                 double ls, int lr) {
+                                                 const float* __restrict__ la, int rank, int wsn, int wtiles) {
   __shared__ __align__(16) float xs[STAGE];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n0 = blockIdx.x * 8 * NC + warp * NC;
+  const bool atile = blockIdx.x >= wtiles;
+  const float* src = atile ? la : w;
+  const int rows = atile ? rank : N, col = atile ? N : 0;
+  const int n0 = (atile ? blockIdx.x - wtiles : blockIdx.x) * 8 * NC + warp * NC;
   const int k0 = blockIdx.y * ks, kn = min(ks, K - k0);   // columns of this slice, a multiple of 4
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
   const float* wr[NC];
 #pragma unroll
-  for (int c = 0; c < NC; ++c) wr[c] = w + (long long)min(n0 + c, N - 1) * K + k0;   // a row past N: read row N - 1,
-  float4 wv[NC];                                                                    // its sums never written
+  for (int c = 0; c < NC; ++c) wr[c] = src + (long long)min(n0 + c, rows - 1) * K + k0;   // a row past the last:
+  float4 wv[NC];                                                                  // read it, its sums not written
 #pragma unroll
   for (int c = 0; c < NC; ++c) wv[c] = 4 * lane < kn ? *(const float4*)(wr[c] + 4 * lane) : zero;   // in flight
   const int q4 = ks >> 2;
@@ -153,25 +148,23 @@ __global__ void __launch_bounds__(256, 2) fp32_mm(const float* __restrict__ x, c
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int idx = PER * (lane / RUN) + i, c = idx / MT, m = idx - c * MT, n = n0 + c;
-    if (m >= M || n >= N) continue;
-    if (gridDim.y == 1) y[(long long)m * N + n] = out(acc[i], bias, has_bias, lt, lb, ls, lr, m, n);
-    else ws[((long long)blockIdx.y * M + m) * N + n] = acc[i];
+    if (m >= M || n >= rows) continue;
+    if (gridDim.y == 1 && !rank) y[(long long)m * N + n] = has_bias ? acc[i] + bias[n] : acc[i];
+    else ws[((long long)blockIdx.y * M + m) * wsn + col + n] = acc[i];
   }
 }
 
-// y (M, N) = the slices' partial sums in ws (S, M, N) added in order, then the bias and the adapter's term (`out`):
-// a thread per output.
+// y (M, N) = the slices' partial sums in ws (S, M, N) added in order, then the bias: a thread per output (without an
+// adapter; with one, splits_sum).
 __global__ void __launch_bounds__(256) mm_sum(const float* __restrict__ ws, const float* __restrict__ bias,
-                                              float* __restrict__ y, int M, int N, int S, int has_bias,
-                                              const float* __restrict__ lt, const float* __restrict__ lb,
-                                              double ls, int lr) {
+                                              float* __restrict__ y, int M, int N, int S, int has_bias) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x, mn = (long long)M * N;
   if (i >= mn) return;
   float v = 0.f;
   for (int s = 0; s < S; ++s) v += ws[s * mn + i];
-  y[i] = out(v, bias, has_bias, lt, lb, ls, lr, (int)(i / N), (int)(i % N));
+  y[i] = has_bias ? v + bias[i % N] : v;
 }
-"""
+""" + COMMON + SUM_SOURCE
 
 
 def rows_tile(m: int) -> int:
@@ -185,11 +178,11 @@ def mm_name(rows: int = MAX_ROWS) -> str:
 
 def decode_kernels(rows: int = MAX_ROWS) -> list[str]:
     """Every instantiation a decode step of `rows` rows launches (what the doctor compiles)."""
-    return [mm_name(rows), "mm_sum"]
+    return [mm_name(rows), "mm_sum", "splits_sum<float>"]
 
 
 def all_kernels() -> list[str]:
-    return sorted({mm_name(t) for t in (1, 2, 4, 8, 16)} | {"mm_sum"})
+    return sorted({mm_name(t) for t in (1, 2, 4, 8, 16)} | {"mm_sum", "splits_sum<float>"})
 
 
 def _kernel(name: str, device: torch.device):
@@ -274,8 +267,8 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     """x (..., K) @ w.T (+ bias) for an fp32 weight w (N, K), at most MAX_ROWS rows of x. Returns (..., N) fp32.
     ks: the slice of K each block multiplies (default: `split_columns`' choice; the benchmark sweeps it).
     lora = (A, B, scale), fp32 A (r, K) and B (N, r) with r <= MAX_RANK: adds scale (x A^T) B^T as peft's LoRA
-    layer does, t = x A^T through this kernel first and scale t B^T in the outputs' writes (peft's layer takes
-    its base matmul and six more kernels)."""
+    layer does: x A^T as more rows of the weight in the same launch, scale (x A^T) B^T in the sum kernel (peft's
+    layer takes its base matmul and six more kernels)."""
     why = unsupported(x, w, bias) or (lora_unsupported(w, lora) if lora is not None else "")
     if why:
         raise ValueError(f"fp32_matmul: {why}")
@@ -300,15 +293,20 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
                          f"{STAGE_FLOATS // rows_tile(m)} for {m} rows")
     slices = -(-k // ks)
     b = bias.contiguous() if bias is not None else y
-    ws = torch.empty((slices, m, n), dtype=torch.float32, device=x.device) if slices > 1 else y
-    lt, lb, scale, rank = y, y, 0.0, 0
+    la, lb, scale, rank = y, y, 0.0, 0
     if lora is not None:
-        lt, lb, scale, rank = fp32_matmul(x2, lora[0]), lora[1].contiguous(), float(lora[2]), lora[0].shape[0]
-    kern(grid=(-(-n // (WARPS * NC)), slices, 1), block=(WARPS * 32, 1, 1),
-         args=[x2, w, b, y, ws, m, n, k, ks, int(bias is not None), lt, lb, scale, rank])
-    if slices > 1:
+        la, lb, scale, rank = lora[0], lora[1].contiguous(), float(lora[2]), lora[0].shape[0]
+        if lb.data_ptr() % 16:   # the sum kernel reads B's rows 16 bytes at a time
+            lb = lb.clone()
+    ws = torch.empty((slices, m, n + rank), dtype=torch.float32, device=x.device) if slices > 1 or rank else y
+    wtiles = -(-n // (WARPS * NC))
+    kern(grid=(wtiles + -(-rank // (WARPS * NC)), slices, 1), block=(WARPS * 32, 1, 1),
+         args=[x2, w, b, y, ws, m, n, k, ks, int(bias is not None), la, rank, n + rank, wtiles])
+    if rank:
+        sum_splits(SOURCE, ws, bias.contiguous() if bias is not None else None, y, slices, lb, rank, scale)
+    elif slices > 1:
         _kernel("mm_sum", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
-                                    args=[ws, b, y, m, n, slices, int(bias is not None), lt, lb, scale, rank])
+                                    args=[ws, b, y, m, n, slices, int(bias is not None)])
     return y.reshape(*x.shape[:-1], n)
 
 
