@@ -9,6 +9,8 @@ time). Where the decode backend is cuda-c, whose kernels compute in fp32 on CUDA
 FLOPs (2 x rows x each linear layer's in x out, and the attention's q k^T and p v) over the fp32 GEMM rate measured
 in the run, and the step as a share of the roofline, the larger of the two floors: at 16 rows an NF4 weight (half a
 byte) takes 32 fp32 FLOPs, more than a GPU's fp32 rate covers at its bandwidth, so there the FLOPs set the floor.
+In fp16 over an NF4 base from CC 7.5 the 4-bit products run on tensor cores (`edgerl/kernels/nf4.py`), and the
+fp32 floor counts the attention's FLOPs alone.
 
     p40-1.5b-full   Qwen2.5-1.5B widths, full fine-tuning on a P40: fp32 weights and cache, decode backend cuda-c
     p40-1.5b-lora   the same widths with LoRA r=16 over the fp32 base (peft's layers, called as modules)
@@ -286,6 +288,10 @@ def run_config(name: str, args, device: torch.device, bw: float | None, rate: fl
     model = build(widths, dtype, base, device, max_len)
     built_s = time.perf_counter() - t0
     wb = weight_bytes(model)
+    tensor_cores = False
+    if base == "nf4" and device.type == "cuda":
+        from edgerl.kernels.nf4 import tensor_cores as nf4_tensor_cores
+        tensor_cores = nf4_tensor_cores(dtype, torch.cuda.get_device_capability(device))
     by_rows: dict[int, list[int]] = {}
     for n, r in rows_by_len.items():
         by_rows.setdefault(r, []).append(n)
@@ -313,11 +319,14 @@ def run_config(name: str, args, device: torch.device, bw: float | None, rate: fl
                     rec["bytes"] = wb["total"] + rec["kv_bytes"]
                     rec["kv_share_of_bytes"] = round(rec["kv_bytes"] / rec["bytes"], 3)
                     rec["flops"] = matmul_flops(model, rows) + attention_flops(model, rows, n)
+                    # fp16 over an NF4 base from CC 7.5: the 4-bit products on tensor cores (kernels/nf4.py), so the
+                    # fp32 floor is the attention's FLOPs alone
+                    fp32_flops = attention_flops(model, rows, n) if tensor_cores else rec["flops"]
                     if bw:
                         rec["bound_ms"] = round(1e3 * rec["bytes"] / bw, 4)
                         rec["share_of_bound"] = round(rec["bound_ms"] / rec["ms_per_step"], 4)
                     if bw and rate and backend == "cuda-c":   # its kernels' arithmetic is fp32 on CUDA cores
-                        rec["flop_ms"] = round(1e3 * rec["flops"] / rate, 4)
+                        rec["flop_ms"] = round(1e3 * fp32_flops / rate, 4)
                         rec["roofline_ms"] = max(rec["bound_ms"], rec["flop_ms"])
                         rec["share_of_roofline"] = round(rec["roofline_ms"] / rec["ms_per_step"], 4)
                     if args.profile and stepper.cuda:

@@ -11,6 +11,7 @@ and the rates of the GPU that ran it (TF32 where the benchmark turned it on). No
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 # row: (GPU that ran it, the card's plan, memory cap in GiB or None, widths, new tokens, "nf4" / None, TF32 on,
@@ -57,6 +58,11 @@ SHAPES = {"1.7b": (2048, 24, 32, 32, 8192, True), "1.5b": (1536, 28, 12, 2, 8960
           "qwen7b": (3584, 28, 28, 4, 18944, False), "llama8b": (4096, 32, 32, 8, 14336, False)}
 
 
+# Rows that ran before the NF4 kernel's tensor-core path (fp16 from CC 7.5, 2026-12-07): estimated with the fp32
+# kernel they ran (rates of unknown compute capability)
+FP32_NF4_KERNEL = {"T4, 8B NF4, 512", "T4, 8B NF4, 4K", "T4, 8B NF4, 4K, the fixed order's plan"}
+
+
 def estimates() -> list[dict[str, Any]]:
     from edgerl.device.device import Software
     from edgerl.device.profiles import device_from_profile, get_profile
@@ -80,8 +86,10 @@ def estimates() -> list[dict[str, Any]]:
         p = plan(dev, model, task, {**o, **RAN.get(name, {})})
         ran_on = device_from_profile(get_profile(gpu), sw, 128 << 30)
         r = timing.rates(ran_on, p.dtype.compute, tf32=tf32)
-        t = timing.estimate(p, r)
+        t = timing.estimate(p, replace(r, cc=(0, 0)) if name in FP32_NF4_KERNEL else r)
         changed = {k: getattr(today, k) for k in KNOBS if getattr(today, k) != getattr(p, k)}
+        if name in FP32_NF4_KERNEL:
+            changed["NF4 kernel"] = "on tensor cores"
         out.append({"row": name, "gpu": ran_on.name, "where": where, "measured": measured,
                     "estimate": (t.rollout_s, t.score_s, t.update_s), "decode": p.decode_backend,
                     "today": (timing.estimate(today, r).total_s, changed) if changed else None})

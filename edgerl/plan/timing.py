@@ -31,7 +31,8 @@ from edgerl.plan.dtypes import nbytes
 # own share of the card's bandwidth or arithmetic rate, and they add (the kernels overlap them only in part).
 DECODE = {   # backend: (weights' bytes, the cache's bytes, arithmetic)
     "triton-layers": (0.55, 0.45, 0.30), "triton-attention": (0.50, 0.40, 0.30), "cuda-c": (0.60, 0.45, 0.45),
-    "cuda-c-nf4": (0.21, 0.45, 0.53), "torch": (0.45, 0.30, 0.30), "hf-generate": (0.30, 0.20, 0.20),
+    "cuda-c-nf4": (0.21, 0.45, 0.53), "cuda-c-nf4-mma": (0.15, 0.45, 0.50),
+    "torch": (0.45, 0.30, 0.30), "hf-generate": (0.30, 0.20, 0.20),
     "vllm": (0.55, 0.45, 0.30)}
 MATMUL = 0.45        # training and scoring matmuls, of the compute dtype's peak
 ATTENTION = 0.60     # training and scoring attention, of its rate (tensor cores in 16 bits, CUDA cores in fp32)
@@ -56,6 +57,7 @@ class Rates:
     pcie_gbs: float
     source: str
     sm_count: int = 0         # 0: unknown (no wave term)
+    cc: tuple[int, int] = (0, 0)   # compute capability ((0, 0): unknown)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ def rates(device: Any, compute: str, tf32: bool = False) -> Optional[Rates]:
     source = ("rates measured by edgerl doctor --bench" if measured else
               f"datasheet rates: {bandwidth:g} GB/s, {mm:g} TFLOP/s in {'tf32' if tf32 else compute}")
     cuda_cores = (m.fp32_tflops if m else None) or device.fp32_tflops or mm
-    return Rates(device.name, bandwidth, mm, cuda_cores, pcie, source, getattr(device, "sm_count", 0) or 0)
+    return Rates(device.name, bandwidth, mm, cuda_cores, pcie, source, getattr(device, "sm_count", 0) or 0,
+                 tuple(getattr(device, "cc", None) or (0, 0)))
 
 
 def matmul_params(model: Any) -> int:
@@ -130,12 +133,15 @@ def decode_step_s(model: Any, v: Any, r: Rates, rows: int, cached: float) -> flo
     nf4 = v.get("base_dtype") == "nf4"
     name = backend if engine == "static" and backend else engine
     if name == "cuda-c" and nf4:
-        name = "cuda-c-nf4"
+        # fp16 from CC 7.5: the NF4 kernel on tensor cores (kernels/nf4.py, tensor_cores)
+        name = "cuda-c-nf4-mma" if compute == "fp16" and tuple(r.cc) >= (7, 5) else "cuda-c-nf4"
     w_eff, kv_eff, f_eff = DECODE.get(name, DECODE["torch"])
     N = matmul_params(model)
     bw = r.bandwidth_gbs * 1e9
-    # the CUDA C kernels compute on CUDA cores in fp32; the others' 16-bit matmuls on tensor cores
-    rate = r.fp32_tflops if name.startswith("cuda-c") or compute == "fp32" else r.matmul_tflops
+    # the CUDA C kernels compute on CUDA cores in fp32 (but the NF4 kernel's fp16 tensor-core path); the others'
+    # 16-bit matmuls on tensor cores
+    cuda_cores = name.startswith("cuda-c") and name != "cuda-c-nf4-mma"
+    rate = r.fp32_tflops if cuda_cores or compute == "fp32" else r.matmul_tflops
     s = N * (NF4_BYTES if nf4 else cbytes) / (bw * w_eff)
     # an fp16 cache under fp32 compute is read at the backend's share too (docs/benchmarks.md, The attention at
     # long lengths: split over columns)
