@@ -27,9 +27,10 @@ A first version (a warp per 8 K-chunked rows, x chunks behind a block barrier) w
 (docs/lab-log.md, 2026-12-01, NF4 kernel versions; this one: docs/benchmarks.md, Fused NF4 decode kernel).
 
 fp16 x on CC 7.5 and up (a T4's fp16 plan; Ampere and later in fp16; not a V100, whose tensor cores lack
-mma.sync m16n8k8) goes to a second kernel, `nf4_mma`, on tensor cores (`tensor_cores`): at 16 rows the fp32 kernel's 32 fp32 FLOPs a 4-bit weight take
-longer than reading the weight on such cards (a T4: 8.1 TFLOP/s of fp32 against 320 GB/s, 25 FLOPs a byte; the
-weight is 64 FLOPs a byte), while mma.sync multiplies fp16 at several times that rate. It decodes each code to
+mma.sync m16n8k8) goes to a second kernel, `nf4_mma`, on tensor cores (`tensor_cores`): at 16 rows the fp32
+kernel's 32 fp32 FLOPs a 4-bit weight take longer than reading the weight on such cards (a T4: 8.1 TFLOP/s of
+fp32 against 320 GB/s, 25 FLOPs a byte; the weight is 64 FLOPs a byte), while mma.sync multiplies fp16 at several
+times that rate. It decodes each code to
 its value in fp16 (the code table rounded to fp16), multiplies 64 columns of K at a time on tensor cores with
 fp32 sums, and scales each step's sums by the rows' fp32 block scales: W[n, k] counts as fp16(code) x absmax,
 each value within 2^-11 of the exact weight, relatively, as bitsandbytes' own fp16 weight (code x absmax rounded
@@ -78,8 +79,8 @@ SUM_SOURCE = r"""
 // t = x A^T summed from its own partials (columns N.. of the workspace) into shared memory first. Block:
 // 256 output columns of SUM_ROWS rows of x. A thread reads its column's row of B once, four floats at a
 // time, for all its rows (the first version, a block per row reading B one float at a time, waited on
-// those loads in turn: docs/lab-log.md, Figures from earlier code comments). Every output's sum runs in the same order as before:
-// the splits in turn, the bias, then scale * sum_j t[j] B[n, j] over j in turn.
+// those loads in turn: docs/lab-log.md, Figures from earlier code comments). Every output's sum runs in the same
+// order as before: the splits in turn, the bias, then scale * sum_j t[j] B[n, j] over j in turn.
 #define SUM_ROWS 4
 template <typename T>
 __global__ void __launch_bounds__(256) splits_sum(const float* __restrict__ ws, const T* __restrict__ bias,
@@ -700,7 +701,6 @@ def _mma_matmul(x2: torch.Tensor, packed: torch.Tensor, state: Any, bias: Option
                int(bool(state.nested)), int(bias is not None), per_split, la, rank, wsn])
     if splits > 1 or rank:
         sum_splits(SOURCE, ws, b if bias is not None else None, y, splits, lb, rank, scale)
-    return y
 
 
 def dequantize_reference(packed: torch.Tensor, state: Any, fp16_codes: bool = False) -> torch.Tensor:
