@@ -47,6 +47,7 @@ from typing import Any, Optional
 import torch
 
 from .nvrtc import KernelUnavailable, blocks_per_sm, kernel
+from .tiles import nf4_on_tensor_cores
 
 MAX_ROWS_PER_BLOCK = 16
 WARPS = 8
@@ -524,7 +525,7 @@ def tensor_cores(dtype: torch.dtype, cc: tuple[int, int]) -> bool:
     """Whether `nf4_matmul` multiplies x of `dtype` on a GPU of compute capability `cc` on tensor cores
     (`nf4_mma`): fp16 x from CC 7.5 (Turing's mma.sync m16n8k8). There at 16 rows the fp32 kernel's 32 fp32
     FLOPs a 4-bit weight cost more time than reading it (a T4: 8.1 TFLOP/s of fp32 against 320 GB/s)."""
-    return dtype == torch.float16 and tuple(cc) >= (7, 5)
+    return nf4_on_tensor_cores("fp16" if dtype == torch.float16 else str(dtype), cc)
 
 
 def _mma_splits(blocks: int, steps: int, slots: int) -> int:

@@ -224,6 +224,13 @@ DECODE_CUDA_SLICE_COLUMNS = 64
 NF4_DECODE_ROWS = 32
 
 
+def nf4_on_tensor_cores(compute: str, cc: tuple[int, int]) -> bool:
+    """Whether the fused NF4 kernel multiplies a decode step in `compute` ("fp32", "fp16", "bf16") on a GPU of
+    compute capability `cc` on tensor cores (kernels/nf4.py, nf4_mma): fp16 from CC 7.5, where mma.sync m16n8k8
+    starts (a V100's tensor cores lack it)."""
+    return compute == "fp16" and tuple(cc) >= (7, 5)
+
+
 def decode_cuda_shape_reason(head_dim: int, group: int) -> str | None:
     """Why the CUDA C decode kernels cannot take this head size and query heads per KV head (None: they can)."""
     if head_dim not in DECODE_CUDA_HEAD_DIMS:

@@ -221,10 +221,11 @@ def fp16_cache_backend(c: "Ctx") -> bool:
 
 
 def _cuda_c_reason(c: "Ctx") -> str:
-    from edgerl.kernels.tiles import DECODE_CUDA_SLICE_BLOCKS_PER_SM as per_sm, NF4_DECODE_ROWS
+    from edgerl.kernels.tiles import DECODE_CUDA_SLICE_BLOCKS_PER_SM as per_sm, NF4_DECODE_ROWS, nf4_on_tensor_cores
+    on_tc = c.device.is_cuda and nf4_on_tensor_cores(_compute(c), c.device.cc)
     nf4 = (f"; over the NF4 base, decode steps of up to {NF4_DECODE_ROWS} rows multiply through edgerl's fused "
            "NF4 kernel, which reads the 4-bit codes once (bitsandbytes writes and reads a dequantized copy of each "
-           "weight)" if c["base_dtype"] == "nf4" else "")
+           "weight)" + (", on tensor cores in fp16" if on_tc else "") if c["base_dtype"] == "nf4" else "")
     triton = f"; edgerl's Triton decode kernels cannot run: {_triton_attention(c)}" if _compute(c) == "fp16" else ""
     quantized = c["base_dtype"] in QUANT_BASES   # its layers are bitsandbytes', not nn.Linear: only the logits
     fp32 = ("; in fp32 the matmuls of a decode step's rows (2 to 16) go through edgerl's few-row matmul, which "

@@ -134,8 +134,9 @@ TABLE: tuple[Decision, ...] = (
     Decision("decode_backend", "decode backend", engines.decode_backend,
              "the static engine's decode step: five Triton kernels per layer (triton-layers; 16 bits, CC >= 8.0), "
              "torch's projections around edgerl's Triton rotary attention kernel (triton-attention; 16 bits, CC >= "
-             "8.0), edgerl's CUDA C layer kernels, with the fused NF4 kernel over an NF4 base (cuda-c; fp32, any CUDA "
-             "GPU), or torch's ops (torch; every device)", tuple(engines.DECODE_BACKENDS), pin=True),
+             "8.0), edgerl's CUDA C layer kernels, with the fused NF4 kernel over an NF4 base (cuda-c; fp32, or fp16 "
+             "below CC 8.0, any CUDA GPU), or torch's ops (torch; every device)", tuple(engines.DECODE_BACKENDS),
+             pin=True),
     Decision("kv_cache_dtype", "KV cache", steps.kv_cache_dtype,
              "storage of the static engine's KV cache: the compute dtype, or fp16 under fp32 compute with decode "
              "backend cuda-c (half the cache's bytes; the arithmetic stays fp32, and a key or value past fp16's range "
@@ -210,7 +211,8 @@ RETIRED: dict[str, str] = {
                        "triton-layers (or torch)",
     "cuda_graphs": "the static engine always replays its decode step from a CUDA graph on a GPU; "
                    "plan.decode_backend chooses the decode step's kernels",
-    "nf4_kernel": "the fused NF4 kernel is part of plan.decode_backend=cuda-c (fp32 over an NF4 base); "
+    "nf4_kernel": "the fused NF4 kernel is part of plan.decode_backend=cuda-c (over an NF4 base; fp16 on tensor "
+                  "cores from CC 7.5); "
                   "plan.decode_backend=torch leaves the NF4 matmuls to bitsandbytes",
 }
 

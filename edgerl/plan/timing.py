@@ -133,8 +133,9 @@ def decode_step_s(model: Any, v: Any, r: Rates, rows: int, cached: float) -> flo
     nf4 = v.get("base_dtype") == "nf4"
     name = backend if engine == "static" and backend else engine
     if name == "cuda-c" and nf4:
+        from edgerl.kernels.tiles import nf4_on_tensor_cores  # pure
         # fp16 from CC 7.5: the NF4 kernel on tensor cores (kernels/nf4.py, tensor_cores)
-        name = "cuda-c-nf4-mma" if compute == "fp16" and tuple(r.cc) >= (7, 5) else "cuda-c-nf4"
+        name = "cuda-c-nf4-mma" if nf4_on_tensor_cores(compute, r.cc) else "cuda-c-nf4"
     w_eff, kv_eff, f_eff = DECODE.get(name, DECODE["torch"])
     N = matmul_params(model)
     bw = r.bandwidth_gbs * 1e9
