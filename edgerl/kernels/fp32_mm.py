@@ -303,7 +303,7 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     kern(grid=(wtiles + -(-rank // (WARPS * NC)), slices, 1), block=(WARPS * 32, 1, 1),
          args=[x2, w, b, y, ws, m, n, k, ks, int(bias is not None), la, rank, n + rank, wtiles])
     if rank:
-        sum_splits(SOURCE, ws, bias.contiguous() if bias is not None else None, y, slices, lb, rank, scale)
+        sum_splits(SOURCE, ws, b if bias is not None else None, y, slices, lb, rank, scale)
     elif slices > 1:
         _kernel("mm_sum", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
                                     args=[ws, b, y, m, n, slices, int(bias is not None)])

@@ -683,20 +683,20 @@ def _mma_matmul(x2: torch.Tensor, packed: torch.Tensor, state: Any, bias: Option
     """`nf4_matmul` on tensor cores into y (fp16 x2 (M, K)): nf4_mma, then splits_sum where K is split or an adapter
     rides along."""
     n, k = tuple(state.shape)
-    m, x = x2.shape[0], x2
+    m = x2.shape[0]
     if x2.data_ptr() % 16:   # the kernel reads x's rows 16 bytes at a time
         x2 = x2.clone()
-    kern = _kernel(f"nf4_mma<{MMA_WARPS}>", x.device, MMA_WARPS * 32)
+    kern = _kernel(f"nf4_mma<{MMA_WARPS}>", y.device, MMA_WARPS * 32)
     tiles = -(-n // (32 * MMA_WARPS)) + -(-rank // MMA_ATILE)   # the weight's tiles (32 rows a warp), then A's
     blocks = tiles * -(-m // 16)
     steps = -(-k // MMA_STEP)
     splits = _mma_splits(blocks, steps, sms * kern.slots_per_sm) if splits is None else max(1, min(splits, steps))
     per_split = -(-steps // splits)
     splits = -(-steps // per_split)
-    qabs, abs2, code2, off, absf, code, lbs2 = _state_args(packed, state, x.device)
-    b = bias.to(x.dtype).contiguous() if bias is not None else x2
+    qabs, abs2, code2, off, absf, code, lbs2 = _state_args(packed, state, y.device)
+    b = bias.to(y.dtype).contiguous() if bias is not None else x2
     wsn = n + rank
-    ws = torch.empty((splits, m, wsn), dtype=torch.float32, device=x.device) if splits > 1 or rank else y
+    ws = torch.empty((splits, m, wsn), dtype=torch.float32, device=y.device) if splits > 1 or rank else y
     kern(grid=(tiles, -(-m // 16), splits), block=(MMA_WARPS * 32, 1, 1),
          args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
                int(bool(state.nested)), int(bias is not None), per_split, la, rank, wsn])

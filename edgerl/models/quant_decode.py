@@ -139,6 +139,8 @@ def check_kernel(device: torch.device) -> None:
 def _compare_with_reference(device: torch.device) -> None:
     from edgerl.kernels.nf4 import KernelUnavailable, nf4_matmul, reference, tensor_cores
     import bitsandbytes as bnb
+    # fp16 plans multiply on tensor cores here (nf4_mma): checked too
+    fp16 = device.type == "cuda" and tensor_cores(torch.float16, torch.cuda.get_device_capability(device))
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
         w = torch.randn(40, 256, generator=g).to(device)
@@ -147,7 +149,7 @@ def _compare_with_reference(device: torch.device) -> None:
         a, b = torch.randn(4, 256, generator=g).to(device), torch.randn(40, 4, generator=g).to(device)
         got, want = nf4_matmul(x, packed, state), reference(x, packed, state)
         got_l, want_l = nf4_matmul(x, packed, state, lora=(a, b, 0.5)), reference(x, packed, state, lora=(a, b, 0.5))
-        if device.type == "cuda" and tensor_cores(torch.float16, torch.cuda.get_device_capability(device)):
+        if fp16:
             # fp16 plans multiply on tensor cores (the code table in fp16): within the output's rounding
             h = x.half()
             got_h, want_h = nf4_matmul(h, packed, state, lora=(a, b, 0.5)).float(), \
@@ -162,7 +164,7 @@ def _compare_with_reference(device: torch.device) -> None:
                             "bitsandbytes' own matmul)") from None
     err = max((got - want).abs().max().item(), (got_l - want_l).abs().max().item())
     ok = err <= 1e-4 * max(want.abs().max().item(), want_l.abs().max().item(), 1.0)
-    if device.type == "cuda" and tensor_cores(torch.float16, torch.cuda.get_device_capability(device)):
+    if fp16:
         err_h = (got_h - want_h).abs().max().item()
         ok = ok and err_h <= 2e-3 * max(want_h.abs().max().item(), 1.0)
         err = max(err, err_h)
