@@ -117,3 +117,46 @@ def test_qlora_rollout_runs_the_quantized_actor_in_a_graph(tiny_llama_head32, tm
     # the log-probs the engine sampled with are the trainer's own on the same 4-bit weights
     tol = 1e-4 if dtype == "fp32" else 5e-2
     assert all(r["rollout/logprob_diff"] < tol for r in rows), [r["rollout/logprob_diff"] for r in rows]
+
+
+OUTSIDE = """
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import pynvml, torch
+from conftest import prepare_trainer
+model, run, resume, sets = {model!r}, Path({run!r}), {resume!r}, {sets!r}
+t = prepare_trainer(Path(model), run, sets, resume=Path(resume) if resume else None)
+t.run()
+torch.cuda.synchronize()
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+used = next((p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == os.getpid()), None)
+print(json.dumps({{"outside": None if not used else used - torch.cuda.memory_reserved(), "step": t.step}}))
+"""
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_resumed_run_holds_no_more_memory_outside_the_allocator(tiny_llama, tmp_path, lora):
+    """A checkpoint's full state dicts load into a one-process run without a collective, so resuming does not
+    create the process group's NCCL communicator, whose buffers (about 0.5 GiB) lie outside torch's allocator:
+    the resumed process holds as much device memory outside the allocator as the fresh one (NVML's figure for
+    each process, less what torch reserved)."""
+    sets = [s for s in FAST if not s.startswith(("train.steps", "run.save_every"))] + ["run.save_every=1"] + (
+        ["lora.enabled=true"] if lora else [])
+    run = tmp_path / "run"
+
+    def outside(steps: int, resume: str = "") -> dict:
+        code = OUTSIDE.format(tests=str(Path(__file__).parent), model=str(tiny_llama), run=str(run), resume=resume,
+                              sets=[*sets, f"train.steps={steps}"])
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    fresh = outside(2)
+    if fresh["outside"] is None:
+        pytest.skip("NVML does not see this process (a PID namespace hides it)")
+    from edgerl.train import checkpoint
+    resumed = outside(3, str(checkpoint.latest(run)))
+    assert fresh["step"] == 2 and resumed["step"] == 3
+    assert resumed["outside"] <= fresh["outside"] + 128 * 2**20, (fresh, resumed)

@@ -223,6 +223,13 @@ def test_a_one_process_run_calls_no_collective(tiny_llama, tmp_path, monkeypatch
         t.run()
     assert (tmp_path / "run" / "final").is_dir() and len(checkpoint.checkpoints(tmp_path / "run")) == 2
     assert seen == [], seen
+    # resuming loads the checkpoint's full state dicts: on one process, copied into the local shards, not
+    # scattered over the group (which would create the communicator, about 0.5 GiB of device memory)
+    with Collectives():
+        t = make_trainer(tiny_llama, tmp_path / "run", "train.steps=3", "run.save_every=1", *sets,
+                         resume=checkpoint.latest(tmp_path / "run"))
+        t.run()
+    assert t.step == 3 and seen == [], seen
     with Collectives():   # the counting itself works: a collective on this group is seen
         dist.all_reduce(torch.ones(2))
     assert seen == ["allreduce", "c10d.allreduce_.default"], seen

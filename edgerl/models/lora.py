@@ -155,14 +155,14 @@ def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_trainable(module: nn.Module, sd: dict[str, torch.Tensor], where: str) -> None:
     """Set the trainable parameters of `module` from full tensors; a missing or unknown name is an error."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from edgerl.models.full_state import set_full_model_state
     want = {n for n, p in module.named_parameters() if p.requires_grad}
     missing, unknown = sorted(want - set(sd)), sorted(set(sd) - want)
     if missing or unknown:
         raise ValueError(f"{where}: the adapter does not match this model ({len(missing)} weights missing, e.g. "
                          f"{missing[:2]}; {len(unknown)} unknown, e.g. {unknown[:2]}); was it saved with other "
                          "lora.rank / lora.target_modules or another model?")
-    set_model_state_dict(module, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_full_model_state(module, sd, strict=False)
 
 
 def adapter_config_json(head: nn.Module) -> bytes:

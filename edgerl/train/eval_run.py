@@ -82,8 +82,8 @@ def _does_not_fit(model: dict[str, tuple], saved: dict[str, Any]) -> Optional[st
 
 def _load_checkpoint(actor: Any, folder: Path, lora: bool, model_path: str) -> None:
     """The trained weights of a checkpoint into a freshly built actor."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from edgerl.core.errors import CheckpointError
+    from edgerl.models.full_state import set_full_model_state
     from edgerl.models import lora as lora_io
     from edgerl.train import checkpoint
     tensors, _, meta = checkpoint.load(folder)
@@ -107,7 +107,7 @@ def _load_checkpoint(actor: Any, folder: Path, lora: bool, model_path: str) -> N
     why = _does_not_fit({k: tuple(v.shape) for k, v in actor.state_dict().items()}, tensors["actor"])
     if why is not None:
         raise refuse(why)
-    set_model_state_dict(actor, tensors["actor"], options=StateDictOptions(full_state_dict=True))
+    set_full_model_state(actor, tensors["actor"])
 
 
 def run_eval(cfg: Config, checkpoint_folder: Optional[Path], log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -158,11 +158,9 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None], seed: int 
     run's number of processes whatever the checkpoint's; returns its meta.json. Its files and weights were
     checked before the run folder was touched (runfolder.check_resume), and what this run changed against
     it (resume.check)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from edgerl.models.full_state import set_full_model_state, set_full_optimizer_state
     tensors, state, meta = checkpoint.load(folder)
     saved_world, world = state["train"].get("world_size", 1), ranks.world()
-    full = StateDictOptions(full_state_dict=True)
     kind = "adapter_model" if st.lora else "actor"
     if kind not in tensors:
         raise CheckpointError(
@@ -172,8 +170,8 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None], seed: int 
         if st.lora:
             lora_io.load_adapter_state(st.actor.model, tensors["adapter_model"], str(folder))
         else:
-            set_model_state_dict(st.actor.model, tensors["actor"], options=full)
-        set_optimizer_state_dict(st.actor.model, st.actor.optim, state["optim"], options=full)
+            set_full_model_state(st.actor.model, tensors["actor"])
+        set_full_optimizer_state(st.actor.model, st.actor.optim, state["optim"])
         st.actor.sched.load_state_dict(state["sched"])
         if st.critic is not None:
             if "critic" not in tensors:
@@ -181,8 +179,8 @@ def restore(folder: Path, st: TrainState, log: Callable[[str], None], seed: int 
             if st.lora:
                 lora_io.load_trainable(st.critic.model, tensors["critic"], f"{folder} (critic)")
             else:
-                set_model_state_dict(st.critic.model, tensors["critic"], options=full)
-            set_optimizer_state_dict(st.critic.model, st.critic.optim, state["critic_optim"], options=full)
+                set_full_model_state(st.critic.model, tensors["critic"])
+            set_full_optimizer_state(st.critic.model, st.critic.optim, state["critic_optim"])
             st.critic.sched.load_state_dict(state["critic_sched"])
     except (ValueError, KeyError, RuntimeError) as e:
         if isinstance(e, CheckpointError):
