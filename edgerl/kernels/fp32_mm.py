@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .nf4 import COMMON, SUM_SOURCE, sum_splits
+from .nf4 import COMMON, SUM_SOURCE, lora_bounds, lora_term, sum_splits
 from .nvrtc import KernelUnavailable, blocks_per_sm, kernel
 
 MAX_ROWS = 16     # rows of x one call takes (a decode step's); more rows go to cuBLAS (`takes`)
@@ -241,13 +241,18 @@ def unsupported(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def lora_unsupported(w: torch.Tensor, lora: tuple) -> str:
-    """'' when `fp32_matmul` can add this LoRA adapter (A, B, scale) to a product with `w`, else why not."""
+    """'' when `fp32_matmul` can add this LoRA adapter (A, B, scale), or these adapters stacked with their weights
+    (A, B, scale, bounds: `nf4.lora_bounds`), to a product with `w`, else why not."""
     a, b = lora[0], lora[1]
     n, k = w.shape
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 2 or b.dim() != 2 \
-            or a.shape[1] != k or tuple(b.shape) != (n, a.shape[0]) or not 0 < a.shape[0] <= MAX_RANK:
+            or a.shape[1] != k or b.shape[0] != n or not 0 < a.shape[0] <= MAX_RANK:
         return (f"lora needs A (r, {k}) and B ({n}, r) with 0 < r <= {MAX_RANK}, got "
                 f"{tuple(getattr(a, 'shape', ()))} and {tuple(getattr(b, 'shape', ()))}")
+    try:
+        lora_bounds(lora, n)
+    except ValueError as e:
+        return str(e)
     return unsupported(a.new_empty(0, k), a) or ("" if b.dtype == torch.float32 and b.device == w.device
                                                  else f"lora's B is {b.dtype} on {b.device}, not fp32 on {w.device}")
 
@@ -262,13 +267,13 @@ def takes(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None)
 
 
 def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                ks: Optional[int] = None,
-                lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
+                ks: Optional[int] = None, lora: Optional[tuple] = None) -> torch.Tensor:
     """x (..., K) @ w.T (+ bias) for an fp32 weight w (N, K), at most MAX_ROWS rows of x. Returns (..., N) fp32.
     ks: the slice of K each block multiplies (default: `split_columns`' choice; the benchmark sweeps it).
     lora = (A, B, scale), fp32 A (r, K) and B (N, r) with r <= MAX_RANK: adds scale (x A^T) B^T as peft's LoRA
     layer does: x A^T as more rows of the weight in the same launch, scale (x A^T) B^T in the sum kernel (peft's
-    layer takes its base matmul and six more kernels)."""
+    layer takes its base matmul and six more kernels); or (A, B, scale, bounds): adapters stacked with their
+    weights (`nf4.lora_bounds`)."""
     why = unsupported(x, w, bias) or (lora_unsupported(w, lora) if lora is not None else "")
     if why:
         raise ValueError(f"fp32_matmul: {why}")
@@ -303,7 +308,7 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     kern(grid=(wtiles + -(-rank // (WARPS * NC)), slices, 1), block=(WARPS * 32, 1, 1),
          args=[x2, w, b, y, ws, m, n, k, ks, int(bias is not None), la, rank, n + rank, wtiles])
     if rank:
-        sum_splits(SOURCE, ws, b if bias is not None else None, y, slices, lb, rank, scale)
+        sum_splits(SOURCE, ws, b if bias is not None else None, y, slices, lb, rank, scale, lora_bounds(lora, n))
     elif slices > 1:
         _kernel("mm_sum", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
                                     args=[ws, b, y, m, n, slices, int(bias is not None)])
@@ -318,13 +323,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
+              lora: Optional[tuple] = None) -> torch.Tensor:
     """What `fp32_matmul` computes, in float64."""
     y = x.double() @ w.double().T
     if bias is not None:
         y = y + bias.double()
     if lora is not None:
-        y = y + lora[2] * ((x.double() @ lora[0].double().T) @ lora[1].double().T)
+        y = y + lora_term(x.double(), lora)
     return y
 
 

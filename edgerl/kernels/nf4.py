@@ -10,7 +10,9 @@ their block scales, decodes them in registers and multiplies in fp32: the same p
 
 with q the 4-bit code (two per byte, the first element in the high nibble) and, under double
 quantization, absmax[b] = code2[qabsmax[b]] * absmax2[b // blocksize2] + offset, exactly as
-`bitsandbytes.functional.dequantize_4bit` computes it. x in fp32, fp16 or bf16; the products and sums
+`bitsandbytes.functional.dequantize_4bit` computes it. A state with `block_offsets` (one offset per nested block:
+several weights stacked as one, each with its own offset, `edgerl.rollout.lora_group`) adds
+block_offsets[b // blocksize2] instead. x in fp32, fp16 or bf16; the products and sums
 in fp32; y in x's dtype. `reference` is the same formula in plain torch, slowly; the tests compare the
 kernel with it and with bitsandbytes on random weights of odd sizes.
 
@@ -77,7 +79,10 @@ __device__ __forceinline__ void st(b16* p, float f) {   // round to nearest even
 # The splits' partial sums added up with the bias and a LoRA adapter's term (fp32_mm.py launches it too).
 SUM_SOURCE = r"""
 // The partial sums of the splits added up, the bias, and a LoRA adapter's share scale * t B[n]^T, with
-// t = x A^T summed from its own partials (columns N.. of the workspace) into shared memory first. Block:
+// t = x A^T summed from its own partials (columns N.. of the workspace) into shared memory first. Where several
+// weights are stacked as one (a layer's q, k and v: edgerl.rollout.lora_group), so are their adapters: A's rows
+// (rank each) one after another, B's rows with the weight's; the columns from b1 (and from b2) take the second
+// (third) adapter's rank columns of t. Block:
 // 256 output columns of SUM_ROWS rows of x. A thread reads its column's row of B once, four floats at a
 // time, for all its rows (the first version, a block per row reading B one float at a time, waited on
 // those loads in turn: docs/lab-log.md, Figures from earlier code comments). Every output's sum runs in the same
@@ -86,11 +91,13 @@ SUM_SOURCE = r"""
 template <typename T>
 __global__ void __launch_bounds__(256) splits_sum(const float* __restrict__ ws, const T* __restrict__ bias,
                                                   T* __restrict__ y, int M, int N, int splits, int has_bias,
-                                                  const float* __restrict__ lb, int rank, double lscale, int wsn) {
+                                                  const float* __restrict__ lb, int rank, double lscale, int wsn,
+                                                  int b1, int b2) {
   __shared__ __align__(16) float t[SUM_ROWS * 256];
   const int m0 = blockIdx.y * SUM_ROWS, n = blockIdx.x * 256 + threadIdx.x;
-  for (int i = threadIdx.x; i < SUM_ROWS * rank; i += 256) {
-    const int m = i / rank, j = i - m * rank;
+  const int ranks = rank * (1 + (b1 < N) + (b2 < N));   // x A^T's columns: every stacked adapter's
+  for (int i = threadIdx.x; i < SUM_ROWS * ranks; i += 256) {
+    const int m = i / ranks, j = i - m * ranks;
     float v = 0.f;
     if (m0 + m < M)
       for (int s = 0; s < splits; ++s) v += ws[((long long)s * M + m0 + m) * wsn + N + j];
@@ -111,6 +118,7 @@ __global__ void __launch_bounds__(256) splits_sum(const float* __restrict__ ws, 
   }
   if (rank) {
     const float* b = lb + (long long)n * rank;
+    const int tj = rank * ((n >= b1) + (n >= b2));   // this column's adapter's first column of t
     const bool vec = (rank & 3) == 0;   // then B's rows are 16-byte aligned (cudaMalloc'd, rank a multiple of 4)
     for (int j = 0; j < rank; j += 4) {
       float4 bv;
@@ -124,7 +132,7 @@ __global__ void __launch_bounds__(256) splits_sum(const float* __restrict__ ws, 
       }
 #pragma unroll
       for (int m = 0; m < SUM_ROWS; ++m) {
-        const float* tm = t + m * 256 + j;
+        const float* tm = t + m * 256 + tj + j;
         float a = fmaf(tm[0], bv.x, l[m]);
         if (j + 1 < rank) a = fmaf(tm[1], bv.y, a);
         if (j + 2 < rank) a = fmaf(tm[2], bv.z, a);
@@ -185,7 +193,7 @@ __global__ void __launch_bounds__(256) nf4_mm(
   if (nested) c2[tid] = code2[tid];
   if (tid < 16) c16[tid] = code[tid];
   __syncthreads();
-  const float off = nested ? *offp : 0.f;
+  const float off = nested == 1 ? *offp : 0.f;   // nested 2: an offset per nested block (offp[b >> lbs2])
   float acc[R][MT];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -238,7 +246,7 @@ __global__ void __launch_bounds__(256) nf4_mm(
           raw[r][0] = p[0];
           raw[r][1] = p[1];
           const long long b = flat >> lbs;
-          scale[r] = nested ? c2[qabs[b]] * abs2[b >> lbs2] + off : absf[b];
+          scale[r] = nested ? c2[qabs[b]] * abs2[b >> lbs2] + (nested == 2 ? offp[b >> lbs2] : off) : absf[b];
         } else {
           raw[r][0] = make_uint4(0, 0, 0, 0);
           raw[r][1] = raw[r][0];
@@ -360,7 +368,7 @@ __global__ void __launch_bounds__(MW * 32, 5) nf4_mma(
   for (int i = tid; i < 256; i += MW * 32) c2[i] = nested ? code2[i] : 0.f;
   if (tid < 16) c16[tid] = f2h(code[tid]);
   __syncthreads();
-  const float off = nested ? *offp : 0.f;
+  const float off = nested == 1 ? *offp : 0.f;   // nested 2: an offset per nested block (offp[b >> lbs2])
   const u16* xh = (const u16*)x;
   if (blockIdx.x >= wtiles) {   // rows r0 + MW i of A: lane l takes columns 4 l .. 4 l + 3 of every 128
     constexpr int RA = ATILE / MW;
@@ -433,7 +441,7 @@ __global__ void __launch_bounds__(MW * 32, 5) nf4_mma(
         if (n < N && live) {
           raw[h][t] = *(const uint2*)(w + (((long long)n * K + k) >> 1));
           const long long b = ((long long)n * K + kb) >> lbs;
-          own[h][t] = nested ? c2[qabs[b]] * abs2[b >> lbs2] + off : absf[b];
+          own[h][t] = nested ? c2[qabs[b]] * abs2[b >> lbs2] + (nested == 2 ? offp[b >> lbs2] : off) : absf[b];
         } else {
           raw[h][t] = make_uint2(0, 0);
           own[h][t] = 0.f;
@@ -589,16 +597,21 @@ def weight_unsupported(packed: torch.Tensor, state: Any) -> str:
                 f"with {n * k // 2}")
     if state.nested and state.state2.absmax.dtype != torch.float32:
         return f"the nested block scales are {state.state2.absmax.dtype}, not fp32"
+    if _nested(state) == 2 and (state.block_offsets.dtype != torch.float32
+                                or state.block_offsets.shape != state.state2.absmax.shape):
+        return (f"the offsets per nested block are {state.block_offsets.dtype} {tuple(state.block_offsets.shape)}, "
+                f"not fp32 {tuple(state.state2.absmax.shape)}")
     return ""
 
 
 def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None,
-               lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
-               splits: Optional[int] = None, mma: Optional[bool] = None) -> torch.Tensor:
+               lora: Optional[tuple] = None, splits: Optional[int] = None,
+               mma: Optional[bool] = None) -> torch.Tensor:
     """x (..., K) @ W.T (+ bias) for a bitsandbytes NF4 weight W (N, K): `packed` its uint8 codes,
     `state` its QuantState. Returns (..., N) in x's dtype. Any number of rows; meant for a few.
     lora = (A, B, scale): adds scale * (x A^T) B^T before the result is rounded, with A (r, K) and B (N, r)
-    in fp32 and r <= MAX_RANK: a LoRA adapter's output, as peft adds it, inside the same two kernels.
+    in fp32 and r <= MAX_RANK: a LoRA adapter's output, as peft adds it, inside the same two kernels; or
+    (A, B, scale, bounds): adapters stacked with their weights (`lora_bounds`).
     splits: how many parts K is split into (default: `_splits`' choice; the benchmark sweeps it).
     mma: multiply on tensor cores (`nf4_mma`: fp16 x only; the code table in fp16, the block scales in fp32) or
     not; default `tensor_cores`' choice for the GPU."""
@@ -613,7 +626,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
-    la, lb, rank, scale = x2, x2, 0, 0.0
+    la, lb, rank, scale, bounds = x2, x2, 0, 0.0, (n, n)
     if lora is not None:
         la, lb, scale = lora[0].contiguous(), lora[1].contiguous(), float(lora[2])
         if la.data_ptr() % 16:   # the kernels read A's rows (and B's) 16 bytes at a time
@@ -621,10 +634,11 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
         if lb.data_ptr() % 16:
             lb = lb.clone()
         rank = la.shape[0]
-        if la.dtype != torch.float32 or lb.dtype != torch.float32 or la.shape != (rank, k) or lb.shape != (n, rank) \
-                or not 0 < rank <= MAX_RANK:
+        if la.dtype != torch.float32 or lb.dtype != torch.float32 or la.dim() != 2 or la.shape[1] != k \
+                or lb.dim() != 2 or lb.shape[0] != n or not 0 < rank <= MAX_RANK:
             raise ValueError(f"nf4_matmul: lora needs fp32 A (r, {k}) and B ({n}, r) with 0 < r <= {MAX_RANK}, got "
                              f"{lora[0].dtype} {tuple(lora[0].shape)} and {lora[1].dtype} {tuple(lora[1].shape)}")
+        bounds = lora_bounds(lora, n)
     props = torch.cuda.get_device_properties(x.device)
     sms = props.multi_processor_count
     if mma is None:
@@ -633,7 +647,7 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
         raise ValueError(f"nf4_matmul: mma=True takes fp16 x on a GPU of CC 7.5 or later, not {x.dtype} on "
                          f"CC {props.major}.{props.minor}")
     if mma:
-        _mma_matmul(x2, packed, state, bias, la, lb, rank, scale, splits, sms, y)
+        _mma_matmul(x2, packed, state, bias, la, lb, rank, scale, splits, sms, y, bounds)
         return y.reshape(*x.shape[:-1], n)
     mt = _rows_tile(m)
     r = _rows_of_w(n)
@@ -650,36 +664,75 @@ def nf4_matmul(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional
     kern(
         grid=(tiles, -(-m // mt), splits), block=(WARPS * 32, 1, 1),
         args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
-              int(bool(state.nested)), int(bias is not None), per_split, la, rank, wsn])
+              _nested(state), int(bias is not None), per_split, la, rank, wsn])
     if splits > 1 or rank:
-        sum_splits(SOURCE, ws, b if bias is not None else None, y, splits, lb, rank, scale)
+        sum_splits(SOURCE, ws, b if bias is not None else None, y, splits, lb, rank, scale, bounds)
     return y.reshape(*x.shape[:-1], n)
 
 
+def lora_bounds(lora: tuple, n: int) -> tuple[int, int]:
+    """The output columns where the second and the third of stacked adapters start (n where there are none).
+    `lora` is (A, B, scale): one adapter, A (r, K) and B (N, r); or (A, B, scale, bounds) for adapters stacked
+    with their weights (`edgerl.rollout.lora_group`): A's rows (len(bounds) + 1) x r, adapter i's from row i r,
+    B (N, r) with the weights' rows, and output columns from bounds[i - 1] on taking adapter i (two bounds at
+    most). Raises ValueError for any other shape."""
+    a, b = lora[0], lora[1]
+    cuts = tuple(int(c) for c in lora[3]) if len(lora) > 3 else ()
+    r = b.shape[1] if b.dim() == 2 else 0
+    if len(cuts) > 2 or list(cuts) != sorted(set(cuts)) or any(not 0 < c < n for c in cuts) \
+            or r == 0 or a.shape[0] != r * (len(cuts) + 1):
+        raise ValueError(f"lora: {len(cuts) + 1} adapters of B's rank {r} need {r * (len(cuts) + 1)} rows of A (got "
+                         f"{a.shape[0]}) and at most two increasing column bounds inside (0, {n}) (got {cuts})")
+    return (*cuts, n, n)[:2]
+
+
+def lora_term(x: torch.Tensor, lora: tuple) -> torch.Tensor:
+    """scale (x A^T) B^T in x's dtype, the slow, obvious way: each stacked adapter (`lora_bounds`) on its own
+    columns."""
+    a, b, scale = lora[0].to(x.dtype), lora[1].to(x.dtype), lora[2]
+    n, r = b.shape
+    cuts = (0, *(tuple(lora[3]) if len(lora) > 3 else ()), n)
+    parts = [(x @ a[i * r:(i + 1) * r].T) @ b[c0:c1].T for i, (c0, c1) in enumerate(zip(cuts, cuts[1:]))]
+    return scale * torch.cat(parts, dim=-1)
+
+
 def sum_splits(source: str, ws: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor, splits: int,
-               lb: torch.Tensor, rank: int, scale: float) -> None:
+               lb: torch.Tensor, rank: int, scale: float, bounds: Optional[tuple[int, int]] = None) -> None:
     """y (M, N) = the splits' partial sums in ws (splits, M, N + rank) added in order, + bias, + scale (x A^T) B^T
-    with x A^T summed from ws's last `rank` columns and B = lb (N, rank): `splits_sum` of `source` (a source that
-    holds SUM_SOURCE), in y's dtype."""
+    with x A^T summed from ws's last `rank` columns and B = lb (N, r): `splits_sum` of `source` (a source that
+    holds SUM_SOURCE), in y's dtype. bounds: where stacked adapters' columns start (`lora_bounds`; none: one
+    adapter, r = rank)."""
     m, n = y.shape
     b = bias if bias is not None else y
+    b1, b2 = bounds or (n, n)
+    r = lb.shape[1] if rank else 0
     _kernel(f"splits_sum<{_TYPES[y.dtype]}>", y.device, source=source)(
         grid=(-(-n // 256), -(-m // SUM_ROWS), 1), block=(256, 1, 1),
-        args=[ws, b, y, m, n, splits, int(bias is not None), lb, rank, scale, ws.shape[2]])
+        args=[ws, b, y, m, n, splits, int(bias is not None), lb, r, scale, ws.shape[2], b1, b2])
+
+
+def _nested(state: Any) -> int:
+    """The kernels' `nested`: 0 fp32 block scales, 1 nested with one offset, 2 nested with an offset per nested
+    block (`block_offsets`)."""
+    if not state.nested:
+        return 0
+    return 2 if getattr(state, "block_offsets", None) is not None else 1
 
 
 def _state_args(packed: torch.Tensor, state: Any, device: torch.device) -> list:
-    """The kernels' arguments for the weight's block scales: qabs, abs2, code2, offset, absmax (fp32), the code
-    table, log2 of the nested block size."""
+    """The kernels' arguments for the weight's block scales: qabs, abs2, code2, offset (or the offsets per nested
+    block), absmax (fp32), the code table, log2 of the nested block size."""
     code = state.code.to(device=device, dtype=torch.float32)
     if state.nested:
         s2 = state.state2
-        return [state.absmax, s2.absmax, s2.code, state.offset, code, code, _log2(s2.blocksize)]
+        off = state.offset if _nested(state) == 1 else state.block_offsets
+        return [state.absmax, s2.absmax, s2.code, off, code, code, _log2(s2.blocksize)]
     return [packed, code, code, code, state.absmax.float(), code, 0]
 
 
 def _mma_matmul(x2: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor], la: torch.Tensor,
-                lb: torch.Tensor, rank: int, scale: float, splits: Optional[int], sms: int, y: torch.Tensor) -> None:
+                lb: torch.Tensor, rank: int, scale: float, splits: Optional[int], sms: int, y: torch.Tensor,
+                bounds: tuple[int, int]) -> None:
     """`nf4_matmul` on tensor cores into y (fp16 x2 (M, K)): nf4_mma, then splits_sum where K is split or an adapter
     rides along."""
     n, k = tuple(state.shape)
@@ -699,9 +752,9 @@ def _mma_matmul(x2: torch.Tensor, packed: torch.Tensor, state: Any, bias: Option
     ws = torch.empty((splits, m, wsn), dtype=torch.float32, device=y.device) if splits > 1 or rank else y
     kern(grid=(tiles, -(-m // 16), splits), block=(MMA_WARPS * 32, 1, 1),
          args=[x2, packed, qabs, abs2, code2, off, absf, code, b, y, ws, m, n, k, _log2(state.blocksize), lbs2,
-               int(bool(state.nested)), int(bias is not None), per_split, la, rank, wsn])
+               _nested(state), int(bias is not None), per_split, la, rank, wsn])
     if splits > 1 or rank:
-        sum_splits(SOURCE, ws, b if bias is not None else None, y, splits, lb, rank, scale)
+        sum_splits(SOURCE, ws, b if bias is not None else None, y, splits, lb, rank, scale, bounds)
 
 
 def dequantize_reference(packed: torch.Tensor, state: Any, fp16_codes: bool = False) -> torch.Tensor:
@@ -713,7 +766,11 @@ def dequantize_reference(packed: torch.Tensor, state: Any, fp16_codes: bool = Fa
     if state.nested:
         s2 = state.state2
         scale2 = s2.absmax.float().repeat_interleave(s2.blocksize)[:state.absmax.numel()]
-        absmax = s2.code.float()[state.absmax.to(torch.int64)] * scale2 + state.offset.float()
+        if _nested(state) == 2:
+            offset = state.block_offsets.float().repeat_interleave(s2.blocksize)[:state.absmax.numel()]
+        else:
+            offset = state.offset.float()
+        absmax = s2.code.float()[state.absmax.to(torch.int64)] * scale2 + offset
     else:
         absmax = state.absmax.float()
     table = state.code.float().to(packed.device)
@@ -724,16 +781,14 @@ def dequantize_reference(packed: torch.Tensor, state: Any, fp16_codes: bool = Fa
 
 
 def reference(x: torch.Tensor, packed: torch.Tensor, state: Any, bias: Optional[torch.Tensor] = None,
-              lora: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
-              fp16_codes: bool = False) -> torch.Tensor:
+              lora: Optional[tuple] = None, fp16_codes: bool = False) -> torch.Tensor:
     """What `nf4_matmul` computes, in plain torch: fp32 products and sums, the result in x's dtype.
     fp16_codes: the code table rounded to fp16 first, as the tensor-core kernel (`mma`) decodes the codes."""
     y = x.float() @ dequantize_reference(packed, state, fp16_codes).to(x.device).T
     if bias is not None:
         y = y + bias.to(x.dtype).float()
     if lora is not None:
-        a, b, scale = lora
-        y = y + scale * ((x.float() @ a.float().T) @ b.float().T)
+        y = y + lora_term(x.float(), lora)
     return y.to(x.dtype)
 
 
