@@ -166,6 +166,35 @@ def test_the_fused_nf4_kernel_is_the_cuda_c_backend_over_an_nf4_base(key, base, 
         assert ("projections'" in p.reasons["decode_backend"]) == (base is None)
 
 
+@pytest.mark.parametrize("key,base,stacked", [("P40", "nf4", True), ("T4", "nf4", True), ("P40", "fp32", True),
+                                              ("P40", "fp16", False), ("3090", "nf4", False), ("T4", "int8", False)])
+def test_the_plan_counts_the_stacked_lora_adapters_where_cuda_c_stacks_them(key, base, stacked):
+    """LoRA q/k/v and gate/up stacked for the decode step (edgerl/rollout/lora_group.py) hold those layers' adapters
+    again in fp32, and over an NF4 base an fp32 offset per 16384 weights, in every phase."""
+    from edgerl.plan.steps import stacked_adapter_bytes
+    dev = fake_probe(key, bitsandbytes="0.50.2").primary
+    m = CATALOGUE["qwen2.5-0.5b"]
+    p = plan(dev, m, dataclasses.replace(SMALL, lora=True), {"base_dtype": base})
+    got = {ph: comps.get("stacked adapters", 0) for ph, comps in p.memory.phases.items()}
+    if not stacked:
+        assert set(got.values()) == {0}
+        return
+    sh, rank = m.module_shapes(), p.lora["rank"]
+    grouped = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    want = m.num_layers * rank * sum(sh[t][0] + sh[t][1] for t in grouped) * 4
+    if base == "nf4":
+        want += m.num_layers * sum(sh[t][0] * sh[t][1] for t in grouped) // 16384 * 4
+    targets = p.lora["targets"]
+    assert stacked_adapter_bytes(m, tuple(targets), p.lora["params"], base) == want
+    assert set(got.values()) == {want}, got
+    # a group needs all its layers adapted: without v_proj, q/k/v is not stacked
+    no_v = tuple(t for t in targets if t != "v_proj")
+    gate_up = m.num_layers * rank * sum(sh[t][0] + sh[t][1] for t in ("gate_proj", "up_proj")) * 4
+    if base == "nf4":
+        gate_up += m.num_layers * sum(sh[t][0] * sh[t][1] for t in ("gate_proj", "up_proj")) // 16384 * 4
+    assert stacked_adapter_bytes(m, no_v, m.lora_params(rank, no_v), base) == gate_up
+
+
 def test_blackwell_keeps_sdpa_unless_flash_attention_is_asked_for():
     from edgerl.device.device import device_from_spec
     from fakes import software

@@ -25,6 +25,9 @@ and key-value widths, V vocabulary, L = prompt + response tokens, b_c compute-dt
                           step's fixed workspace
     dequantization        one layer's weight dequantized to the compute dtype (quantized base)
     reference             P x b_c, a separate frozen copy; none under LoRA (adapter disabled)
+    stacked adapters      under LoRA where the cuda-c decode backend stacks q/k/v and gate/up (fp32 compute,
+                          or an NF4 base): those layers' adapters again in fp32 (r x (in + out) x 4 each),
+                          and over an NF4 base an fp32 offset per 16384 of their weights; every phase
     activations, no ckpt  tokens x layers x b_c x (5h + 3q + 3kv + 3I)   (+ K and V repeated to the
                           query heads where SDPA's memory-efficient kernel attends: 2 (q - kv) b_c;
                           + the eager score matrix: tokens x heads x L x 2 b_c per layer)
@@ -237,6 +240,7 @@ class Setting:
     kv_bytes: int = 0               # bytes per cached key or value element (plan.kv_cache_dtype); 0: compute_bytes
     mini_batch: int = 0             # rows per optimizer step on this rank (0: unknown; several micro-steps assumed)
     sft: bool = False               # supervised fine-tuning: the update phase alone (no rollout, no scoring)
+    stacked_adapters: int = 0       # bytes the decode step's LoRA groups hold for the engine's life (steps.py)
 
 
 @dataclass(frozen=True)
@@ -390,7 +394,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
     resident_off = (0 if s.swap_models else ref) + critic_state + rm
     rollout = {"master weights": master, "optimizer state": optim, "generation weights": gen_copy,
                "other models": resident_off, "KV cache": kv, "sampling logits": sample,
-               "prefill activations": prefill, "dequantization": dequant}
+               "prefill activations": prefill, "dequantization": dequant, "stacked adapters": s.stacked_adapters}
     # a resident engine keeps its weights, KV cache and the graphs' pool (about one sampling step's
     # temporaries) through scoring and the update
     kept = {"generation weights": gen_copy, "KV cache": kv, "graph pool": s.rollout_batch * m.vocab_size * 4} \
@@ -409,7 +413,8 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
         scorers["compute weights"] = 0
     score = {"master weights": master, "optimizer state": optim, **scorers,
              "activations": act(score_tokens, train=False), "attention workspace": attention(s.score_micro_batch, False),
-             "log-prob pass": logprob(s.score_micro_batch, False), "dequantization": dequant, **kept}
+             "log-prob pass": logprob(s.score_micro_batch, False), "dequantization": dequant,
+             "stacked adapters": s.stacked_adapters, **kept}
 
     tokens = packed_tokens(s.micro_batch, s.update_share, prompt_len, response_len)
     update = {"master weights": master, "gradients": grads,
@@ -418,7 +423,7 @@ def estimate(m: ModelSpec, s: Setting, prompt_len: int, response_len: int, budge
               "activations": act(tokens, train=True),
               "backward workspace": tokens * cal.backward_mlp * m.intermediate_size * b_c,
               "attention workspace": attention(s.micro_batch, True), "log-prob pass": logprob(s.micro_batch, True),
-              "dequantization": dequant, **kept}
+              "dequantization": dequant, "stacked adapters": s.stacked_adapters, **kept}
     # the step runs after the backward has freed activations: offloaded state comes back, and the bf16
     # step's workspace is allocated, into room the activations left
     step_extra = tb.step_workspace + (state if s.optimizer_offload and not s.param_offload else 0)

@@ -118,6 +118,27 @@ def _lora_matmul(layer: torch.nn.Module, x: torch.Tensor) -> "torch.Tensor | Non
     return None
 
 
+def group_note(dec: StaticDecoder) -> str:
+    """Stack each layer's LoRA q/k/v and gate/up into one product (`lora_group.LoraGroup`, set in the layer's
+    `ModuleProjections.groups`) where the bases now go to the few-row kernels; the note says how many and, for the
+    first group that could not be, why."""
+    from .lora_group import LoraGroup, groupable
+    mods = [p for p in dec.proj if p.kind == "modules" and any(hasattr(m, "lora_A") for m in p.modules())]
+    if not mods:
+        return ""
+    why = []
+    for p in mods:
+        for key, layers in p.stackable().items():
+            w = groupable(layers)
+            if w:
+                why.append(f"{key}: {w}")
+            else:
+                p.groups[key] = LoraGroup(layers)
+    stacked = sum(len(p.groups) for p in mods)
+    return (f"; LoRA q/k/v and gate/up stacked: {stacked} of {2 * len(mods)} groups"
+            + (f" (not {why[0]})" if why else ""))
+
+
 class Backend(TorchOps):
     name = "cuda-c"
     reads_span = False   # the whole cache: the kernel reads each row's visible columns only
@@ -139,6 +160,7 @@ class Backend(TorchOps):
             n, left = enable(dec.model, NF4_DECODE_ROWS)
             self.note += f"; {n} NF4 layers through the fused kernel" + "".join(
                 f"; {k} left to bitsandbytes: {why}" for why, k in left.items())
+        self.note += group_note(dec)
 
     def hide(self, first: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
         return first   # rope_attend reads only the columns first[b] .. col of each row (a window: its first column)

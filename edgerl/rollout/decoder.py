@@ -163,7 +163,7 @@ class StaticDecoder:
 
     def check_weights(self) -> bool:
         """Raise if the weights are released; re-fuse where a parameter left its fused storage (returns
-        True then: the addresses changed)."""
+        True then: the addresses changed); copy the trained adapters into their stacked copies (LoRA groups)."""
         for name, p in self.model.named_parameters():
             if p.untyped_storage().nbytes() == 0 and p.numel() > 0:
                 raise RuntimeError(f"the rollout model's weights are released ({name} has no storage); "
@@ -171,6 +171,8 @@ class StaticDecoder:
         stale = [p for p in self.proj if not p.intact()]
         for p in stale:
             p.refuse()
+        for p in self.proj:   # stacked LoRA adapters (ModuleProjections.groups) from the trained ones
+            p.sync()
         return bool(stale)
 
     def fused_norms_reason(self) -> str:

@@ -133,6 +133,9 @@ class FusedProjections:
         """Fuse again from the parameters' current values (after `intact()` turned False)."""
         self._refuse()
 
+    def sync(self) -> None:
+        """Nothing to copy before a rollout: the fused weights are the parameters' own storage."""
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qkv_w, self.qkv_b, self.gu_w, self.gu_b, self.o_w, self.o_b,
                             self.down_w, self.down_b) if t is not None]
@@ -166,15 +169,28 @@ class ModuleProjections:
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self._all = (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
                      self.down_proj)
+        self.groups: dict[str, object] = {}   # "qkv", "gate_up": LoraGroups a decode backend stacked (`stackable`)
+
+    def stackable(self) -> dict[str, list[nn.Module]]:
+        """The groups of modules one product could compute (`lora_group.LoraGroup`, which a decode backend sets in
+        `groups` under these names)."""
+        return {"qkv": [self.q_proj, self.k_proj, self.v_proj], "gate_up": [self.gate_proj, self.up_proj]}
 
     def intact(self) -> bool:
-        return True
+        return all(g.intact() for g in self.groups.values())
 
     def refuse(self) -> None:
-        pass
+        for g in self.groups.values():
+            if not g.intact():
+                g.refuse()
+
+    def sync(self) -> None:
+        """The groups' adapters from the layers' current ones (before each rollout: they train)."""
+        for g in self.groups.values():
+            g.sync()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for m in self._all for t in m.parameters()]
+        return [t for m in self._all for t in m.parameters()] + [t for g in self.groups.values() for t in g.tensors()]
 
     def modules(self) -> list[nn.Module]:
         """Every module of the layer's projections, the wrappers' own inside them included."""
@@ -183,11 +199,16 @@ class ModuleProjections:
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.qkv_parts(h), dim=-1)
 
+    def _group(self, key: str, h: torch.Tensor) -> "tuple[torch.Tensor, ...] | None":
+        g = self.groups.get(key)
+        y = g(h) if g is not None else None
+        return None if y is None else y.split(g.widths, dim=-1)
+
     def qkv_parts(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        return self._group("qkv", h) or (self.q_proj(h), self.k_proj(h), self.v_proj(h))
 
     def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_proj(h), self.up_proj(h)
+        return self._group("gate_up", h) or (self.gate_proj(h), self.up_proj(h))
 
     def o(self, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(x)
