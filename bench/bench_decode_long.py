@@ -201,6 +201,9 @@ class Stepper:
         if matmul == "cublas":   # the A/B of the fp32 few-row kernel: the backend's matmuls back to torch's
             from edgerl.rollout.decode_cuda_c import set_matmul
             set_matmul(self.engine.dec, None)
+        if matmul == "apart":   # the A/B of LoRA groups: each LoRA layer's product a call of its own again
+            for p in self.engine.dec.proj:
+                getattr(p, "groups", {}).clear()
         self.rows = rows
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, VOCAB if self.cuda else 200, (rows, PROMPT if self.cuda else 8), generator=g)
@@ -297,7 +300,8 @@ def run_config(name: str, args, device: torch.device, bw: float | None, rate: fl
         by_rows.setdefault(r, []).append(n)
     for (rows, lengths), matmul in ((rl, mm) for rl in by_rows.items() for mm in args.matmul):
         rec_base = {"config": name, "card": card, "widths": shape, "base": base, "dtype": str(dtype).split(".")[-1],
-                    "kv_cache": kv, "backend": backend + (" (cuBLAS matmuls)" if matmul == "cublas" else ""),
+                    "kv_cache": kv, "backend": backend + {"cublas": " (cuBLAS matmuls)", "apart": " (LoRA layers apart)"}
+                    .get(matmul, ""),
                     "rows": rows, "weight_bytes": wb, "build_s": round(built_s, 1)}
         try:
             stepper = Stepper(model, rows, max_len, backend, projections, device, torch_dtype(kv), matmul)
@@ -370,8 +374,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache", default="plan", choices=["plan", "compute", "fp16"],
                     help="the KV cache's storage: the plan's (plan.kv_cache_dtype), the compute dtype, or fp16")
     ap.add_argument("--matmul", default="plan",
-                    help="the decode step's fp32 matmuls: plan (the backend's; cuda-c: edgerl's few-row kernel), "
-                         "cublas, or both (plan,cublas: the A/B on one model)")
+                    help="the decode step's matmuls: plan (the backend's; cuda-c: edgerl's few-row kernels, LoRA q/k/v "
+                         "and gate/up stacked), cublas (fp32: torch's), apart (LoRA layers one call each), or several "
+                         "(plan,apart: the A/B on one model)")
     ap.add_argument("--profile", action="store_true", help="one eager step's kernels at each length")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager, torch's ops")
     ap.add_argument("--out", default=None, help="JSON output (default $OUT/bench_decode_long.json when OUT is set)")
@@ -383,8 +388,8 @@ def main(argv=None) -> int:
     if not args.lengths or min(args.lengths) < 16:
         ap.error("--lengths: each cache column must be at least 16")
     args.matmul = [m for m in args.matmul.split(",") if m]
-    if not args.matmul or set(args.matmul) - {"plan", "cublas"}:
-        ap.error(f"--matmul takes plan, cublas or both (comma-separated), got {','.join(args.matmul)!r}")
+    if not args.matmul or set(args.matmul) - {"plan", "cublas", "apart"}:
+        ap.error(f"--matmul takes plan, cublas, apart or several (comma-separated), got {','.join(args.matmul)!r}")
     names = ["smoke"] if args.smoke else [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS and not args.smoke]
     if unknown:

@@ -196,13 +196,14 @@ def test_decode_long_refuses_bad_lengths_in_one_line():
 def test_decode_long_runs_the_matmul_a_b_on_one_model_and_refuses_an_unknown_choice(tmp_path):
     out = tmp_path / "long.json"
     res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--lengths", "16",
-                          "--matmul", "plan,cublas", "--out", str(out)], capture_output=True, text=True, env=ENV,
-                         timeout=300)
+                          "--matmul", "plan,cublas,apart", "--out", str(out)], capture_output=True, text=True,
+                         env=ENV, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert [r["backend"] for r in json.loads(out.read_text())["records"]] == ["torch", "torch (cuBLAS matmuls)"]
+    assert [r["backend"] for r in json.loads(out.read_text())["records"]] == [
+        "torch", "torch (cuBLAS matmuls)", "torch (LoRA layers apart)"]
     res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--matmul", "triton"],
                          capture_output=True, text=True, env=ENV, timeout=120)
-    assert res.returncode == 2 and "--matmul takes plan, cublas or both" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "--matmul takes plan, cublas, apart or several" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_fp32_mm_bench_takes_the_products_of_a_shape_and_needs_a_gpu():
@@ -890,3 +891,15 @@ def test_drop_from_wheel_leaves_out_a_folder_and_its_record_lines_only(tmp_path)
         assert sorted(z.namelist()) == ["pkg-1.0.dist-info/RECORD", "pkg/__init__.py"]
         assert z.read("pkg/__init__.py") == b"x = 1\n"
         assert z.read("pkg-1.0.dist-info/RECORD").decode() == "pkg/__init__.py,sha256=a,1\npkg-1.0.dist-info/RECORD,,\n"
+
+
+def test_nf4_projections_bench_names_a_layers_products_and_needs_a_gpu():
+    import bench_nf4_projections as bp
+    assert bp.projections("llama8b")[:4] == [("q/k/v fused", 6144, 4096), ("o", 4096, 4096),
+                                             ("gate/up fused", 28672, 4096), ("down", 4096, 14336)]
+    res = subprocess.run([sys.executable, str(BENCH / "bench_nf4_projections.py"), "--shapes", "llama8b,bogus"],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 2 and "--shapes: unknown bogus" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([sys.executable, str(BENCH / "bench_nf4_projections.py")], capture_output=True, text=True,
+                         env=ENV, timeout=120)
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
