@@ -138,7 +138,8 @@ def test_the_cuda_layer_over_an_fp16_cache_under_fp32_wired_to_the_references(mo
 
 def test_lora_over_an_fp32_base_sends_its_layers_through_the_few_row_kernel(monkeypatch):
     """A peft LoRA model in fp32 (a P40's LoRA plan) decodes through its modules: each LoRA layer's base matmul
-    and its adapter take the few-row matmul (one call) in the decode steps, the tokens are the torch backend's,
+    and its adapter take the few-row matmul (one call) in the decode steps, q/k/v and gate/up stacked into one call
+    each (rollout/lora_group.py), the tokens are the torch backend's,
     training's matmuls stay cuBLAS's and peft's (the adapters keep their gradients), and `set_matmul(dec, None)`
     gives the layers back."""
     from torch import nn
@@ -153,11 +154,12 @@ def test_lora_over_an_fp32_base_sends_its_layers_through_the_few_row_kernel(monk
     layers = len(model.base_model.model.model.layers)
     assert "the logits and the %d LoRA layers (their fp32 base matmuls and adapters) through the few-row matmul " \
         "kernel" % (7 * layers) in cuda.describe()
+    assert "LoRA q/k/v and gate/up stacked: %d of %d groups" % (2 * layers, 2 * layers) in cuda.describe()
     assert cuda.generate(PROMPTS, 2, params).response_ids == want.response_ids
-    # the prompts' last positions' logits, then each decode step's 7 LoRA layers a layer (each with its adapter)
-    # and its logits
-    assert calls == [4] + [8] * (7 * layers + 1) * 23, (len(calls), set(calls))
-    assert calls.loras == [False] + ([True] * 7 * layers + [False]) * 23
+    # the prompts' last positions' logits, then each decode step's 4 products a layer (q/k/v, o, gate/up, down;
+    # each with its adapters) and its logits
+    assert calls == [4] + [8] * (4 * layers + 1) * 23, (len(calls), set(calls))
+    assert calls.loras == [False] + ([True] * 4 * layers + [False]) * 23
     calls.clear()
     calls.loras.clear()
     model.train()
