@@ -132,7 +132,9 @@ torch.cuda.synchronize()
 pynvml.nvmlInit()
 h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
 used = next((p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == os.getpid()), None)
-print(json.dumps({{"outside": None if not used else used - torch.cuda.memory_reserved(), "step": t.step}}))
+free, total = torch.cuda.mem_get_info()
+print(json.dumps({{"outside": None if not used else used - torch.cuda.memory_reserved(), "step": t.step,
+                  "device_outside": total - free - torch.cuda.memory_reserved()}}))
 """
 
 
@@ -140,8 +142,8 @@ print(json.dumps({{"outside": None if not used else used - torch.cuda.memory_res
 def test_a_resumed_run_holds_no_more_memory_outside_the_allocator(tiny_llama, tmp_path, lora):
     """A checkpoint's full state dicts load into a one-process run without a collective, so resuming does not
     create the process group's NCCL communicator, whose buffers (about 0.5 GiB) lie outside torch's allocator:
-    the resumed process holds as much device memory outside the allocator as the fresh one (NVML's figure for
-    each process, less what torch reserved)."""
+    the resumed process holds as much device memory outside the allocator as the fresh one (what NVML counts for
+    the process, or else the device's used memory, less what torch reserved)."""
     sets = [s for s in FAST if not s.startswith(("train.steps", "run.save_every"))] + ["run.save_every=1"] + (
         ["lora.enabled=true"] if lora else [])
     run = tmp_path / "run"
@@ -154,9 +156,11 @@ def test_a_resumed_run_holds_no_more_memory_outside_the_allocator(tiny_llama, tm
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     fresh = outside(2)
-    if fresh["outside"] is None:
-        pytest.skip("NVML does not see this process (a PID namespace hides it)")
     from edgerl.train import checkpoint
     resumed = outside(3, str(checkpoint.latest(run)))
     assert fresh["step"] == 2 and resumed["step"] == 3
-    assert resumed["outside"] <= fresh["outside"] + 128 * 2**20, (fresh, resumed)
+    # NVML's figure for the process where it sees it (a PID namespace can hide it), else the device's used memory
+    # (the test runs alone on its GPU)
+    key = "outside" if fresh["outside"] is not None and resumed["outside"] is not None else "device_outside"
+    print(f"outside the allocator ({key}): fresh {fresh[key] / 2**20:.0f} MiB, resumed {resumed[key] / 2**20:.0f} MiB")
+    assert resumed[key] <= fresh[key] + 128 * 2**20, (fresh, resumed)

@@ -328,28 +328,6 @@ __device__ __forceinline__ float h2f(unsigned h) {
 __device__ __forceinline__ unsigned word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// prmt.b32 d, a, b, c: byte i of d is byte c[4i+2:4i] of the 8 bytes (b:a), or, where c's bit 4i+3 is set, that
-// byte's sign bit copied over all 8 bits.
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned c) {
-  unsigned d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d; }
-
-// The fp16 values of the 8 codes of `w` (byte b: code 2 b in the high nibble, 2 b + 1 in the low) as 4 words:
-// out[b] = value[code 2 b] | value[code 2 b + 1] << 16, from the table's low bytes tl and high bytes th (entry
-// 4 i + j in byte j of word i): in registers, eleven integer instructions for four codes, no memory.
-__device__ __forceinline__ void decode8(unsigned w, const unsigned (&tl)[4], const unsigned (&th)[4],
-                                        unsigned (&out)[4]) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const unsigned v = half ? w >> 16 : w;   // its nibbles 0..3: codes 1, 0, 3, 2 of these four
-    const unsigned s = v & 0x7777u;          // each code's entry within its half of the table
-    const unsigned m = prmt(v << 4, v, 0xD9C8u);   // byte i: all ones where nibble i is 8 or more
-    const unsigned lo = (prmt(tl[0], tl[1], s) & ~m) | (prmt(tl[2], tl[3], s) & m);
-    const unsigned hi = (prmt(th[0], th[1], s) & ~m) | (prmt(th[2], th[3], s) & m);
-    out[2 * half] = prmt(lo, hi, 0x4051u);       // codes 0, 1: low and high bytes of each
-    out[2 * half + 1] = prmt(lo, hi, 0x6273u);   // codes 2, 3
-  }
-}
-
 #define ATILE 8   // rows of a LoRA adapter's A a block of nf4_mma takes (the source's ATILE)
 template <int MW>
 __global__ void __launch_bounds__(MW * 32, 5) nf4_mma(
@@ -407,17 +385,6 @@ __global__ void __launch_bounds__(MW * 32, 5) nf4_mma(
     }
     return;
   }
-  unsigned tl[4], th[4];   // the code table in fp16: low and high bytes (decode8)
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    tl[i] = th[i] = 0u;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const unsigned h = c16[4 * i + j];
-      tl[i] |= (h & 0xffu) << (8 * j);
-      th[i] |= (h >> 8) << (8 * j);
-    }
-  }
   const int n0 = blockIdx.x * 32 * MW + warp * 32;
   float acc[4][4];
 #pragma unroll
@@ -458,9 +425,12 @@ __global__ void __launch_bounds__(MW * 32, 5) nf4_mma(
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         float c[4] = {0.f, 0.f, 0.f, 0.f};
-        unsigned b[8];   // b[j]: codes 2 j and 2 j + 1 in fp16
-        decode8(raw[h][t].x, tl, th, *(unsigned(*)[4])&b[0]);
-        decode8(raw[h][t].y, tl, th, *(unsigned(*)[4])&b[4]);
+        unsigned b[8];   // b[j]: codes 2 j (byte j's high nibble) and 2 j + 1 in fp16, from the shared table
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const unsigned byte = ((j < 4 ? raw[h][t].x : raw[h][t].y) >> (8 * (j & 3))) & 0xffu;
+          b[j] = (unsigned)c16[byte >> 4] | ((unsigned)c16[byte & 15u] << 16);
+        }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           asm volatile(
