@@ -31,7 +31,7 @@ from edgerl.plan.dtypes import nbytes
 # own share of the card's bandwidth or arithmetic rate, and they add (the kernels overlap them only in part).
 DECODE = {   # backend: (weights' bytes, the cache's bytes, arithmetic)
     "triton-layers": (0.55, 0.45, 0.30), "triton-attention": (0.50, 0.40, 0.30), "cuda-c": (0.60, 0.45, 0.45),
-    "cuda-c-nf4": (0.21, 0.45, 0.53), "cuda-c-nf4-mma": (0.15, 0.45, 0.50),
+    "cuda-c-nf4": (0.21, 0.45, 0.53), "cuda-c-nf4-mma": (0.20, 0.45, 0.50),
     "torch": (0.45, 0.30, 0.30), "hf-generate": (0.30, 0.20, 0.20),
     "vllm": (0.55, 0.45, 0.30)}
 MATMUL = 0.45        # training and scoring matmuls, of the compute dtype's peak
