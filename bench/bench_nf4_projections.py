@@ -48,21 +48,8 @@ def projections(shape: str) -> list[tuple[str, int, int]]:
 
 def graph_us(fn, reps: int = 50) -> float:
     """GPU time of one call of `fn` in microseconds, from a CUDA graph of `reps` calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (5 * reps)
+    from bench_nf4_decode import graph_ms
+    return 1e3 * graph_ms(fn, reps)
 
 
 def weight_bytes(packed: torch.Tensor, state) -> int:
