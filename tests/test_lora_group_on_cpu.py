@@ -188,3 +188,20 @@ def test_groupable_says_why_not():
     assert "not all NF4 layers or fp32 layers routed" in groupable([at.q_proj, at.k_proj, at.v_proj])
     assert "not every layer is a peft LoRA layer" in groupable([at.q_proj, nn.Linear(4, 4)])
     assert "a group stacks 2 or 3" in groupable([at.q_proj])
+
+
+def test_a_group_built_in_training_mode_with_dropout_waits_for_eval(monkeypatch):
+    """Dropout acts only while training: the group is built either way, and a call in training mode goes to peft."""
+    model, layer = fp32_layer(monkeypatch)
+    for m in layer.modules():
+        if hasattr(m, "lora_dropout"):
+            m.lora_dropout["default"] = nn.Dropout(0.1)
+    model.train()
+    proj = ModuleProjections(layer)
+    stack(proj)
+    x = torch.randn(3, HIDDEN)
+    with torch.no_grad():
+        assert proj.groups["qkv"](x) is None
+        model.eval()
+        got = torch.cat(proj.qkv_parts(x), -1).double()
+    assert torch.allclose(got, expected([proj.q_proj, proj.k_proj, proj.v_proj], x, dense_weight), atol=1e-5)

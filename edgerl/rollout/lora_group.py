@@ -45,8 +45,8 @@ def groupable(layers: list[nn.Module]) -> str:
     """'' where `LoraGroup(layers)` can stack these peft LoRA layers and a decode step's call can take the kernels,
     else why not: bases of one kind routed to the few-row kernels (an NF4 `DecodeLinear4bit` of
     `quant_decode.enable`, or an fp32 `nn.Linear` routed to `fp32_mm.linear`), the same input width, dtype and
-    device, a bias on all or none; one plain adapter each (`quant_decode.plain_adapter`), fp32, of one rank and
-    scale; three layers at most."""
+    device, a bias on all or none; one active adapter each, plain LoRA in fp32, of one rank and scale; three layers at
+    most. (Each call checks the adapters again: `quant_decode.plain_adapter`.)"""
     if not 2 <= len(layers) <= 3:
         return f"{len(layers)} layers (a group stacks 2 or 3)"
     if not all(hasattr(m, "lora_A") and hasattr(m, "base_layer") for m in layers):
@@ -80,11 +80,14 @@ def groupable(layers: list[nn.Module]) -> str:
         return f"the bases are {sorted(kinds)}, not all NF4 layers or fp32 layers routed to the few-row kernels"
     if len({b.bias is None for b in bases}) > 1:
         return "only some of the bases have a bias"
-    if any(_adapter(m) is None for m in layers):
-        return "a layer has no single active adapter"
-    with torch.no_grad():
-        if any(plain_adapter(m, nf4.MAX_RANK) is None for m in layers):
-            return "an adapter is not plain LoRA in fp32 (a variant, DoRA, dropout in training mode)"
+    for m in layers:   # what a call checks again (`plain_adapter`: dropout while training, adapters turned off)
+        a = _adapter(m)
+        if a is None:
+            return "a layer has no single active adapter"
+        if a in getattr(m, "lora_variant", {}) or getattr(m, "use_dora", {}).get(a, False):
+            return "an adapter is a variant of LoRA (DoRA or another), which peft adds its own way"
+        if m.lora_A[a].weight.dtype != torch.float32 or m.lora_B[a].weight.dtype != torch.float32:
+            return f"an adapter is {m.lora_A[a].weight.dtype}, not fp32"
     shapes = {(m.lora_A[_adapter(m)].weight.shape[0], float(m.scaling[_adapter(m)])) for m in layers}
     if len(shapes) > 1:
         return "the adapters differ in rank or scale"
