@@ -147,7 +147,7 @@ def searched(c: "Ctx") -> tuple[Candidate, Found, list]:
             base_quant=quant, rollout_from_actor=quant is not None,
             lora_input_bytes=lora_input_bytes(model, targets, dtype.compute_bytes) if cand.lora else 0,
             # cuda-c stacks LoRA q/k/v and gate/up over an NF4 base (fp32 or fp16) or an fp32 one under fp32
-            stacked_adapters=stacked_adapter_bytes(model, targets, lora_params, quant) if cand.lora and dev.is_cuda
+            stacked_adapters=stacked_adapter_bytes(model, targets, task.lora_rank, quant) if cand.lora and dev.is_cuda
             and ((quant == "nf4" and dtype.compute in ("fp32", "fp16"))
                  or (quant is None and dtype.compute == "fp32" and nbytes(cand.base) == 4)) else 0,
             prompt_share=share, update_share=share if task.local_mini == task.local_sequences else 1,
@@ -213,15 +213,11 @@ def lora_input_bytes(model, targets: tuple[str, ...], compute_bytes: int) -> int
     return max(0, 4 - compute_bytes) * sum(shapes[t][0] for t in targets if t in shapes)
 
 
-def stacked_adapter_bytes(model, targets: tuple[str, ...], lora_params: int, quant: Optional[str]) -> int:
+def stacked_adapter_bytes(model, targets: tuple[str, ...], rank: int, quant: Optional[str]) -> int:
     """What the decode step's LoRA groups (edgerl/rollout/lora_group.py: q/k/v and gate/up as one product each,
-    under the cuda-c decode backend) hold beside the model: those layers' adapters again in fp32 (A and B), and over
-    an NF4 base an fp32 offset per nested block (256 blocks of 64 weights) of their weights."""
+    under the cuda-c decode backend) hold beside the model: those layers' rank-`rank` adapters again in fp32 (A and
+    B), and over an NF4 base an fp32 offset per nested block (256 blocks of 64 weights) of their weights."""
     shapes = model.module_shapes()
-    per_rank = model.num_layers * sum(shapes[t][0] + shapes[t][1] for t in targets if t in shapes)
-    if not lora_params or not per_rank:
-        return 0
-    rank = lora_params // per_rank
     grouped = [t for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
                if all(t in targets and t in shapes for t in group) for t in group]
     adapters = model.num_layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in grouped) * 4
