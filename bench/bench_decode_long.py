@@ -31,6 +31,11 @@ the LoRA adapters; norms; the LM head whole; of an untied input embedding only t
 nothing), and the KV cache's columns each row sees (`rows x (L + 1) x layers x 2 x KV heads x head dim x the
 cache's element size`). The step writes one cache column and a few activations, counted as nothing.
 
+Under cuda-c (fp32 arithmetic on CUDA cores) each record also has the step's fp32 FLOPs at the measured fp32 GEMM
+rate (`flop_ms`), the larger of that and the copy bound (`roofline_ms`), and `ceiling_of_bound`: the share of the
+copy bound a step could reach whose products and attention run one after the other, each at the larger of its
+bytes' time and its fp32 FLOPs' time (an NF4 product on tensor cores: its bytes' alone).
+
 How it times: after a short generate (which allocates the cache and captures the sampling step's CUDA graph),
 the engine's column counter is set to L and the step's graph replayed `--reps` times (the counter advances by
 one each time), timed by CUDA events. The columns between the prompt and L hold zeros instead of keys: the
@@ -339,6 +344,13 @@ def run_config(name: str, args, device: torch.device, bw: float | None, rate: fl
                         rec["flop_ms"] = round(1e3 * fp32_flops / rate, 4)
                         rec["roofline_ms"] = max(rec["bound_ms"], rec["flop_ms"])
                         rec["share_of_roofline"] = round(rec["roofline_ms"] / rec["ms_per_step"], 4)
+                        # the products and the attention run one after the other, each at best at the larger of
+                        # its bytes' time and its fp32 FLOPs' time: the highest share of the copy bound the step
+                        # could reach so
+                        products = max(wb["total"] / bw, (0 if tensor_cores else matmul_flops(model, rows)) / rate)
+                        attention = max(rec["kv_bytes"] / bw, attention_flops(model, rows, n) / rate)
+                        rec["phases_roofline_ms"] = round(1e3 * (products + attention), 4)
+                        rec["ceiling_of_bound"] = round(rec["bound_ms"] / rec["phases_roofline_ms"], 4)
                     if args.profile and stepper.cuda:
                         rec["kernels"] = stepper.kernels(n)
                 except Exception as e:   # noqa: BLE001
@@ -354,19 +366,21 @@ def run_config(name: str, args, device: torch.device, bw: float | None, rate: fl
 
 def table(results: list, note: str) -> str:
     lines = [note, "", "| configuration | backend | KV cache | rows | cache column | ms per step | weights GB | KV GB "
-             "| of bound | fp32 FLOPs ms | of roofline |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| of bound | fp32 FLOPs ms | of roofline | ceiling |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['config']} | {r['backend']} | {r['kv_cache']} | {r['rows']} | {r['length']} | "
-                         f"{r['error'][:100]} ||||||")
+                         f"{r['error'][:100]} |||||||")
             continue
         share = f"{100 * r['share_of_bound']:.1f}%" if "share_of_bound" in r else "-"
         flop = f"{r['flop_ms']:.2f}" if "flop_ms" in r else "-"
         roof = f"{100 * r['share_of_roofline']:.1f}%" if "share_of_roofline" in r else "-"
+        ceiling = f"{100 * r['ceiling_of_bound']:.1f}%" if "ceiling_of_bound" in r else "-"
         lines.append(f"| {r['config']} | {r['backend']} | {r['kv_cache']} | {r['rows']} | {r['length']} | "
                      f"{r['ms_per_step']:.3f} | "
                      f"{r['weight_bytes']['total'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} | {share} | {flop} | "
-                     f"{roof} |")
+                     f"{roof} | {ceiling} |")
     return "\n".join(lines)
 
 
