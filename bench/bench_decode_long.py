@@ -23,8 +23,7 @@ fp32 floor counts the attention's FLOPs alone.
 The KV cache is stored as the plan stores it (`plan.kv_cache_dtype`: fp16 under fp32 compute with cuda-c);
 `--kv-cache compute` stores it in the compute dtype, for the A/B. `--matmul cublas` (or `plan,cublas`, both on one
 model) sends an fp32 plan's projections and logits to cuBLAS instead of edgerl's few-row kernel
-(`edgerl/kernels/fp32_mm.py`), for its A/B; `--matmul summed` has each product whose K the kernel splits summed by
-its own kernel, where the plan leaves o's, gate/up's and down's partial sums to the norm and SiLU kernels.
+(`edgerl/kernels/fp32_mm.py`), for its A/B.
 
 Bytes a step reads: each weight as stored (NF4: the 4-bit codes, their absmax bytes and the nested fp32 absmax;
 the LoRA adapters; norms; the LM head whole; of an untied input embedding only the rows' tokens, counted as
@@ -207,10 +206,6 @@ class Stepper:
         if matmul == "cublas":   # the A/B of the fp32 few-row kernel: the backend's matmuls back to torch's
             from edgerl.rollout.decode_cuda_c import set_matmul
             set_matmul(self.engine.dec, None)
-        if matmul == "summed":   # the A/B of the partial sums left to the next kernel: each product summed first
-            for p in self.engine.dec.proj:
-                if getattr(p, "mm_parts", None) is not None:
-                    p.mm_parts = None
         if matmul == "apart":   # the A/B of LoRA groups: each LoRA layer's product a call of its own again
             for p in self.engine.dec.proj:
                 getattr(p, "groups", {}).clear()
@@ -310,9 +305,8 @@ def run_config(name: str, args, device: torch.device, bw: float | None, rate: fl
         by_rows.setdefault(r, []).append(n)
     for (rows, lengths), matmul in ((rl, mm) for rl in by_rows.items() for mm in args.matmul):
         rec_base = {"config": name, "card": card, "widths": shape, "base": base, "dtype": str(dtype).split(".")[-1],
-                    "kv_cache": kv,
-                    "backend": backend + {"cublas": " (cuBLAS matmuls)", "apart": " (LoRA layers apart)",
-                                          "summed": " (products summed apart)"}.get(matmul, ""),
+                    "kv_cache": kv, "backend": backend + {"cublas": " (cuBLAS matmuls)", "apart": " (LoRA layers apart)"}
+                    .get(matmul, ""),
                     "rows": rows, "weight_bytes": wb, "build_s": round(built_s, 1)}
         try:
             stepper = Stepper(model, rows, max_len, backend, projections, device, torch_dtype(kv), matmul)
@@ -395,9 +389,8 @@ def main(argv=None) -> int:
                     help="the KV cache's storage: the plan's (plan.kv_cache_dtype), the compute dtype, or fp16")
     ap.add_argument("--matmul", default="plan",
                     help="the decode step's matmuls: plan (the backend's; cuda-c: edgerl's few-row kernels, LoRA q/k/v "
-                         "and gate/up stacked), cublas (fp32: torch's), apart (LoRA layers one call each), summed "
-                         "(fp32: each split product summed by its own kernel, not by the next), or several (plan,apart: "
-                         "the A/B on one model)")
+                         "and gate/up stacked), cublas (fp32: torch's), apart (LoRA layers one call each), or several "
+                         "(plan,apart: the A/B on one model)")
     ap.add_argument("--profile", action="store_true", help="one eager step's kernels at each length")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, eager, torch's ops")
     ap.add_argument("--out", default=None, help="JSON output (default $OUT/bench_decode_long.json when OUT is set)")
@@ -409,9 +402,8 @@ def main(argv=None) -> int:
     if not args.lengths or min(args.lengths) < 16:
         ap.error("--lengths: each cache column must be at least 16")
     args.matmul = [m for m in args.matmul.split(",") if m]
-    if not args.matmul or set(args.matmul) - {"plan", "cublas", "apart", "summed"}:
-        ap.error(f"--matmul takes plan, cublas, apart, summed or several (comma-separated), got "
-                 f"{','.join(args.matmul)!r}")
+    if not args.matmul or set(args.matmul) - {"plan", "cublas", "apart"}:
+        ap.error(f"--matmul takes plan, cublas, apart or several (comma-separated), got {','.join(args.matmul)!r}")
     names = ["smoke"] if args.smoke else [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS and not args.smoke]
     if unknown:

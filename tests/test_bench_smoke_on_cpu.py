@@ -196,14 +196,14 @@ def test_decode_long_refuses_bad_lengths_in_one_line():
 def test_decode_long_runs_the_matmul_a_b_on_one_model_and_refuses_an_unknown_choice(tmp_path):
     out = tmp_path / "long.json"
     res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--lengths", "16",
-                          "--matmul", "plan,cublas,apart,summed", "--out", str(out)], capture_output=True, text=True,
+                          "--matmul", "plan,cublas,apart", "--out", str(out)], capture_output=True, text=True,
                          env=ENV, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert [r["backend"] for r in json.loads(out.read_text())["records"]] == [
-        "torch", "torch (cuBLAS matmuls)", "torch (LoRA layers apart)", "torch (products summed apart)"]
+        "torch", "torch (cuBLAS matmuls)", "torch (LoRA layers apart)"]
     res = subprocess.run([sys.executable, str(BENCH / "bench_decode_long.py"), "--smoke", "--matmul", "triton"],
                          capture_output=True, text=True, env=ENV, timeout=120)
-    assert res.returncode == 2 and "--matmul takes plan, cublas, apart, summed or several" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "--matmul takes plan, cublas, apart or several" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_fp32_mm_bench_takes_the_products_of_a_shape_and_needs_a_gpu():

@@ -71,31 +71,6 @@ def test_silu_mul_equals_the_reference_and_torch(rows, width, wide, dtype):
     torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("rows,width,slices,bias", [(16, 1536, 14, False), (3, 4097, 2, True), (1, 64, 5, True)])
-def test_the_norm_and_silu_add_a_products_partial_sums_as_its_sum_kernel_does(rows, width, slices, bias):
-    """fp32_mm's `Parts` (a product left as its slices' partial sums) added by add_rms_norm and by silu_mul_parts:
-    bit for bit what the product's own sum kernel (`Parts.sum`, mm_sum) then the plain kernels give."""
-    from edgerl.kernels.fp32_mm import Parts
-    k = kernels()
-    g = torch.Generator(device="cuda").manual_seed(rows * width + slices)
-    x = randn(rows, width, g=g, dtype=torch.float32, scale=3)
-    w = randn(width, g=g, dtype=torch.float32)
-    p = Parts(randn(slices, rows, width, g=g, dtype=torch.float32),
-              randn(width, g=g, dtype=torch.float32) if bias else None)
-    d = p.sum()
-    torch.testing.assert_close(d.double(), p.ws.double().sum(0) + (p.bias.double() if bias else 0),
-                               rtol=1e-6, atol=1e-6)
-    xo, y = k.add_rms_norm(x, p, w, 1e-5)
-    want_xo, want_y = k.add_rms_norm(x, d, w, 1e-5)
-    assert torch.equal(xo, want_xo) and torch.equal(y, want_y)
-    gu = Parts(randn(slices, rows, 2 * width, g=g, dtype=torch.float32, scale=4),
-               randn(2 * width, g=g, dtype=torch.float32) if bias else None)
-    both = gu.sum()
-    assert torch.equal(k.silu_mul_parts(gu), k.silu_mul(both[:, :width], both[:, width:]))
-    with pytest.raises(ValueError, match="partial sums"):
-        k.add_rms_norm(x.half(), p, w.half(), 1e-5)   # partial sums are fp32 products'
-
-
 CASES = [   # rows, KV heads, query heads per KV head, head size, cache length, column written
     (4, 2, 2, 32, 64, 40),
     (16, 8, 4, 128, 336, 300),    # the Llama-3.1-8B head layout, two softmax tiles

@@ -59,50 +59,27 @@ def test_norm_and_silu_references():
 
 
 class _Calls(list):
-    """The rows of each few-row matmul, whether each added a LoRA adapter (`loras`), and the kernels that added a
-    product's partial sums themselves (`parts`)."""
+    """The rows of each few-row matmul, and (`loras`) whether each added a LoRA adapter."""
 
     def __init__(self):
         super().__init__()
         self.loras = []
-        self.parts = []
-
-
-def _summed(p: "fp32_mm.Parts") -> torch.Tensor:
-    """fp32_mm.Parts' product, in float64 then fp32 (what the kernels that read partial sums add)."""
-    y = p.ws.double().sum(0)
-    return (y if p.bias is None else y + p.bias.double()).float()
 
 
 def _wire_references(monkeypatch):
     """Decode backend cuda-c's kernels replaced by their references, each result rounded to its inputs' dtype."""
-    calls = _Calls()   # the fp32 few-row matmuls (fp32_mm.linear's kernel side): their rows
-
-    def add_rms_norm(x, d, w, eps):
-        if isinstance(d, fp32_mm.Parts):
-            calls.parts.append("add_rms_norm")
-            d = _summed(d)
-        return tuple(t.to(x.dtype) for t in decode_cuda.reference_add_rms_norm(x, d, w, eps))
-
-    def silu_mul_parts(p):
-        calls.parts.append("silu_mul")
-        gu = _summed(p)
-        return decode_cuda.reference_silu_mul(*gu.chunk(2, dim=-1)).float()
     monkeypatch.setattr(decode_cuda, "unavailable_reason", lambda *a: None)
-    monkeypatch.setattr(decode_cuda, "add_rms_norm", add_rms_norm)
+    monkeypatch.setattr(decode_cuda, "add_rms_norm",
+                        lambda x, d, w, eps: tuple(t.to(x.dtype)
+                                                   for t in decode_cuda.reference_add_rms_norm(x, d, w, eps)))
     monkeypatch.setattr(decode_cuda, "silu_mul", lambda g, u: decode_cuda.reference_silu_mul(g, u).to(g.dtype))
-    monkeypatch.setattr(decode_cuda, "silu_mul_parts", silu_mul_parts)
-    monkeypatch.setattr(fp32_mm.Parts, "sum", lambda p, y=None: _summed(p))
     monkeypatch.setattr(decode_cuda, "rope_attend",
                         lambda *a, flag=None: decode_cuda.reference_rope_attend(*a)[0].to(a[0].dtype))
+    calls = _Calls()   # the fp32 few-row matmuls (fp32_mm.linear's kernel side): their rows
 
-    def matmul(x, w, bias=None, ks=None, lora=None, parts=False):
+    def matmul(x, w, bias=None, ks=None, lora=None):
         calls.append(x.numel() // x.shape[-1])
         calls.loras.append(lora is not None)
-        if parts and lora is None and x.dim() == 2 and w.shape[1] >= 2:   # K in two slices, left unsummed
-            h = w.shape[1] // 2
-            return fp32_mm.Parts(torch.stack([fp32_mm.reference(x[:, :h], w[:, :h]).float(),
-                                              fp32_mm.reference(x[:, h:], w[:, h:]).float()]), bias)
         return fp32_mm.reference(x, w, bias, lora).float()
     monkeypatch.setattr(fp32_mm, "_kernel", lambda name, device: None)
     monkeypatch.setattr(fp32_mm, "unsupported", lambda x, w, bias=None: "" if x.dtype == w.dtype == torch.float32
@@ -130,12 +107,6 @@ def test_the_cuda_layer_wired_to_the_references_decodes_as_the_torch_layer(monke
     # rows) through cuBLAS; in fp16, and the modules' projections (peft, bitsandbytes), never
     per_step = (4 * len(model.model.layers) + 1) if projections == "fused" else 1
     assert calls == ([] if dtype != torch.float32 else [4] + [8] * per_step * 23), (len(calls), set(calls))
-    # fused fp32: o's, gate/up's and down's partial sums added by the next kernel in each decode step (down's by the
-    # next layer's first norm; the last layer's by the step's end)
-    layers = len(model.model.layers)
-    fused = projections == "fused" and dtype == torch.float32
-    step = ["add_rms_norm", "silu_mul"] + ["add_rms_norm", "add_rms_norm", "silu_mul"] * (layers - 1)
-    assert calls.parts == (step * 23 if fused else []), (len(calls.parts), calls.parts[:8])
 
 
 def test_the_cuda_layer_over_an_fp16_cache_under_fp32_wired_to_the_references(monkeypatch):

@@ -41,7 +41,6 @@ from typing import Optional
 
 import torch
 
-from .fp32_mm import Parts
 from .nvrtc import KernelUnavailable, kernel
 from .tiles import DECODE_CUDA_HEAD_DIMS as HEAD_DIMS, DECODE_CUDA_MAX_GROUP as MAX_GROUP
 from .tiles import DECODE_CUDA_SLICE_BLOCKS_PER_SM as SLICE_BLOCKS_PER_SM, DECODE_CUDA_SLICE_COLUMNS as SLICE_COLUMNS
@@ -113,43 +112,18 @@ __device__ __forceinline__ float warp_max(float v) {
 // were slower, waiting on their loads: docs/lab-log.md, Figures from earlier code comments): xo = x + d (when has_d),
 // y = w * ((x + d) * rsqrt(mean((x + d)^2) + eps)), in fp16 with x + d and the normalised value rounded to fp16
 // where HF's eager ops round them.
-// A product's value at `at` from its partial sums over S slices of K (fp32, planes `plane` floats apart), added in
-// order and then its bias b (where has_b) at column c: what fp32_mm's mm_sum writes, computed where the value is
-// read (the product's own sum kernel left out).
-__device__ __forceinline__ float parts_sum(const float* __restrict__ p, long long plane, long long at, int S,
-                                           const float* __restrict__ b, int has_b, int c) {
-  float v = 0.f;
-  int s = 0;
-  for (; s + 4 <= S; s += 4) {   // four loads in flight, added in order
-    const float a0 = p[s * plane + at], a1 = p[(s + 1) * plane + at], a2 = p[(s + 2) * plane + at],
-                a3 = p[(s + 3) * plane + at];
-    v += a0;
-    v += a1;
-    v += a2;
-    v += a3;
-  }
-  for (; s < S; ++s) v += p[s * plane + at];
-  return has_b ? v + b[c] : v;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(1024) add_rms_norm(const T* __restrict__ x, const T* __restrict__ d,
                                                     const T* __restrict__ w, T* __restrict__ xo,
-                                                    T* __restrict__ y, int H, double eps, int has_d,
-                                                    const float* __restrict__ parts, int S,
-                                                    const float* __restrict__ pbias, int has_pbias) {
-  // S > 0: d is a product's partial sums (parts, S planes of gridDim.x x H) and its bias pbias (where has_pbias)
+                                                    T* __restrict__ y, int H, double eps, int has_d) {
   __shared__ float part[32];
   const int tid = threadIdx.x;
-  const long long base = (long long)blockIdx.x * H, plane = (long long)gridDim.x * H;
+  const long long base = (long long)blockIdx.x * H;
   float ss = 0.f;
 #pragma unroll 4
   for (int i = tid; i < H; i += 1024) {   // unrolled: the loads of one thread in flight together
     float v = ld(x + base + i);
-    if (has_d) {
-      v = rn<T>(__fadd_rn(v, S ? parts_sum(parts, plane, base + i, S, pbias, has_pbias, i) : ld(d + base + i)));
-      st(xo + base + i, v);
-    }
+    if (has_d) { v = rn<T>(__fadd_rn(v, ld(d + base + i))); st(xo + base + i, v); }
     ss = fmaf(v, v, ss);
   }
   ss = warp_sum(ss);
@@ -160,35 +134,21 @@ __global__ void __launch_bounds__(1024) add_rms_norm(const T* __restrict__ x, co
   for (int i = 0; i < 32; ++i) t += part[i];
   const float r = rsqrtf(t / (float)H + (float)eps);
 #pragma unroll 4
-  for (int i = tid; i < H; i += 1024) {   // x + d once more (the same rounding), not read back from xo; from the
-    // partial sums, read back (this thread wrote it) rather than add the S planes again
-    const float v = !has_d ? ld(x + base + i) : S ? ld(xo + base + i)
-                                                  : rn<T>(__fadd_rn(ld(x + base + i), ld(d + base + i)));
+  for (int i = tid; i < H; i += 1024) {   // x + d once more (the same rounding), not read back from xo
+    const float v = has_d ? rn<T>(__fadd_rn(ld(x + base + i), ld(d + base + i))) : ld(x + base + i);
     st(y + base + i, __fmul_rn(ld(w + i), rn<T>(__fmul_rn(v, r))));   // HF: w * rms_norm(x) cast to T
   }
 }
 
-// y (M, W) = SiLU(g) * u for g and u with row strides gs and us (views into a wider output); S > 0: g and u from
-// a product's partial sums over S slices of K (parts, S planes of M x 2 W: gate's W columns, then up's) and its bias
-// pbias (where has_pbias).
+// y (M, W) = SiLU(g) * u for g and u with row strides gs and us (views into a wider output).
 template <typename T>
 __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ g, const T* __restrict__ u,
-                                                T* __restrict__ y, int M, int W, int gs, int us,
-                                                const float* __restrict__ parts, int S,
-                                                const float* __restrict__ pbias, int has_pbias) {
+                                                T* __restrict__ y, int M, int W, int gs, int us) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
   if (i >= (long long)M * W) return;
   const long long m = i / W, c = i - m * W;   // row strides as 64-bit products below
-  float a, b;
-  if (S) {
-    const long long plane = 2LL * M * W, at = m * 2 * W + c;
-    a = parts_sum(parts, plane, at, S, pbias, has_pbias, (int)c);
-    b = parts_sum(parts, plane, at + W, S, pbias, has_pbias, (int)c + W);
-  } else {
-    a = ld(g + m * gs + c);
-    b = ld(u + m * us + c);
-  }
-  st(y + i, __fmul_rn(rn<T>(a / (1.0f + expf(-a))), b));   // SiLU rounded to T, then the product
+  const float a = ld(g + m * gs + c);
+  st(y + i, __fmul_rn(rn<T>(a / (1.0f + expf(-a))), ld(u + m * us + c)));   // SiLU rounded to T, then the product
 }
 
 // The columns of each slice of a row that sees len columns, split into ns slices: len / ns rounded up to a multiple
@@ -510,43 +470,24 @@ def _rows(t: torch.Tensor, width: int, what: str, dtype: torch.dtype = torch.flo
     return t.stride(0)
 
 
-def add_rms_norm(x: torch.Tensor, d: "torch.Tensor | Parts | None", weight: torch.Tensor,
+def add_rms_norm(x: torch.Tensor, d: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + d, weight * rms_norm(x + d)) for x, d (B, H) and weight (H,), all fp32 or all fp16 (d None:
-    (x, weight * rms_norm(x))). d may be fp32_mm's `Parts` of a (B, H) product under fp32: its partial sums are
-    added here, as its own sum kernel would have."""
+    (x, weight * rms_norm(x)))."""
     B, H = x.shape
     x = x.contiguous()
-    parts = d if isinstance(d, Parts) else None
-    if parts is not None:
-        if x.dtype != torch.float32 or parts.ws.dtype != torch.float32 or parts.ws.dim() != 3 \
-                or tuple(parts.ws.shape[1:]) != (B, H) or not parts.ws.is_contiguous() \
-                or (parts.bias is not None and tuple(parts.bias.shape) != (H,)):
-            raise ValueError(f"add_rms_norm: partial sums {tuple(parts.ws.shape)} {parts.ws.dtype} for x "
-                             f"{tuple(x.shape)} {x.dtype}: (S, B, H) fp32 under fp32 x, and a bias of H")
-        d = None
     d = d.contiguous() if d is not None else None
     if (d is not None and (d.shape != x.shape or d.dtype != x.dtype)) or weight.shape != (H,) \
             or weight.dtype != x.dtype or x.dtype not in TYPES:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype}, d "
                          f"{None if d is None else (tuple(d.shape), d.dtype)}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}: one dtype, fp32 or fp16")
-    has_d = d is not None or parts is not None
-    xo = torch.empty_like(x) if has_d else x
+    xo = torch.empty_like(x) if d is not None else x
     y = torch.empty_like(x)
     _kernel(f"add_rms_norm<{_type(x.dtype)}>", x.device)(
         grid=(B, 1, 1), block=(1024, 1, 1),
-        args=[x, d if d is not None else x, weight.contiguous(), xo, y, H, float(eps), int(has_d),
-              *_parts_args(parts, x)])
+        args=[x, d if d is not None else x, weight.contiguous(), xo, y, H, float(eps), int(d is not None)])
     return xo, y
-
-
-def _parts_args(parts: "Parts | None", other: torch.Tensor) -> list:
-    """The kernels' last four arguments: the partial sums, how many, their bias and whether there is one (`other`
-    stands in for a tensor not there)."""
-    if parts is None:
-        return [other, 0, other, 0]
-    return [parts.ws, parts.ws.shape[0], parts.bias if parts.bias is not None else other, int(parts.bias is not None)]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -559,23 +500,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((M, W), dtype=gate.dtype, device=gate.device)
     if M * W:
         _kernel(f"silu_mul<{t}>", gate.device)(grid=(-(-M * W // THREADS), 1, 1), block=(THREADS, 1, 1),
-                                               args=[gate, up, y, M, W, gs, us, *_parts_args(None, y)])
-    return y
-
-
-def silu_mul_parts(parts: Parts) -> torch.Tensor:
-    """SiLU(gate) * up (M, W) fp32 from fp32_mm's `Parts` of the fused gate/up product (M, 2 W): gate's W columns,
-    then up's; the partial sums are added here, as the product's own sum kernel would have."""
-    S, M, N = parts.ws.shape
-    if parts.ws.dtype != torch.float32 or N % 2 or not parts.ws.is_contiguous() or not parts.ws.is_cuda \
-            or (parts.bias is not None and tuple(parts.bias.shape) != (N,)):
-        raise ValueError(f"silu_mul_parts: partial sums {tuple(parts.ws.shape)} {parts.ws.dtype}: contiguous "
-                         "(S, M, 2 W) fp32 on a CUDA device, and a bias of 2 W")
-    W = N // 2
-    y = torch.empty((M, W), dtype=torch.float32, device=parts.ws.device)
-    if M * W:
-        _kernel("silu_mul<float>", y.device)(grid=(-(-M * W // THREADS), 1, 1), block=(THREADS, 1, 1),
-                                             args=[y, y, y, M, W, W, W, *_parts_args(parts, y)])
+                                               args=[gate, up, y, M, W, gs, us])
     return y
 
 
@@ -692,5 +617,5 @@ def reference_rope_attend(q, k, v, cos, sin, k_cache, v_cache, start, col, scale
 
 
 __all__ = ["HEAD_DIMS", "KernelUnavailable", "MAX_GROUP", "add_rms_norm", "kernel_names", "reference_add_rms_norm",
-           "reference_rope_attend", "reference_silu_mul", "rope_attend", "shape_reason", "silu_mul", "silu_mul_parts",
-           "slices", "unavailable_reason"]
+           "reference_rope_attend", "reference_silu_mul", "rope_attend", "shape_reason", "silu_mul", "slices",
+           "unavailable_reason"]

@@ -17,9 +17,6 @@ lengths). This kernel reads them as a stream (its figures against cuBLAS: docs/b
 - where K is split into more than one slice (so that small weights still fill the GPU: `split_columns`), each
   slice writes fp32 partial sums and a second kernel (`mm_sum`) adds them up in a fixed order with the bias: the
   result does not depend on which block finished first;
-- where the next kernel of the decode step can add the partial sums itself (the residual add and norm after o and
-  down, SiLU * up after gate/up: `decode_cuda.add_rms_norm`, `silu_mul_parts`), `parts=True` returns them as
-  `Parts` without the second kernel, one launch a projection fewer;
 - a LoRA adapter (`lora=`) rides along as the NF4 kernel's does: its A as r more rows of the weight (x A^T in the
   same launch, in columns N.. of the partial sums), and scale (x A^T) B^T in the second kernel (the NF4 kernel's,
   `nf4.SUM_SOURCE`'s `splits_sum`): two launches a projection, where computing x A^T first took four (each
@@ -32,7 +29,7 @@ formula in float64, slowly; the CUDA tests compare the kernel with it. Compiled 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -214,24 +211,6 @@ def split_columns(n: int, k: int, rows: int, slots: int) -> int:
     return min(slice_choices(k, rows), key=cost)
 
 
-class Parts(NamedTuple):
-    """A product x @ W.T (+ bias) left as its slices' partial sums, for the kernel that reads it next to add: `ws`
-    (S, M, N) fp32, added in order and then `bias` (N,) (or None), as `mm_sum` adds them (`sum`)."""
-    ws: torch.Tensor
-    bias: Optional[torch.Tensor]
-
-    def sum(self, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The product (M, N), as `fp32_matmul` without `parts` returns it (into y, where given)."""
-        s, m, n = self.ws.shape
-        if y is None:
-            y = torch.empty((m, n), dtype=torch.float32, device=self.ws.device)
-        if m * n:
-            _kernel("mm_sum", self.ws.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
-                                              args=[self.ws, self.bias if self.bias is not None else y, y, m, n, s,
-                                                    int(self.bias is not None)])
-        return y
-
-
 _slices: dict[tuple, int] = {}   # (N, K, rows, device) -> split_columns' choice
 
 
@@ -288,16 +267,13 @@ def takes(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None)
 
 
 def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                ks: Optional[int] = None, lora: Optional[tuple] = None,
-                parts: bool = False) -> "torch.Tensor | Parts":
+                ks: Optional[int] = None, lora: Optional[tuple] = None) -> torch.Tensor:
     """x (..., K) @ w.T (+ bias) for an fp32 weight w (N, K), at most MAX_ROWS rows of x. Returns (..., N) fp32.
     ks: the slice of K each block multiplies (default: `split_columns`' choice; the benchmark sweeps it).
     lora = (A, B, scale), fp32 A (r, K) and B (N, r) with r <= MAX_RANK: adds scale (x A^T) B^T as peft's LoRA
     layer does: x A^T as more rows of the weight in the same launch, scale (x A^T) B^T in the sum kernel (peft's
     layer takes its base matmul and six more kernels); or (A, B, scale, bounds): adapters stacked with their
-    weights (`nf4.lora_bounds`).
-    parts: where K is split and no adapter rides along, return the slices' partial sums as `Parts` (2-D x only)
-    instead of adding them in a second kernel; otherwise the product, as without it."""
+    weights (`nf4.lora_bounds`)."""
     why = unsupported(x, w, bias) or (lora_unsupported(w, lora) if lora is not None else "")
     if why:
         raise ValueError(f"fp32_matmul: {why}")
@@ -334,10 +310,8 @@ def fp32_matmul(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     if rank:
         sum_splits(SOURCE, ws, b if bias is not None else None, y, slices, lb, rank, scale, lora_bounds(lora, n))
     elif slices > 1:
-        p = Parts(ws, bias.contiguous() if bias is not None else None)
-        if parts and x.dim() == 2:
-            return p
-        p.sum(y)
+        _kernel("mm_sum", x.device)(grid=(-(-m * n // 256), 1, 1), block=(256, 1, 1),
+                                    args=[ws, b, y, m, n, slices, int(bias is not None)])
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -345,13 +319,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     """`F.linear` for the decode step: through the kernel where `takes` says so, else cuBLAS (`F.linear`)."""
     if takes(x, w, bias):
         return fp32_matmul(x, w, bias)
-    return torch.nn.functional.linear(x, w, bias)
-
-
-def linear_parts(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "torch.Tensor | Parts":
-    """`linear`, but where the kernel splits K the partial sums are returned as `Parts` for the next kernel to add."""
-    if takes(x, w, bias):
-        return fp32_matmul(x, w, bias, parts=True)
     return torch.nn.functional.linear(x, w, bias)
 
 
@@ -366,6 +333,5 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = N
     return y
 
 
-__all__ = ["KernelUnavailable", "MAX_RANK", "MAX_ROWS", "Parts", "chosen_slice", "decode_kernels", "fp32_matmul",
-           "linear", "linear_parts", "lora_unsupported", "reference", "slice_choices", "split_columns", "takes",
-           "unsupported"]
+__all__ = ["KernelUnavailable", "MAX_RANK", "MAX_ROWS", "chosen_slice", "decode_kernels", "fp32_matmul", "linear",
+           "lora_unsupported", "reference", "slice_choices", "split_columns", "takes", "unsupported"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from edgerl.kernels.fp32_mm import Parts
 from edgerl.kernels.tiles import NF4_DECODE_ROWS
 
 from .decode_torch import Backend as TorchOps
@@ -40,7 +39,7 @@ def use_fp32_mm(dec: StaticDecoder) -> str:
     except (KernelUnavailable, RuntimeError, OSError) as e:
         raise DecodeKernelUnavailable(f"decode backend 'cuda-c' cannot run here: the fp32 decode matmul kernel: "
                                       f"{type(e).__name__}: {str(e).strip()[:400]}") from None
-    fused, bases = set_matmul(dec, fp32_mm.linear, fp32_mm.linear_parts)
+    fused, bases = set_matmul(dec, fp32_mm.linear)
     if fused:
         return "fp32 projections and logits through the few-row matmul kernel"
     return (f"the logits and the {bases} LoRA layers (their fp32 base matmuls and adapters) through the few-row "
@@ -48,16 +47,14 @@ def use_fp32_mm(dec: StaticDecoder) -> str:
             "the logits through the few-row matmul kernel (projections called as modules: cuBLAS)")
 
 
-def set_matmul(dec: StaticDecoder, mm=None, mm_parts=None) -> tuple[int, int]:
+def set_matmul(dec: StaticDecoder, mm=None) -> tuple[int, int]:
     """The matmul of `dec`'s fused projections, of the plain fp32 base layers of its peft LoRA layers, and of its
     logits: `mm(x, weight, bias)`, or None for torch's own (F.linear; the modules' and lm_head's forward). Where
-    `mm` is `fp32_mm.linear`, the LoRA layers' adapters are added in the same kernel (`route_lora`). `mm_parts`:
-    the fused projections' matmul where the next kernel may add the partial sums (`fp32_mm.linear_parts`), or None.
-    Returns how many layers' projections are fused and how many LoRA layers' base layers take `mm`."""
+    `mm` is `fp32_mm.linear`, the LoRA layers' adapters are added in the same kernel (`route_lora`). Returns how
+    many layers' projections are fused and how many LoRA layers' base layers take `mm`."""
     fused = [p for p in dec.proj if p.kind == "fused"]
     for p in fused:
         p.mm = mm or F.linear
-        p.mm_parts = mm_parts
     dec.head_mm = mm
     layers = [m for p in dec.proj if p.kind == "modules" for m in lora_layers(p)]
     for m in layers:
@@ -168,14 +165,11 @@ class Backend(TorchOps):
     def hide(self, first: torch.Tensor, col: torch.Tensor, S: int) -> torch.Tensor:
         return first   # rope_attend reads only the columns first[b] .. col of each row (a window: its first column)
 
-    def layer(self, x: torch.Tensor, d: "torch.Tensor | Parts | None",
-              step: LayerStep) -> "tuple[torch.Tensor, torch.Tensor | Parts]":
+    def layer(self, x: torch.Tensor, d: torch.Tensor | None, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and norm in one kernel, q, k and v straight from their projections into the
         rotary + cache write + attention kernel, the second add and norm in one, SiLU * up in one. Qwen3's
         per-head q/k norms, where `step.norms` has them, run as torch's ops between the projections and the
-        kernel; there are no post norms here (`StaticDecoder.fused_norms_reason`). Where fp32_mm splits o's, gate/up's
-        and down's K (fused fp32 projections), their partial sums go to the add-and-norm and SiLU kernels, which add
-        them as the product's own sum kernel would have: three launches a layer fewer (d: down's `Parts`)."""
+        kernel; there are no post norms here (`StaticDecoder.fused_norms_reason`)."""
         k, B, dec, proj, n, kv = self.kernels, x.shape[0], self.dec, step.proj, step.norms, step.kv
         x, h = k.add_rms_norm(x, d, n.ln1, n.eps1)
         q, kk, v = proj.qkv_parts(h)
@@ -184,14 +178,6 @@ class Backend(TorchOps):
             kk = dec.norm(kk.unflatten(-1, (dec.n_kv, dec.head_dim)), n.qk[1], n.qk[2]).flatten(-2)
         o = k.rope_attend(q, kk, v, step.cos.view(B, -1), step.sin.view(B, -1), kv[0], kv[1], step.hide, step.col,
                           dec.scaling, flag=dec.overflow)
-        x, h = k.add_rms_norm(x, proj.o(o, parts=True), n.ln2, n.eps2)
-        gu = proj.gate_up(h, parts=dec.silu)
-        if isinstance(gu, Parts):   # fp32_mm's partial sums, added by the SiLU kernel
-            act = k.silu_mul_parts(gu)
-        else:
-            gate, up = gu
-            act = k.silu_mul(gate, up) if dec.silu else dec.act(gate) * up
-        return x, proj.down(act, parts=True)   # partial sums or not, the next add_rms_norm adds them
-
-    def last(self, x: torch.Tensor, d: "torch.Tensor | Parts") -> torch.Tensor:
-        return x + (d.sum() if isinstance(d, Parts) else d)
+        x, h = k.add_rms_norm(x, proj.o(o), n.ln2, n.eps2)
+        gate, up = proj.gate_up(h)
+        return x, proj.down(k.silu_mul(gate, up) if dec.silu else dec.act(gate) * up)

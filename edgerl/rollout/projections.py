@@ -113,9 +113,6 @@ class FusedProjections:
         self.o_w, self.o_b = at.o_proj.weight, at.o_proj.bias
         self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
         self.mm = F.linear   # a decode backend may put its own few-row matmul here (decode_cuda_c: fp32_mm.linear)
-        # and one that may leave a product as partial sums for the next kernel to add (decode_cuda_c:
-        # fp32_mm.linear_parts), which o, down and gate_up use where the caller asks for `parts`
-        self.mm_parts = None
         self._refuse()
 
     def _refuse(self) -> None:
@@ -150,22 +147,15 @@ class FusedProjections:
         """q, k and v as column views of the one fused output (no copy)."""
         return self.qkv(h).split([p.shape[0] for p in self._qkv_p], dim=-1)
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, b: "torch.Tensor | None", parts: bool):
-        return (self.mm_parts if parts and self.mm_parts is not None else self.mm)(x, w, b)
-
-    def gate_up(self, h: torch.Tensor, parts: bool = False):
-        """(gate, up) as column views of the one fused output; with `parts`, where `mm_parts` leaves the product as
-        partial sums (fp32_mm.Parts: gate's columns, then up's), those."""
-        gu = self._mm(h, self.gu_w, self.gu_b, parts)
-        if not isinstance(gu, torch.Tensor):
-            return gu
+    def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gu = self.mm(h, self.gu_w, self.gu_b)
         return gu[..., :self.inter], gu[..., self.inter:]
 
-    def o(self, x: torch.Tensor, parts: bool = False):
-        return self._mm(x, self.o_w, self.o_b, parts)
+    def o(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm(x, self.o_w, self.o_b)
 
-    def down(self, x: torch.Tensor, parts: bool = False):
-        return self._mm(x, self.down_w, self.down_b, parts)
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm(x, self.down_w, self.down_b)
 
 
 class ModuleProjections:
@@ -217,14 +207,13 @@ class ModuleProjections:
     def qkv_parts(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self._group("qkv", h) or (self.q_proj(h), self.k_proj(h), self.v_proj(h))
 
-    def gate_up(self, h: torch.Tensor, parts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate, up); `parts` is FusedProjections' (the modules return their outputs)."""
+    def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._group("gate_up", h) or (self.gate_proj(h), self.up_proj(h))
 
-    def o(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
+    def o(self, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(x)
 
-    def down(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
+    def down(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(x)
 
 
