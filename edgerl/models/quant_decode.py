@@ -96,17 +96,27 @@ def adapter_class(wrapper: type, name: str, fast, doc: str) -> type:
     return cls
 
 
+def active_adapter(layer: nn.Module) -> "str | None":
+    """The name of a peft LoRA layer's one active adapter, or None (none, or several)."""
+    names = [a for a in layer.active_adapters if a in layer.lora_A]
+    return names[0] if len(names) == 1 else None
+
+
+def lora_variant(layer: nn.Module, name: str) -> bool:
+    """Whether adapter `name` of a peft LoRA layer is a variant of LoRA (DoRA or another), which peft adds its own
+    way."""
+    return name in getattr(layer, "lora_variant", {}) or bool(getattr(layer, "use_dora", {}).get(name, False))
+
+
 def plain_adapter(layer: nn.Module, max_rank: int) -> "tuple[torch.Tensor, torch.Tensor, float] | None":
     """(A, B, scale) of a peft LoRA layer's one active adapter where a kernel can add it as peft would (plain LoRA:
     no DoRA or other variant, no dropout acting, fp32 A and B, rank <= max_rank, no gradient to keep), else None
     (peft's own path)."""
     if layer.disable_adapters or layer.merged:
         return None
-    names = [a for a in layer.active_adapters if a in layer.lora_A]
-    if len(names) != 1 or names[0] in getattr(layer, "lora_variant", {}) \
-            or getattr(layer, "use_dora", {}).get(names[0], False):   # DoRA: peft's own path
+    a = active_adapter(layer)
+    if a is None or lora_variant(layer, a):   # DoRA and the rest: peft's own path
         return None
-    a = names[0]
     drop = layer.lora_dropout[a]
     if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
         return None

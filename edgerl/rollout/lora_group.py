@@ -27,18 +27,13 @@ import torch
 from torch import nn
 
 from edgerl.kernels import fp32_mm, nf4
-from edgerl.models.quant_decode import plain_adapter
+from edgerl.models.quant_decode import active_adapter, lora_variant, plain_adapter
 
 from .projections import _fuse, _views_of
 
 
 def _nf4(layer: nn.Module) -> bool:
     return getattr(getattr(layer.base_layer, "weight", None), "quant_state", None) is not None
-
-
-def _adapter(layer: nn.Module) -> Optional[str]:
-    names = [a for a in layer.active_adapters if a in layer.lora_A]
-    return names[0] if len(names) == 1 else None
 
 
 def groupable(layers: list[nn.Module]) -> str:
@@ -80,15 +75,15 @@ def groupable(layers: list[nn.Module]) -> str:
         return f"the bases are {sorted(kinds)}, not all NF4 layers or fp32 layers routed to the few-row kernels"
     if len({b.bias is None for b in bases}) > 1:
         return "only some of the bases have a bias"
-    for m in layers:   # what a call checks again (`plain_adapter`: dropout while training, adapters turned off)
-        a = _adapter(m)
+    names = [active_adapter(m) for m in layers]
+    for m, a in zip(layers, names):   # what a call checks again (`plain_adapter`: dropout while training, adapters off)
         if a is None:
             return "a layer has no single active adapter"
-        if a in getattr(m, "lora_variant", {}) or getattr(m, "use_dora", {}).get(a, False):
+        if lora_variant(m, a):
             return "an adapter is a variant of LoRA (DoRA or another), which peft adds its own way"
         if m.lora_A[a].weight.dtype != torch.float32 or m.lora_B[a].weight.dtype != torch.float32:
             return f"an adapter is {m.lora_A[a].weight.dtype}, not fp32"
-    shapes = {(m.lora_A[_adapter(m)].weight.shape[0], float(m.scaling[_adapter(m)])) for m in layers}
+    shapes = {(m.lora_A[a].weight.shape[0], float(m.scaling[a])) for m, a in zip(layers, names)}
     if len(shapes) > 1:
         return "the adapters differ in rank or scale"
     rank = next(iter(shapes))[0]
@@ -110,9 +105,10 @@ class LoraGroup:
         self.widths = [b.out_features for b in self.bases]
         self.n = sum(self.widths)
         self.bounds = tuple(sum(self.widths[:i]) for i in range(1, len(self.widths)))
-        a0 = layers[0].lora_A[_adapter(layers[0])].weight
+        name = active_adapter(layers[0])
+        a0 = layers[0].lora_A[name].weight
         self.rank = a0.shape[0]
-        self.scale = float(layers[0].scaling[_adapter(layers[0])])
+        self.scale = float(layers[0].scaling[name])
         dev = a0.device
         with torch.no_grad():
             self._restack()
@@ -172,7 +168,7 @@ class LoraGroup:
         """Copy each layer's A and B (their current values: they train) into the group's A and B."""
         r, at = self.rank, 0
         for i, m in enumerate(self.layers):
-            name = _adapter(m)
+            name = active_adapter(m)
             a, b = m.lora_A[name].weight, m.lora_B[name].weight
             if hasattr(a, "full_tensor"):   # FSDP2's shard outside a rollout
                 a, b = a.full_tensor(), b.full_tensor()
