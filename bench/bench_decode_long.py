@@ -327,10 +327,12 @@ def run_config(name: str, args, device: torch.device, bw: float | None, rate: fl
                     rec["kv_bytes"] = stepper.kv_bytes(n)
                     rec["bytes"] = wb["total"] + rec["kv_bytes"]
                     rec["kv_share_of_bytes"] = round(rec["kv_bytes"] / rec["bytes"], 3)
-                    rec["flops"] = matmul_flops(model, rows) + attention_flops(model, rows, n)
                     # fp16 over an NF4 base from CC 7.5: the 4-bit products on tensor cores (kernels/nf4.py), so the
                     # fp32 floor is the attention's FLOPs alone
-                    fp32_flops = attention_flops(model, rows, n) if tensor_cores else rec["flops"]
+                    products_flops, attention_fp32 = matmul_flops(model, rows), attention_flops(model, rows, n)
+                    products_fp32 = 0 if tensor_cores else products_flops
+                    rec["flops"] = products_flops + attention_fp32
+                    fp32_flops = products_fp32 + attention_fp32
                     if bw:
                         rec["bound_ms"] = round(1e3 * rec["bytes"] / bw, 4)
                         rec["share_of_bound"] = round(rec["bound_ms"] / rec["ms_per_step"], 4)
@@ -341,8 +343,8 @@ def run_config(name: str, args, device: torch.device, bw: float | None, rate: fl
                         # the products and the attention run one after the other, each at best at the larger of
                         # its bytes' time and its fp32 FLOPs' time: the highest share of the copy bound the step
                         # could reach so
-                        products = max(wb["total"] / bw, (0 if tensor_cores else matmul_flops(model, rows)) / rate)
-                        attention = max(rec["kv_bytes"] / bw, attention_flops(model, rows, n) / rate)
+                        products = max(wb["total"] / bw, products_fp32 / rate)
+                        attention = max(rec["kv_bytes"] / bw, attention_fp32 / rate)
                         rec["phases_roofline_ms"] = round(1e3 * (products + attention), 4)
                         rec["ceiling_of_bound"] = round(rec["bound_ms"] / rec["phases_roofline_ms"], 4)
                     if args.profile and stepper.cuda:
