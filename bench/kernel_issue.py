@@ -47,12 +47,14 @@ KIB = 1024
 @dataclass(frozen=True)
 class Kernel:
     """A decode matmul: its source, the instance a decode step launches, the multiply instruction that marks its
-    inner loop, and the weight bytes one of those instructions stands for (a warp's)."""
+    inner loop, the weight bytes one of those instructions stands for (a warp's), and the bytes a warp reads a step
+    (the loop's bytes are a whole number of steps: the fp32 kernels' few FMAs of block scales are not products)."""
     name: str
     source: Callable[[], str]
     instance: Callable[[], str]
     marker: str
     bytes_per_marker: float
+    step_bytes: Callable[[], int]
     what: str
 
 
@@ -64,6 +66,17 @@ def _nf4_source() -> str:
 def _nf4_instance() -> str:
     from edgerl.kernels import nf4
     return f"nf4_mma<{nf4.MMA_WARPS}>"
+
+
+def _nf4_fp32_instance() -> str:
+    from edgerl.kernels import nf4
+    return nf4.mm_name()
+
+
+def _nf4_bytes_per_ffma() -> float:
+    """nf4_mm: each 4-bit code (half a byte) a lane decodes meets each of the tile's rows of x in one FMA."""
+    from edgerl.kernels import nf4
+    return 32 * 0.5 / nf4._rows_tile(nf4.MAX_ROWS_PER_BLOCK)
 
 
 def _fp32_source() -> str:
@@ -82,17 +95,27 @@ def _fp32_bytes_per_ffma() -> float:
     return 32 * 16 / (4 * fp32_mm.rows_tile(fp32_mm.MAX_ROWS))
 
 
+def _fp32_step_bytes() -> int:
+    from edgerl.kernels import fp32_mm
+    return 32 * 16 * fp32_mm.NC
+
+
 KERNELS = {
     # mma.sync m16n8k8: 8 rows of W by 8 columns of K, 64 4-bit codes, 32 bytes
-    "nf4_mma": Kernel("nf4_mma", _nf4_source, _nf4_instance, "HMMA", 32.0,
+    "nf4_mma": Kernel("nf4_mma", _nf4_source, _nf4_instance, "HMMA", 32.0, lambda: 32 * 64 // 2,
                       "the 4-bit kernel on tensor cores (fp16 rows, 16 a tile; the T4 plans)"),
-    "fp32_mm": Kernel("fp32_mm", _fp32_source, _fp32_instance, "FFMA", 0.0,
-                      "the few-row fp32 kernel (the P40 plans' 16-bit and fp32 weights)"),
+    # mm_name's instance: 2 rows of W a lane, 32 bytes of codes each a step
+    "nf4_mm": Kernel("nf4_mm", _nf4_source, _nf4_fp32_instance, "FFMA", 0.0, lambda: 32 * 2 * 32,
+                     "the 4-bit kernel in fp32 (the P40 plans' NF4 base)"),
+    "fp32_mm": Kernel("fp32_mm", _fp32_source, _fp32_instance, "FFMA", 0.0, _fp32_step_bytes,
+                      "the few-row fp32 kernel (the P40 plans' fp32 weights)"),
 }
 
 
 def bytes_per_marker(k: Kernel) -> float:
-    return k.bytes_per_marker or _fp32_bytes_per_ffma()
+    if k.bytes_per_marker:
+        return k.bytes_per_marker
+    return _nf4_bytes_per_ffma() if k.name == "nf4_mm" else _fp32_bytes_per_ffma()
 
 
 def issue_per_kib(gpu: str) -> dict:
@@ -245,7 +268,8 @@ def disassemble(k: Kernel, cc: tuple[int, int]) -> str:
 def measure(kernel: str, cc: tuple[int, int], gpus: list[dict]) -> dict:
     k = KERNELS[kernel]
     loop = hot_loop(disassemble(k, cc), k.marker)
-    weight = loop["markers"] * bytes_per_marker(k)
+    step = k.step_bytes()
+    weight = max(1, round(loop["markers"] * bytes_per_marker(k) / step)) * step
     per_kib = loop["instructions"] / weight * KIB
     row = {"kernel": k.instance(), "what": k.what, "sm": f"{cc[0]}.{cc[1]}", "loop_instructions": loop["instructions"],
            "loop_weight_bytes": weight, "instructions_per_kib": round(per_kib, 1), "mix": loop["mix"]}
