@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import json
 import re
 import shutil
@@ -224,23 +223,13 @@ def hot_loop(text: str, marker: str) -> dict:
 # --- compiling and disassembling -----------------------------------------------------------------------------------
 
 def _nvrtc_library() -> None:
-    """torch's NVRTC, or the nvidia-cuda-nvrtc wheel's where torch is a CPU build."""
+    """Compile with torch's NVRTC or an nvidia-cuda-nvrtc wheel's where torch is a CPU build."""
     from edgerl.kernels import nvrtc
-    try:
-        nvrtc._nvrtc()
-        return
-    except nvrtc.KernelUnavailable:
-        pass
-    for base in map(Path, sys.path):
-        for lib in sorted((base / "nvidia").glob("cu*/lib/libnvrtc.so*")) + sorted(
-                (base / "nvidia" / "cuda_nvrtc" / "lib").glob("libnvrtc.so*")):
-            try:
-                handle = ctypes.CDLL(str(lib))
-            except OSError:
-                continue
-            nvrtc._nvrtc = lambda: handle
-            return
-    raise SystemExit("kernel_issue: no NVRTC library: install torch's CUDA build or `pip install nvidia-cuda-nvrtc`")
+    handle = nvrtc.library_to_compile()
+    if handle is None:
+        raise SystemExit("kernel_issue: no NVRTC library: install torch's CUDA build or "
+                         "`pip install nvidia-cuda-nvrtc-cu12`")
+    nvrtc._nvrtc = lambda: handle
 
 
 def _nvdisasm() -> str:

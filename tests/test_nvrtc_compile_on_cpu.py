@@ -6,9 +6,7 @@ nvidia-cuda-nvrtc-cu12 wheel (scripts/setup.sh installs it when torch has no CUD
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,24 +20,7 @@ ARCHS = [(6, 1), (7, 0), (7, 5), (8, 6), (9, 0)]   # Pascal (P40), Volta (V100),
 LAYOUTS = [(7, 64), (6, 128), (4, 128), (3, 64), (8, 256), (1, 32)]
 
 
-def _library():
-    """NVRTC: torch's own (a CUDA build), else the nvidia-cuda-nvrtc-cu12 wheel's; None where neither is."""
-    try:
-        return nvrtc._nvrtc()
-    except nvrtc.KernelUnavailable:
-        pass
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for lib in sorted(Path(root).glob("cuda_nvrtc/lib/libnvrtc.so.*")):
-            if "builtins" not in lib.name:
-                try:
-                    return ctypes.CDLL(str(lib))
-                except OSError:
-                    continue
-    return None
-
-
-LIB = _library()
+LIB = nvrtc.library_to_compile()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no NVRTC library: torch is not a CUDA build and the "
                                 "nvidia-cuda-nvrtc-cu12 wheel is not installed (scripts/setup.sh installs it)")
 

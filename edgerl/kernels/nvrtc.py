@@ -15,7 +15,7 @@ A launch goes through `cuLaunchKernel` on the current stream, so CUDA graphs cap
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Optional
 
 
 class KernelUnavailable(RuntimeError):
@@ -37,6 +37,29 @@ def _nvrtc() -> ctypes.CDLL:
             except OSError:
                 continue
     raise KernelUnavailable("no NVRTC library found (it comes with torch's CUDA wheels as nvidia-cuda-nvrtc)")
+
+
+def library_to_compile() -> Optional[ctypes.CDLL]:
+    """An NVRTC to compile with where no GPU is needed (the CPU tests, bench/kernel_issue.py): torch's own on a CUDA
+    build, else an nvidia-cuda-nvrtc wheel's (scripts/setup.sh installs the CUDA 12 one when torch has none); None
+    where neither is."""
+    try:
+        return _nvrtc()
+    except KernelUnavailable:
+        pass
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        wheels = sorted(Path(root).glob("cuda_nvrtc/lib/libnvrtc.so.*"))   # CUDA 12's wheel
+        wheels += sorted(Path(root).glob("cu*/lib/libnvrtc.so.*"))         # CUDA 13's
+        for lib in wheels:
+            if "builtins" not in lib.name:
+                try:
+                    return ctypes.CDLL(str(lib))
+                except OSError:
+                    continue
+    return None
 
 
 def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
