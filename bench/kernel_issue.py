@@ -302,4 +302,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgerl.core.errors import USER_ERRORS
+    try:
+        sys.exit(main())
+    except USER_ERRORS as e:   # an unknown profile, an --out that cannot be written: one line
+        raise SystemExit(f"kernel_issue: {e}")

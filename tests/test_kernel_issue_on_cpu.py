@@ -69,3 +69,11 @@ def test_bad_arguments_are_one_line():
         ki.main(["--cc", "6.1"])
     with pytest.raises(SystemExit, match="unknown kernel 'nope'"):
         ki.main(["--kernels", "nope"])
+
+
+def test_an_unknown_profile_is_one_line_from_the_command():
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "bench" / "kernel_issue.py"
+    res = subprocess.run([sys.executable, str(script), "--gpus", "nosuch"], capture_output=True, text=True)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("kernel_issue: unknown GPU 'nosuch'") and res.stderr.count("\n") == 1
