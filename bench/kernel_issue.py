@@ -48,11 +48,10 @@ class Kernel:
     """A decode matmul: its source, the instance a decode step launches, the multiply instruction that marks its
     inner loop, the weight bytes one of those instructions stands for (a warp's), and the bytes a warp reads a step
     (the loop's bytes are a whole number of steps: the fp32 kernels' few FMAs of block scales are not products)."""
-    name: str
     source: Callable[[], str]
     instance: Callable[[], str]
     marker: str
-    bytes_per_marker: float
+    bytes_per_marker: Callable[[], float]
     step_bytes: Callable[[], int]
     what: str
 
@@ -101,20 +100,14 @@ def _fp32_step_bytes() -> int:
 
 KERNELS = {
     # mma.sync m16n8k8: 8 rows of W by 8 columns of K, 64 4-bit codes, 32 bytes
-    "nf4_mma": Kernel("nf4_mma", _nf4_source, _nf4_instance, "HMMA", 32.0, lambda: 32 * 64 // 2,
+    "nf4_mma": Kernel(_nf4_source, _nf4_instance, "HMMA", lambda: 32.0, lambda: 32 * 64 // 2,
                       "the 4-bit kernel on tensor cores (fp16 rows, 16 a tile; the T4 plans)"),
     # mm_name's instance: 2 rows of W a lane, 32 bytes of codes each a step
-    "nf4_mm": Kernel("nf4_mm", _nf4_source, _nf4_fp32_instance, "FFMA", 0.0, lambda: 32 * 2 * 32,
+    "nf4_mm": Kernel(_nf4_source, _nf4_fp32_instance, "FFMA", _nf4_bytes_per_ffma, lambda: 32 * 2 * 32,
                      "the 4-bit kernel in fp32 (the P40 plans' NF4 base)"),
-    "fp32_mm": Kernel("fp32_mm", _fp32_source, _fp32_instance, "FFMA", 0.0, _fp32_step_bytes,
+    "fp32_mm": Kernel(_fp32_source, _fp32_instance, "FFMA", _fp32_bytes_per_ffma, _fp32_step_bytes,
                       "the few-row fp32 kernel (the P40 plans' fp32 weights)"),
 }
-
-
-def bytes_per_marker(k: Kernel) -> float:
-    if k.bytes_per_marker:
-        return k.bytes_per_marker
-    return _nf4_bytes_per_ffma() if k.name == "nf4_mm" else _fp32_bytes_per_ffma()
 
 
 def issue_per_kib(gpu: str) -> dict:
@@ -258,7 +251,7 @@ def measure(kernel: str, cc: tuple[int, int], gpus: list[dict]) -> dict:
     k = KERNELS[kernel]
     loop = hot_loop(disassemble(k, cc), k.marker)
     step = k.step_bytes()
-    weight = max(1, round(loop["markers"] * bytes_per_marker(k) / step)) * step
+    weight = max(1, round(loop["markers"] * k.bytes_per_marker() / step)) * step
     per_kib = loop["instructions"] / weight * KIB
     row = {"kernel": k.instance(), "what": k.what, "sm": f"{cc[0]}.{cc[1]}", "loop_instructions": loop["instructions"],
            "loop_weight_bytes": weight, "instructions_per_kib": round(per_kib, 1), "mix": loop["mix"]}
